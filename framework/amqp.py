@@ -1,0 +1,62 @@
+"""RabbitMQ adapter: connections, and pika errors converted to txbox errors at the boundary."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pika
+import pika.exceptions
+
+from framework.errors import BrokerUnavailable, ConfigurationError
+from framework.settings import mask_url
+
+
+def parameters(amqp_url: str, *, name: str = "txbox", heartbeat: int = 30) -> pika.URLParameters:
+    try:
+        params = pika.URLParameters(amqp_url)
+    except Exception as exc:  # pika raises assorted types for bad URLs
+        raise ConfigurationError(
+            f"TXBOX_AMQP_URL={mask_url(amqp_url)!r} is not valid ({exc}). "
+            "Example: TXBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2F"
+        ) from None
+    params.client_properties = {"connection_name": name, "product": "txbox"}
+    params.heartbeat = heartbeat
+    params.connection_attempts = 1
+    params.blocked_connection_timeout = 60
+    return params
+
+
+def connect(amqp_url: str, *, name: str = "txbox") -> pika.BlockingConnection:
+    """A blocking connection; failures become BrokerUnavailable with the URL (masked)."""
+    try:
+        return pika.BlockingConnection(parameters(amqp_url, name=name))
+    except pika.exceptions.ProbableAuthenticationError as exc:
+        raise BrokerUnavailable(f"RabbitMQ at {mask_url(amqp_url)} refused the credentials: {exc}") from exc
+    except pika.exceptions.AMQPError as exc:
+        raise BrokerUnavailable(f"cannot connect to RabbitMQ at {mask_url(amqp_url)}: {exc!r}") from exc
+
+
+@contextmanager
+def broker_errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except pika.exceptions.AMQPConnectionError as exc:
+        raise BrokerUnavailable(f"{what}: connection lost ({exc!r})") from exc
+    except pika.exceptions.AMQPChannelError as exc:
+        raise BrokerUnavailable(f"{what}: channel closed ({exc!r})") from exc
+
+
+_INEQUIVALENT = re.compile(
+    r"inequivalent arg '([^']+)' for (queue|exchange) '([^']+)'.*?received (.+?) but current is (.+)$"
+)
+
+
+def explain_precondition(reply_text: str) -> tuple[str, str, str, str, str] | None:
+    """(what, name, argument, wanted, current) out of a PRECONDITION_FAILED reply."""
+    match = _INEQUIVALENT.search(reply_text)
+    if not match:
+        return None
+    arg, what, name, wanted, current = match.groups()
+    return what, name, arg, wanted.strip(), current.strip()

@@ -1,0 +1,189 @@
+"""Partitioned, short JDBC reads of every source's txbox tables (+ archived history).
+
+Why the reads are short: a long-running snapshot on the service's database holds back
+VACUUM of the queue tables (outbox/inbox churn fast), which then bloat and slow the
+daemons' claims. So the job never opens one long transaction:
+
+- each table is read in ``ceil(rows / partition_rows)`` partitions split on ``created_at``
+  (lowerBound/upperBound from one quick ``min/max/count``), each partition being one
+  statement on its own connection, streamed with a fetch size — its snapshot lives only
+  as long as that slice (~100k rows, about a second);
+- only a bounded window is read (``created_at >= now - window``, plus rows still
+  pending, which sit on the small partial index), so the cost does not grow with history;
+- sessions are read-only and carry a statement timeout, so a stuck read cannot pin a
+  snapshot for long.
+
+``created_at`` never changes, so every row falls into exactly one partition even though
+the partitions are read at slightly different times. All rows' outcomes are judged
+against ``as_of``, taken before the first read, so later reads only ever see more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from framework import names
+from framework.analytics.settings import AnalyzeSettings
+from framework.analytics.sources import Source
+from framework.db import connect, database_errors
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, DataFrameReader, SparkSession
+
+# Only what the job uses: every column costs JDBC decoding and cache space per row.
+OUTBOX_COLUMNS = (
+    "id::text AS id, message_type, created_at, locked_until, "
+    "started_attempts::int AS started_attempts, finished_attempts::int AS finished_attempts, "
+    "processed_at, abandoned_at, "
+    "CASE WHEN processed_at IS NULL AND abandoned_at IS NULL THEN left(last_error, 300) END AS last_error"
+)
+INBOX_COLUMNS = OUTBOX_COLUMNS + ", message_timestamp, received_at, queue, redelivered"
+DEAD_LETTER_COLUMNS = (
+    "id AS dead_letter_id, message_id::text AS message_id, source, reason, left(error, 300) AS error, "
+    "fingerprint, message_type, died_at, replayed_at, discarded_at, resolved_at"
+)
+REDELIVERY_COLUMNS = "queue, message_id, count, first_seen, last_seen"
+PENDING = "(processed_at IS NULL AND abandoned_at IS NULL)"
+STATEMENT_TIMEOUT = "10min"
+
+
+@dataclass
+class Frames:
+    """The rows of every source, each with a ``service`` column naming the database."""
+
+    outbox: DataFrame
+    inbox: DataFrame
+    dead_letters: DataFrame
+    redeliveries: DataFrame
+
+
+def _ts(value: datetime) -> str:
+    return f"'{value.isoformat()}'::timestamptz"
+
+
+def _spark_ts(value: datetime) -> str:
+    """A timestamp literal as Spark parses lowerBound/upperBound (session time zone UTC)."""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+class Reader:
+    def __init__(self, spark: SparkSession, settings: AnalyzeSettings, schema: str) -> None:
+        self.spark = spark
+        self.settings = settings
+        self.schema = schema
+
+    def _jdbc(self, source: Source, query: str) -> DataFrameReader:
+        reader = self.spark.read.format("jdbc")
+        for key, value in source.jdbc.options().items():
+            reader = reader.option(key, value)
+        return (
+            reader.option("dbtable", f"({query}) AS t")
+            .option("fetchsize", str(self.settings.fetch_size))
+            .option("ApplicationName", "txbox-analyze")
+            .option(
+                "sessionInitStatement",
+                f"SET default_transaction_read_only = on; SET statement_timeout = '{STATEMENT_TIMEOUT}'",
+            )
+        )
+
+    def _bounds(self, source: Source, table: str, where: str) -> tuple[int, datetime | None, datetime | None]:
+        with database_errors(f"cannot read {source.service}"), connect(source.url, autocommit=True) as conn:
+            row = conn.execute(
+                f"SELECT count(*), min(created_at), max(created_at) FROM {names.qualified(self.schema, table)} "
+                f"WHERE {where}"
+            ).fetchone()
+        assert row is not None
+        return int(row[0]), row[1], row[2]
+
+    def messages(self, source: Source, table: str, since: datetime) -> DataFrame:
+        """The outbox or inbox of ``source``: rows of the window plus every pending row."""
+        columns = OUTBOX_COLUMNS if table == names.OUTBOX else INBOX_COLUMNS
+        where = f"created_at >= {_ts(since)} OR {PENDING}"
+        count, low, high = self._bounds(source, table, where)
+        query = f"SELECT {columns} FROM {names.qualified(self.schema, table)} WHERE {where}"
+        reader = self._jdbc(source, query)
+        partitions = min(self.settings.max_partitions, max(1, math.ceil(count / self.settings.partition_rows)))
+        if partitions > 1 and low is not None and high is not None and high > low:
+            reader = (
+                reader.option("partitionColumn", "created_at")
+                .option("lowerBound", _spark_ts(low))
+                .option("upperBound", _spark_ts(high + timedelta(microseconds=1)))
+                .option("numPartitions", str(partitions))
+            )
+        from pyspark.sql import functions as F
+
+        return reader.load().withColumn("service", F.lit(source.service))
+
+    def dead_letters(self, source: Source, since: datetime) -> DataFrame:
+        from pyspark.sql import functions as F
+
+        open_ = "replayed_at IS NULL AND discarded_at IS NULL AND resolved_at IS NULL"
+        query = (
+            f"SELECT {DEAD_LETTER_COLUMNS} FROM {names.qualified(self.schema, names.DEAD_LETTERS)} "
+            f"WHERE died_at >= {_ts(since)} OR ({open_})"
+        )
+        return self._jdbc(source, query).load().withColumn("service", F.lit(source.service))
+
+    def redeliveries(self, source: Source, since: datetime) -> DataFrame:
+        from pyspark.sql import functions as F
+
+        query = (
+            f"SELECT {REDELIVERY_COLUMNS} FROM {names.qualified(self.schema, names.REDELIVERIES)} "
+            f"WHERE last_seen >= {_ts(since)}"
+        )
+        return self._jdbc(source, query).load().withColumn("service", F.lit(source.service))
+
+    def history(self, directory: Path, source: Source, table: str, like: DataFrame) -> DataFrame | None:
+        """Archived rows of ``source`` (written by `txbox archive`), shaped like ``like``."""
+        from pyspark.sql import functions as F
+
+        path = directory / source.service / table
+        if not path.is_dir() or not any(path.rglob("*.parquet")):
+            return None
+        archived = self.spark.read.option("basePath", str(path)).parquet(str(path))
+        columns = [F.col(f.name).cast(f.dataType).alias(f.name) for f in like.schema.fields if f.name != "service"]
+        return archived.select(*columns).withColumn("service", F.lit(source.service))
+
+
+def load(
+    spark: SparkSession,
+    sources: list[Source],
+    settings: AnalyzeSettings,
+    schema: str,
+    since: datetime,
+    history: Path | None = None,
+) -> Frames:
+    from pyspark import StorageLevel
+
+    reader = Reader(spark, settings, schema)
+
+    def union(frames: list[DataFrame]) -> DataFrame:
+        out = frames[0]
+        for f in frames[1:]:
+            out = out.unionByName(f)
+        return out
+
+    tables: dict[str, DataFrame] = {}
+    for table in (names.OUTBOX, names.INBOX):
+        parts = [reader.messages(s, table, since) for s in sources]
+        if history is not None:
+            archived = [reader.history(history, s, table, parts[0]) for s in sources]
+            kept = [a for a in archived if a is not None]
+            if kept:
+                # An interrupted archive may leave a row both archived and not yet deleted.
+                parts = [union(parts + kept).dropDuplicates(["service", "id"])]
+        # Hash-partitioned by id once: the joins on id that follow (lost, unexpected,
+        # published → received) then need no further shuffle of the big tables.
+        tables[table] = (
+            union(parts).repartition(settings.shuffle_partitions, "id").persist(StorageLevel.MEMORY_AND_DISK)
+        )
+    return Frames(
+        outbox=tables[names.OUTBOX],
+        inbox=tables[names.INBOX],
+        dead_letters=union([reader.dead_letters(s, since) for s in sources]).persist(StorageLevel.MEMORY_AND_DISK),
+        redeliveries=union([reader.redeliveries(s, since) for s in sources]).persist(StorageLevel.MEMORY_AND_DISK),
+    )

@@ -1,0 +1,130 @@
+"""Where the job reads from: one PostgreSQL database per service, through JDBC.
+
+A source is ``name=url`` (the service id and its SQLAlchemy URL), given on the command
+line (``--source``) or in a YAML file (``--sources-file``)::
+
+    sources:
+      order-service: postgresql+psycopg://postgres@127.0.0.1:5432/orders
+      inventory-service: postgresql+psycopg://postgres@127.0.0.1:5432/inventory
+    report: postgresql+psycopg://postgres@127.0.0.1:5432/orders   # optional
+
+No pyspark import here: the CLI validates sources before the JVM starts.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from sqlalchemy.engine import make_url
+
+from framework import names
+from framework.errors import ConfigurationError
+
+JDBC_DRIVER = "org.postgresql.Driver"
+
+
+@dataclass(frozen=True)
+class Source:
+    service: str
+    url: str  # SQLAlchemy URL
+
+    @property
+    def jdbc(self) -> JdbcTarget:
+        return jdbc_target(self.url)
+
+
+@dataclass(frozen=True)
+class JdbcTarget:
+    """A JDBC URL without credentials plus the credentials as connection properties.
+
+    Credentials stay out of the URL so Spark's plan strings and logs never show them.
+    """
+
+    url: str
+    user: str | None
+    password: str | None
+
+    def options(self) -> dict[str, str]:
+        opts = {"url": self.url, "driver": JDBC_DRIVER}
+        if self.user:
+            opts["user"] = self.user
+        if self.password:
+            opts["password"] = self.password
+        return opts
+
+
+def jdbc_target(database_url: str) -> JdbcTarget:
+    """``postgresql+psycopg://u:p@h:5432/db?sslmode=x`` → ``jdbc:postgresql://h:5432/db?sslmode=x``."""
+    try:
+        url = make_url(database_url)
+    except Exception as exc:  # sqlalchemy raises ArgumentError, but be liberal about input
+        raise ConfigurationError(
+            f"{database_url!r} is not a database URL ({exc}). "
+            "Example: postgresql+psycopg://postgres@127.0.0.1:5432/orders"
+        ) from None
+    if not url.drivername.startswith("postgres"):
+        raise ConfigurationError(f"{url.drivername}: only PostgreSQL sources are supported")
+    if not url.database:
+        raise ConfigurationError(f"{url.render_as_string()}: the URL names no database")
+    host = url.host or "localhost"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    port = url.port or 5432
+    query = {k: v if isinstance(v, str) else v[-1] for k, v in url.query.items()}
+    suffix = f"?{urllib.parse.urlencode(query)}" if query else ""
+    return JdbcTarget(
+        url=f"jdbc:postgresql://{host}:{port}/{urllib.parse.quote(url.database)}{suffix}",
+        user=url.username,
+        password=url.password if isinstance(url.password, str) else None,
+    )
+
+
+def parse_source(text: str) -> Source:
+    name, sep, url = text.partition("=")
+    name = name.strip()
+    if not sep or not name or not url.strip():
+        raise ConfigurationError(
+            f"--source {text!r} must be service=url. "
+            "Example: --source order-service=postgresql+psycopg://postgres@127.0.0.1:5432/orders"
+        )
+    if not names.valid_service_id(name):
+        raise ConfigurationError(f"--source {text!r}: {name!r} is not a valid service id (e.g. order-service)")
+    source = Source(name, url.strip())
+    source.jdbc  # noqa: B018 - validates the URL now, not after the JVM started
+    return source
+
+
+def load_sources_file(path: Path) -> tuple[list[Source], str | None]:
+    """(sources, report url or None) of a YAML sources file."""
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigurationError(f"--sources-file {path}: cannot read it ({exc})") from None
+    entries = doc.get("sources") if isinstance(doc, dict) else None
+    if not isinstance(entries, dict) or not entries:
+        raise ConfigurationError(
+            f"--sources-file {path}: needs a `sources:` mapping of service id → database URL "
+            "(example: `sources: {order-service: postgresql+psycopg://postgres@127.0.0.1:5432/orders}`)"
+        )
+    sources = [parse_source(f"{k}={v}") for k, v in entries.items()]
+    report = doc.get("report")
+    if report is not None and not isinstance(report, str):
+        raise ConfigurationError(f"--sources-file {path}: `report` must be a database URL")
+    return sources, report
+
+
+def check_unique(sources: list[Source]) -> list[Source]:
+    seen: set[str] = set()
+    for s in sources:
+        if s.service in seen:
+            raise ConfigurationError(f"service {s.service!r} is given twice as a source")
+        seen.add(s.service)
+    if not sources:
+        raise ConfigurationError(
+            "no sources: give --source service=url (repeatable), --sources-file FILE, or set "
+            "TXBOX_SERVICE and TXBOX_DATABASE_URL for a single service"
+        )
+    return sources

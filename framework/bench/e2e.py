@@ -1,0 +1,373 @@
+"""`txbox bench e2e`: sustained messages/s through every daemon, each its own process.
+
+One scratch service ``bench-e2e`` (scratch database, scratch vhost, contracts written to
+a temporary folder) whose daemons run as ``txbox publisher`` / ``receiver`` / ``worker``
+processes on this machine. The driver writes ``Ping`` commands into the service's outbox
+in business transactions (at most ``--window`` unhandled at once); the Ping handler
+writes a business row and publishes a ``Pong`` event the service subscribes to itself,
+whose handler writes another row. So every Ping crosses the whole pipeline twice:
+
+    outbox → publisher → broker → receiver → inbox → worker (→ outbox → … → worker)
+
+``messages`` counts handled messages (two per Ping), over the time from the first
+write to the last handler commit.
+
+Raw limit, measured in the same run on the same queue with the same message size and
+before the daemons start: the slower of plain pika publishing with streamed confirms
+and plain pika consuming (prefetch 1,000, ``multiple=True`` acks), no database — the
+most any broker-based pipeline can move on this machine right now.
+
+The scratch app is this module's ``app`` attribute (``--app framework.bench.e2e:app``),
+built on first access from the ``TXBOX_*`` environment the bench gives its daemons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pika
+import psycopg
+from psycopg import sql
+from sqlalchemy import insert, text
+from sqlalchemy.orm import Session
+
+from framework import CommandHandler, EventHandler, Message, Outbox, Service, migrate, names, tables, topology
+from framework.bench.result import Result
+from framework.db import conninfo
+from framework.demo.processes import ProcessGroup
+from framework.errors import TxboxError
+from framework.settings import Settings
+
+SERVICE = "bench-e2e"
+CONTRACT = """\
+asyncapi: 2.0.0
+info:
+  title: Bench Service
+  version: '1.0.0'
+  x-service-id: bench-e2e
+x-subscribes:
+  - bench-e2e.ping.ponged
+channels:
+  'bench-e2e.ping.send':
+    bindings:
+      amqp:
+        queue:
+          name: inbox
+    publish:
+      message:
+        $ref: '#/components/messages/ping'
+  'bench-e2e.ping.ponged':
+    subscribe:
+      message:
+        $ref: '#/components/messages/ponged'
+components:
+  messages:
+    ping:
+      tags:
+        - name: aggregate-type:ping
+      contentType: application/json
+      payload:
+        $ref: 'ping.json'
+    ponged:
+      tags:
+        - name: aggregate-type:ping
+      contentType: application/json
+      payload:
+        $ref: 'ping.json'
+"""
+SCHEMA = """\
+{"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": false,
+ "required": ["n"], "properties": {"n": {"type": "integer"}, "echo": {"type": "boolean"},
+ "pad": {"type": "string"}}}
+"""
+TABLE = (
+    "CREATE TABLE IF NOT EXISTS bench_handled (message_id uuid PRIMARY KEY, message_type text NOT NULL, "
+    "handled_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+)
+_RECORD = text("INSERT INTO bench_handled (message_id, message_type) VALUES (:id, :type)")
+
+
+class Ping(CommandHandler):
+    """One business row; with ``echo``, one more message through the whole pipeline."""
+
+    message_type = "Ping"
+
+    def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+        session.execute(_RECORD, {"id": message.message_id, "type": message.message_type})
+        if message.payload.get("echo"):
+            outbox.publish_event("Ponged", aggregate_id=message.aggregate_id, payload={"n": message.payload["n"]})
+
+
+class Ponged(EventHandler):
+    message_type = "Ponged"
+
+    def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+        session.execute(_RECORD, {"id": message.message_id, "type": message.message_type})
+
+
+def build_app() -> Service:
+    service = Service.from_env(service=SERVICE)
+    service.register(Ping())
+    service.register(Ponged())
+    return service
+
+
+_APP: Service | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``app`` is built lazily so importing this module (for ``--help``) needs no settings."""
+    global _APP
+    if name == "app":
+        if _APP is None:
+            _APP = build_app()
+        return _APP
+    raise AttributeError(name)
+
+
+# --- the scratch environment ------------------------------------------------------------
+
+
+class Scratch:
+    """A database, a vhost and a contracts folder of their own; removed afterwards."""
+
+    def __init__(self, args: argparse.Namespace, label: str) -> None:
+        from framework.bench.relay import _Management, _q, _with_db
+
+        token = uuid.uuid4().hex[:8]
+        self.dbname, self.vhost = f"txbox_bench_{label}_{token}", f"txbox-bench-{label}-{token}"
+        self.admin_url = args.admin_url
+        self.api = _Management(args.management_url)
+        self.database_url = _with_db(args.admin_url, self.dbname)
+        self.amqp_url = f"amqp://guest:guest@{args.amqp_host}/{_q(self.vhost)}"
+        self._q = _q
+        self.tmp = tempfile.TemporaryDirectory(prefix="txbox-bench-")
+        self.contracts = Path(self.tmp.name)
+        (self.contracts / "bench-e2e.yml").write_text(CONTRACT)
+        (self.contracts / "ping.json").write_text(SCHEMA)
+        self.queue_type = args.queue_type
+
+    def __enter__(self) -> Scratch:
+        with psycopg.connect(conninfo(self.admin_url), autocommit=True) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.dbname)))
+        self.api.call("PUT", f"/vhosts/{self._q(self.vhost)}", {})
+        self.api.call(
+            "PUT", f"/permissions/{self._q(self.vhost)}/guest", {"configure": ".*", "write": ".*", "read": ".*"}
+        )
+        migrate.upgrade(self.database_url)
+        with psycopg.connect(conninfo(self.database_url), autocommit=True) as conn:
+            conn.execute(TABLE)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.api.call("DELETE", f"/vhosts/{self._q(self.vhost)}")
+        finally:
+            with psycopg.connect(conninfo(self.admin_url), autocommit=True) as admin:
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.dbname)))
+            self.tmp.cleanup()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "TXBOX_SERVICE": SERVICE,
+            "TXBOX_DATABASE_URL": self.database_url,
+            "TXBOX_AMQP_URL": self.amqp_url,
+            "TXBOX_CONTRACTS_DIR": str(self.contracts),
+            "TXBOX_QUEUE_TYPE": self.queue_type,
+        }
+
+    def service(self) -> Service:
+        service = Service(
+            settings=Settings(
+                service=SERVICE,
+                database_url=self.database_url,
+                amqp_url=self.amqp_url,
+                contracts_dir=self.contracts,
+                queue_type=self.queue_type,
+            )
+        )
+        service.register(Ping())
+        service.register(Ponged())
+        return service
+
+    def start_daemons(self, group: ProcessGroup, workers: int = 1) -> None:
+        app = ["--app", "framework.bench.e2e:app"]
+        group.start("publisher", ["publisher", *app])
+        group.start("receiver", ["receiver", *app])
+        for n in range(workers):
+            group.start(f"worker-{n + 1}", ["worker", *app])
+
+
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--admin-url", default=os.environ.get("TXBOX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+    )
+    parser.add_argument("--amqp-host", default="127.0.0.1:5672", help="RabbitMQ host:port (guest/guest)")
+    parser.add_argument("--management-url", default="http://guest:guest@127.0.0.1:15672/api", help="RabbitMQ API")
+    parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the daemons' logs here")
+
+
+def write_pings(service: Service, first: int, count: int, *, echo: bool, pad: str = "") -> None:
+    """``count`` Ping commands in one business transaction (built and validated by the Outbox)."""
+    with Session(service.engine) as session, session.begin():
+        outbox = service.outbox(session)
+        spec = service.registry.get("Ping")
+        payload: dict[str, Any] = {"echo": echo}
+        if pad:
+            payload["pad"] = pad
+        rows = [
+            outbox.build(spec, aggregate_id=f"p{i}", payload={"n": i, **payload}).params()
+            for i in range(first, first + count)
+        ]
+        session.execute(insert(tables.outbox), rows)
+
+
+def handled(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT count(*) FROM bench_handled").fetchone()
+    return int(row[0]) if row else 0
+
+
+def wait_ready(scratch: Scratch, group: ProcessGroup, timeout: float = 60.0) -> None:
+    """Until the receiver consumes the inbox queue (daemons declared the topology)."""
+    queue = names.inbox_queue(SERVICE)
+    deadline = time.monotonic() + timeout
+    while True:
+        dead = group.dead()
+        if dead:
+            raise TxboxError(f"{dead[0].name} exited: {dead[0].log_tail()}")
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(scratch.amqp_url))
+            try:
+                consumers = conn.channel().queue_declare(queue, passive=True).method.consumer_count
+            finally:
+                if conn.is_open:
+                    conn.close()
+            if consumers:
+                return
+        except pika.exceptions.AMQPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TxboxError(f"the daemons did not come up within {timeout:.0f}s; logs: {group.log_dir}")
+        time.sleep(0.2)
+
+
+def raw_pipe(amqp_url: str, queue: str, size: int, n: int) -> tuple[float, float]:
+    """(publish, consume) msg/s of plain pika on ``queue``: streamed confirms, batched acks."""
+    from framework.bench.relay import _raw_streamed_confirms
+
+    publish = _raw_streamed_confirms(amqp_url, "", queue, size, n)  # default exchange → the queue
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=1000)
+        got = 0
+        started = time.perf_counter()
+        for method, _, _ in channel.consume(queue, inactivity_timeout=10):
+            if method is None:
+                break
+            got += 1
+            if got % 500 == 0 or got == n:
+                channel.basic_ack(method.delivery_tag, multiple=True)
+            if got >= n:
+                break
+        seconds = time.perf_counter() - started
+        channel.cancel()
+    finally:
+        conn.close()
+    if got < n:
+        raise TxboxError(f"raw consume got {got} of {n} messages")
+    return publish, n / seconds
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pings", type=int, default=15_000, help="Ping commands written; 2 messages each")
+    parser.add_argument("--window", type=int, default=3_000, help="unhandled Pings at most (default 3000)")
+    parser.add_argument("--batch", type=int, default=500, help="Pings per business transaction (default 500)")
+    parser.add_argument("--raw-messages", type=int, default=30_000, help="messages of the raw measurement")
+    add_common_options(parser)
+
+
+def run(args: argparse.Namespace) -> Result:
+    with Scratch(args, "e2e") as scratch:
+        service = scratch.service()
+        topology.declare(service.settings, service.registry)
+        body_size = _envelope_size(service)
+        raw_publish, raw_consume = raw_pipe(scratch.amqp_url, names.inbox_queue(SERVICE), body_size, args.raw_messages)
+        log_dir = args.log_dir or Path(scratch.tmp.name) / "logs"
+        group = ProcessGroup(log_dir, env=scratch.env)
+        try:
+            scratch.start_daemons(group, args.workers)
+            wait_ready(scratch, group)
+            seconds, total = _drive(service, scratch, group, args)
+        finally:
+            group.stop_all()
+            service.engine.dispose()
+        raw = min(raw_publish, raw_consume)
+        return Result(
+            stage="e2e",
+            messages=total,
+            seconds=seconds,
+            raw_limit_rate=raw,
+            raw_limit=(
+                "slower of plain pika publish with streamed confirms and plain pika consume "
+                "(prefetch 1000, multiple acks), same queue and size, no database"
+            ),
+            extra={
+                "raw_publish_rate": round(raw_publish, 1),
+                "raw_consume_rate": round(raw_consume, 1),
+                "pings": args.pings,
+                "message_bytes": body_size,
+                "workers": args.workers,
+                "queue_type": args.queue_type,
+                "bar_rate": 3000,
+            },
+        )
+
+
+def _envelope_size(service: Service) -> int:
+    spec = service.registry.get("Ping")
+    outbox = Outbox(None, service.registry)  # type: ignore[arg-type]
+    row = outbox.build(spec, aggregate_id="p1000000", payload={"n": 1_000_000, "echo": True})
+    message = Message(
+        message_id=row.id,
+        message_type=row.message_type,
+        aggregate_type=row.aggregate_type,
+        aggregate_id=row.aggregate_id,
+        payload=row.payload,
+    )
+    return len(message.to_json())
+
+
+def _drive(service: Service, scratch: Scratch, group: ProcessGroup, args: argparse.Namespace) -> tuple[float, int]:
+    expected = 2 * args.pings
+    written = done = 0
+    stalled_since = time.monotonic()
+    last = -1
+    with psycopg.connect(conninfo(scratch.database_url), autocommit=True) as conn:
+        started = time.perf_counter()
+        while done < expected:
+            allowed = min(args.pings - written, args.batch, args.window - (written - done // 2))
+            if allowed > 0:
+                write_pings(service, written, allowed, echo=True)
+                written += allowed
+            done = handled(conn)
+            if done != last:
+                last, stalled_since = done, time.monotonic()
+            elif time.monotonic() - stalled_since > 60:
+                raise TxboxError(f"no progress for 60 s at {done} of {expected} messages; logs: {group.log_dir}")
+            dead = group.dead()
+            if dead:
+                raise TxboxError(f"{dead[0].name} exited: {dead[0].log_tail()}")
+            if allowed <= 0:
+                time.sleep(0.01)  # pacing the writer while the window is full
+        seconds = time.perf_counter() - started
+    return seconds, done

@@ -1,0 +1,259 @@
+"""`txbox bench latency`: outbox commit → handler commit at a fixed offered load.
+
+The scratch service of ``txbox bench e2e`` (its own database, vhost and daemon
+processes) receives ``--rate`` Ping commands per second for ``--seconds``, each written
+by its own business transaction, as a web request would. The Ping handler records
+``clock_timestamp()`` in a business row; a message's latency is that time minus the
+``created_at`` of its outbox row (``clock_timestamp()`` at the INSERT, just before its
+commit), both read from the same PostgreSQL clock. Bar: p50 ≤ 20 ms, p99 ≤ 100 ms at
+500 msg/s.
+
+Raw limit, measured in the same run at the same offered load just before: the same
+business transaction, then a plain pika publish with a blocking confirm and a plain pika
+consumer committing one row per message — the floor any outbox-free design pays on this
+machine. Its rate and latency are reported as ``raw_limit_rate`` / ``raw_p50_ms`` /
+``raw_p99_ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pika
+import psycopg
+
+from framework import topology
+from framework.bench.e2e import Scratch, add_common_options, handled, wait_ready
+from framework.bench.result import Result
+from framework.db import conninfo
+from framework.demo.processes import ProcessGroup
+from framework.errors import TxboxError
+from framework.service import Service
+
+Sender = Callable[[int], None]
+PERCENTILES = "percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY ms)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--writers", type=int, default=4, help="concurrent writers sharing the offered load")
+    parser.add_argument("--rate", type=float, default=500.0, help="offered messages/s (default 500)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="duration of the offered load (default 30)")
+    parser.add_argument("--raw-seconds", type=float, default=10.0, help="duration of the raw measurement")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds excluded at the start (default 2)")
+    add_common_options(parser)
+
+
+def run(args: argparse.Namespace) -> Result:
+    with Scratch(args, "latency") as scratch:
+        service = scratch.service()
+        topology.declare(service.settings, service.registry)
+        raw_rate, raw_ms = _raw(scratch, args)
+        log_dir = args.log_dir or Path(scratch.tmp.name) / "logs"
+        group = ProcessGroup(log_dir, env=scratch.env)
+        try:
+            scratch.start_daemons(group, args.workers)
+            wait_ready(scratch, group)
+            sent, seconds = _offer(service, group, args)
+            _wait_handled(scratch, group, sent)
+            ms, worst = _latencies(scratch.database_url, args.warmup)
+        finally:
+            group.stop_all()
+            service.engine.dispose()
+    p50, p95, p99 = ms
+    return Result(
+        stage="latency",
+        messages=sent,
+        seconds=seconds,
+        raw_limit_rate=raw_rate,
+        raw_limit=(
+            "same offered load: business commit, plain pika publish with a blocking confirm, "
+            "plain pika consumer committing one row per message"
+        ),
+        extra={
+            "offered_rate": args.rate,
+            "p50_ms": p50,
+            "p95_ms": p95,
+            "p99_ms": p99,
+            "max_ms": worst,
+            "raw_p50_ms": raw_ms[0],
+            "raw_p95_ms": raw_ms[1],
+            "raw_p99_ms": raw_ms[2],
+            "workers": args.workers,
+            "writers": args.writers,
+            "queue_type": args.queue_type,
+            "bar_p50_ms": 20,
+            "bar_p99_ms": 100,
+        },
+    )
+
+
+def paced(total: int, rate: float, writers: int, make_sender: Callable[[], AbstractContextManager[Sender]]) -> float:
+    """Send ``total`` messages on a fixed schedule (open loop) from ``writers`` threads.
+
+    Message ``i`` is due at ``start + i / rate`` whatever happened to the others, as
+    independent requests to a web front end would be; each thread has its own
+    connections (``make_sender``). Returns the seconds the schedule took.
+    """
+    errors: list[BaseException] = []
+    started = time.perf_counter() + 0.2  # every thread ready before the first is due
+
+    def writer(index: int) -> None:
+        try:
+            with make_sender() as send:
+                for i in range(index, total, writers):
+                    delay = started + i / rate - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)  # the offered load's schedule, not synchronization
+                    send(i)
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,), name=f"writer {n}") for n in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise TxboxError(f"a writer failed: {errors[0]!r}")
+    return time.perf_counter() - started
+
+
+def _offer(service: Service, group: ProcessGroup, args: argparse.Namespace) -> tuple[int, float]:
+    """One business transaction per Ping (the outbox row commits with it).
+
+    Each writer keeps one raw psycopg connection and an INSERT compiled once from the
+    outbox table, the row built and validated by ``Outbox.build``: what a lean front end
+    does. (A SQLAlchemy Session per request costs this 2-core machine so much CPU that
+    the writers, not txbox, would cap the offered load well below 500/s.)
+    """
+    from sqlalchemy import insert
+    from sqlalchemy.dialects import postgresql
+
+    from framework import tables
+    from framework.outbox import Outbox, json_params
+
+    spec = service.registry.get("Ping")
+    builder = Outbox(None, service.registry)  # type: ignore[arg-type]  # build() never writes
+    sample = json_params(builder.build(spec, aggregate_id="p0", payload={"n": 0, "echo": False}))
+    dialect = postgresql.psycopg.dialect()  # type: ignore[no-untyped-call]
+    statement = str(insert(tables.outbox).compile(dialect=dialect, column_keys=list(sample)))
+
+    @contextmanager
+    def sender() -> Iterator[Sender]:
+        with psycopg.connect(conninfo(service.settings.database_url)) as conn:
+
+            def send(i: int) -> None:
+                row = builder.build(spec, aggregate_id=f"p{i}", payload={"n": i, "echo": False})
+                conn.execute(statement, json_params(row))
+                conn.commit()
+
+            yield send
+
+    total = int(args.rate * args.seconds)
+    seconds = paced(total, args.rate, args.writers, sender)
+    if group.dead():
+        raise TxboxError(f"{group.dead()[0].name} exited: {group.dead()[0].log_tail()}")
+    return total, seconds
+
+
+def _wait_handled(scratch: Scratch, group: ProcessGroup, expected: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(conninfo(scratch.database_url), autocommit=True) as conn:
+        while handled(conn) < expected:
+            if group.dead():
+                raise TxboxError(f"{group.dead()[0].name} exited: {group.dead()[0].log_tail()}")
+            if time.monotonic() > deadline:
+                raise TxboxError(f"only {handled(conn)} of {expected} handled after {timeout:.0f}s")
+            time.sleep(0.1)
+
+
+def _latencies(database_url: str, warmup: float) -> tuple[tuple[float, float, float], float]:
+    """Percentiles of handler commit minus outbox created_at, skipping the first ``warmup`` seconds."""
+    query = f"""
+        WITH l AS (
+            SELECT extract(epoch FROM h.handled_at - o.created_at) * 1000 AS ms, o.created_at
+            FROM bench_handled h JOIN txbox.outbox o ON o.id = h.message_id
+        ), t0 AS (SELECT min(created_at) AS t FROM l)
+        SELECT {PERCENTILES}, max(ms) FROM l, t0 WHERE l.created_at >= t0.t + make_interval(secs => %s)
+    """
+    with psycopg.connect(conninfo(database_url)) as conn:
+        row = conn.execute(query, (warmup,)).fetchone()
+    if not row or row[0] is None:
+        raise TxboxError("no latencies recorded")
+    p50, p95, p99 = (round(float(v), 2) for v in row[0])
+    return (p50, p95, p99), round(float(row[1]), 2)
+
+
+def _raw(scratch: Scratch, args: argparse.Namespace) -> tuple[float, tuple[float, float, float]]:
+    """The same offered load without txbox: commit, publish + confirm, consume + commit."""
+    queue = f"bench-raw-{uuid.uuid4().hex[:6]}"  # a scratch queue of the scratch vhost, not a txbox one
+    dsn = conninfo(scratch.database_url)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE bench_raw (id uuid PRIMARY KEY, sent_at timestamptz, got_at timestamptz)")
+    total = max(1, int(args.rate * args.raw_seconds))
+    ready = threading.Event()
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(scratch.amqp_url))
+            db = psycopg.connect(dsn, autocommit=True)
+            channel = conn.channel()
+            channel.queue_declare(queue, durable=True)
+            channel.basic_qos(prefetch_count=100)
+            ready.set()
+            for got, (method, _, body) in enumerate(channel.consume(queue, inactivity_timeout=30), start=1):
+                if method is None:
+                    break
+                db.execute("UPDATE bench_raw SET got_at = clock_timestamp() WHERE id = %s", (body.decode(),))
+                channel.basic_ack(method.delivery_tag)
+                if got >= total:
+                    break
+            channel.cancel()
+            conn.close()
+            db.close()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+            ready.set()
+
+    consumer = threading.Thread(target=consume, name="raw consumer")
+    consumer.start()
+    ready.wait(30)
+    props = pika.BasicProperties(delivery_mode=2, content_type="text/plain")
+
+    @contextmanager
+    def sender() -> Iterator[Sender]:
+        connection = pika.BlockingConnection(pika.URLParameters(scratch.amqp_url))
+        channel = connection.channel()
+        channel.confirm_delivery()
+        db = psycopg.connect(dsn, autocommit=True)
+
+        def send(i: int) -> None:
+            message_id = str(uuid.uuid4())
+            db.execute("INSERT INTO bench_raw (id, sent_at) VALUES (%s, clock_timestamp())", (message_id,))
+            channel.basic_publish("", queue, message_id.encode(), props)
+
+        try:
+            yield send
+        finally:
+            connection.close()
+            db.close()
+
+    seconds = paced(total, args.rate, args.writers, sender)
+    consumer.join(120)
+    if errors:
+        raise TxboxError(f"raw measurement failed: {errors[0]!r}")
+    with psycopg.connect(dsn) as db:
+        row: Any = db.execute(
+            f"SELECT {PERCENTILES} FROM (SELECT extract(epoch FROM got_at - sent_at) * 1000 AS ms "
+            "FROM bench_raw WHERE got_at IS NOT NULL) l"
+        ).fetchone()
+    p50, p95, p99 = (round(float(v), 2) for v in row[0])
+    return total / seconds, (p50, p95, p99)

@@ -1,0 +1,224 @@
+"""`txbox bench receiver`: queued deliveries → inbox rows committed and acked.
+
+Scratch database and vhost of its own, created and dropped. The same run measures the
+raw limit: plain pika consuming the same queue with prefetch 500 and one
+``basic_ack(multiple=True)`` every 100 deliveries, no database — the most any receiver
+can take out of this broker on this machine right now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import threading
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pika
+import psycopg
+from psycopg import sql
+
+from framework import migrate, names, topology
+from framework.bench.result import Result
+from framework.db import conninfo
+from framework.envelope import Message
+from framework.errors import TxboxError
+from framework.receiver import Receiver, ReceiverConfig
+from framework.receiver import metrics as receiver_metrics
+from framework.service import Service
+from framework.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = "order-service"
+
+
+def add_scratch_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--admin-url", default=os.environ.get("TXBOX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+    )
+    parser.add_argument("--amqp-host", default="127.0.0.1:5672", help="RabbitMQ host:port (guest/guest)")
+    parser.add_argument("--management-url", default="http://127.0.0.1:15672/api", help="RabbitMQ management API")
+    parser.add_argument("--contracts-dir", type=Path, default=ROOT / "contracts")
+    parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum")
+
+
+class Scratch:
+    """A database (migrated) and a vhost of the bench's own; dropped on exit."""
+
+    def __init__(self, args: argparse.Namespace, label: str) -> None:
+        token = uuid.uuid4().hex[:8]
+        self.dbname = f"txbox_bench_{label}_{token}"
+        self.vhost = f"txbox-bench-{label}-{token}"
+        self.admin_url = args.admin_url
+        self.api = args.management_url.rstrip("/")
+        parts = urllib.parse.urlsplit(args.admin_url)
+        self.database_url = urllib.parse.urlunsplit(("postgresql+psycopg", parts.netloc, f"/{self.dbname}", "", ""))
+        self.amqp_url = f"amqp://guest:guest@{args.amqp_host}/{urllib.parse.quote(self.vhost, safe='')}"
+        self.settings = Settings(
+            service=SERVICE,
+            database_url=self.database_url,
+            amqp_url=self.amqp_url,
+            contracts_dir=args.contracts_dir,
+            queue_type=args.queue_type,
+        )
+
+    def _api(self, method: str, path: str, body: Any = None) -> None:
+        request = urllib.request.Request(
+            f"{self.api}{path}", data=json.dumps(body).encode() if body is not None else None, method=method
+        )
+        request.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+        request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=30):
+                pass
+        except OSError as exc:
+            raise TxboxError(f"RabbitMQ management API at {self.api} failed ({exc}); is the plugin enabled?") from exc
+
+    def __enter__(self) -> Scratch:
+        with psycopg.connect(conninfo(self.admin_url), autocommit=True) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.dbname)))
+        vhost = urllib.parse.quote(self.vhost, safe="")
+        self._api("PUT", f"/vhosts/{vhost}", {})
+        self._api("PUT", f"/permissions/{vhost}/guest", {"configure": ".*", "write": ".*", "read": ".*"})
+        migrate.upgrade(self.database_url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._api("DELETE", f"/vhosts/{urllib.parse.quote(self.vhost, safe='')}")
+        finally:
+            with psycopg.connect(conninfo(self.admin_url), autocommit=True) as admin:
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.dbname)))
+
+    def execute(self, statement: Any, params: Any = None) -> list[tuple[Any, ...]]:
+        with psycopg.connect(conninfo(self.database_url), autocommit=True) as conn:
+            cur = conn.execute(statement, params)
+            return cur.fetchall() if cur.description is not None else []
+
+
+def envelopes(n: int) -> list[bytes]:
+    """PlaceOrder envelopes of the usual size, each its own aggregate (own segment)."""
+    out = []
+    for i in range(n):
+        message = Message(
+            message_id=uuid.uuid4(),
+            message_type="PlaceOrder",
+            aggregate_type="order",
+            aggregate_id=str(i),
+            payload={"customer": f"customer-{i % 977}", "sku": f"SKU-{i % 113}", "quantity": 1 + i % 9},
+            message_context={"example_correlation_id": str(uuid.uuid4())},
+            auth_token="eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJiZW5jaCJ9.c2lnbmF0dXJl",
+        )
+        out.append(message.to_json())
+    return out
+
+
+def fill_queue(amqp_url: str, bodies: list[bytes], routing_key: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        for body in bodies:
+            props = pika.BasicProperties(
+                content_type="application/json", delivery_mode=2, message_id=json.loads(body)["message_id"]
+            )
+            channel.basic_publish(names.COMMAND_EXCHANGE, routing_key, body, props)
+        queue = names.inbox_queue(SERVICE)
+        deadline = time.monotonic() + 120
+        while channel.queue_declare(queue, passive=True).method.message_count < len(bodies):
+            if time.monotonic() > deadline:
+                raise TxboxError("the broker did not take every published message within 120 s")
+            connection.sleep(0.05)
+    finally:
+        connection.close()
+
+
+def raw_consume(amqp_url: str, queue: str, n: int, prefetch: int = 500, ack_every: int = 100) -> float:
+    """Plain pika consume + multiple acks, no database: messages/s."""
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=prefetch)
+        got = 0
+        started = time.perf_counter()
+
+        def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
+            nonlocal got
+            got += 1
+            if got % ack_every == 0 or got == n:
+                ch.basic_ack(method.delivery_tag, multiple=True)
+
+        channel.basic_consume(queue, on_message)
+        while got < n:
+            connection.process_data_events(time_limit=1)
+        seconds = time.perf_counter() - started
+        return n / seconds
+    finally:
+        connection.close()
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_scratch_options(parser)
+    parser.add_argument("--messages", type=int, default=50_000, help="queued deliveries (default 50000)")
+    parser.add_argument("--prefetch", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=500)
+
+
+def run(args: argparse.Namespace) -> Result:
+    with Scratch(args, "receiver") as scratch:
+        service = Service(settings=scratch.settings)
+        topology.declare(scratch.settings, service.registry)
+        spec = service.registry.get("PlaceOrder")
+        queue = names.inbox_queue(SERVICE)
+        bodies = envelopes(args.messages)
+
+        fill_queue(scratch.amqp_url, bodies, spec.routing_key)
+        raw_rate = raw_consume(scratch.amqp_url, queue, args.messages)
+
+        fill_queue(scratch.amqp_url, bodies, spec.routing_key)
+        config = ReceiverConfig(prefetch=args.prefetch, batch_size=args.batch_size)
+        receiver = Receiver(service, config)
+        stored = receiver_metrics.STORED.labels(service=SERVICE)
+        before = stored._value.get()
+        thread = threading.Thread(target=receiver.run, name="receiver", daemon=True)
+        started = time.perf_counter()
+        thread.start()
+        deadline = time.monotonic() + 600
+        while stored._value.get() - before < args.messages:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise TxboxError("the receiver stopped before storing every delivery")
+            time.sleep(0.005)
+        receiver.stop()  # the last batch's ack goes out before run() returns
+        thread.join()
+        seconds = time.perf_counter() - started
+
+        rows = scratch.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier("txbox", names.INBOX)))[0][0]
+        left = _depth(scratch.amqp_url, queue)
+        if rows != args.messages or left != 0:
+            raise TxboxError(f"bench check failed: {rows} inbox rows, {left} deliveries left in the queue")
+        return Result(
+            stage="receiver",
+            messages=args.messages,
+            seconds=seconds,
+            raw_limit_rate=raw_rate,
+            raw_limit="plain pika consume, prefetch 500, basic_ack(multiple=True) every 100, no database",
+            extra={
+                "prefetch": args.prefetch,
+                "batch_size": args.batch_size,
+                "queue_type": args.queue_type,
+                "body_bytes": len(bodies[0]),
+            },
+        )
+
+
+def _depth(amqp_url: str, queue: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        connection.close()

@@ -1,0 +1,150 @@
+"""`txbox bench worker`: inbox rows → a handler writing one business row → processed.
+
+Scratch database of its own (created and dropped). The raw limit, measured in the same
+run on the same rows: plain SQL with no framework — claim 500 pending rows ``FOR UPDATE
+SKIP LOCKED``, ``executemany`` the same business rows, mark them processed, commit —
+i.e. the database's own claim + write + update rate for this work on this machine now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from framework import CommandHandler, Message, Outbox, names
+from framework.bench.receiver import Scratch, add_scratch_options, envelopes
+from framework.bench.result import Result
+from framework.db import conninfo
+from framework.errors import TxboxError
+from framework.receiver import Delivery, Intake
+from framework.receiver.intake import InboxRow
+from framework.receiver.store import insert_rows
+from framework.service import Service
+from framework.worker import Worker, WorkerConfig
+from framework.worker import metrics as worker_metrics
+
+BUSINESS = "CREATE TABLE bench_orders (id uuid PRIMARY KEY, customer text NOT NULL, sku text NOT NULL, quantity int)"
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class BenchOrder(_Base):
+    __tablename__ = "bench_orders"
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    customer: Mapped[str]
+    sku: Mapped[str]
+    quantity: Mapped[int]
+
+
+class StoreOrder(CommandHandler):
+    """The trivial handler of DESIGN §10: one business row per message, the ORM way of DESIGN §7."""
+
+    message_type = "PlaceOrder"
+
+    def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+        p = message.payload
+        session.add(BenchOrder(id=message.message_id, customer=p["customer"], sku=p["sku"], quantity=p["quantity"]))
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_scratch_options(parser)
+    parser.add_argument("--messages", type=int, default=50_000, help="inbox rows (default 50000)")
+    parser.add_argument("--batch-size", type=int, default=500)
+
+
+def fill_inbox(service: Service, count: int) -> None:
+    intake = Intake(service.registry, service.name, max_body_bytes=1 << 20)
+    bodies = envelopes(count)
+    with psycopg.connect(conninfo(service.settings.database_url)) as conn, conn.cursor() as cur:
+        for start in range(0, count, 5000):
+            rows = []
+            for i, body in enumerate(bodies[start : start + 5000]):
+                row = intake.admit(Delivery(delivery_tag=i + 1, body=body))
+                assert isinstance(row, InboxRow)
+                rows.append(row)
+            insert_rows(cur, service.settings.schema, rows)
+        conn.commit()
+
+
+def raw_claim_write_update(database_url: str, count: int, batch: int = 500) -> float:
+    """Plain SQL, no framework: messages/s (see the module docstring)."""
+    inbox = sql.Identifier("txbox", names.INBOX)
+    claim = sql.SQL(
+        "SELECT id, payload FROM {} WHERE processed_at IS NULL AND abandoned_at IS NULL "
+        "ORDER BY priority DESC, created_at LIMIT %s FOR UPDATE SKIP LOCKED"
+    ).format(inbox)
+    mark = sql.SQL(
+        "UPDATE {} SET processed_at = clock_timestamp(), finished_attempts = finished_attempts + 1 "
+        "WHERE id = ANY(%s::uuid[])"
+    ).format(inbox)
+    write = "INSERT INTO bench_orders (id, customer, sku, quantity) VALUES (%s, %s, %s, %s)"
+    done = 0
+    started = time.perf_counter()
+    with psycopg.connect(conninfo(database_url)) as conn, conn.cursor() as cur:
+        while done < count:
+            cur.execute(claim, (batch,))
+            rows = cur.fetchall()
+            if not rows:
+                break
+            cur.executemany(write, [(i, p["customer"], p["sku"], p["quantity"]) for i, p in rows])
+            cur.execute(mark, ([i for i, _ in rows],))
+            conn.commit()
+            done += len(rows)
+    if done != count:
+        raise TxboxError(f"raw pass processed {done} of {count} rows")
+    return count / (time.perf_counter() - started)
+
+
+def run(args: argparse.Namespace) -> Result:
+    with Scratch(args, "worker") as scratch:
+        scratch.execute(BUSINESS)
+        service = Service(settings=scratch.settings)
+        service.register(StoreOrder())
+
+        fill_inbox(service, args.messages)
+        raw_rate = raw_claim_write_update(scratch.database_url, args.messages)
+        scratch.execute("TRUNCATE txbox.inbox, bench_orders")
+        fill_inbox(service, args.messages)
+        scratch.execute("VACUUM ANALYZE txbox.inbox")
+
+        worker = Worker(service, WorkerConfig(batch_size=args.batch_size))
+        processed = worker_metrics.PROCESSED.labels(service=service.name, message_type="PlaceOrder")
+        before = processed._value.get()
+        thread = threading.Thread(target=worker.run, name="worker", daemon=True)
+        started = time.perf_counter()
+        thread.start()
+        deadline = time.monotonic() + 600
+        while processed._value.get() - before < args.messages:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise TxboxError("the worker stopped before processing every row")
+            time.sleep(0.005)
+        seconds = time.perf_counter() - started
+        worker.stop()
+        thread.join()
+        service.engine.dispose()
+
+        check: Any = scratch.execute(
+            "SELECT (SELECT count(*) FROM bench_orders), "
+            "(SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL)"
+        )[0]
+        if tuple(check) != (args.messages, args.messages):
+            raise TxboxError(f"bench check failed: business rows, processed rows = {tuple(check)}")
+        return Result(
+            stage="worker",
+            messages=args.messages,
+            seconds=seconds,
+            raw_limit_rate=raw_rate,
+            raw_limit="plain SQL: claim 500 FOR UPDATE SKIP LOCKED + executemany the business rows + "
+            "UPDATE processed + commit, no framework",
+            extra={"batch_size": args.batch_size, "handler": "session.add() of one ORM business row"},
+        )

@@ -1,0 +1,99 @@
+"""The fault schedule of a chaos run: which faults, against what, and when — all from one seed.
+
+A run is only worth something if a failure can be replayed, so every random choice
+(kinds, targets, moments, restart delays) comes from ``random.Random(seed)``; the
+same seed and the same ``--faults`` give the same schedule.
+
+Moments are points of *progress* (share of the expected messages handled), not
+seconds: on a noisy shared machine a seconds-based schedule would fire its faults
+after the work was done on a slow day and before it began on a fast one, while a
+progress point always lands in the middle of the load.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    KILL = "kill"  # kill -9 of one daemon process, restarted by the supervisor
+    RABBITMQ_RESTART = "rabbitmq_restart"  # the broker node stops and starts again
+    POSTGRES_RESTART = "postgres_restart"  # immediate shutdown (crash) + WAL recovery
+    PG_TERMINATE = "pg_terminate"  # pg_terminate_backend on every client connection
+    AMQP_CLOSE = "amqp_close"  # management API closes every client connection
+    POISON = "poison"  # a message whose handler kills its own process
+
+
+DAEMON_KINDS = ("publisher", "receiver", "worker")
+SERVICES = ("orders", "inventory")
+
+#: Kinds in the order a short run takes them: the first ``--faults`` of this list run,
+#: so even four faults hit a daemon crash, both server restarts and a second crash.
+PRIORITY: tuple[tuple[Kind, str], ...] = (
+    (Kind.KILL, "worker"),
+    (Kind.RABBITMQ_RESTART, ""),
+    (Kind.POSTGRES_RESTART, ""),
+    (Kind.KILL, "receiver"),
+    (Kind.KILL, "publisher"),
+    (Kind.PG_TERMINATE, ""),
+    (Kind.AMQP_CLOSE, ""),
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: Kind
+    #: ``orders-worker`` for a kill, empty for server-wide faults.
+    target: str
+    #: Share of the expected messages handled when the fault fires (0..1).
+    at_progress: float
+    #: For kills: seconds the crashed daemon stays down before the supervisor restarts it.
+    down_seconds: float = 0.0
+
+    def __str__(self) -> str:
+        what = f"{self.kind} {self.target}".strip()
+        return f"{what} @ {self.at_progress:.0%}"
+
+
+def plan(
+    seed: int,
+    faults: int,
+    *,
+    poison: bool = True,
+    daemons: tuple[str, ...] = DAEMON_KINDS,
+    first: float = 0.05,
+    last: float = 0.75,
+) -> list[Fault]:
+    """The schedule: ``faults`` faults (plus the poison message) sorted by progress point.
+
+    The first seven follow :data:`PRIORITY`; every further one is a ``kill -9``, cycling
+    through the daemon kinds so that each kind is killed about equally often. Targets
+    (which service's daemon) and moments are drawn from the seed.
+    """
+    if faults < 0:
+        raise ValueError("faults must be >= 0")
+    rng = random.Random(seed)
+    chosen: list[tuple[Kind, str]] = list(PRIORITY[:faults])
+    extra = faults - len(chosen)
+    cycle = [d for d in daemons]
+    rng.shuffle(cycle)
+    for i in range(extra):
+        chosen.append((Kind.KILL, cycle[i % len(cycle)]))
+    if poison:
+        chosen.append((Kind.POISON, "orders-worker"))
+    moments = sorted(rng.uniform(first, last) for _ in chosen)
+    rng.shuffle(chosen)
+    out: list[Fault] = []
+    for (kind, target), moment in zip(chosen, moments, strict=True):
+        if kind is Kind.KILL:
+            target = f"{rng.choice(SERVICES)}-{target}"
+            out.append(Fault(kind, target, round(moment, 4), down_seconds=round(rng.uniform(0.0, 1.5), 2)))
+        else:
+            out.append(Fault(kind, target, round(moment, 4)))
+    return out
+
+
+def describe(schedule: list[Fault]) -> str:
+    return ", ".join(map(str, schedule))

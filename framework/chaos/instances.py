@@ -1,0 +1,369 @@
+"""Private PostgreSQL and RabbitMQ instances that a test or a chaos run owns outright.
+
+Restarting the machine's shared PostgreSQL or RabbitMQ would break every other test
+running beside us, so fault injection needs servers of its own: a PostgreSQL cluster
+made with ``initdb`` in a temporary directory and a second RabbitMQ node, each on free
+ports of their own. Both keep their default durability (``fsync`` on, persistent
+RabbitMQ storage): a durability test on a server that may lose acknowledged writes
+would prove nothing.
+
+Use them as context managers::
+
+    with PrivatePostgres() as pg, PrivateRabbit() as rabbit:
+        pg.create_database("orders")
+        url = pg.url("orders")            # postgresql+psycopg://postgres@127.0.0.1:<port>/orders
+        pg.restart()                      # crash-restart (immediate shutdown + WAL recovery)
+        pg.terminate_backends("orders")   # pg_terminate_backend on every client connection
+        rabbit.restart()                  # graceful stop + start, data kept
+        rabbit.close_connections()        # management API: close every client connection
+
+PostgreSQL runs as the ``postgres`` OS user when we are root (``initdb`` refuses root).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import psycopg
+from psycopg import sql
+
+from framework.errors import TxboxError
+
+PG_BIN = Path(os.environ.get("TXBOX_PG_BIN", "/usr/lib/postgresql/15/bin"))
+RABBITMQ_BIN = Path(os.environ.get("TXBOX_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))
+
+
+class InstanceError(TxboxError):
+    """A private PostgreSQL or RabbitMQ could not be created, started or stopped."""
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the kernel's choice, so parallel runs differ)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait(predicate: Any, timeout: float, what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            tail = ""
+            if log is not None and log.exists():
+                tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise InstanceError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
+        time.sleep(0.1)
+
+
+class PrivatePostgres:
+    """A throw-away PostgreSQL cluster on its own port, in its own directory."""
+
+    def __init__(self, port: int | None = None, base_dir: Path | None = None, max_connections: int = 200) -> None:
+        self.port = port or free_port()
+        self._own_dir = base_dir is None
+        self.base_dir = base_dir or Path(tempfile.mkdtemp(prefix="txbox-pg-"))
+        self.data_dir = self.base_dir / "data"
+        self.log_file = self.base_dir / "postgres.log"
+        self.max_connections = max_connections
+        self.restarts = 0
+        self._user = "postgres" if os.geteuid() == 0 else None
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = [str(PG_BIN / args[0]), *args[1:]]
+        if self._user:
+            cmd = ["runuser", "-u", self._user, "--", *cmd]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=self.base_dir, check=False)
+        if check and proc.returncode != 0:
+            raise InstanceError(f"{' '.join(args[:2])} failed ({proc.returncode}): {proc.stderr or proc.stdout}")
+        return proc
+
+    def init(self) -> None:
+        if self._user:
+            uid = pwd.getpwnam(self._user)
+            os.chown(self.base_dir, uid.pw_uid, uid.pw_gid)
+        # --no-sync only skips flushing initdb's own files once; the server keeps fsync on.
+        self._run("initdb", "-D", str(self.data_dir), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
+
+    def start(self) -> None:
+        if not self.data_dir.exists():
+            self.init()
+        options = (
+            f"-p {self.port} -k {self.base_dir} -c listen_addresses=127.0.0.1 "
+            f"-c max_connections={self.max_connections} -c fsync=on -c synchronous_commit=on"
+        )
+        self._run(
+            "pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_file), "-o", options, "-w", "-t", "60", "start"
+        )
+        _wait(self.accepts_connections, 60, f"PostgreSQL on port {self.port}", self.log_file)
+
+    def stop(self, mode: str = "fast") -> None:
+        """``fast`` (clean) or ``immediate`` (no checkpoint: recovery replays the WAL, as after a crash)."""
+        if self.running():
+            self._run("pg_ctl", "-D", str(self.data_dir), "-m", mode, "-w", "-t", "60", "stop")
+
+    def restart(self, mode: str = "immediate") -> None:
+        self.stop(mode)
+        self.start()
+        self.restarts += 1
+
+    def running(self) -> bool:
+        return (self.data_dir / "postmaster.pid").exists() and self._run(
+            "pg_ctl", "-D", str(self.data_dir), "status", check=False
+        ).returncode == 0
+
+    def accepts_connections(self) -> bool:
+        try:
+            with psycopg.connect(self.admin_url, connect_timeout=2):
+                return True
+        except psycopg.OperationalError:
+            return False
+
+    def close(self) -> None:
+        try:
+            self.stop("immediate")
+        finally:
+            if self._own_dir:
+                shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- use --------------------------------------------------------------------------
+
+    @property
+    def admin_url(self) -> str:
+        """libpq URL of the ``postgres`` database (psycopg)."""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def url(self, database: str, driver: str = "postgresql+psycopg") -> str:
+        """SQLAlchemy URL of ``database`` (the form TXBOX_DATABASE_URL takes)."""
+        return f"{driver}://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return self.url(name)
+
+    def terminate_backends(self, database: str | None = None) -> int:
+        """Kill client connections from the server side (pg_terminate_backend); returns how many."""
+        query = (
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        )
+        params: tuple[Any, ...] = ()
+        if database is not None:
+            query += " AND datname = %s"
+            params = (database,)
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            row = conn.execute(query, params).fetchone()
+        return int(row[0]) if row else 0
+
+
+class PrivateRabbit:
+    """A second RabbitMQ node on this machine: own node name, ports, data and cookie.
+
+    Runs ``rabbitmq-server`` in the foreground as our child (its own process group), so
+    stopping it is a signal, not a 5-second ``rabbitmqctl`` round trip. The management
+    plugin is on (its API closes connections from the server side).
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        management_port: int | None = None,
+        base_dir: Path | None = None,
+        management: bool = True,
+    ) -> None:
+        self.port = port or free_port()
+        self.dist_port = free_port()
+        self.management_port = (management_port or free_port()) if management else None
+        self._own_dir = base_dir is None
+        self.base_dir = base_dir or Path(tempfile.mkdtemp(prefix="txbox-rabbit-"))
+        self.node = f"txbox-chaos-{self.port}@localhost"
+        self.log_file = self.base_dir / "rabbitmq.out"
+        self.restarts = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._write_config()
+
+    def _write_config(self) -> None:
+        lines = [f"listeners.tcp.local = 127.0.0.1:{self.port}", "loopback_users = none"]
+        plugins = "[]."
+        if self.management_port:
+            lines += [f"management.tcp.port = {self.management_port}", "management.tcp.ip = 127.0.0.1"]
+            plugins = "[rabbitmq_management]."
+        (self.base_dir / "rabbitmq.conf").write_text("\n".join(lines) + "\n")
+        (self.base_dir / "enabled_plugins").write_text(plugins + "\n")
+        (self.base_dir / "rabbitmq-env.conf").write_text("")  # not the machine's /etc one
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            HOME=str(self.base_dir),  # own Erlang cookie, created on first start
+            RABBITMQ_CONF_ENV_FILE=str(self.base_dir / "rabbitmq-env.conf"),
+            RABBITMQ_NODENAME=self.node,
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_CONFIG_FILE=str(self.base_dir / "rabbitmq.conf"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(self.base_dir / "enabled_plugins"),
+            RABBITMQ_MNESIA_BASE=str(self.base_dir / "mnesia"),
+            RABBITMQ_LOG_BASE=str(self.base_dir / "log"),
+            ERL_EPMD_ADDRESS="127.0.0.1",
+        )
+        return env
+
+    def start(self, timeout: float = 90) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        with self.log_file.open("ab") as out:
+            self._proc = subprocess.Popen(
+                [str(RABBITMQ_BIN / "rabbitmq-server")],
+                env=self.env(),
+                cwd=self.base_dir,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        _wait(self._ready, timeout, f"RabbitMQ node {self.node} on port {self.port}", self.log_file)
+
+    def _ready(self) -> bool:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise InstanceError(
+                f"RabbitMQ node {self.node} exited with {self._proc.returncode} during start; see {self.log_file}"
+            )
+        if not _port_open(self.port):
+            return False
+        if self.management_port is None:
+            return True
+        try:
+            self.api("GET", "/overview")
+            return True
+        except (OSError, InstanceError):
+            return False
+
+    def stop(self, timeout: float = 60) -> None:
+        """Graceful stop (SIGTERM: RabbitMQ closes connections and flushes its stores)."""
+        self._signal(signal.SIGTERM, timeout)
+
+    def kill(self) -> None:
+        """``kill -9`` of the whole node: confirmed messages must survive it."""
+        self._signal(signal.SIGKILL, 30)
+
+    def _signal(self, sig: int, timeout: float) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        # Erlang helpers (epmd is the machine's, shared) may outlive the script briefly.
+        _wait(lambda: not _port_open(self.port), 30, f"port {self.port} to close")
+        self._proc = None
+
+    def restart(self, hard: bool = False) -> None:
+        if hard:
+            self.kill()
+        else:
+            self.stop()
+        self.start()
+        self.restarts += 1
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            if self._own_dir:
+                shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- use --------------------------------------------------------------------------
+
+    def amqp_url(self, vhost: str = "/") -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/{urllib.parse.quote(vhost, safe='')}"
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        """Call the management API of this node."""
+        if self.management_port is None:
+            raise InstanceError("this RabbitMQ node runs without the management plugin")
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"http://127.0.0.1:{self.management_port}/api{path}", data=data, method=method)
+        req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=15) as resp:
+                payload = resp.read()
+                return json.loads(payload) if payload else None
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404 and method in ("GET", "DELETE"):
+                return None
+            raise InstanceError(f"management API {method} {path}: HTTP {exc.code} {exc.reason}") from exc
+
+    def connections(self) -> list[dict[str, Any]]:
+        return list(self.api("GET", "/connections") or [])
+
+    def close_connections(self, name_contains: str = "") -> int:
+        """Force-close client connections from the broker side; returns how many."""
+        closed = 0
+        for conn in self.connections():
+            name = conn.get("client_properties", {}).get("connection_name", "") or ""
+            if name_contains in name:
+                self.api("DELETE", f"/connections/{urllib.parse.quote(conn['name'], safe='')}")
+                closed += 1
+        return closed
+
+    def queue(self, name: str, vhost: str = "/") -> Any:
+        q = urllib.parse.quote
+        return self.api("GET", f"/queues/{q(vhost, safe='')}/{q(name, safe='')}")

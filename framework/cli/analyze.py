@@ -1,0 +1,132 @@
+"""`txbox analyze`: the Spark reconciliation and analytics job (DESIGN §8).
+
+Sources: ``--source service=url`` (repeatable), ``--sources-file FILE``, else the
+service of ``TXBOX_SERVICE`` / ``TXBOX_DATABASE_URL``. Everything is validated before
+the JVM starts, so a typo costs a second, not ten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+from framework.analytics.settings import AnalyzeSettings
+from framework.analytics.sources import Source, check_unique, load_sources_file, parse_source
+from framework.errors import ConfigurationError
+from framework.settings import load, parse_duration
+
+log = logging.getLogger("txbox.analyze")
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    src = parser.add_argument_group("sources")
+    src.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="SERVICE=URL",
+        help="a service's database (repeatable); default TXBOX_SERVICE=TXBOX_DATABASE_URL",
+    )
+    src.add_argument("--sources-file", type=Path, help="YAML: `sources: {service: url}` and optional `report: url`")
+    src.add_argument("--contracts-dir", type=Path, help="contracts folder (TXBOX_CONTRACTS_DIR, default contracts)")
+    src.add_argument("--schema", help="schema of the framework's tables (TXBOX_SCHEMA, default txbox)")
+    src.add_argument("--history", type=Path, help="also read rows archived by `txbox archive --to DIR`")
+    job = parser.add_argument_group("job")
+    job.add_argument("--master", help="Spark master (TXBOX_ANALYZE_MASTER; default local[*])")
+    job.add_argument("--jdbc-jar", type=Path, help="PostgreSQL JDBC jar (TXBOX_JDBC_JAR)")
+    job.add_argument("--window", help="analyze rows created within this window, e.g. 24h (TXBOX_ANALYZE_WINDOW, 7d)")
+    job.add_argument("--grace", help="published but not received after this → lost (TXBOX_ANALYZE_GRACE, 5m)")
+    job.add_argument("--sla", help="pending/leased longer than this → stuck (TXBOX_ANALYZE_SLA, 15m)")
+    job.add_argument("--partition-rows", type=int, help="rows per JDBC read partition (TXBOX_ANALYZE_PARTITION_ROWS)")
+    job.add_argument("--every", help="repeat every DURATION (e.g. 5m); SIGTERM/SIGINT stop it after the current run")
+    out = parser.add_argument_group("output")
+    out.add_argument("--report-url", help="database of the analytics_* tables (default: the first source)")
+    out.add_argument("--no-report", action="store_true", help="do not write the analytics_* tables")
+    out.add_argument("--parquet", type=Path, help="also write the report tables as Parquet under DIR")
+    out.add_argument("--fail-on-lost", action="store_true", help="exit 1 when lost messages exist (cron, alerting)")
+
+
+def sources_of(args: argparse.Namespace) -> tuple[list[Source], str | None]:
+    sources = [parse_source(s) for s in args.source]
+    report: str | None = None
+    if args.sources_file:
+        more, report = load_sources_file(args.sources_file)
+        sources += more
+    if not sources and os.environ.get("TXBOX_SERVICE") and os.environ.get("TXBOX_DATABASE_URL"):
+        sources = [Source(os.environ["TXBOX_SERVICE"], os.environ["TXBOX_DATABASE_URL"])]
+    return check_unique(sources), report
+
+
+def run(args: argparse.Namespace) -> int:
+    from framework import names
+    from framework.analytics.report import check_report_database
+    from framework.contracts import load_registry
+
+    settings = load(
+        AnalyzeSettings,
+        None,
+        master=args.master,
+        jdbc_jar=args.jdbc_jar,
+        window=args.window,
+        grace=args.grace,
+        sla=args.sla,
+        partition_rows=args.partition_rows,
+        report_url=args.report_url,
+    )
+    sources, file_report = sources_of(args)
+    schema = args.schema or os.environ.get("TXBOX_SCHEMA") or "txbox"
+    if not names.valid_schema(schema):
+        raise ConfigurationError(f"--schema {schema!r} is not a valid schema name (example: txbox)")
+    registry = load_registry(args.contracts_dir or os.environ.get("TXBOX_CONTRACTS_DIR") or "contracts")
+    report_url = None if args.no_report else (settings.report_url or file_report or sources[0].url)
+    if report_url is not None:
+        check_report_database(report_url, schema)
+    every = parse_duration(args.every) if args.every else None
+    if every is not None and every <= 0:
+        raise ConfigurationError(f"--every {args.every!r} must be a positive duration (example: --every 5m)")
+
+    from framework.analytics.job import run_once
+    from framework.analytics.session import spark_session
+
+    spark = spark_session(settings)
+    stop = threading.Event()
+    if every is not None:
+
+        def _stop(signum: int, frame: FrameType | None) -> None:
+            stop.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+    status = 0
+    try:
+        while True:
+            try:
+                result = run_once(
+                    spark,
+                    sources=sources,
+                    registry=registry,
+                    settings=settings,
+                    schema=schema,
+                    report_url=report_url,
+                    parquet=args.parquet,
+                    history=args.history,
+                )
+            except Exception as exc:
+                if every is None:
+                    raise
+                # A repeating job outlives a source that is down for one period: say so, go on.
+                log.error("analyze run failed, next try in %s s: %s", every, str(exc).splitlines()[0][:500])
+                status = 2
+            else:
+                print(result.summary(), flush=True)
+                status = 1 if (args.fail_on_lost and result.lost) else 0
+            if every is None or stop.wait(every):
+                break
+    finally:
+        spark.stop()
+    return status

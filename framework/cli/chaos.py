@@ -1,0 +1,65 @@
+"""`txbox chaos`: the example saga under load with seeded crashes, restarts and a poison message.
+
+Exit status: 0 when every check of the verdict holds (and `txbox analyze --fail-on-lost`
+found nothing lost), 1 on any violation, 2 when the run could not be carried out.
+The logic is in :mod:`framework.chaos.run`; it needs a checkout of the repository (the
+example services live in ``examples/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from framework.errors import ConfigurationError
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--messages", type=int, default=50_000, help="orders to place (3 handled messages each)")
+    parser.add_argument("--faults", type=int, default=16, help="faults to inject, besides the poison message")
+    parser.add_argument("--seed", type=int, default=1, help="seed of every random choice (replay a run with it)")
+    parser.add_argument("--rate", type=float, default=600.0, help="orders/s offered (default 600)")
+    parser.add_argument("--skus", type=int, default=20, help="distinct products")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes per service (default 1)")
+    parser.add_argument("--no-poison", action="store_true", help="do not send the poison message")
+    parser.add_argument("--no-analyze", action="store_true", help="skip `txbox analyze --fail-on-lost`")
+    parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum", help="inbox queue type")
+    parser.add_argument("--drain-timeout", type=float, default=600.0, help="seconds allowed for the final drain")
+    parser.add_argument("--stall-timeout", type=float, default=180.0, help="fail after this many s without progress")
+    parser.add_argument("--log-dir", type=Path, help="daemon logs here (default: a temp dir, removed when OK)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the daemon logs even when the run is OK")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object (last line)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.messages < 1 or args.faults < 0 or args.rate <= 0:
+        raise ConfigurationError("--messages must be ≥ 1, --faults ≥ 0 and --rate > 0")
+    try:
+        from framework.chaos import run as chaos
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"txbox chaos needs the repository's examples/ folder ({exc}); run it from a clone"
+        ) from None
+    options = chaos.ChaosOptions(
+        messages=args.messages,
+        faults=args.faults,
+        seed=args.seed,
+        rate=args.rate,
+        skus=args.skus,
+        poison=not args.no_poison,
+        analyze=not args.no_analyze,
+        queue_type=args.queue_type,
+        workers=max(1, args.workers),
+        drain_timeout=args.drain_timeout,
+        stall_timeout=args.stall_timeout,
+        log_dir=args.log_dir,
+        keep_logs=args.keep_logs,
+    )
+    import logging
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per migration step, twice
+    report = chaos.run(options)
+    print(report.line(), flush=True)
+    if args.json:
+        print(chaos.report_json(report), flush=True)
+    return 0 if report.ok else 1

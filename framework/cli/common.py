@@ -1,0 +1,74 @@
+"""Options every command shares: which service (``--app`` or ``TXBOX_*``) and overrides."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from framework.errors import ConfigurationError
+from framework.service import Service
+from framework.settings import Settings
+
+
+def add_service_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("service (default: the TXBOX_* environment)")
+    group.add_argument(
+        "--app", default=os.environ.get("TXBOX_APP"), help="module:attribute of a txbox Service (env TXBOX_APP)"
+    )
+    group.add_argument("--service", help="service id (TXBOX_SERVICE)")
+    group.add_argument("--database-url", help="SQLAlchemy URL (TXBOX_DATABASE_URL)")
+    group.add_argument("--amqp-url", help="RabbitMQ URL (TXBOX_AMQP_URL)")
+    group.add_argument("--contracts-dir", type=Path, help="contracts folder (TXBOX_CONTRACTS_DIR)")
+    group.add_argument("--schema", help="schema of the framework's tables (TXBOX_SCHEMA)")
+    group.add_argument("--queue-type", choices=("quorum", "classic"), help="inbox queue type (TXBOX_QUEUE_TYPE)")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "service": args.service,
+        "database_url": args.database_url,
+        "amqp_url": args.amqp_url,
+        "contracts_dir": args.contracts_dir,
+        "schema": args.schema,
+        "queue_type": args.queue_type,
+    }
+
+
+def load_service(args: argparse.Namespace) -> Service:
+    """The Service named by ``--app``, else one built from the environment and flags."""
+    if args.app:
+        service = import_app(args.app)
+        given = {k: v for k, v in _overrides(args).items() if v is not None}
+        if given:
+            import dataclasses
+
+            service.settings = dataclasses.replace(service.settings, **given)  # type: ignore[arg-type]
+        return service
+    return Service(settings=Settings.from_env(None, **_overrides(args)))
+
+
+def import_app(spec: str) -> Service:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"--app {spec!r} must be module:attribute. Example: --app examples.orders.app:service")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"--app {spec!r}: cannot import {module_name!r} ({exc})") from None
+    try:
+        service = getattr(module, attr)
+    except AttributeError:
+        raise ConfigurationError(f"--app {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(service, Service):
+        raise ConfigurationError(f"--app {spec!r} is a {type(service).__name__}, not a txbox Service")
+    return service
+
+
+def settings_only(args: argparse.Namespace) -> Settings:
+    """Settings without importing handlers (commands that do not run user code)."""
+    return load_service(args).settings

@@ -1,0 +1,78 @@
+"""`txbox dashboard`: the dead-letter and health dashboard (web), 127.0.0.1 by default."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from framework import names
+from framework.cli.common import add_service_options, load_service
+from framework.errors import ConfigurationError
+from framework.settings import load
+
+if TYPE_CHECKING:
+    from framework.dashboard.app import Source
+
+log = logging.getLogger("txbox.dashboard")
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    add_service_options(parser)
+    parser.add_argument("--host", help="address to bind (TXBOX_DASHBOARD_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (TXBOX_DASHBOARD_PORT, default 8470)")
+    parser.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=DATABASE_URL",
+        help="a service to show (repeat for several); default: the one service of --app / TXBOX_*",
+    )
+    parser.add_argument(
+        "--view-requires-token",
+        action="store_true",
+        default=None,
+        help="require TXBOX_DASHBOARD_TOKEN to view pages too (TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN)",
+    )
+
+
+def sources_of(args: argparse.Namespace) -> list[Source]:
+    from framework.dashboard.app import Source
+
+    if not args.source:
+        settings = load_service(args).settings
+        return [
+            Source(
+                settings.service, settings.database_url, schema=settings.schema, contracts_dir=settings.contracts_dir
+            )
+        ]
+    schema = args.schema or os.environ.get("TXBOX_SCHEMA") or "txbox"
+    contracts = args.contracts_dir or Path(os.environ.get("TXBOX_CONTRACTS_DIR") or "contracts")
+    out = []
+    for spec in args.source:
+        name, sep, url = spec.partition("=")
+        if not sep or not names.valid_service_id(name) or not url.startswith("postgresql"):
+            raise ConfigurationError(
+                f"--source {spec!r} must be NAME=DATABASE_URL. "
+                "Example: --source order-service=postgresql+psycopg://postgres@127.0.0.1:5432/orders"
+            )
+        out.append(Source(name, url, schema=schema, contracts_dir=contracts))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from framework.dashboard.app import DashboardSettings, create_app
+
+    settings = load(
+        DashboardSettings, None, host=args.host, port=args.port, view_requires_token=args.view_requires_token
+    )
+    app = create_app(sources_of(args), settings)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.token:
+        log.warning("binding %s without TXBOX_DASHBOARD_TOKEN: anyone who reaches it can read messages", settings.host)
+    print(f"txbox dashboard on http://{settings.host}:{settings.port}/", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,198 @@
+"""`txbox dlq list / show / replay / discard`: the dead letters from the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from framework.cli.common import add_service_options, load_service
+from framework.dlq import queries, replay
+from framework.dlq.present import masked
+from framework.errors import ConfigurationError
+
+
+def when(text: str) -> datetime:
+    try:
+        return queries.parse_when(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _filters(parser: argparse.ArgumentParser, *, status: bool = True) -> None:
+    g = parser.add_argument_group("filters")
+    if status:
+        g.add_argument("--status", choices=queries.STATUSES, default="open", help="default: open")
+    g.add_argument("--source", choices=queries.SOURCES, help="where the message gave up")
+    g.add_argument("--type", dest="message_type", help="message type, e.g. PlaceOrder")
+    g.add_argument("--reason", help="reason code, e.g. max_attempts")
+    g.add_argument("--fingerprint", help="failure group")
+    g.add_argument("--message-id", help="one message id")
+    g.add_argument("--since", type=when, help="died at or after: 2h, 1d or an ISO time")
+    g.add_argument("--until", type=when, help="died before: 30m or an ISO time")
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    add_service_options(parser)
+    sub = parser.add_subparsers(dest="action", required=True, metavar="action")
+    p = sub.add_parser("list", help="dead letters, newest first (--groups: by failure fingerprint)")
+    _filters(p)
+    p.add_argument("--groups", action="store_true", help="one line per fingerprint with counts")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="JSON lines")
+    p = sub.add_parser("show", help="one dead letter in full (auth_token masked)")
+    p.add_argument("id", type=int)
+    p.add_argument("--json", action="store_true")
+    for action, what in (("replay", "send back for processing"), ("discard", "close without replaying")):
+        p = sub.add_parser(action, help=f"{what}: ids, or every open letter a filter selects")
+        p.add_argument("ids", type=int, nargs="*", help="dead-letter ids")
+        _filters(p, status=False)
+        p.add_argument("--dry-run", action="store_true", help="show what would happen, change nothing")
+        p.add_argument("--json", action="store_true")
+
+
+def _fmt_time(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+def _clip(text: str | None, width: int) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def _selected(args: argparse.Namespace, status: str = "open") -> queries.Filters:
+    return queries.Filters(
+        status=status,  # type: ignore[arg-type]
+        source=args.source,
+        message_type=args.message_type,
+        reason=args.reason,
+        fingerprint=args.fingerprint,
+        message_id=args.message_id,
+        since=args.since,
+        until=args.until,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    service = load_service(args)
+    schema = service.settings.schema
+    with queries.connection(service.engine) as conn:
+        replay.resolve_replayed(conn, schema)
+        if args.action == "list":
+            return _list(conn, schema, args)
+        if args.action == "show":
+            return _show(conn, schema, args)
+        ids = list(args.ids)
+        filtered = any(
+            getattr(args, k) is not None
+            for k in ("source", "message_type", "reason", "fingerprint", "message_id", "since", "until")
+        )
+        if filtered:
+            ids += queries.ids_matching(conn, schema, _selected(args))
+        if not ids:
+            raise ConfigurationError(f"txbox dlq {args.action}: give dead-letter ids or a filter (e.g. --fingerprint)")
+        ids = sorted(set(ids))
+        if args.action == "replay":
+            outcomes = replay.replay(conn, schema, service.registry, service.name, ids, dry_run=args.dry_run)
+        else:
+            outcomes = replay.discard(conn, schema, ids, dry_run=args.dry_run)
+    if args.json:
+        for o in outcomes:
+            print(json.dumps({**o.as_dict(), "dry_run": args.dry_run}))
+    else:
+        for o in outcomes:
+            print(f"{o.id}: {o.action}: {o.detail}")
+        ok = sum(o.ok for o in outcomes)
+        verb = "would " + args.action if args.dry_run else args.action + "ed"
+        print(f"{verb}: {ok} of {len(outcomes)}" + (" (dry run: nothing changed)" if args.dry_run else ""))
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+def _list(conn: Any, schema: str, args: argparse.Namespace) -> int:
+    filters = _selected(args, args.status)
+    if args.groups:
+        rows = queries.groups(conn, schema, filters, limit=args.limit)
+        if args.json:
+            for r in rows:
+                print(json.dumps(r, default=str))
+            return 0
+        print(
+            _table(
+                [
+                    [
+                        str(r["count"]),
+                        r["fingerprint"],
+                        r["message_type"] or "-",
+                        r["reason"],
+                        _fmt_time(r["last_died_at"]),
+                        _clip(r["error"], 70),
+                    ]
+                    for r in rows
+                ],
+                ["COUNT", "FINGERPRINT", "TYPE", "REASON", "LAST DIED (UTC)", "ERROR (latest)"],
+            )
+        )
+        return 0
+    rows = queries.list_letters(conn, schema, filters, limit=args.limit, offset=args.offset)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r, default=str))
+        return 0
+    total = queries.count_letters(conn, schema, filters)
+    print(
+        _table(
+            [
+                [
+                    str(r["id"]),
+                    _fmt_time(r["died_at"]),
+                    r["source"],
+                    r["reason"],
+                    r["message_type"] or "-",
+                    r["status"],
+                    _clip(r["error"], 60),
+                ]
+                for r in rows
+            ],
+            ["ID", "DIED (UTC)", "SOURCE", "REASON", "TYPE", "STATUS", "ERROR"],
+        )
+    )
+    print(f"({len(rows)} of {total} {filters.status} dead letters)")
+    return 0
+
+
+def _show(conn: Any, schema: str, args: argparse.Namespace) -> int:
+    row = queries.get_letter(conn, schema, args.id)
+    if row is None:
+        raise ConfigurationError(f"no dead letter with id {args.id}")
+    row = masked(row)
+    if args.json:
+        print(json.dumps(row, default=str, indent=2))
+        return 0
+    for key in ("id", "status", "message_id", "message_type", "source", "reason", "fingerprint", "routing_key"):
+        print(f"{key:13} {row[key] if row[key] is not None else '-'}")
+    for key in ("died_at", "replayed_at", "resolved_at", "discarded_at"):
+        print(f"{key:13} {_fmt_time(row[key])}")
+    print(f"{'replay_count':13} {row['replay_count']}")
+    print("\nerror:")
+    for line in (row["error"] or "-").splitlines():
+        print(f"  {line}")
+    if row["message"] is not None:
+        print("\nmessage:\n" + json.dumps(row["message"], indent=2, ensure_ascii=False))
+    else:
+        print(f"\nraw body ({row['raw_encoding']}):\n{row['raw_body']}")
+    print("\nheaders:\n" + json.dumps(row["headers"], indent=2, default=str))
+    print("\nattempts:\n" + json.dumps(row["attempts"], indent=2, default=str))
+    if row["current"]:
+        print("\ncurrent row:\n" + json.dumps(row["current"], indent=2, default=str))
+    return 0

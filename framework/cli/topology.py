@@ -1,0 +1,24 @@
+"""`txbox topology`: declare exchanges, queues and bindings (DESIGN §5)."""
+
+from __future__ import annotations
+
+import argparse
+
+from framework import topology
+from framework.cli.common import add_service_options, load_service
+from framework.publisher.relay import quiet_pika
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    add_service_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet_pika(args)
+    service = load_service(args)
+    declared = topology.declare(service.settings, service.registry)
+    print(f"exchanges: {', '.join(declared.exchanges)}")
+    for queue in declared.queues:
+        binds = ", ".join(f"{e}:{k}" for e, k in queue.bindings)
+        print(f"queue {queue.name} {queue.arguments} ← {binds}")
+    return 0

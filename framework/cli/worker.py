@@ -1,0 +1,32 @@
+"""`txbox worker`: run the inbox worker daemon until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+
+from framework import metrics
+from framework.cli.common import add_service_options, load_service
+from framework.worker import Worker, WorkerConfig
+
+
+def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    add_service_options(parser)
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--batch-size", type=int, help="messages per transaction (TXBOX_WORKER_BATCH_SIZE)")
+    parser.add_argument(
+        "--segment-policy",
+        choices=("proceed", "park"),
+        help="after an abandon, later messages of the segment proceed or stay parked (TXBOX_WORKER_SEGMENT_POLICY)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    service = load_service(args)
+    for warning in service.check():  # assembly validation (seed 000): fail fast naming the misfit
+        print(f"txbox worker: {warning}")
+    config = WorkerConfig.from_env(batch_size=args.batch_size, segment_policy=args.segment_policy)
+    metrics.serve(args.metrics_port)
+    worker = Worker(service, config)
+    worker.install_signal_handlers()
+    worker.run()
+    return 0

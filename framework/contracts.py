@@ -1,0 +1,433 @@
+"""AsyncAPI 2.x + JSON Schema (draft-07) contracts: loader, registry and lint (DESIGN §3).
+
+Conventions, as in seed 003:
+
+- ``info.x-service-id`` names the service, else ``info.title`` in lower-kebab-case.
+- A channel name is a routing key. ``publish`` on a channel declares a **command** the
+  service accepts; ``subscribe`` declares an **event** the service emits.
+- Events a service consumes from other services are listed as routing keys (topic
+  patterns allowed) under the top-level ``x-subscribes`` list of its own contract.
+- A message's type is its ``name``, else its component key in PascalCase.
+- ``tags: [{name: "aggregate-type:<x>"}]`` gives the aggregate type.
+
+The registry is built once per process; each payload schema is compiled into one
+validator that is reused for every message of that type.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from jsonschema import Draft7Validator
+from jsonschema.exceptions import SchemaError
+from referencing import Registry as RefRegistry
+from referencing import Resource
+from referencing.jsonschema import DRAFT7
+
+from framework import names
+from framework.errors import ContractError, PayloadValidationError, Problem, UnknownMessageType
+
+Kind = Literal["command", "event"]
+
+_ROUTING_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+_BINDING_KEY = re.compile(r"^([A-Za-z0-9_-]+|\*|#)(\.([A-Za-z0-9_-]+|\*|#))*$")
+_IRREGULAR_PAST = frozenset(
+    """Done Sent Paid Built Made Held Lost Won Taken Given Begun Run Set Put Cut Read Left Kept Found Sold
+    Bought Shown Known Drawn Seen Written Spent Split Shut Hit Quit Froze Frozen Chosen Broken Sung Torn""".split()  # noqa: SIM905
+)
+
+
+def _is_past_tense(message_type: str) -> bool:
+    """Heuristic for the naming lint: does a word of the PascalCase name read as past tense?"""
+    words = re.findall(r"[A-Z][a-z0-9]*", message_type)
+    return any((w.endswith("ed") and not w.endswith("eed")) or w in _IRREGULAR_PAST for w in words)
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    """What the registry knows about one message type."""
+
+    message_type: str
+    kind: Kind
+    routing_key: str
+    service: str  # the owner: the consumer of a command, the producer of an event
+    aggregate_type: str
+    schema: dict[str, Any] = field(repr=False, compare=False)
+    source: str = field(compare=False)  # file and JSON path, for messages to people
+    validator: Draft7Validator = field(repr=False, compare=False)
+
+    def validate(self, payload: Any) -> None:
+        """Raise PayloadValidationError listing every violation (path: message)."""
+        errors = sorted(self.validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
+        if errors:
+            raise PayloadValidationError(
+                self.message_type,
+                [f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in errors[:10]],
+            )
+
+
+@dataclass
+class ServiceContract:
+    """One service's contract file."""
+
+    service: str
+    path: Path
+    commands: list[MessageSpec] = field(default_factory=list)  # accepted (publish)
+    events: list[MessageSpec] = field(default_factory=list)  # emitted (subscribe)
+    subscribes: list[str] = field(default_factory=list)  # consumed event routing keys
+
+
+@dataclass
+class Registry:
+    """message_type → MessageSpec for every loaded contract, plus per-service views."""
+
+    services: dict[str, ServiceContract] = field(default_factory=dict)
+    messages: dict[str, MessageSpec] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+
+    def get(self, message_type: str) -> MessageSpec:
+        try:
+            return self.messages[message_type]
+        except KeyError:
+            raise UnknownMessageType(
+                f"unknown message type {message_type!r}: no contract declares it "
+                f"(known: {', '.join(sorted(self.messages)) or 'none'})"
+            ) from None
+
+    def service(self, service: str) -> ServiceContract:
+        try:
+            return self.services[service]
+        except KeyError:
+            raise ContractError(
+                f"no contract for service {service!r} (found: {', '.join(sorted(self.services)) or 'none'}); "
+                f"add one with `info.x-service-id: {service}` to the contracts folder"
+            ) from None
+
+    def binding_keys(self, service: str) -> list[tuple[str, str]]:
+        """(exchange, routing key pattern) pairs the service's inbox queue is bound with."""
+        contract = self.service(service)
+        keys = [(names.COMMAND_EXCHANGE, spec.routing_key) for spec in contract.commands]
+        keys += [(names.EVENT_EXCHANGE, key) for key in contract.subscribes]
+        return sorted(set(keys))
+
+    def accepted_types(self, service: str) -> list[MessageSpec]:
+        """Every message type the service receives: its commands and the events it subscribes to."""
+        contract = self.service(service)
+        specs = list(contract.commands)
+        specs += [
+            spec
+            for spec in self.messages.values()
+            if spec.kind == "event" and any(topic_matches(k, spec.routing_key) for k in contract.subscribes)
+        ]
+        return specs
+
+    def subscribers(self, spec: MessageSpec) -> list[str]:
+        """Services whose inbox receives ``spec`` (reconciliation needs this)."""
+        if spec.kind == "command":
+            return [s for s, c in self.services.items() if any(m.message_type == spec.message_type for m in c.commands)]
+        return [s for s, c in self.services.items() if any(topic_matches(k, spec.routing_key) for k in c.subscribes)]
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+
+def topic_matches(pattern: str, key: str) -> bool:
+    """AMQP topic matching: `*` one word, `#` zero or more words."""
+    return _topic(pattern.split("."), key.split("."))
+
+
+def _topic(pattern: list[str], words: list[str]) -> bool:
+    if not pattern:
+        return not words
+    head, rest = pattern[0], pattern[1:]
+    if head == "#":
+        return any(_topic(rest, words[i:]) for i in range(len(words) + 1))
+    if not words:
+        return False
+    return (head in ("*", words[0])) and _topic(rest, words[1:])
+
+
+def load_registry(contracts_dir: Path | str, *, strict: bool = True) -> Registry:
+    """Load every ``*.yml``/``*.yaml`` AsyncAPI file under ``contracts_dir``.
+
+    With ``strict`` a contract with errors raises ContractError listing them all;
+    otherwise the problems are collected in ``registry.problems`` (the lint uses this).
+    """
+    directory = Path(contracts_dir)
+    registry = Registry()
+    if not directory.is_dir():
+        raise ContractError(
+            f"contracts folder {str(directory)!r} does not exist; set TXBOX_CONTRACTS_DIR "
+            "(example: TXBOX_CONTRACTS_DIR=contracts)"
+        )
+    files = sorted(p for p in directory.rglob("*") if p.suffix in (".yml", ".yaml"))
+    for path in files:
+        _Loader(path, directory, registry).load()
+    _lint_cross_file(registry)
+    if strict and registry.errors:
+        raise ContractError("contracts do not load:\n" + "\n".join(f"  - {p}" for p in registry.errors))
+    return registry
+
+
+class _Loader:
+    def __init__(self, path: Path, root: Path, registry: Registry) -> None:
+        self.path = path
+        self.root = root
+        self.registry = registry
+        self.label = str(path)
+
+    def problem(self, where: str, message: str, severity: str = "error") -> None:
+        self.registry.problems.append(Problem(severity, f"{self.label}: {where}" if where else self.label, message))
+
+    def load(self) -> None:
+        try:
+            doc = yaml.safe_load(self.path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            self.problem("", f"cannot read YAML: {exc}")
+            return
+        if not isinstance(doc, dict) or "asyncapi" not in doc:
+            self.problem("", "not an AsyncAPI document (no `asyncapi` field)")
+            return
+        if not str(doc["asyncapi"]).startswith("2."):
+            self.problem("asyncapi", f"AsyncAPI {doc['asyncapi']} is not supported; use 2.x")
+            return
+        info = doc.get("info") or {}
+        service = info.get("x-service-id") or names.kebab_case(str(info.get("title", "")))
+        if not service:
+            self.problem("info", "needs `x-service-id` or `title` to name the service")
+            return
+        if service in self.registry.services:
+            self.problem(
+                "info.x-service-id", f"service {service!r} is also defined in {self.registry.services[service].path}"
+            )
+            return
+        contract = ServiceContract(service=service, path=self.path)
+        self.registry.services[service] = contract
+        components = (doc.get("components") or {}).get("messages") or {}
+        for channel, item in (doc.get("channels") or {}).items():
+            where = f"channels.{channel}"
+            if not isinstance(item, dict):
+                self.problem(where, "a channel must be a mapping")
+                continue
+            channel = str(channel)
+            if not _ROUTING_KEY.match(channel):
+                self.problem(
+                    where, "a channel name is a routing key: words of letters, digits, '_' or '-' separated by '.'"
+                )
+                continue
+            operations: tuple[tuple[str, Kind], ...] = (("publish", "command"), ("subscribe", "event"))
+            for op, kind in operations:
+                if op in item:
+                    for spec in self._messages(doc, components, item[op], f"{where}.{op}", channel, kind, service):
+                        (contract.commands if kind == "command" else contract.events).append(spec)
+                        self._register(spec)
+        subscribes = doc.get("x-subscribes") or []
+        if not isinstance(subscribes, list):
+            self.problem("x-subscribes", "must be a list of event routing keys")
+            subscribes = []
+        for i, key in enumerate(subscribes):
+            if not isinstance(key, str) or not _BINDING_KEY.match(key):
+                self.problem(f"x-subscribes[{i}]", f"{key!r} is not a routing key or topic pattern")
+            else:
+                contract.subscribes.append(key)
+
+    def _messages(
+        self,
+        doc: dict[str, Any],
+        components: dict[str, Any],
+        operation: Any,
+        where: str,
+        channel: str,
+        kind: Kind,
+        service: str,
+    ) -> Iterator[MessageSpec]:
+        message = operation.get("message") if isinstance(operation, dict) else None
+        if message is None:
+            self.problem(where, "the operation has no `message`")
+            return
+        candidates = message["oneOf"] if isinstance(message, dict) and "oneOf" in message else [message]
+        for i, candidate in enumerate(candidates):
+            mwhere = f"{where}.message" + (f".oneOf[{i}]" if len(candidates) > 1 else "")
+            key: str | None = None
+            if isinstance(candidate, dict) and "$ref" in candidate:
+                ref = str(candidate["$ref"])
+                prefix = "#/components/messages/"
+                if not ref.startswith(prefix) or ref[len(prefix) :] not in components:
+                    self.problem(mwhere, f"$ref {ref!r} does not resolve to a message in components.messages")
+                    continue
+                key = ref[len(prefix) :]
+                candidate = components[key]
+                mwhere = f"components.messages.{key}"
+            if not isinstance(candidate, dict):
+                self.problem(mwhere, "a message must be a mapping")
+                continue
+            spec = self._spec(candidate, key, mwhere, channel, kind, service)
+            if spec is not None:
+                yield spec
+
+    def _spec(
+        self, msg: dict[str, Any], key: str | None, where: str, channel: str, kind: Kind, service: str
+    ) -> MessageSpec | None:
+        message_type = msg.get("name") or (names.pascal_case(key) if key else None)
+        if not message_type:
+            self.problem(where, "an inline message needs a `name` (its message type)")
+            return None
+        aggregate = None
+        for tag in msg.get("tags") or []:
+            name = str((tag or {}).get("name", ""))
+            if name.startswith("aggregate-type:"):
+                aggregate = name.split(":", 1)[1].strip()
+        if not aggregate:
+            self.problem(where, "needs a tag `aggregate-type:<name>`")
+            return None
+        content_type = msg.get("contentType", "application/json")
+        if content_type != "application/json":
+            self.problem(f"{where}.contentType", f"{content_type!r}: txbox messages are application/json")
+        schema = self._schema(msg.get("payload"), f"{where}.payload")
+        if schema is None:
+            return None
+        schema_doc, validator = schema
+        parts = channel.split(".")
+        if len(parts) != 3 or parts[0] not in (service, service.replace("-", "_")):
+            role = "consumer" if kind == "command" else "producer"
+            self.problem(
+                f"channels.{channel}",
+                f"routing key does not follow `<{role}-service>.<aggregate>.<{kind}>` "
+                f"(expected it to start with {service!r})",
+                "warning",
+            )
+        is_past = _is_past_tense(message_type)
+        if kind == "event" and not is_past:
+            self.problem(
+                where, f"event {message_type!r} should be named in the past tense (e.g. OrderPlaced)", "warning"
+            )
+        if kind == "command" and is_past:
+            self.problem(where, f"command {message_type!r} should be named imperatively (e.g. PlaceOrder)", "warning")
+        return MessageSpec(
+            message_type=message_type,
+            kind=kind,
+            routing_key=channel,
+            service=service,
+            aggregate_type=aggregate,
+            schema=schema_doc,
+            source=f"{self.label}: {where}",
+            validator=validator,
+        )
+
+    def _schema(self, payload: Any, where: str) -> tuple[dict[str, Any], Draft7Validator] | None:
+        if not isinstance(payload, dict):
+            self.problem(where, "needs a payload schema (`$ref` to a JSON Schema file or inline)")
+            return None
+        base = self.path.parent
+        if "$ref" in payload and len(payload) == 1:
+            ref = str(payload["$ref"])
+            file_part, _, fragment = ref.partition("#")
+            target = (base / file_part).resolve()
+            if not target.is_file():
+                self.problem(f"{where}.$ref", f"{ref!r} does not resolve: no file {target}")
+                return None
+            try:
+                schema = json.loads(target.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                self.problem(f"{where}.$ref", f"{ref!r} is not valid JSON: {exc}")
+                return None
+            if fragment:
+                schema = _pointer(schema, fragment)
+                if schema is None:
+                    self.problem(f"{where}.$ref", f"{ref!r}: fragment does not resolve")
+                    return None
+            uri = target.as_uri()
+        else:
+            schema = payload
+            uri = self.path.resolve().as_uri()
+        label = f"{where} ({uri.removeprefix('file://')})"
+        try:
+            Draft7Validator.check_schema(schema)
+        except SchemaError as exc:
+            path = "/".join(map(str, exc.absolute_path)) or "(root)"
+            self.problem(label, f"not a valid draft-07 schema at {path}: {exc.message}")
+            return None
+        if schema.get("type") not in (None, "object"):
+            self.problem(label, "a payload schema must describe an object")
+        registry: RefRegistry = RefRegistry(retrieve=_retrieve_file).with_resource(  # type: ignore[call-arg]
+            uri, Resource.from_contents(schema, default_specification=DRAFT7)
+        )
+        resolver = registry.resolver(base_uri=uri)
+        for ref in _all_refs(schema):
+            try:
+                resolver.lookup(ref)
+            except Exception as exc:  # referencing raises several unrelated types
+                self.problem(label, f"$ref {ref!r} inside the schema does not resolve: {exc}")
+                return None
+        # An `$id` makes relative `$ref`s inside the schema resolve against its own file.
+        return schema, Draft7Validator({"$id": uri, **schema}, registry=registry)
+
+    def _register(self, spec: MessageSpec) -> None:
+        existing = self.registry.messages.get(spec.message_type)
+        if existing is not None:
+            self.problem(
+                spec.source.split(": ", 1)[1],
+                f"message type {spec.message_type!r} is also declared at {existing.source}",
+            )
+            return
+        self.registry.messages[spec.message_type] = spec
+
+
+def _retrieve_file(uri: str) -> Resource[Any]:
+    if not uri.startswith("file://"):
+        raise ContractError(f"only local file references are allowed in schemas, not {uri}")
+    return Resource.from_contents(
+        json.loads(Path(uri.removeprefix("file://")).read_text(encoding="utf-8")), default_specification=DRAFT7
+    )
+
+
+def _pointer(doc: Any, fragment: str) -> Any:
+    for part in [p for p in fragment.split("/") if p]:
+        if not isinstance(doc, dict) or part not in doc:
+            return None
+        doc = doc[part]
+    return doc
+
+
+def _all_refs(schema: Any) -> Iterable[str]:
+    if isinstance(schema, dict):
+        for k, v in schema.items():
+            if k == "$ref" and isinstance(v, str):
+                yield v
+            else:
+                yield from _all_refs(v)
+    elif isinstance(schema, list):
+        for v in schema:
+            yield from _all_refs(v)
+
+
+def _lint_cross_file(registry: Registry) -> None:
+    seen: dict[tuple[str, str], MessageSpec] = {}
+    for spec in registry.messages.values():
+        key = (spec.kind, spec.routing_key)
+        if key in seen:
+            registry.problems.append(
+                Problem(
+                    "error",
+                    spec.source,
+                    f"routing key {spec.routing_key!r} is also used by {seen[key].message_type} ({seen[key].source})",
+                )
+            )
+        seen[key] = spec
+    for service, contract in registry.services.items():
+        for pattern in contract.subscribes:
+            if not any(topic_matches(pattern, s.routing_key) for s in registry.messages.values() if s.kind == "event"):
+                registry.problems.append(
+                    Problem(
+                        "warning",
+                        f"{contract.path}: x-subscribes",
+                        f"{service} subscribes to {pattern!r} but no loaded contract emits a matching event",
+                    )
+                )

@@ -1,0 +1,71 @@
+"""What every daemon shares: stop on SIGTERM/SIGINT, state-change logging, metrics port.
+
+A daemon's loop checks :attr:`Daemon.stopping` between units of work and waits with
+:meth:`Daemon.wait`, which returns early when a stop is requested, so shutdown is
+prompt without sleeping in a busy loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+from framework.backoff import backoff_seconds
+
+
+class Daemon:
+    name = "daemon"
+
+    def __init__(self) -> None:
+        self.stop_event = threading.Event()
+        self.log = logging.getLogger(f"txbox.{self.name}")
+        self._state = ""
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True if a stop was requested meanwhile."""
+        return self.stop_event.wait(seconds)
+
+    def state(self, state: str, detail: str = "") -> None:
+        """Log one line per state change (not per message)."""
+        if state != self._state:
+            self._state = state
+            self.log.info("%s%s", state, f": {detail}" if detail else "")
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT request a graceful stop; a second one is not needed to stop."""
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self.log.info("received %s: stopping", signal.Signals(signum).name)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+class Reconnect:
+    """Capped exponential backoff between reconnect attempts, reset after a success."""
+
+    def __init__(self, daemon: Daemon, *, base: float = 0.5, cap: float = 30.0) -> None:
+        self.daemon = daemon
+        self.base = base
+        self.cap = cap
+        self.failures = 0
+
+    def failed(self, what: str, exc: BaseException) -> bool:
+        """Record a failure and wait before the next try; True if the daemon is stopping."""
+        self.failures += 1
+        delay = backoff_seconds(self.failures, base=self.base, cap=self.cap, jitter=0.2)
+        self.daemon.state(f"{what} unavailable", f"{exc}; retrying in {delay:.1f}s")
+        return self.daemon.wait(delay)
+
+    def succeeded(self) -> None:
+        self.failures = 0

@@ -1,0 +1,79 @@
+"""Database adapter: engines, raw connections for the hot paths, error conversion.
+
+SQLAlchemy serves the public API (the caller's Session or Connection); the daemons' hot
+paths use raw psycopg connections with named SQL, which is several times cheaper per
+row. Both come from one URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+
+from framework.errors import ConfigurationError, DatabaseUnavailable
+
+# SQLSTATE classes that mean "the infrastructure failed", not "this message is bad".
+_INFRA_SQLSTATE_PREFIXES = ("08", "53", "57", "58")  # connection, resources, operator, system
+
+
+def create_engine(database_url: str, **kwargs: Any) -> Engine:
+    try:
+        url = make_url(database_url)
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(
+            f"TXBOX_DATABASE_URL is not a valid URL ({exc}). "
+            "Example: TXBOX_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/orders"
+        ) from None
+    if url.drivername in ("postgresql", "postgres"):
+        url = url.set(drivername="postgresql+psycopg")
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(url, **kwargs)
+
+
+def conninfo(database_url: str) -> str:
+    """libpq connection string of a SQLAlchemy URL (drops the `+driver` part)."""
+    url = make_url(database_url).set(drivername="postgresql")
+    return url.render_as_string(hide_password=False)
+
+
+def connect(database_url: str, *, autocommit: bool = False, **kwargs: Any) -> psycopg.Connection[Any]:
+    """A raw psycopg connection; connection failures become DatabaseUnavailable."""
+    try:
+        return psycopg.connect(conninfo(database_url), autocommit=autocommit, **kwargs)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc
+
+
+def is_infrastructure_error(exc: BaseException) -> bool:
+    """True when ``exc`` says the database (not the data) failed: retry, don't blame the message."""
+    if isinstance(exc, sa.exc.DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig if exc.orig is not None else exc
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return True
+    if isinstance(exc, psycopg.Error):
+        state = exc.sqlstate or ""
+        return state.startswith(_INFRA_SQLSTATE_PREFIXES)
+    return isinstance(exc, DatabaseUnavailable | ConnectionError)
+
+
+def is_transient_conflict(exc: BaseException) -> bool:
+    """Serialization failure or deadlock: retry the transaction, not the handler's fault."""
+    if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:
+        exc = exc.orig
+    return isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected)
+
+
+@contextmanager
+def database_errors(what: str) -> Iterator[None]:
+    """Convert driver connection errors to DatabaseUnavailable at the adapter boundary."""
+    try:
+        yield
+    except (psycopg.OperationalError, sa.exc.OperationalError) as exc:
+        raise DatabaseUnavailable(f"{what}: {exc}".strip()) from exc

@@ -1,0 +1,238 @@
+"""The message envelope of DESIGN §2 (the Mosaic format), strict parsing and serialization.
+
+Parsing never trusts its input: every malformation raises :class:`EnvelopeError` with a
+stable ``reason`` code (used as the dead-letter reason) and the field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from framework.errors import EnvelopeError
+
+CONTENT_TYPE = "application/json"
+DEFAULT_MESSAGE_VERSION = "1.0"
+
+# Reason codes for malformed input (dead-letter `reason` column).
+EMPTY_BODY = "empty_body"
+NOT_UTF8 = "not_utf8"
+NOT_JSON = "not_json"
+TOO_DEEP = "too_deep"
+NOT_OBJECT = "not_object"
+MISSING_FIELD = "missing_field"
+INVALID_FIELD = "invalid_field"
+
+_REQUIRED_STR = ("message_type", "aggregate_id", "aggregate_type", "message_version")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """One message: every envelope field, plus where it is in its delivery history.
+
+    ``attempt`` counts handler runs starting at 1; ``is_final_attempt`` tells a handler
+    that a failure now abandons the message (it may want to compensate instead).
+    """
+
+    message_id: uuid.UUID
+    message_type: str
+    aggregate_type: str
+    aggregate_id: str
+    payload: dict[str, Any]
+    message_context: dict[str, Any] = field(default_factory=dict)
+    timestamp: datetime = field(default_factory=lambda: datetime.now(UTC))
+    message_version: str = DEFAULT_MESSAGE_VERSION
+    auth_token: str | None = field(default=None, repr=False)
+    attempt: int = 1
+    max_attempts: int | None = None
+    routing_key: str | None = None
+
+    @property
+    def is_final_attempt(self) -> bool:
+        return self.max_attempts is not None and self.attempt >= self.max_attempts
+
+    @property
+    def correlation_id(self) -> str | None:
+        """The first ``*correlation_id`` value of the context, for logs and headers."""
+        for key, value in self.message_context.items():
+            if key.endswith("correlation_id") and isinstance(value, str):
+                return value
+        return None
+
+    def with_delivery(self, *, attempt: int, max_attempts: int | None) -> Message:
+        return replace(self, attempt=attempt, max_attempts=max_attempts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The envelope as JSON-ready dict, in the field order of DESIGN §2."""
+        out: dict[str, Any] = {
+            "payload": self.payload,
+            "message_context": self.message_context,
+            "message_id": str(self.message_id),
+            "timestamp": format_timestamp(self.timestamp),
+            "message_type": self.message_type,
+            "aggregate_id": self.aggregate_id,
+            "aggregate_type": self.aggregate_type,
+            "message_version": self.message_version,
+        }
+        if self.auth_token is not None:
+            out["auth_token"] = self.auth_token
+        return out
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def format_timestamp(value: datetime) -> str:
+    """ISO 8601 in UTC with milliseconds and `Z`, as in the Mosaic example."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    value = value.astimezone(UTC)
+    return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+
+
+def parse_timestamp(text: str) -> datetime:
+    value = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    if value.tzinfo is None:
+        raise ValueError("timestamp has no time zone")
+    return value.astimezone(UTC)
+
+
+def decode_json(body: bytes | str) -> Any:
+    """Bytes → JSON value, raising EnvelopeError for empty, non-UTF-8, non-JSON or too deep."""
+    if isinstance(body, bytes | bytearray | memoryview):
+        if len(body) == 0:
+            raise EnvelopeError(EMPTY_BODY, "the body is empty")
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise EnvelopeError(NOT_UTF8, f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    else:
+        text = body
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise EnvelopeError(NOT_UTF8, f"the text is not Unicode ({exc.reason} at {exc.start})") from None
+    if text.strip() == "":
+        raise EnvelopeError(EMPTY_BODY, "the body is empty")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise EnvelopeError(TOO_DEEP, "the JSON is nested too deeply to parse") from None
+    except ValueError as exc:
+        raise EnvelopeError(NOT_JSON, f"the body is not JSON ({exc})") from None
+    if _SURROGATE_ESCAPE.search(text):
+        _reject_lone_surrogates(value)
+    return value
+
+
+# `\ud800`…`\udfff`: JSON may escape half of a UTF-16 pair alone, which decodes to a
+# string no UTF-8 encoder (PostgreSQL, psycopg, our own to_json) accepts. Pairs are fine.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _reject_lone_surrogates(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise EnvelopeError(
+                    NOT_UTF8, "a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not Unicode text"
+                ) from None
+
+
+def parse_message(body: bytes | str) -> Message:
+    """Strictly parse an envelope from raw bytes (or text)."""
+    return message_from_dict(decode_json(body))
+
+
+def message_from_dict(data: Any) -> Message:
+    if not isinstance(data, dict):
+        raise EnvelopeError(NOT_OBJECT, f"the envelope must be a JSON object, not {_json_type(data)}")
+
+    def require(name: str) -> Any:
+        if name not in data:
+            raise EnvelopeError(MISSING_FIELD, "required field is missing", name)
+        return data[name]
+
+    raw_id = require("message_id")
+    if not isinstance(raw_id, str):
+        raise EnvelopeError(INVALID_FIELD, f"must be a UUID string, not {_json_type(raw_id)}", "message_id")
+    try:
+        message_id = uuid.UUID(raw_id)
+    except ValueError:
+        raise EnvelopeError(INVALID_FIELD, f"{_clip(raw_id)!r} is not a UUID", "message_id") from None
+
+    strings: dict[str, str] = {}
+    for name in _REQUIRED_STR:
+        value = require(name)
+        if not isinstance(value, str):
+            raise EnvelopeError(INVALID_FIELD, f"must be a string, not {_json_type(value)}", name)
+        if name != "message_version" and value == "":
+            raise EnvelopeError(INVALID_FIELD, "must not be empty", name)
+        strings[name] = value
+
+    payload = require("payload")
+    if not isinstance(payload, dict):
+        raise EnvelopeError(INVALID_FIELD, f"must be a JSON object, not {_json_type(payload)}", "payload")
+
+    raw_ts = require("timestamp")
+    if not isinstance(raw_ts, str):
+        raise EnvelopeError(INVALID_FIELD, f"must be an ISO 8601 string, not {_json_type(raw_ts)}", "timestamp")
+    try:
+        timestamp = parse_timestamp(raw_ts)
+    except (ValueError, OverflowError):  # OverflowError: year 1 or 9999 shifted out of range by its zone
+        raise EnvelopeError(
+            INVALID_FIELD, f"{_clip(raw_ts)!r} is not an ISO 8601 time with zone", "timestamp"
+        ) from None
+
+    context = data.get("message_context")
+    if context is None:
+        context = {}
+    elif not isinstance(context, dict):
+        raise EnvelopeError(INVALID_FIELD, f"must be a JSON object, not {_json_type(context)}", "message_context")
+
+    token = data.get("auth_token")
+    if token is not None and not isinstance(token, str):
+        raise EnvelopeError(INVALID_FIELD, f"must be a string, not {_json_type(token)}", "auth_token")
+
+    return Message(
+        message_id=message_id,
+        message_type=strings["message_type"],
+        aggregate_type=strings["aggregate_type"],
+        aggregate_id=strings["aggregate_id"],
+        message_version=strings["message_version"],
+        payload=payload,
+        message_context=context,
+        timestamp=timestamp,
+        auth_token=token,
+    )
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -1,0 +1,113 @@
+"""Every error txbox raises derives from :class:`TxboxError`.
+
+Driver errors (psycopg, pika, jsonschema, yaml) are converted to these at the adapter
+boundary, so callers catch one root and branch on types that say what went wrong.
+
+Two branches are control flow for handler authors rather than faults of txbox:
+:class:`RetryableError` (settle as FAILED: retry later) and :class:`PermanentError`
+(settle as REJECTED: straight to the dead letters), the outcomes of seed 001.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class TxboxError(Exception):
+    """Root of every txbox error."""
+
+
+class ConfigurationError(TxboxError):
+    """A setting is missing or malformed; the message names it and shows a valid value."""
+
+
+class ContractError(TxboxError):
+    """A contract file does not load, or a lookup in the registry failed."""
+
+
+class UnknownMessageType(ContractError):
+    """A message type that no loaded contract declares."""
+
+
+class PayloadValidationError(TxboxError):
+    """A payload does not satisfy its JSON Schema."""
+
+    def __init__(self, message_type: str, errors: list[str]) -> None:
+        self.message_type = message_type
+        self.errors = errors
+        super().__init__(f"payload of {message_type} is invalid: " + "; ".join(errors))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of the contracts lint or the assembly check."""
+
+    severity: str  # "error" | "warning"
+    where: str  # file and JSON path, or handler name
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.where}: {self.message}"
+
+
+class AssemblyError(TxboxError):
+    """`Service.check()` found a graph that does not fit (seed 000): fail fast at start."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("the service does not assemble:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class EnvelopeError(TxboxError):
+    """A message body is not a valid envelope (DESIGN §2).
+
+    ``reason`` is a stable code used as the dead-letter reason; ``field`` names the
+    envelope field at fault when there is one.
+    """
+
+    def __init__(self, reason: str, detail: str, field: str | None = None) -> None:
+        self.reason = reason
+        self.field = field
+        self.detail = detail
+        where = f" (field {field!r})" if field else ""
+        super().__init__(f"{reason}{where}: {detail}")
+
+
+class DatabaseUnavailable(TxboxError):
+    """PostgreSQL could not be reached or dropped the connection (infrastructure, retry)."""
+
+
+class BrokerUnavailable(TxboxError):
+    """RabbitMQ could not be reached or dropped the connection (infrastructure, retry)."""
+
+
+class TopologyMismatch(TxboxError):
+    """A queue or exchange exists on the broker with different arguments."""
+
+
+class PublishError(TxboxError):
+    """A direct publish was not confirmed: nacked, returned as unroutable, or timed out.
+
+    ``reason`` is a stable code: ``nacked``, ``unroutable``, ``timeout``,
+    ``connection_lost`` or ``closed`` (the last two: the broker may or may not have it).
+    """
+
+    def __init__(self, message: str, reason: str = "failed") -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class PublisherClosed(PublishError):
+    """The publisher is closed or closing; nothing more may be sent through it."""
+
+
+class HandlerOutcome(TxboxError):
+    """Base of the exceptions a handler raises to choose its settlement."""
+
+
+class RetryableError(HandlerOutcome):
+    """FAILED: roll back, retry after a backoff, abandon after ``max_attempts``."""
+
+
+class PermanentError(HandlerOutcome):
+    """REJECTED: roll back and abandon at once; the message goes to the dead letters."""

@@ -1,0 +1,161 @@
+"""Transactional outbox writes: one row in the caller's own transaction (DESIGN §6, §7).
+
+The row commits or rolls back with the business data it belongs to; the publisher
+relays it afterwards. Routing key, kind and aggregate type come from the contracts and
+the payload is validated here, so a bad message raises before anything commits.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from sqlalchemy import Connection, insert
+from sqlalchemy.orm import Session
+
+from framework import tables
+from framework.contracts import MessageSpec, Registry
+from framework.envelope import DEFAULT_MESSAGE_VERSION
+from framework.errors import ContractError
+
+if TYPE_CHECKING:
+    from framework.envelope import Message
+
+Concurrency = Literal["sequential", "parallel"]
+
+_INSERT = insert(tables.outbox)
+
+
+def default_segment(aggregate_type: str, aggregate_id: str) -> str:
+    """Ordering lane of a message unless told otherwise: one per aggregate."""
+    return f"{aggregate_type}:{aggregate_id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutboxRow:
+    """A message on its way into txbox.outbox (column values)."""
+
+    id: uuid.UUID
+    message_type: str
+    aggregate_type: str
+    aggregate_id: str
+    message_version: str
+    kind: str
+    routing_key: str
+    payload: dict[str, Any]
+    message_context: dict[str, Any]
+    metadata: dict[str, Any]
+    segment: str
+    concurrency: str
+    priority: int
+    locked_until: datetime | None
+
+    def params(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if out["locked_until"] is None:
+            del out["locked_until"]  # server default: due now
+        return out
+
+
+class Outbox:
+    """Writes messages into the outbox within ``session``'s current transaction.
+
+    Get one from ``service.outbox(session)``; inside a handler the worker passes one in,
+    which copies the incoming ``message_context`` into everything written (seed 003).
+    """
+
+    def __init__(
+        self,
+        bind: Session | Connection,
+        registry: Registry,
+        *,
+        schema: str = tables.SCHEMA,
+        incoming: Message | None = None,
+    ) -> None:
+        self._bind = bind
+        self._registry = registry
+        self._options = {"schema_translate_map": tables.translate_map(schema)} if schema != tables.SCHEMA else {}
+        self._incoming = incoming
+        self.written: list[OutboxRow] = []
+
+    def send_command(self, message_type: str, **kwargs: Any) -> uuid.UUID:
+        """Send a command to the one service that accepts it. Returns the message id."""
+        return self._write(self._spec(message_type, "command"), **kwargs)
+
+    def publish_event(self, message_type: str, **kwargs: Any) -> uuid.UUID:
+        """Publish an event to whoever subscribed. Returns the message id."""
+        return self._write(self._spec(message_type, "event"), **kwargs)
+
+    def _spec(self, message_type: str, kind: str) -> MessageSpec:
+        spec = self._registry.get(message_type)
+        if spec.kind != kind:
+            verb = "send_command" if spec.kind == "command" else "publish_event"
+            raise ContractError(
+                f"{message_type} is {'a command' if spec.kind == 'command' else 'an event'}: use outbox.{verb}()"
+            )
+        return spec
+
+    def build(
+        self,
+        spec: MessageSpec,
+        *,
+        aggregate_id: str | int,
+        payload: Mapping[str, Any],
+        message_context: Mapping[str, Any] | None = None,
+        message_id: uuid.UUID | None = None,
+        message_version: str = DEFAULT_MESSAGE_VERSION,
+        auth_token: str | None = None,
+        not_before: datetime | None = None,
+        priority: int = 0,
+        segment: str | None = None,
+        concurrency: Concurrency = "sequential",
+    ) -> OutboxRow:
+        """Validate and shape one row without writing it (the worker batches these)."""
+        payload = dict(payload)
+        spec.validate(payload)
+        if concurrency not in ("sequential", "parallel"):
+            raise ValueError(f"concurrency must be 'sequential' or 'parallel', not {concurrency!r}")
+        if not -32768 <= priority <= 32767:
+            raise ValueError(f"priority must fit a smallint, not {priority}")
+        if not_before is not None and not_before.tzinfo is None:
+            raise ValueError("not_before must be timezone-aware (e.g. datetime.now(UTC) + timedelta(...))")
+        if message_context is None:
+            message_context = self._incoming.message_context if self._incoming is not None else {}
+        aggregate = str(aggregate_id)
+        metadata: dict[str, Any] = {}
+        if auth_token is not None:
+            metadata["auth_token"] = auth_token
+        return OutboxRow(
+            id=message_id or uuid.uuid4(),
+            message_type=spec.message_type,
+            aggregate_type=spec.aggregate_type,
+            aggregate_id=aggregate,
+            message_version=message_version,
+            kind=spec.kind,
+            routing_key=spec.routing_key,
+            payload=payload,
+            message_context=dict(message_context),
+            metadata=metadata,
+            segment=segment if segment is not None else default_segment(spec.aggregate_type, aggregate),
+            concurrency=concurrency,
+            priority=priority,
+            locked_until=not_before.astimezone(UTC) if not_before is not None else None,
+        )
+
+    def _write(self, spec: MessageSpec, **kwargs: Any) -> uuid.UUID:
+        row = self.build(spec, **kwargs)
+        self._bind.execute(_INSERT, row.params(), execution_options=self._options)
+        self.written.append(row)
+        return row.id
+
+
+def json_params(row: OutboxRow) -> dict[str, Any]:
+    """Row params with JSON columns serialized, for raw psycopg executemany on hot paths."""
+    params = row.params()
+    for key in ("payload", "message_context", "metadata"):
+        params[key] = json.dumps(params[key])
+    return params

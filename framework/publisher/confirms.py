@@ -1,0 +1,463 @@
+"""A confirm-tracking publisher: many sends in flight, each completed by the broker's confirm.
+
+Why a SelectConnection in a thread of its own: pika's ``BlockingConnection`` gives one
+blocking round trip per confirmed publish (~1,700 msg/s here), while publisher confirms
+streamed over an asynchronous connection reach ~18,000 msg/s. The I/O thread owns the
+connection and channel; callers hand messages over through a queue and one
+``ioloop.add_callback_threadsafe`` wake-up per burst (not per message), because that
+call writes to a pipe.
+
+Completion semantics (seed 004, the Jakarta Messaging async-send rules):
+
+- a send completes when the broker confirms it (``basic.ack``), or fails with
+  :class:`~framework.errors.PublishError` when it is nacked, returned as unroutable
+  (``mandatory``), not confirmed within ``confirm_timeout``, or the connection is lost;
+- completions run in send order, on the I/O thread (never on the sending thread), even
+  if the broker confirms out of order: a confirm is recorded on its entry and entries
+  are completed from the head of the send-ordered queue only;
+- :meth:`Publisher.flush` and :meth:`Publisher.close` block until every incomplete send
+  has completed; calling either from inside a completion callback raises, since it
+  would wait for itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pika
+import pika.channel
+import pika.exceptions
+import pika.frame
+import pika.spec
+
+from framework import amqp
+from framework.errors import BrokerUnavailable, PublisherClosed, PublishError
+from framework.settings import mask_url
+
+log = logging.getLogger("txbox.publisher.confirms")
+
+_PENDING: Any = object()  # outcome not known yet (None = confirmed)
+
+NACKED = "nacked"
+UNROUTABLE = "unroutable"
+TIMEOUT = "timeout"
+CONNECTION_LOST = "connection_lost"
+CLOSED = "closed"
+
+
+@dataclass(slots=True, eq=False)
+class Outgoing:
+    """One message on its way to the broker; ``token`` is the caller's handle (e.g. an outbox row)."""
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    properties: pika.BasicProperties
+    mandatory: bool = True
+    token: Any = None
+    on_done: Callable[[Outgoing, PublishError | None], None] | None = None
+    tag: int = 0
+    sent_at: float = 0.0
+    returned: str | None = None
+    outcome: Any = field(default=_PENDING)
+
+    @property
+    def message_id(self) -> str:
+        return str(self.properties.message_id)
+
+
+class Publisher:
+    """Streamed-confirm publisher over one connection and channel.
+
+    ``Publisher(url).start()`` (or ``with Publisher(url) as p:``), then
+    ``p.publish(exchange, routing_key, body)`` → a Future. The relay uses
+    :meth:`submit` with batches and a per-message callback instead of futures.
+    """
+
+    def __init__(
+        self,
+        amqp_url: str,
+        *,
+        name: str = "txbox publisher",
+        confirm_timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.amqp_url = amqp_url
+        self.name = name
+        self.confirm_timeout = confirm_timeout
+        self.connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._outq: deque[Outgoing] = deque()
+        self._scheduled = False
+        self._state = "new"  # new → open → closing → closed; or → broken
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._done_cond = threading.Condition()
+        self._incomplete = 0
+        self._local = threading.local()
+        self._thread: threading.Thread | None = None
+        self._conn: pika.SelectConnection | None = None
+        self._channel: pika.channel.Channel | None = None
+        # I/O thread only:
+        self._pending: deque[Outgoing] = deque()
+        self._by_id: dict[str, Outgoing] = {}
+        self._next_tag = 1
+
+    # ---- caller side ---------------------------------------------------------------
+
+    def start(self) -> Publisher:
+        """Connect and enable confirms; BrokerUnavailable if that fails within the timeout."""
+        if self._state != "new":
+            raise PublisherClosed("a Publisher can be started once; create a new one", CLOSED)
+        self._thread = threading.Thread(target=self._run, name=f"{self.name} io", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.connect_timeout):
+            self._state = "broken"
+            self._stop_io()
+            raise BrokerUnavailable(
+                f"RabbitMQ at {mask_url(self.amqp_url)} did not open a confirm channel within {self.connect_timeout}s"
+            )
+        if self._state != "open":
+            self._thread.join(5)
+            raise BrokerUnavailable(f"cannot connect to RabbitMQ at {mask_url(self.amqp_url)}: {self._error}")
+        return self
+
+    def __enter__(self) -> Publisher:
+        return self.start() if self._state == "new" else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def is_open(self) -> bool:
+        return self._state == "open"
+
+    @property
+    def broken(self) -> bool:
+        """The connection was lost: every incomplete send failed; make a new Publisher."""
+        return self._state == "broken"
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def in_flight(self) -> int:
+        """Sends not completed yet (queued, published and waiting for a confirm)."""
+        return self._incomplete
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        properties: pika.BasicProperties | None = None,
+        message_id: str | None = None,
+        headers: dict[str, Any] | None = None,
+        mandatory: bool = True,
+    ) -> Future[None]:
+        """Send one persistent message; the Future completes on confirm or fails with PublishError."""
+        if properties is None:
+            properties = pika.BasicProperties(
+                content_type="application/json",
+                delivery_mode=2,
+                message_id=message_id or str(uuid.uuid4()),
+                timestamp=int(time.time()),
+                headers=headers,
+            )
+        elif properties.message_id is None:
+            properties.message_id = message_id or str(uuid.uuid4())
+        future: Future[None] = Future()
+        future.set_running_or_notify_cancel()
+
+        def done(_: Outgoing, error: PublishError | None) -> None:
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+        self.submit([Outgoing(exchange, routing_key, body, properties, mandatory, on_done=done)])
+        return future
+
+    def submit(self, items: Iterable[Outgoing]) -> None:
+        """Hand a batch to the I/O thread (one wake-up); each item's ``on_done`` runs on completion.
+
+        Raises PublisherClosed (nothing was sent) when the publisher is not open.
+        """
+        batch = list(items)
+        if not batch:
+            return
+        with self._lock:
+            if self._state != "open":
+                raise PublisherClosed(self._closed_text(), CONNECTION_LOST if self._state == "broken" else CLOSED)
+            with self._done_cond:
+                self._incomplete += len(batch)
+            self._outq.extend(batch)
+            wake = not self._scheduled
+            self._scheduled = True
+        if wake and self._conn is not None:
+            self._conn.ioloop.add_callback_threadsafe(self._drain)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every send so far has completed; False if ``timeout`` passed first."""
+        self._refuse_in_callback("flush")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._done_cond:
+            while self._incomplete > 0:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._done_cond.wait(remaining)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting sends, wait (up to ``timeout``) for incomplete ones, close the connection.
+
+        Sends still incomplete after the timeout fail with PublisherClosed (the broker may
+        or may not have them).
+        """
+        self._refuse_in_callback("close")
+        with self._lock:
+            if self._state == "open":
+                self._state = "closing"
+        if self._state == "new":
+            self._state = "closed"
+            return
+        self.flush(timeout)
+        self._stop_io()
+        if self._thread is not None:
+            self._thread.join(10)
+        with self._lock:
+            if self._state != "broken":
+                self._state = "closed"
+
+    def _refuse_in_callback(self, what: str) -> None:
+        if getattr(self._local, "in_callback", False):
+            raise PublishError(
+                f"Publisher.{what}() was called from inside a completion callback: it would wait for "
+                "that callback itself. Call it from another thread (e.g. after the future completes).",
+                "illegal_state",
+            )
+
+    def _closed_text(self) -> str:
+        if self._state == "broken":
+            return f"the publisher's connection was lost ({self._error}); create a new Publisher"
+        return "the publisher is closed"
+
+    def _stop_io(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        with contextlib.suppress(Exception):  # the ioloop may be gone already
+            conn.ioloop.add_callback_threadsafe(self._close_io)
+
+    # ---- I/O thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._conn = pika.SelectConnection(
+                amqp.parameters(self.amqp_url, name=self.name),
+                on_open_callback=self._on_open,
+                on_open_error_callback=self._on_open_error,
+                on_close_callback=self._on_closed,
+            )
+            self._conn.ioloop.start()
+        except Exception as exc:  # pragma: no cover - defensive: never die silently
+            log.exception("publisher I/O thread failed")
+            self._broken(exc)
+            self._ready.set()
+
+    def _on_open(self, conn: pika.SelectConnection) -> None:
+        conn.channel(on_open_callback=self._on_channel)
+
+    def _on_open_error(self, conn: pika.SelectConnection, exc: BaseException) -> None:
+        self._error = exc
+        self._state = "broken"
+        self._ready.set()
+        conn.ioloop.stop()
+
+    def _on_channel(self, channel: pika.channel.Channel) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_mode)
+
+    def _on_confirm_mode(self, _frame: pika.frame.Method) -> None:
+        with self._lock:
+            self._state = "open"
+        self._ready.set()
+        assert self._conn is not None
+        self._conn.ioloop.call_later(1.0, self._check_timeouts)
+
+    def _on_closed(self, conn: pika.SelectConnection, reason: BaseException) -> None:
+        if self._state not in ("closing", "closed"):
+            self._broken(reason)
+        else:
+            self._fail_everything(PublisherClosed("the publisher closed before the broker confirmed", CLOSED))
+        conn.ioloop.stop()
+
+    def _on_channel_closed(self, channel: pika.channel.Channel, reason: BaseException) -> None:
+        if self._state not in ("closing", "closed"):
+            self._broken(reason)
+        assert self._conn is not None
+        if self._conn.is_open:
+            self._conn.close()
+
+    def _close_io(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        if conn.is_open:
+            conn.close()
+        elif conn.is_closed:
+            conn.ioloop.stop()
+
+    def _broken(self, reason: BaseException) -> None:
+        with self._lock:
+            if self._state == "broken":
+                return
+            self._state = "broken"
+            self._error = reason
+        log.warning("publisher connection lost: %s", reason)
+        self._fail_everything(
+            PublishError(f"connection to RabbitMQ lost before the confirm ({reason})", CONNECTION_LOST)
+        )
+
+    def _fail_everything(self, error: PublishError) -> None:
+        with self._lock:
+            queued = list(self._outq)
+            self._outq.clear()
+            self._scheduled = False
+        for item in itertools.chain(self._pending, queued):
+            if item.outcome is _PENDING:
+                item.outcome = error
+        self._pending.extend(queued)
+        self._complete_head()
+
+    def _drain(self) -> None:
+        with self._lock:
+            items = list(self._outq)
+            self._outq.clear()
+            self._scheduled = False
+        channel = self._channel
+        if channel is None or not channel.is_open:
+            for item in items:
+                item.outcome = PublishError("the channel is closed", CONNECTION_LOST)
+            self._pending.extend(items)
+            self._complete_head()
+            return
+        now = time.monotonic()
+        publish = channel.basic_publish
+        pending = self._pending
+        by_id = self._by_id
+        tag = self._next_tag
+        sent = 0
+        try:
+            for item in items:
+                publish(item.exchange, item.routing_key, item.body, item.properties, item.mandatory)
+                item.tag = tag
+                tag += 1
+                item.sent_at = now
+                pending.append(item)
+                if item.mandatory:
+                    by_id[item.message_id] = item
+                sent += 1
+        except Exception as exc:  # the channel or connection died under us
+            error = PublishError(f"publishing failed: {exc!r}", CONNECTION_LOST)
+            for item in items[sent:]:
+                item.outcome = error
+            pending.extend(items[sent:])
+            self._broken(exc)
+        finally:
+            self._next_tag = tag
+
+    def _on_return(
+        self,
+        _channel: pika.channel.Channel,
+        method: pika.spec.Basic.Return,
+        properties: pika.BasicProperties,
+        _body: bytes,
+    ) -> None:
+        # RabbitMQ sends basic.return before the basic.ack of the same message, so the
+        # entry is still pending here and its ack will complete it as a failure.
+        item = self._by_id.get(str(properties.message_id))
+        if item is not None:
+            item.returned = f"{method.reply_code} {method.reply_text}"
+
+    def _on_confirm(self, frame: pika.frame.Method) -> None:
+        method = frame.method
+        nack = isinstance(method, pika.spec.Basic.Nack)
+        tag: int = method.delivery_tag
+        pending = self._pending
+        if not pending:
+            return
+        first = pending[0].tag
+        if method.multiple:
+            selected: Iterable[Outgoing] = itertools.islice(pending, 0, max(0, tag - first + 1))
+        elif 0 <= tag - first < len(pending):
+            selected = (pending[tag - first],)
+        else:
+            return
+        for item in selected:
+            if item.outcome is not _PENDING:
+                continue
+            if nack:
+                item.outcome = PublishError(f"the broker nacked message {item.message_id}", NACKED)
+            elif item.returned is not None:
+                item.outcome = PublishError(
+                    f"unroutable: no queue bound to {item.exchange!r} with {item.routing_key!r} ({item.returned})",
+                    UNROUTABLE,
+                )
+            else:
+                item.outcome = None
+        self._complete_head()
+
+    def _check_timeouts(self) -> None:
+        if self._state not in ("open", "closing"):
+            return
+        limit = time.monotonic() - self.confirm_timeout
+        for item in self._pending:
+            if item.sent_at > limit:
+                break
+            if item.outcome is _PENDING:
+                item.outcome = PublishError(
+                    f"no confirm for message {item.message_id} within {self.confirm_timeout}s", TIMEOUT
+                )
+        self._complete_head()
+        assert self._conn is not None
+        self._conn.ioloop.call_later(1.0, self._check_timeouts)
+
+    def _complete_head(self) -> None:
+        """Complete entries in send order, stopping at the first one still waiting."""
+        pending = self._pending
+        completed = 0
+        self._local.in_callback = True
+        try:
+            while pending and pending[0].outcome is not _PENDING:
+                item = pending.popleft()
+                if item.mandatory and self._by_id.get(item.message_id) is item:
+                    del self._by_id[item.message_id]
+                completed += 1
+                if item.on_done is not None:
+                    try:
+                        item.on_done(item, item.outcome)
+                    except Exception:
+                        log.exception("a publish completion callback raised")
+        finally:
+            self._local.in_callback = False
+        if completed:
+            with self._done_cond:
+                self._incomplete -= completed
+                if self._incomplete <= 0:
+                    self._done_cond.notify_all()

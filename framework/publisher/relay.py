@@ -1,0 +1,554 @@
+"""The outbox relay: claim due outbox rows, publish them with streamed confirms, record outcomes.
+
+One loop (the caller's thread) talks to PostgreSQL; the :class:`Publisher` I/O thread
+talks to RabbitMQ; a listener thread turns ``NOTIFY`` into a wake-up. The loop keeps up
+to ``max_in_flight`` messages unconfirmed and claims the next batch while earlier ones
+wait for their confirms, so neither the database nor the broker round trip is paid per
+message. A row is marked ``processed_at`` only after its confirm; everything between
+claim and record is covered by the lease, so a publisher that dies (even ``kill -9``)
+leaves rows that another publisher takes over when the lease runs out.
+
+Outcomes of one publish:
+
+- confirmed → published;
+- returned unroutable: a command is a failure (nobody accepts it: likely a missing
+  binding), an event is published (nobody subscribed, seed 003);
+- nacked / unroutable command / confirm timeout → ``finished_attempts + 1``, backoff via
+  ``locked_until``; after ``max_attempts`` abandoned with a dead letter, in one transaction;
+- connection lost / publisher closed → the lease is released at once (no attempt is
+  counted: it was not the message's fault; the broker may have it, the inbox dedups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter as Tally
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import pika
+import psycopg
+from prometheus_client import Counter, Gauge
+
+from framework import db, names, topology
+from framework.backoff import backoff_seconds
+from framework.contracts import Registry
+from framework.daemon import Daemon, Reconnect
+from framework.dead_letters import MAX_ATTEMPTS, DeadLetter, insert_sql
+from framework.envelope import CONTENT_TYPE
+from framework.errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, PublishError
+from framework.publisher import confirms
+from framework.publisher import sql as named
+from framework.publisher.confirms import Outgoing, Publisher
+from framework.settings import Seconds, Settings, setting
+
+log = logging.getLogger("txbox.publisher")
+
+PUBLISHED = Counter("txbox_publisher_published", "Outbox rows confirmed by the broker and marked", ["message_type"])
+FAILED = Counter(
+    "txbox_publisher_failed",
+    "Failed publish attempts (nacked, unroutable command, timeout)",
+    ["message_type", "reason"],
+)
+ABANDONED = Counter("txbox_publisher_abandoned", "Outbox rows given up after max_attempts", ["message_type"])
+IN_FLIGHT = Gauge("txbox_publisher_in_flight", "Messages published and waiting for the broker's confirm")
+BACKLOG = Gauge("txbox_outbox_backlog", "Pending outbox rows (not processed, not abandoned)")
+OLDEST_DUE_AGE = Gauge("txbox_outbox_oldest_due_age_seconds", "Age of the oldest due pending outbox row")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayConfig:
+    """Tuning of the publisher daemon (``TXBOX_PUBLISHER_*``; CLI flags override)."""
+
+    batch_size: int = setting("TXBOX_PUBLISHER_BATCH_SIZE", "1000", default=1000, help="rows per claim")
+    max_in_flight: int = setting(
+        "TXBOX_PUBLISHER_MAX_IN_FLIGHT", "5000", default=5000, help="unconfirmed messages at most"
+    )
+    lease: Seconds = setting(
+        "TXBOX_PUBLISHER_LEASE", "60s", default=Seconds(60), help="how long a claim holds rows before others may"
+    )
+    confirm_timeout: Seconds = setting(
+        "TXBOX_PUBLISHER_CONFIRM_TIMEOUT", "30s", default=Seconds(30), help="a publish not confirmed by then failed"
+    )
+    poll_interval: Seconds = setting(
+        "TXBOX_PUBLISHER_POLL_INTERVAL", "1s", default=Seconds(1), help="fallback poll when no NOTIFY arrives"
+    )
+    drain_timeout: Seconds = setting(
+        "TXBOX_PUBLISHER_DRAIN_TIMEOUT", "10s", default=Seconds(10), help="wait for confirms on shutdown"
+    )
+    max_attempts: int = setting("TXBOX_PUBLISHER_MAX_ATTEMPTS", "10", default=10, help="then dead-letter")
+    retry_base: Seconds = setting("TXBOX_PUBLISHER_RETRY_BASE", "1s", default=Seconds(1), help="first backoff")
+    retry_cap: Seconds = setting("TXBOX_PUBLISHER_RETRY_CAP", "5m", default=Seconds(300), help="longest backoff")
+    metrics_interval: Seconds = setting(
+        "TXBOX_PUBLISHER_METRICS_INTERVAL", "5s", default=Seconds(5), help="backlog gauge refresh"
+    )
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_in_flight < 1 or self.max_attempts < 1:
+            raise ConfigurationError(
+                "TXBOX_PUBLISHER_BATCH_SIZE, TXBOX_PUBLISHER_MAX_IN_FLIGHT and TXBOX_PUBLISHER_MAX_ATTEMPTS "
+                "must be at least 1. Example: TXBOX_PUBLISHER_BATCH_SIZE=1000"
+            )
+        if self.confirm_timeout >= self.lease:
+            # A row whose confirm may still come must not be claimable by another publisher.
+            raise ConfigurationError(
+                f"TXBOX_PUBLISHER_CONFIRM_TIMEOUT ({self.confirm_timeout:g}s) must be shorter than "
+                f"TXBOX_PUBLISHER_LEASE ({self.lease:g}s). Example: TXBOX_PUBLISHER_CONFIRM_TIMEOUT=30s "
+                "TXBOX_PUBLISHER_LEASE=60s"
+            )
+
+
+def quiet_pika(args: Any) -> None:
+    """Keep pika's own tracebacks of a failed connect out of a command's output (unless -v).
+
+    txbox reports the failure itself, in one line naming the fix, and the daemons log one
+    line per state change; pika's ERROR records would repeat it with a stack trace.
+    """
+    if not getattr(args, "verbose", False):
+        logging.getLogger("pika").setLevel(logging.CRITICAL)
+
+
+class Claimed(NamedTuple):
+    """One claimed outbox row (columns of :data:`framework.publisher.sql.CLAIM_COLUMNS`)."""
+
+    id: str
+    message_type: str
+    aggregate_type: str
+    aggregate_id: str
+    message_version: str
+    kind: str
+    routing_key: str
+    payload_json: str
+    context_json: str
+    auth_token: str | None
+    correlation_id: str | None
+    priority: int
+    stamp: str  # created_at as DESIGN §2 formats it (UTC, milliseconds, Z)
+    epoch: int  # created_at in whole seconds (the AMQP timestamp property)
+    started_attempts: int
+    finished_attempts: int
+
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def envelope_body(row: Claimed) -> bytes:
+    """The DESIGN §2 envelope, assembled from the row's JSON text without parsing it again.
+
+    Payload and context come out of PostgreSQL as JSON text already; splicing them saves
+    a parse and a dump per message on the hot path. Field order is that of DESIGN §2.
+    """
+    parts = [
+        '{"payload":',
+        row.payload_json,
+        ',"message_context":',
+        row.context_json,
+        ',"message_id":"',
+        row.id,
+        '","timestamp":"',
+        row.stamp,
+        '","message_type":',
+        _dumps(row.message_type),
+        ',"aggregate_id":',
+        _dumps(row.aggregate_id),
+        ',"aggregate_type":',
+        _dumps(row.aggregate_type),
+        ',"message_version":',
+        _dumps(row.message_version),
+    ]
+    if row.auth_token is not None:
+        parts += [',"auth_token":', _dumps(row.auth_token)]
+    parts.append("}")
+    return "".join(parts).encode()
+
+
+def outgoing(row: Claimed) -> Outgoing:
+    """The AMQP message of a row: persistent, mandatory, properties mirroring the envelope."""
+    headers = {names.HEADER_CORRELATION_ID: row.correlation_id} if row.correlation_id else None
+    props = pika.BasicProperties(
+        content_type=CONTENT_TYPE,
+        delivery_mode=2,
+        message_id=row.id,
+        type=row.message_type,
+        timestamp=row.epoch,
+        headers=headers,
+    )
+    return Outgoing(names.exchange_for(row.kind), row.routing_key, envelope_body(row), props, True, row)
+
+
+class Relay(Daemon):
+    """The publisher daemon; ``Relay(settings, registry, config).run()`` until ``stop_event``.
+
+    ``txbox run`` embeds it by passing a shared ``stop_event``; ``declare_topology=False``
+    when the caller declared the topology already.
+    """
+
+    name = "publisher"
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        config: RelayConfig | None = None,
+        *,
+        stop_event: threading.Event | None = None,
+        declare_topology: bool = True,
+    ) -> None:
+        super().__init__()
+        if stop_event is not None:
+            self.stop_event = stop_event
+        self.settings = settings
+        self.registry = registry
+        self.config = config or RelayConfig()
+        self.declare_topology = declare_topology
+        self.schema = settings.schema
+        self._sql_claim_window = named.claim_window(self.schema)
+        self._sql_claim = named.claim(self.schema)
+        self._sql_mark = named.mark_published(self.schema)
+        self._sql_retry = named.retry_later(self.schema)
+        self._sql_abandon = named.abandon(self.schema)
+        self._sql_release = named.release(self.schema)
+        self._sql_backlog = named.backlog(self.schema)
+        self._sql_dead = insert_sql(self.schema)
+        self._sql_needs_analyze = named.needs_analyze(self.schema)
+        self._sql_analyze = named.analyze(self.schema)
+        self._wake = threading.Event()
+        self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
+        self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
+        self._conn: psycopg.Connection[Any] | None = None
+        self._write_conn: psycopg.Connection[Any] | None = None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="publisher write")
+        self._writing: tuple[list[tuple[Outgoing, PublishError | None]], Future[Any]] | None = None
+        self._publisher: Publisher | None = None
+        self._db_retry = Reconnect(self)
+        self._broker_retry = Reconnect(self)
+        self._next_gauges = 0.0
+        self._claim_hint = True  # False while a claim would find nothing new (see _claim_and_publish)
+        self._next_full_claim = 0.0
+        self._wide = True  # last claims found as many heads as asked for (see _claim_and_publish)
+        self.published = 0  # totals of this relay, for tests and `txbox run`'s summary
+        self.failed = 0
+        self.abandoned = 0
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def stop(self) -> None:
+        super().stop()
+        self._wake.set()
+
+    def run(self) -> None:
+        """Relay until stopped, then drain (bounded) and return."""
+        self.state("starting", f"service {self.settings.service}, schema {self.schema}")
+        if self.declare_topology and not self._declare():
+            return
+        listener = threading.Thread(target=self._listen, name="publisher listen", daemon=True)
+        listener.start()
+        try:
+            while not self.stopping:
+                self._wake.clear()
+                if not self._step() and not self._wake.wait(self.config.poll_interval):
+                    self._claim_hint = True  # the poll fallback: look again
+            self._drain()
+        finally:
+            self._wake.set()
+            if self._publisher is not None:
+                self._publisher.close(timeout=0)
+            self._writer.shutdown(wait=True)
+            self._close_db()
+            listener.join(timeout=5)
+            IN_FLIGHT.set(0)
+            self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
+
+    def _declare(self) -> bool:
+        while not self.stopping:
+            try:
+                topology.declare(self.settings, self.registry)
+                self._broker_retry.succeeded()
+                return True
+            except BrokerUnavailable as exc:
+                if self._broker_retry.failed("RabbitMQ", exc):
+                    return False
+        return False
+
+    def _step(self) -> bool:
+        """One round: record outcomes, claim and publish; True when more work is ready now.
+
+        Outcomes are written on a second connection by a writer thread while this one
+        claims, so the two biggest statements of the relay (mark and claim) overlap
+        instead of adding up.
+        """
+        try:
+            self._collect_writes(block=False)
+            conn = self._db()
+            self._start_write()
+            publisher = self._broker()
+            if publisher is None:
+                return False
+            self._gauges(conn, publisher)
+            claimed = self._claim_and_publish(conn, publisher)
+            IN_FLIGHT.set(publisher.in_flight)
+            self._db_retry.succeeded()
+            return claimed >= self.config.batch_size and publisher.in_flight < self.config.max_in_flight
+        except (psycopg.Error, DatabaseUnavailable) as exc:
+            if not isinstance(exc, DatabaseUnavailable) and not db.is_infrastructure_error(exc):
+                log.exception("unexpected database error")
+            self._close_db()
+            self._db_retry.failed("PostgreSQL", exc)
+            return False
+
+    # ---- database ------------------------------------------------------------------
+
+    def _db(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = db.connect(self.settings.database_url, autocommit=True)
+            # A claim lost to a database crash only loses a lease: the row is claimed
+            # (and maybe published) again, which at-least-once delivery allows.
+            self._conn.execute("SET synchronous_commit = off")
+            self.state("running")
+        return self._conn
+
+    def _close_db(self) -> None:
+        for conn in (self._conn, self._write_conn):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+        self._conn = self._write_conn = None
+
+    def _writer_db(self) -> psycopg.Connection[Any]:
+        if self._write_conn is None or self._write_conn.closed:
+            self._write_conn = db.connect(self.settings.database_url, autocommit=True)
+            # Losing the last marks to a crash only means those rows are published again
+            # (at-least-once; the inbox dedups), so the relay need not wait for fsync.
+            self._write_conn.execute("SET synchronous_commit = off")
+        return self._write_conn
+
+    def _claim_and_publish(self, conn: psycopg.Connection[Any], publisher: Publisher) -> int:
+        room = min(self.config.batch_size, self.config.max_in_flight - publisher.in_flight)
+        if room <= 0 or not self._claim_hint:
+            return 0
+        params = {"limit": room, "lease": float(self.config.lease), "window": room * 4}
+        if self._wide:
+            # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.
+            rows = conn.execute(self._sql_claim, params).fetchall()
+            self._wide = len(rows) >= room
+        else:
+            # Few, deep lanes: the plain claim would probe every waiting row (sql.claim_window).
+            rows = conn.execute(self._sql_claim_window, params).fetchall()
+            now = time.monotonic()
+            if not rows and now >= self._next_full_claim:
+                # The window may be all rows waiting behind blocked heads (say, a long
+                # backoff): look at the whole table now and then so no lane starves.
+                self._next_full_claim = now + float(self.config.poll_interval)
+                rows = conn.execute(self._sql_claim, params).fetchall()
+            self._wide = len(rows) >= room
+        # A short claim took every due head there is: claiming again is pointless until
+        # something changes (a write frees the next heads, NOTIFY, the poll timer).
+        self._claim_hint = len(rows) >= room
+        if not rows:
+            return 0
+        claimed = [Claimed(*r) for r in rows]  # in claim order: priority, then creation
+        items = [outgoing(r) for r in claimed]
+        for item in items:
+            item.on_done = self._done
+        try:
+            publisher.submit(items)
+        except PublishError:
+            conn.execute(self._sql_release, {"ids": [r.id for r in claimed]})
+            return 0
+        return len(items)
+
+    def _done(self, item: Outgoing, error: PublishError | None) -> None:
+        """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
+        self._results.append((item, error))
+        self._wake.set()
+
+    def _start_write(self) -> None:
+        """Hand the outcomes gathered so far to the writer thread (one batch at a time)."""
+        if self._writing is not None:
+            return
+        while self._results:
+            self._unrecorded.append(self._results.popleft())
+        if not self._unrecorded:
+            return
+        batch, self._unrecorded = self._unrecorded, []
+        conn = self._writer_db()
+        future = self._writer.submit(self._write, conn, batch)
+        future.add_done_callback(lambda _: self._wake.set())
+        self._writing = (batch, future)
+
+    def _collect_writes(self, *, block: bool) -> None:
+        """Account a finished write; a failed one goes back to the queue for the next try."""
+        if self._writing is None:
+            return
+        batch, future = self._writing
+        if not block and not future.done():
+            return
+        self._writing = None
+        try:
+            published, failed, abandoned = future.result()
+        except BaseException:
+            self._unrecorded[:0] = batch
+            raise
+        for message_type, n in published.items():
+            PUBLISHED.labels(message_type).inc(n)
+        for (message_type, reason), n in failed.items():
+            FAILED.labels(message_type, reason).inc(n)
+        for message_type, n in abandoned.items():
+            ABANDONED.labels(message_type).inc(n)
+        self._claim_hint = True  # the marks made the next rows of those lanes heads
+        self.published += sum(published.values())
+        self.failed += sum(failed.values())
+        self.abandoned += sum(abandoned.values())
+
+    def _record_now(self) -> None:
+        """Write every outcome gathered so far and wait for it (shutdown)."""
+        self._collect_writes(block=True)
+        self._start_write()
+        self._collect_writes(block=True)
+
+    def _write(
+        self, conn: psycopg.Connection[Any], batch: list[tuple[Outgoing, PublishError | None]]
+    ) -> tuple[Tally[str], Tally[tuple[str, str]], Tally[str]]:
+        """Writer thread: all outcomes of ``batch`` in one transaction."""
+        published: list[str] = []
+        published_types: Tally[str] = Tally()
+        failures: list[tuple[Claimed, PublishError]] = []
+        released: list[str] = []
+        for item, error in batch:
+            row: Claimed = item.token
+            if error is None or (error.reason == confirms.UNROUTABLE and row.kind == "event"):
+                published.append(row.id)
+                published_types[row.message_type] += 1
+            elif error.reason in (confirms.NACKED, confirms.UNROUTABLE, confirms.TIMEOUT):
+                failures.append((row, error))
+            else:
+                released.append(row.id)
+        failed: Tally[tuple[str, str]] = Tally()
+        abandoned: Tally[str] = Tally()
+        with conn.transaction(), conn.cursor() as cur:
+            if published:
+                cur.execute(self._sql_mark, {"ids": published})
+            if released:
+                cur.execute(self._sql_release, {"ids": released})
+            for row, error in failures:
+                failed[(row.message_type, error.reason)] += 1
+                if self._fail(cur, row, error):
+                    abandoned[row.message_type] += 1
+        if failures:
+            log.warning("%d publish(es) failed, e.g. %s: %s", len(failures), failures[0][0].id, failures[0][1])
+        return published_types, failed, abandoned
+
+    def _fail(self, cur: psycopg.Cursor[Any], row: Claimed, error: PublishError) -> bool:
+        """Count a failed attempt; abandon with a dead letter at ``max_attempts``. True if abandoned."""
+        attempt = row.finished_attempts + 1
+        text = str(error)
+        if attempt < self.config.max_attempts:
+            delay = backoff_seconds(attempt, base=self.config.retry_base, cap=self.config.retry_cap, jitter=0.5)
+            cur.execute(self._sql_retry, {"id": row.id, "delay": delay, "error": text})
+            return False
+        reason = error.reason if error.reason in (confirms.NACKED, confirms.UNROUTABLE) else MAX_ATTEMPTS
+        text = f"gave up after {attempt} attempts: {text}"
+        cur.execute(self._sql_abandon, {"id": row.id, "error": text})
+        if cur.rowcount == 0:
+            return False  # finished elsewhere meanwhile
+        letter = DeadLetter(
+            source="outbox",
+            reason=reason,
+            error=text,
+            error_type="PublishError",
+            message_id=uuid.UUID(row.id),
+            message_type=row.message_type,
+            routing_key=row.routing_key,
+            message=json.loads(envelope_body(row)),
+            headers={"exchange": names.exchange_for(row.kind)},
+            attempts={"started": row.started_attempts, "finished": attempt, "max_attempts": self.config.max_attempts},
+        )
+        cur.execute(self._sql_dead, letter.row())
+        return True
+
+    def _gauges(self, conn: psycopg.Connection[Any], publisher: Publisher | None) -> None:
+        IN_FLIGHT.set(publisher.in_flight if publisher is not None else 0)
+        now = time.monotonic()
+        if now < self._next_gauges:
+            return
+        self._next_gauges = now + self.config.metrics_interval
+        stale = conn.execute(self._sql_needs_analyze).fetchone()
+        if stale and stale[0]:
+            # A burst since the last ANALYZE makes the planner pick a slow claim plan (sql.py).
+            conn.execute(self._sql_analyze)
+        count, age = conn.execute(self._sql_backlog).fetchone() or (0, 0)
+        BACKLOG.set(count)
+        OLDEST_DUE_AGE.set(float(age))
+
+    # ---- broker ----------------------------------------------------------------------
+
+    def _broker(self) -> Publisher | None:
+        """The open publisher, reconnecting (with capped backoff) after a lost connection."""
+        if self._publisher is not None and self._publisher.is_open:
+            return self._publisher
+        if self._publisher is not None:
+            # Its incomplete sends have failed as connection_lost: record their releases first.
+            self._publisher.close(timeout=0)
+            self._publisher = None
+            return None
+        try:
+            self._publisher = Publisher(
+                self.settings.amqp_url,
+                name=f"{self.settings.service} publisher",
+                confirm_timeout=float(self.config.confirm_timeout),
+            ).start()
+            self._broker_retry.succeeded()
+            self.state("running")
+            return self._publisher
+        except BrokerUnavailable as exc:
+            self._broker_retry.failed("RabbitMQ", exc)
+            return None
+
+    # ---- wake-up ---------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        """LISTEN for inserts; a notification is only a hint to claim now (the poll is the fallback)."""
+        channel = names.notify_channel(self.schema, names.OUTBOX)
+        retry = Reconnect(self)
+        while not self.stopping:
+            try:
+                with db.connect(self.settings.database_url, autocommit=True) as conn:
+                    conn.execute(named.listen(channel))
+                    retry.succeeded()
+                    self._claim_hint = True  # rows may have arrived while not listening
+                    self._wake.set()
+                    while not self.stopping:
+                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                            self._claim_hint = True
+                            self._wake.set()
+            except (psycopg.Error, DatabaseUnavailable) as exc:
+                if retry.failed("PostgreSQL (listen)", exc):
+                    return
+
+    # ---- shutdown --------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Stop claiming; wait (bounded) for outstanding confirms; record; release the rest."""
+        publisher = self._publisher
+        if publisher is not None:
+            outstanding = publisher.in_flight
+            self.state("draining", f"{outstanding} confirm(s) outstanding")
+            if not publisher.flush(self.config.drain_timeout):
+                log.warning("drain timeout: %d confirm(s) still outstanding, releasing them", publisher.in_flight)
+            publisher.close(timeout=0)  # what is still incomplete fails as 'closed' → released
+            self._publisher = None
+        for _ in range(3):
+            try:
+                self._record_now()
+                return
+            except (psycopg.Error, DatabaseUnavailable) as exc:
+                self._close_db()
+                log.warning("could not record outcomes on shutdown (%s); leases will expire instead", exc)
+                time.sleep(0.2)

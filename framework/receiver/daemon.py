@@ -1,0 +1,368 @@
+"""The receiver daemon: inbox queue → txbox.inbox, acked only after commit (DESIGN §6).
+
+The loop collects deliveries for up to ``batch_size`` messages or ``batch_wait``,
+parses and validates them, stores them with one statement and one commit on a database
+thread — while the next batch is being collected and parsed — and, once that commit is
+done, acks the batch with one ``basic_ack(multiple=True)``. Three paths leave the happy one:
+
+- bad input is REJECTED into txbox.dead_letters in the same transaction (never raised);
+- a redelivered delivery (the previous holder died with it) is counted in
+  txbox.redeliveries in its own committed transaction *before* it is touched, and
+  handled alone, so one poisonous delivery cannot drag its batch mates to the limit;
+- PostgreSQL unavailable: each delivery is republished to the ``delay`` exchange with
+  its attempt number and acked only once the broker confirmed the copy (DESIGN §5); the
+  final attempt is rejected so the queue's dead-letter exchange keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pika
+import pika.exceptions
+import psycopg
+
+from framework import amqp, db, names, topology
+from framework import dead_letters as dl
+from framework.daemon import Daemon, Reconnect
+from framework.envelope import decode_json
+from framework.errors import BrokerUnavailable
+from framework.receiver import metrics, store
+from framework.receiver.config import ReceiverConfig
+from framework.receiver.intake import UNSTORABLE, Delivery, InboxRow, Intake
+from framework.service import Service
+
+_REPUBLISHED_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "message_id",
+    "timestamp",
+    "type",
+    "app_id",
+)
+
+
+@dataclass
+class _Prepared:
+    pairs: list[tuple[Delivery, InboxRow]]
+    letters: list[dl.DeadLetter]
+    settled_keys: list[str]
+
+
+class Receiver(Daemon):
+    """``Receiver(service, config).run()`` until :meth:`stop` (or SIGTERM via the CLI)."""
+
+    name = "receiver"
+
+    def __init__(self, service: Service, config: ReceiverConfig | None = None) -> None:
+        super().__init__()
+        self.service = service
+        self.settings = service.settings
+        self.config = config or ReceiverConfig.from_env()
+        self.queue = names.inbox_queue(self.settings.service)
+        self.intake = Intake(service.registry, self.settings.service, max_body_bytes=self.config.max_body_bytes)
+        self._schedule = self.config.schedule
+        self._db: psycopg.Connection[Any] | None = None
+        self._buffer: list[Delivery] = []
+        self._labels = {"service": self.settings.service}
+
+    # --- the loop -----------------------------------------------------------------
+
+    def run(self) -> None:
+        reconnect = Reconnect(self)
+        try:
+            while not self.stopping:
+                try:
+                    self._consume(reconnect)
+                except BrokerUnavailable as exc:
+                    if reconnect.failed("RabbitMQ", exc):
+                        break
+        finally:
+            self._drop_db()
+            self.state("stopped")
+
+    def _consume(self, reconnect: Reconnect) -> None:
+        connection = amqp.connect(self.settings.amqp_url, name=f"{self.settings.service} receiver")
+        try:
+            with amqp.broker_errors("receiving"):
+                channel = connection.channel()
+                topology.declare(self.settings, self.service.registry, channel)
+                self._declare_extra_delays(channel)
+                publish_channel = connection.channel()
+                publish_channel.confirm_delivery()
+                channel.basic_qos(prefetch_count=self.config.prefetch)
+                tag = channel.basic_consume(self.queue, self._on_delivery)
+                reconnect.succeeded()
+                self.state("consuming", self.queue)
+                self._loop(connection, channel, publish_channel)
+                # Undispatched deliveries are nacked (requeued) by pika on cancel.
+                channel.basic_cancel(tag)
+        finally:
+            self._buffer = []  # unacked: the broker requeues them when the channel closes
+            if connection.is_open:
+                with contextlib.suppress(pika.exceptions.AMQPError):
+                    connection.close()
+
+    def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any) -> None:
+        """Consume and settle until stopped; batch N is written while batch N+1 is collected.
+
+        The write runs on one database thread; everything pika does (acks, the delay
+        chain) stays on this thread, which waits for batch N's commit before acking it and
+        before handing over batch N+1, so acks still follow commits in order.
+        """
+        pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-receiver-db")
+        inflight: tuple[list[Delivery], Future[None]] | None = None
+        try:
+            while not self.stopping:
+                self._fill(connection, idle_wait=0.2 if inflight is None else self.config.batch_wait)
+                if not self._buffer:
+                    if inflight is not None:
+                        self._finish(inflight, channel, publish_channel)
+                        inflight = None
+                    continue
+                batch, self._buffer = self._buffer, []
+                metrics.RECEIVED.labels(**self._labels).inc(len(batch))
+                if any(d.redelivered for d in batch):
+                    if inflight is not None:
+                        self._finish(inflight, channel, publish_channel)
+                        inflight = None
+                    # Someone died holding these: take them one by one so the one that
+                    # kills us is the only one whose counter climbs.
+                    for delivery in batch:
+                        self._settle_group([delivery], channel, publish_channel)
+                    continue
+                prepared = self._admit(batch, {})
+                if inflight is not None:
+                    self._finish(inflight, channel, publish_channel)
+                inflight = (batch, pool.submit(self._write, prepared))
+            if inflight is not None:
+                self._finish(inflight, channel, publish_channel)
+        finally:
+            pool.shutdown(wait=True)  # a write in flight completes; its batch is redelivered, deduped
+
+    def _finish(self, inflight: tuple[list[Delivery], Future[None]], channel: Any, publish_channel: Any) -> None:
+        batch, future = inflight
+        try:
+            future.result()
+        except Exception as exc:
+            if not db.is_infrastructure_error(exc):
+                raise
+            self._database_down(exc)
+            self._retry_later(batch, channel, publish_channel)
+            return
+        self.state("consuming", self.queue)
+        channel.basic_ack(batch[-1].delivery_tag, multiple=True)
+
+    def _database_down(self, exc: BaseException) -> None:
+        self._drop_db()
+        self.state("database unavailable", f"{exc}".strip().splitlines()[0] if str(exc) else type(exc).__name__)
+
+    def _on_delivery(self, channel: Any, method: Any, props: Any, body: bytes) -> None:
+        self._buffer.append(Delivery.from_pika(method, props, body))
+
+    def _fill(self, connection: pika.BlockingConnection, idle_wait: float) -> None:
+        """Collect deliveries until a full batch, ``batch_wait`` after the first, or a stop."""
+        deadline: float | None = None
+        while len(self._buffer) < self.config.batch_size and not self.stopping:
+            if deadline is None:
+                connection.process_data_events(time_limit=idle_wait)
+                if not self._buffer:
+                    return
+                deadline = time.monotonic() + self.config.batch_wait
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            connection.process_data_events(time_limit=remaining)
+
+    def _declare_extra_delays(self, channel: Any) -> None:
+        """Delay queues of a non-standard schedule, shaped exactly like topology's ones."""
+        for seconds in self.config.extra_delays:
+            channel.queue_declare(
+                names.delay_queue(seconds),
+                durable=True,
+                arguments={"x-message-ttl": seconds * 1000, "x-dead-letter-exchange": names.RETRY_EXCHANGE},
+            )
+            channel.queue_bind(names.delay_queue(seconds), names.DELAY_EXCHANGE, names.delay_routing_key(seconds))
+
+    # --- settling a batch -----------------------------------------------------------
+
+    def _settle_group(self, group: list[Delivery], channel: Any, publish_channel: Any) -> None:
+        try:
+            forced = self._count_redeliveries(group)
+            self._store(group, forced)
+        except Exception as exc:
+            if not db.is_infrastructure_error(exc):
+                raise
+            self._database_down(exc)
+            self._retry_later(group, channel, publish_channel)
+            return
+        self.state("consuming", self.queue)
+        channel.basic_ack(group[-1].delivery_tag, multiple=True)
+
+    def _count_redeliveries(self, group: Sequence[Delivery]) -> dict[int, dl.DeadLetter]:
+        """Count redeliveries in their own committed transaction; dead letters for those past the limit."""
+        forced: dict[int, dl.DeadLetter] = {}
+        redelivered = [d for d in group if d.redelivered]
+        if not redelivered:
+            return forced
+        metrics.REDELIVERED.labels(**self._labels).inc(len(redelivered))
+        conn = self._connection()
+        with conn.cursor() as cur:
+            counts = {
+                d.delivery_tag: store.count_redelivery(cur, self.settings.schema, self.queue, d.counter_key)
+                for d in redelivered
+            }
+        conn.commit()
+        for delivery in redelivered:
+            count = counts[delivery.delivery_tag]
+            if count > self.config.redelivery_limit:
+                data: Any = None
+                try:
+                    data = decode_json(delivery.body)
+                except Exception:  # whatever it is, it is dead: keep the raw body only
+                    data = None
+                forced[delivery.delivery_tag] = self.intake.reject(
+                    delivery,
+                    dl.REDELIVERY_LIMIT,
+                    f"redelivered {count} times (limit {self.config.redelivery_limit}): "
+                    "the receiver died holding it each time",
+                    data=data,
+                )
+        return forced
+
+    def _store(self, group: Sequence[Delivery], forced: dict[int, dl.DeadLetter]) -> None:
+        self._write(self._admit(group, forced))
+
+    def _admit(self, group: Sequence[Delivery], forced: dict[int, dl.DeadLetter]) -> _Prepared:
+        """Parse and validate (CPU only, no database): rows to store and dead letters."""
+        pairs: list[tuple[Delivery, InboxRow]] = []
+        letters: list[dl.DeadLetter] = []
+        for delivery in group:
+            outcome = forced.get(delivery.delivery_tag) or self.intake.admit(delivery)
+            if isinstance(outcome, InboxRow):
+                pairs.append((delivery, outcome))
+            else:
+                letters.append(outcome)
+        return _Prepared(pairs, letters, [d.counter_key for d in group if d.redelivered])
+
+    def _write(self, prepared: _Prepared) -> None:
+        """One statement for the rows, the dead letters, the counters; one commit."""
+        pairs, letters, settled_keys = prepared.pairs, prepared.letters, prepared.settled_keys
+        rows = [row for _, row in pairs]
+        schema = self.settings.schema
+        conn = self._connection()
+        try:
+            with conn.cursor() as cur:
+                new = store.insert_rows(cur, schema, rows)
+                store.insert_dead_letters(cur, schema, letters)
+                store.forget_redeliveries(cur, schema, self.queue, settled_keys)
+            conn.commit()
+        except psycopg.Error as exc:
+            conn.rollback()
+            if db.is_infrastructure_error(exc):
+                raise
+            # Something in the data (e.g. \u0000 inside a JSON string, which jsonb
+            # refuses): find the culprits one savepoint at a time.
+            new, letters = self._store_carefully(conn, pairs, letters, settled_keys)
+        self._count(rows, new, letters)
+
+    def _store_carefully(
+        self,
+        conn: psycopg.Connection[Any],
+        pairs: Sequence[tuple[Delivery, InboxRow]],
+        letters: list[dl.DeadLetter],
+        settled_keys: Sequence[str],
+    ) -> tuple[set[Any], list[dl.DeadLetter]]:
+        schema = self.settings.schema
+        new: set[Any] = set()
+        letters = list(letters)
+        with conn.cursor() as cur:
+            for delivery, row in pairs:
+                try:
+                    with conn.transaction():
+                        new |= store.insert_rows(cur, schema, [row])
+                except psycopg.Error as exc:
+                    if db.is_infrastructure_error(exc):
+                        raise
+                    letter = self.intake.reject(
+                        delivery,
+                        UNSTORABLE,
+                        f"PostgreSQL refused the row: {exc}".strip(),
+                        error_type=type(exc).__name__,
+                    )
+                    letter.message_id, letter.message_type = row.id, row.message_type
+                    letters.append(letter)
+            store.insert_dead_letters(cur, schema, letters)
+            store.forget_redeliveries(cur, schema, self.queue, settled_keys)
+        conn.commit()
+        return new, letters
+
+    def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
+        metrics.STORED.labels(**self._labels).inc(len(new))
+        if len(rows) > len(new):
+            metrics.DUPLICATES.labels(**self._labels).inc(len(rows) - len(new))
+        for letter in letters:
+            metrics.REJECTED.labels(reason=letter.reason, **self._labels).inc()
+            if letter.reason != UNSTORABLE:
+                self.log.warning("rejected a delivery (%s): %s", letter.reason, letter.error[:300])
+
+    # --- PostgreSQL down: the delay/retry chain of DESIGN §5 ---------------------------
+
+    def _retry_later(self, group: Sequence[Delivery], channel: Any, publish_channel: Any) -> None:
+        service = self.settings.service
+        for delivery in group:
+            if delivery.final_attempt:
+                # The queue's dead-letter exchange moves it to <service>:dead_letter.
+                channel.basic_reject(delivery.delivery_tag, requeue=False)
+                metrics.GAVE_UP.labels(**self._labels).inc()
+                continue
+            retries_done = delivery.attempt - 1
+            final = retries_done >= len(self._schedule)
+            delay = self._schedule[min(retries_done, len(self._schedule) - 1)]
+            headers = dict(delivery.headers)
+            headers[names.HEADER_ATTEMPT] = delivery.attempt + 1
+            if final:
+                headers[names.HEADER_FINAL_ATTEMPT] = True
+            headers["CC"] = [names.retry_routing_key(service, delivery.original_routing_key(service))]
+            props = pika.BasicProperties(
+                delivery_mode=2,
+                headers=headers,
+                **{k: delivery.properties[k] for k in _REPUBLISHED_PROPERTIES if k in delivery.properties},
+            )
+            try:
+                publish_channel.basic_publish(
+                    names.DELAY_EXCHANGE, names.delay_routing_key(delay), delivery.body, props, mandatory=True
+                )
+            except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+                # No delay queue took it: keep it in the inbox queue rather than lose it.
+                self.log.error("delay queue refused a retry (%r): requeueing the delivery", exc)
+                channel.basic_nack(delivery.delivery_tag, requeue=True)
+                continue
+            channel.basic_ack(delivery.delivery_tag)
+            metrics.DELAYED.labels(**self._labels).inc()
+
+    # --- PostgreSQL connection ----------------------------------------------------
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._db is None or self._db.closed:
+            self._db = db.connect(
+                self.settings.database_url,
+                connect_timeout=self.config.db_connect_timeout,
+                application_name="txbox-receiver",
+            )
+        return self._db
+
+    def _drop_db(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._db.close()
+            self._db = None

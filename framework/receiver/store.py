@@ -1,0 +1,96 @@
+"""Named SQL of the receiver: batch insert into the inbox, the redelivery counter.
+
+One ``INSERT ... SELECT FROM unnest(arrays)`` stores a whole batch in one round trip;
+``ON CONFLICT (id) DO NOTHING`` makes a duplicate delivery a no-op and ``RETURNING id``
+tells duplicates from new rows.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from framework import dead_letters as dl
+from framework import names
+from framework.receiver.intake import InboxRow
+
+_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "uuid"),
+    ("message_type", "text"),
+    ("aggregate_type", "text"),
+    ("aggregate_id", "text"),
+    ("message_version", "text"),
+    ("kind", "text"),
+    ("routing_key", "text"),
+    ("payload", "jsonb"),
+    ("message_context", "jsonb"),
+    ("metadata", "jsonb"),
+    ("segment", "text"),
+    ("concurrency", "text"),
+    ("priority", "int2"),
+    ("message_timestamp", "timestamptz"),
+    ("queue", "text"),
+    ("redelivered", "bool"),
+)
+
+
+def insert_inbox_sql(schema: str) -> sql.Composed:
+    # jsonb arrives as text[] and is cast per element: psycopg has no jsonb[] adapter
+    # for plain strings, and text keeps the JSON exactly as the receiver serialized it.
+    def array_type(t: str) -> str:
+        return "text" if t == "jsonb" else t
+
+    return sql.SQL(
+        "INSERT INTO {table} ({cols}) SELECT {select} FROM unnest({arrays}) AS u({cols}) "
+        "ON CONFLICT (id) DO NOTHING RETURNING id"
+    ).format(
+        table=sql.Identifier(schema, names.INBOX),
+        cols=sql.SQL(", ").join(sql.Identifier(c) for c, _ in _COLUMNS),
+        select=sql.SQL(", ").join(
+            sql.SQL("{}::jsonb").format(sql.Identifier(c)) if t == "jsonb" else sql.Identifier(c) for c, t in _COLUMNS
+        ),
+        arrays=sql.SQL(", ").join(sql.SQL("%b::{}[]").format(sql.SQL(array_type(t))) for _, t in _COLUMNS),
+    )
+
+
+def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow]) -> set[uuid.UUID]:
+    """Store ``rows``; returns the ids that were new (the others were duplicates)."""
+    if not rows:
+        return set()
+    arrays = [[getattr(r, c) for r in rows] for c, _ in _COLUMNS]
+    cur.execute(insert_inbox_sql(schema), arrays)
+    return {row[0] for row in cur.fetchall()}
+
+
+def count_redelivery(cur: psycopg.Cursor[Any], schema: str, queue: str, key: str) -> int:
+    """Add one to the message's redelivery counter and return the new count."""
+    cur.execute(
+        sql.SQL(
+            "INSERT INTO {t} (queue, message_id) VALUES (%s, %s) ON CONFLICT (queue, message_id) "
+            "DO UPDATE SET count = {t}.count + 1, last_seen = clock_timestamp() RETURNING count"
+        ).format(t=sql.Identifier(schema, names.REDELIVERIES)),
+        (queue, key),
+    )
+    row = cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def forget_redeliveries(cur: psycopg.Cursor[Any], schema: str, queue: str, keys: Sequence[str]) -> None:
+    """Drop counters of messages that were settled (stored or dead): the table stays small."""
+    if keys:
+        cur.execute(
+            sql.SQL("DELETE FROM {t} WHERE queue = %s AND message_id = ANY(%s::text[])").format(
+                t=sql.Identifier(schema, names.REDELIVERIES)
+            ),
+            (queue, list(keys)),
+        )
+
+
+def insert_dead_letters(cur: psycopg.Cursor[Any], schema: str, letters: Sequence[dl.DeadLetter]) -> None:
+    if letters:
+        cur.executemany(dl.insert_sql(schema), [letter.row() for letter in letters])

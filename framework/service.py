@@ -1,0 +1,168 @@
+"""`Service`: one service's settings, contracts, handlers and the assembly check (DESIGN §7)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from framework.contracts import Registry, ServiceContract, load_registry
+from framework.errors import AssemblyError, ContractError, Problem
+from framework.handlers import Handler
+from framework.outbox import Outbox
+from framework.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.orm import Session
+
+    from framework.envelope import Message
+
+H = TypeVar("H", bound=Handler)
+
+
+class Service:
+    """A service: who it is, where its database and broker are, and its handlers.
+
+    ``Service(name=..., database_url=..., amqp_url=..., contracts_dir=...)`` or
+    ``Service.from_env()`` (the ``TXBOX_*`` variables).
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        database_url: str | None = None,
+        amqp_url: str | None = None,
+        contracts_dir: str | Path | None = None,
+        schema: str | None = None,
+        queue_type: str | None = None,
+        *,
+        settings: Settings | None = None,
+    ) -> None:
+        if settings is None:
+            given = {
+                "service": name,
+                "database_url": database_url,
+                "amqp_url": amqp_url,
+                "contracts_dir": Path(contracts_dir) if contracts_dir is not None else None,
+                "schema": schema,
+                "queue_type": queue_type,
+            }
+            settings = Settings.from_env(environ={}, **given)
+        self.settings = settings
+        self._handlers: dict[str, Handler] = {}
+        self._claims: dict[str, list[Handler]] = defaultdict(list)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Service:
+        return cls(settings=Settings.from_env(environ, **overrides))
+
+    @property
+    def name(self) -> str:
+        return self.settings.service
+
+    @cached_property
+    def registry(self) -> Registry:
+        """All contracts of the contracts folder, loaded once (validators compiled once)."""
+        return load_registry(self.settings.contracts_dir)
+
+    @property
+    def contract(self) -> ServiceContract:
+        return self.registry.service(self.name)
+
+    @cached_property
+    def engine(self) -> Engine:
+        from framework.db import create_engine
+
+        return create_engine(self.settings.database_url)
+
+    def register(self, handler: H) -> H:
+        """Add a handler instance; conflicts are reported by :meth:`check`."""
+        if isinstance(handler, type):
+            raise TypeError(f"register an instance: service.register({handler.__name__}())")
+        self._claims[handler.message_type].append(handler)
+        self._handlers.setdefault(handler.message_type, handler)
+        return handler
+
+    @property
+    def handlers(self) -> dict[str, Handler]:
+        return dict(self._handlers)
+
+    def handler_for(self, message_type: str) -> Handler | None:
+        return self._handlers.get(message_type)
+
+    def outbox(self, session: Session | Connection, *, incoming: Message | None = None) -> Outbox:
+        """An outbox writing into ``session``'s current transaction."""
+        return Outbox(session, self.registry, schema=self.settings.schema, incoming=incoming)
+
+    def problems(self) -> list[Problem]:
+        """Everything that does not fit (errors) or looks wrong (warnings)."""
+        try:
+            registry = load_registry(self.settings.contracts_dir, strict=False)
+        except ContractError as exc:
+            return [Problem("error", "contracts", str(exc))]
+        problems = list(registry.problems)
+        if registry.errors:
+            return problems
+        if self.name not in registry.services:
+            problems.append(
+                Problem(
+                    "error",
+                    "contracts",
+                    f"no contract declares service {self.name!r} "
+                    f"(found: {', '.join(sorted(registry.services)) or 'none'})",
+                )
+            )
+            return problems
+        accepted = {spec.message_type: spec for spec in registry.accepted_types(self.name)}
+        for message_type, claimants in self._claims.items():
+            where = ", ".join(h.name for h in claimants)
+            if not message_type:
+                problems.append(Problem("error", where, "handler does not set `message_type`"))
+                continue
+            if len(claimants) > 1:
+                problems.append(
+                    Problem("error", where, f"{len(claimants)} handlers claim message type {message_type!r}; keep one")
+                )
+            handler = claimants[0]
+            spec = registry.messages.get(message_type)
+            if spec is None:
+                problems.append(
+                    Problem(
+                        "error", handler.name, f"handles unknown message type {message_type!r}: no contract declares it"
+                    )
+                )
+                continue
+            if handler.kind and handler.kind != spec.kind:
+                base = "CommandHandler" if spec.kind == "command" else "EventHandler"
+                problems.append(Problem("error", handler.name, f"{message_type} is a {spec.kind}: subclass {base}"))
+            if message_type not in accepted:
+                how = (
+                    f"it is a command of {spec.service}"
+                    if spec.kind == "command"
+                    else f"add {spec.routing_key!r} to `x-subscribes` in {registry.services[self.name].path}"
+                )
+                problems.append(Problem("error", handler.name, f"{self.name} does not receive {message_type} ({how})"))
+        for message_type, spec in sorted(accepted.items()):
+            if message_type not in self._handlers:
+                what = "accepts command" if spec.kind == "command" else "subscribes to event"
+                problems.append(
+                    Problem("error", self.name, f"{what} {message_type} but no handler is registered for it")
+                )
+        return problems
+
+    def check(self) -> list[Problem]:
+        """Assembly validation (seed 000): raise AssemblyError naming every misfit.
+
+        Returns the warnings when nothing is wrong.
+        """
+        problems = self.problems()
+        errors = [p for p in problems if p.severity == "error"]
+        if errors:
+            raise AssemblyError(errors)
+        return problems
+
+    def __repr__(self) -> str:
+        return f"Service(name={self.name!r}, handlers={sorted(self._handlers)})"

@@ -1,0 +1,191 @@
+"""Configuration: frozen keyword-only dataclasses read from ``TXBOX_*`` in one place.
+
+Every field names its environment variable and an example value, so a missing or
+malformed value fails at start with a message that says which variable and what a valid
+value looks like. Daemon-specific settings (publisher, worker, ...) are dataclasses of
+the same shape and are read with :func:`load`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from framework import names
+from framework.errors import ConfigurationError
+
+T = TypeVar("T")
+
+
+def setting(env: str, example: str, default: Any = dataclasses.MISSING, help: str = "") -> Any:
+    """A dataclass field bound to environment variable ``env``."""
+    meta = {"env": env, "example": example, "help": help}
+    if default is dataclasses.MISSING:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """`250ms`, `10s`, `5m`, `2h`, `7d` or a bare number of seconds → seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+class Seconds(float):
+    """Marker type: a field of this type accepts durations like `10s` or `5m`."""
+
+
+def _convert(raw: str, annotation: Any) -> Any:
+    origin = get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in get_args(annotation) if a is not type(None)]
+        if raw.strip() == "":
+            return None
+        return _convert(raw, inner[0])
+    if origin is Literal:
+        allowed = get_args(annotation)
+        if raw not in allowed:
+            raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
+        return raw
+    if annotation is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("must be true or false")
+    if annotation is int:
+        return int(raw)
+    if annotation is Seconds:
+        return Seconds(parse_duration(raw))
+    if annotation is float:
+        return float(raw)
+    if annotation is Path:
+        return Path(raw)
+    return raw
+
+
+def load(cls: type[T], environ: Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """Build ``cls`` from ``overrides`` (e.g. CLI flags, None = not given) then ``environ``.
+
+    Raises :class:`ConfigurationError` naming the variable and a valid example.
+    """
+    env = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        var = f.metadata.get("env")
+        example = f.metadata.get("example", "")
+        if overrides.get(f.name) is not None:
+            value = overrides[f.name]
+            if isinstance(value, str) and hints[f.name] is not str:
+                value = _convert_or_fail(value, hints[f.name], f"--{f.name.replace('_', '-')}", example)
+            values[f.name] = value
+        elif var and var in env and env[var] != "":
+            values[f.name] = _convert_or_fail(env[var], hints[f.name], var, example)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigurationError(
+                f"{var} is not set: it is required ({f.metadata.get('help') or f.name}). Example: {var}={example}"
+            )
+    try:
+        return cls(**values)
+    except ConfigurationError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(str(exc)) from exc
+
+
+def _convert_or_fail(raw: str, annotation: Any, var: str, example: str) -> Any:
+    try:
+        return _convert(raw, annotation)
+    except ValueError as exc:
+        raise ConfigurationError(f"{var}={raw!r} is not valid ({exc}). Example: {var}={example}") from None
+
+
+def describe(cls: type[Any]) -> list[tuple[str, str, str, str]]:
+    """(variable, default, example, help) of every field: the configuration reference."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = "" if f.default is dataclasses.MISSING else str(f.default)
+        rows.append((f.metadata["env"], default, f.metadata["example"], f.metadata.get("help", "")))
+    return rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What every part of a service needs: who it is and where its database and broker are."""
+
+    service: str = setting("TXBOX_SERVICE", "order-service", help="the service id")
+    database_url: str = setting(
+        "TXBOX_DATABASE_URL",
+        "postgresql+psycopg://postgres@127.0.0.1:5432/orders",
+        help="SQLAlchemy URL of the service's database",
+    )
+    amqp_url: str = setting(
+        "TXBOX_AMQP_URL",
+        "amqp://guest:guest@127.0.0.1:5672/%2F",
+        default="amqp://guest:guest@127.0.0.1:5672/%2F",
+        help="RabbitMQ URL",
+    )
+    contracts_dir: Path = setting(
+        "TXBOX_CONTRACTS_DIR",
+        "contracts",
+        default=Path("contracts"),
+        help="folder of AsyncAPI + JSON Schema files",
+    )
+    schema: str = setting(
+        "TXBOX_SCHEMA",
+        "txbox",
+        default="txbox",
+        help="PostgreSQL schema of the framework's tables",
+    )
+    queue_type: Literal["quorum", "classic"] = setting(
+        "TXBOX_QUEUE_TYPE", "quorum", default="quorum", help="type of the inbox queue"
+    )
+
+    def __post_init__(self) -> None:
+        if not names.valid_service_id(self.service):
+            raise ConfigurationError(
+                f"TXBOX_SERVICE={self.service!r} is not a valid service id (lower case letters, "
+                "digits, '-' and '_'). Example: TXBOX_SERVICE=order-service"
+            )
+        if not names.valid_schema(self.schema):
+            raise ConfigurationError(
+                f"TXBOX_SCHEMA={self.schema!r} is not a valid schema name (lower case "
+                "identifier). Example: TXBOX_SCHEMA=txbox"
+            )
+        if not self.database_url.startswith("postgresql"):
+            raise ConfigurationError(
+                f"TXBOX_DATABASE_URL={_mask(self.database_url)!r} is not a PostgreSQL URL. "
+                "Example: TXBOX_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/orders"
+            )
+        if not self.amqp_url.startswith(("amqp://", "amqps://")):
+            raise ConfigurationError(
+                f"TXBOX_AMQP_URL={_mask(self.amqp_url)!r} is not an AMQP URL. "
+                "Example: TXBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2F"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        return load(cls, environ, **overrides)
+
+
+def _mask(url: str) -> str:
+    """Hide the password of a URL in messages."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+
+
+mask_url = _mask

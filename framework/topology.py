@@ -1,0 +1,105 @@
+"""Declare the RabbitMQ topology of DESIGN §5 from the contracts, idempotently.
+
+Exchanges ``command``/``event``/``delay``/``retry``/``dead_letter`` (topic, durable); the
+service's inbox queue with its dead-letter arguments and bindings; its dead-letter
+queue; the shared ``delay:<n>s`` queues whose expired messages go to ``retry``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pika
+import pika.exceptions
+
+from framework import amqp, names
+from framework.contracts import Registry
+from framework.errors import TopologyMismatch
+from framework.settings import Settings
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    name: str
+    arguments: dict[str, Any]
+    bindings: list[tuple[str, str]] = field(default_factory=list)  # (exchange, routing key)
+
+
+@dataclass(frozen=True)
+class Topology:
+    exchanges: tuple[str, ...]
+    queues: list[QueueSpec]
+
+
+def plan(settings: Settings, registry: Registry) -> Topology:
+    """What the service needs on the broker (pure: a test compares the broker against it)."""
+    service = settings.service
+    inbox = QueueSpec(
+        names.inbox_queue(service),
+        {
+            "x-queue-type": settings.queue_type,
+            "x-dead-letter-exchange": names.DEAD_LETTER_EXCHANGE,
+            "x-dead-letter-routing-key": names.dead_letter_routing_key(service),
+        },
+        [*registry.binding_keys(service), (names.RETRY_EXCHANGE, names.retry_binding(service))],
+    )
+    dead = QueueSpec(
+        names.dead_letter_queue(service),
+        {"x-queue-type": settings.queue_type},
+        [(names.DEAD_LETTER_EXCHANGE, names.dead_letter_routing_key(service))],
+    )
+    # Delay queues are shared by every service: classic, so any service may declare them
+    # first with the same arguments whatever its own inbox queue type is.
+    delays = [
+        QueueSpec(
+            names.delay_queue(s),
+            {"x-message-ttl": s * 1000, "x-dead-letter-exchange": names.RETRY_EXCHANGE},
+            [(names.DELAY_EXCHANGE, names.delay_routing_key(s))],
+        )
+        for s in names.DELAY_SECONDS
+    ]
+    return Topology(names.EXCHANGES, [inbox, dead, *delays])
+
+
+def declare(settings: Settings, registry: Registry, channel: Any | None = None) -> Topology:
+    """Declare everything; a second run changes nothing. Returns what was declared."""
+    topology = plan(settings, registry)
+    connection = None
+    if channel is None:
+        connection = amqp.connect(settings.amqp_url, name=f"{settings.service} topology")
+        channel = connection.channel()
+    try:
+        with amqp.broker_errors("declaring the topology"):
+            for exchange in topology.exchanges:
+                _guard(lambda e=exchange: channel.exchange_declare(e, exchange_type="topic", durable=True), settings)
+            for queue in topology.queues:
+                _guard(lambda q=queue: channel.queue_declare(q.name, durable=True, arguments=q.arguments), settings)
+                for exchange, key in queue.bindings:
+                    channel.queue_bind(queue.name, exchange, routing_key=key)
+    finally:
+        if connection is not None and connection.is_open:
+            connection.close()
+    return topology
+
+
+def _guard(declare_call: Any, settings: Settings) -> None:
+    try:
+        declare_call()
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != 406:
+            raise
+        found = amqp.explain_precondition(exc.reply_text)
+        if found is None:
+            raise TopologyMismatch(f"RabbitMQ refused a declaration: {exc.reply_text}") from None
+        what, name, arg, wanted, current = found
+        hint = ""
+        if arg == "x-queue-type":
+            hint = f", or set TXBOX_QUEUE_TYPE={current.strip(chr(39))} to keep the existing queue"
+        raise TopologyMismatch(
+            f"{what} {name!r} already exists with {arg}={current}, txbox needs {arg}={wanted}. "
+            f"Fix: drain and delete it (rabbitmqctl delete_queue {name!r}) so txbox can declare it{hint}."
+            if what == "queue"
+            else f"exchange {name!r} already exists with {arg}={current}, txbox needs {wanted}. "
+            f"Fix: delete the exchange (rabbitmqctl delete_exchange {name!r}) and run `txbox topology` again."
+        ) from None

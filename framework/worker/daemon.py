@@ -1,0 +1,574 @@
+"""The worker daemon: runs handlers exactly once per inbox row (DESIGN §6, seeds 001/003).
+
+One cycle:
+
+1. **Claim** (own committed transaction, on the claim connection): due rows at the head of
+   their sequential segment, ``started_attempts + 1`` and the lease. A crash from here on
+   is visible as ``started > finished``. Under a backlog the next batch is claimed while
+   this one runs (PostgreSQL claims while Python handles).
+2. **Process** (one transaction per batch, on a SQLAlchemy connection): the first
+   statement presumes every claim processed and locks it (``presume_processed``: fence and
+   success mark in one pass); handlers run with a ``Session`` joined to the transaction;
+   the statements that settle the rest (failed, abandoned, dead letters) follow; one
+   commit. A handler's writes and its row's ``processed_at`` commit together or not at all.
+
+Handlers first run *optimistically* — no savepoints, their ORM writes flushed together at
+the end of the batch — because a SAVEPOINT and a RELEASE per message cost two round trips
+each, more than the handler's own work. When a handler raises, the transaction is rolled
+back and the batch runs again without running that message (its outcome is known); from
+the second failure on, or when the final flush fails, the batch runs *carefully* with one
+SAVEPOINT per message.
+
+Outcomes: return → processed; ``PermanentError`` → abandoned at once; anything else
+(``RetryableError``, other exceptions, the timeout) → ``locked_until = now + backoff``,
+abandoned after ``max_attempts``; a serialization failure or deadlock → the whole batch
+runs again (not the handler's fault, not counted). Every abandon writes its dead letter
+in the same transaction.
+
+Poison: a row whose earlier run never finished (the process died) is claimed *alone*,
+with nothing claimed ahead beside it, and once ``started - finished`` reached the
+threshold before this claim it is abandoned without running. Claiming suspects alone
+keeps a batch mate of the killer from being blamed for its crashes.
+
+Timeout: handlers run in the worker's thread (they need its transaction); a watchdog
+interrupts an overdue one (statement cancel + an exception raised in the thread) and
+ends the process if it still runs at the end of its lease (framework/worker/timeout.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from framework import db, names
+from framework import dead_letters as dl
+from framework.backoff import backoff_seconds
+from framework.daemon import Daemon, Reconnect
+from framework.envelope import Message
+from framework.errors import PermanentError
+from framework.service import Service
+from framework.worker import metrics
+from framework.worker import sql as q
+from framework.worker.config import WorkerConfig
+from framework.worker.timeout import HandlerTimeout, Watchdog
+
+NO_HANDLER = "no_handler"  # a message type this process has no handler for
+LEASE_MARGIN = 2.0  # seconds kept between the hard stop of a handler and the end of its lease
+SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker left behind, under backlog
+
+
+class _Conflict(Exception):
+    """A serialization failure or deadlock: run the batch again."""
+
+
+class _Rerun(Exception):
+    """A handler failed (or the final flush did) in an optimistic pass: roll back, run again."""
+
+    def __init__(self, claimed: Claimed | None, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.claimed = claimed
+        self.exc = exc
+
+
+@dataclass
+class Claimed:
+    """A claimed inbox row and what became of it."""
+
+    id: uuid.UUID
+    message_type: str
+    routing_key: str
+    started: int  # started_attempts after our claim: the fencing token
+    finished: int
+    metadata: dict[str, Any]
+    message: Message
+    claimed_at: float  # time.monotonic() before the claim: the lease runs from here
+    outcome: str = ""  # processed | failed | abandoned | released | lost
+    reason: str = ""
+    error: str = ""
+    error_type: str = ""
+    delay: float = 0.0
+    finished_delta: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def unfinished_before(self) -> int:
+        """Runs before this claim that never finished: the process died inside them."""
+        return self.started - 1 - self.finished
+
+
+class Worker(Daemon):
+    """``Worker(service, config).run()`` until :meth:`stop` (or SIGTERM via the CLI)."""
+
+    name = "worker"
+
+    def __init__(self, service: Service, config: WorkerConfig | None = None) -> None:
+        super().__init__()
+        self.service = service
+        self.settings = service.settings
+        self.config = config or WorkerConfig.from_env()
+        self.schema = self.settings.schema
+        park = self.config.segment_policy == "park"
+        self._claim_batch = q.claim(self.schema, suspects=False, park=park)
+        self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
+        self._conn: Connection | None = None
+        self._listen: psycopg.Connection[Any] | None = None
+        self._watchdog: Watchdog | None = None
+        self._labels = {"service": self.settings.service}
+        self._last_gauges = 0.0
+        self._durations: dict[str, Any] = {}
+        self._claim_conn: psycopg.Connection[Any] | None = None
+        self._ahead: Future[list[Claimed]] | None = None
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._last_suspect_check = 0.0
+
+    # --- the loop -----------------------------------------------------------------
+
+    def run(self) -> None:
+        self._watchdog = Watchdog()
+        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-claim")
+        reconnect = Reconnect(self)
+        try:
+            while not self.stopping:
+                try:
+                    handled = self.run_once()
+                    reconnect.succeeded()
+                    self.state("processing")
+                except Exception as exc:
+                    if not db.is_infrastructure_error(exc):
+                        raise
+                    self._give_back_ahead()
+                    self._drop_connections()
+                    if reconnect.failed("PostgreSQL", exc):
+                        break
+                    continue
+                self._update_gauges()
+                if not handled:
+                    self._wait_for_work()
+        finally:
+            self._give_back_ahead()
+            self._ahead_pool.shutdown(wait=True)
+            self._watchdog.close()
+            self._drop_connections()
+            self.state("stopped")
+
+    def run_once(self) -> int:
+        """One batch: claimed now (suspects first) or ahead during the previous one; processed."""
+        if self._watchdog is None:  # called without run() (tests, embedding): timeouts still hold
+            self._watchdog = Watchdog()
+        if self._ahead is not None:
+            future, self._ahead = self._ahead, None
+            batch = future.result()
+        else:
+            self._last_suspect_check = time.monotonic()
+            batch = self._claim(self._claim_suspect, 1)
+            if batch:
+                return self._process(batch)  # alone, and nothing claimed beside it (poison)
+            batch = self._claim(self._claim_batch, self.config.batch_size)
+        if (
+            len(batch) == self.config.batch_size
+            and time.monotonic() - self._last_suspect_check < SUSPECT_CHECK_INTERVAL
+            and self._ahead_pool is not None
+            and not self.stopping
+        ):
+            # A backlog: claim the next batch on the claim connection while this one
+            # runs, so PostgreSQL claims while Python handles.
+            self._ahead = self._ahead_pool.submit(self._claim, self._claim_batch, self.config.batch_size)
+        return self._process(batch)
+
+    def _give_back_ahead(self) -> None:
+        """Release a batch claimed ahead that will not be processed (stop, database trouble)."""
+        if self._ahead is None:
+            return
+        future, self._ahead = self._ahead, None
+        try:
+            batch = future.result()
+            if batch:
+                self._release(batch)
+        except Exception as exc:  # the lease runs out instead
+            self.log.debug("could not release the batch claimed ahead: %r", exc)
+
+    def _wait_for_work(self) -> None:
+        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop."""
+        listen = self._listener()
+        deadline = time.monotonic() + self.config.poll_interval
+        while not self.stopping:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            for _ in listen.notifies(timeout=min(remaining, 0.25), stop_after=1):
+                return
+
+    # --- claim --------------------------------------------------------------------
+
+    def _claim(self, statement: Any, limit: int) -> list[Claimed]:
+        """Claim in its own committed transaction, on the claim connection (also used ahead)."""
+        claimed_at = time.monotonic()
+        conn = self._claim_connection()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(statement, {"limit": limit, "lease": float(self.config.lease)})
+                rows = cur.fetchall()
+            conn.commit()
+        except BaseException:
+            with contextlib.suppress(psycopg.Error):
+                conn.rollback()
+            raise
+        rows.sort(key=lambda r: (-r[12], r[13]))
+        return [self._claimed(r, claimed_at) for r in rows]
+
+    def _claim_connection(self) -> psycopg.Connection[Any]:
+        if self._claim_conn is None or self._claim_conn.closed:
+            self._claim_conn = db.connect(self.settings.database_url, application_name="txbox-worker-claim")
+        return self._claim_conn
+
+    def _claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:
+        (id_, message_type, aggregate_type, aggregate_id, version, routing_key, payload, context, metadata,
+         timestamp, started, finished, *_rest) = row  # fmt: skip
+        handler = self.service.handler_for(message_type)
+        max_attempts = (handler.max_attempts if handler else None) or self.config.max_attempts
+        message = Message(
+            message_id=id_,
+            message_type=message_type,
+            aggregate_type=aggregate_type,
+            aggregate_id=aggregate_id,
+            payload=payload,
+            message_context=context or {},
+            timestamp=timestamp if isinstance(timestamp, datetime) else datetime.fromisoformat(str(timestamp)),
+            message_version=version,
+            auth_token=(metadata or {}).get("auth_token"),
+            attempt=finished + 1,
+            max_attempts=max_attempts,
+            routing_key=routing_key,
+        )
+        return Claimed(
+            id=id_,
+            message_type=message_type,
+            routing_key=routing_key,
+            started=started,
+            finished=finished,
+            metadata=metadata or {},
+            message=message,
+            claimed_at=claimed_at,
+        )
+
+    # --- process ------------------------------------------------------------------
+
+    def _process(self, batch: list[Claimed]) -> int:
+        if not batch:
+            return 0
+        for attempt in range(self.config.conflict_retries + 1):
+            for claimed in batch:
+                claimed.outcome = ""
+            try:
+                self._run_batch(batch)
+                break
+            except Exception as exc:
+                if not (isinstance(exc, _Conflict) or db.is_transient_conflict(exc)):
+                    self._release_quietly(batch)
+                    raise
+                metrics.CONFLICTS.labels(**self._labels).inc()
+                if attempt == self.config.conflict_retries:
+                    self._release(batch)
+                    return 0
+                time.sleep(backoff_seconds(attempt + 1, base=0.01, cap=0.5))
+            except BaseException:
+                # Stopping hard: give the claims back if we can, so they neither wait
+                # out the lease nor look like poison.
+                self._release_quietly(batch)
+                raise
+        self._count(batch)
+        return len(batch)
+
+    def _run_batch(self, batch: list[Claimed]) -> None:
+        """Run the batch in one transaction: optimistically first, carefully on trouble.
+
+        Optimistic: no savepoints, and ORM writes of all handlers go out in one flush at
+        the end (SQLAlchemy batches them) — a few round trips per *batch*. When a handler
+        raises, the transaction is rolled back and the batch runs again without it (its
+        outcome is already known, so it does not run twice); from the second failure on,
+        or when the final flush fails and nobody can say whose row broke it, the batch
+        runs carefully: a SAVEPOINT per message. Either way nothing a handler wrote
+        survives unless its row is marked processed in the same commit.
+        """
+        known: dict[uuid.UUID, BaseException] = {}  # failures seen in a rolled-back pass
+        careful = False
+        while True:
+            try:
+                self._pass(batch, known, careful)
+                return
+            except _Rerun as rerun:
+                if rerun.claimed is not None and not careful and len(known) < 2:
+                    known[rerun.claimed.id] = rerun.exc
+                else:
+                    if rerun.claimed is not None:
+                        known[rerun.claimed.id] = rerun.exc
+                    careful = True
+
+    def _pass(self, batch: list[Claimed], known: dict[uuid.UUID, BaseException], careful: bool) -> None:
+        conn = self._connection()
+        raw = self._raw(conn)
+        with conn.begin():
+            cur = raw.cursor()
+            cur.execute(q.presume_processed(self.schema), ([c.id for c in batch], [c.started for c in batch]))
+            ours = {row[0] for row in cur.fetchall()}
+            session = Session(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
+            try:
+                for claimed in batch:
+                    claimed.outcome = ""
+                    if claimed.id not in ours:
+                        claimed.outcome = "lost"  # claimed again by another worker after our lease
+                    elif claimed.id in known:
+                        self._classify(claimed, known[claimed.id])
+                    else:
+                        self._run_one(claimed, conn, session, raw, careful)
+                if not careful:
+                    try:
+                        session.flush()
+                    except Exception as exc:
+                        self._reraise_infrastructure(exc)
+                        raise _Rerun(None, exc) from exc
+            finally:
+                session.close()
+            self._settle(cur, batch)
+
+    def _run_one(
+        self, claimed: Claimed, conn: Connection, session: Session, raw: psycopg.Connection[Any], careful: bool
+    ) -> None:
+        message = claimed.message
+        if claimed.unfinished_before >= self.config.poison_threshold:
+            self._abandon(
+                claimed,
+                dl.POISON,
+                f"{claimed.unfinished_before} runs never finished (the process died in the handler): "
+                f"abandoned without running (threshold {self.config.poison_threshold})",
+                finished_delta=claimed.unfinished_before + 1,
+            )
+            return
+        handler = self.service.handler_for(claimed.message_type)
+        if handler is None:
+            self._abandon(claimed, NO_HANDLER, f"no handler registered for {claimed.message_type}")
+            return
+        # The run must end before the lease does: the timeout interrupts it, and the
+        # watchdog ends the process at the lease's end if the handler ignores that.
+        hard = claimed.claimed_at + float(self.config.lease) - LEASE_MARGIN - time.monotonic()
+        if hard <= 0.1:
+            claimed.outcome = "released"  # too little lease left to start it: someone runs it later
+            return
+        timeout = min(float(handler.timeout or self.config.timeout), hard)
+        savepoint = conn.begin_nested() if careful else None
+        started = time.perf_counter()
+        assert self._watchdog is not None
+        try:
+            with self._watchdog.guard(timeout, hard, raw.cancel_safe):
+                handler.handle(message, session, self.service.outbox(session, incoming=message))
+                if careful:
+                    session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
+            if savepoint is not None:
+                savepoint.commit()
+            claimed.outcome = "processed"
+        except BaseException as exc:
+            if self._watchdog.fired or isinstance(exc, HandlerTimeout):
+                exc = HandlerTimeout(f"{handler.name} ran longer than its timeout of {timeout:g}s")
+            self._reraise_infrastructure(exc)
+            if savepoint is None:
+                raise _Rerun(claimed, exc) from exc  # optimistic pass: roll back, run again without it
+            session.rollback()  # rolls back the joined savepoint
+            if savepoint.is_active:
+                savepoint.rollback()
+            self._classify(claimed, exc)
+        finally:
+            self._watchdog.disarm()
+            self._duration(claimed.message_type).observe(time.perf_counter() - started)
+
+    def _duration(self, message_type: str) -> Any:
+        child = self._durations.get(message_type)
+        if child is None:
+            child = self._durations[message_type] = metrics.HANDLER_SECONDS.labels(
+                message_type=message_type, **self._labels
+            )
+        return child
+
+    @staticmethod
+    def _reraise_infrastructure(exc: BaseException) -> None:
+        """Not the message's fault: conflicts re-run the batch, the rest end the pass."""
+        if isinstance(exc, HandlerTimeout):
+            return
+        if db.is_transient_conflict(exc):
+            raise _Conflict() from exc
+        if db.is_infrastructure_error(exc) or not isinstance(exc, Exception):
+            raise exc
+
+    def _classify(self, claimed: Claimed, exc: BaseException) -> None:
+        text = _describe(exc)
+        if isinstance(exc, PermanentError):
+            self._abandon(claimed, dl.PERMANENT_ERROR, text, error_type=type(exc).__name__)
+            return
+        if claimed.message.is_final_attempt:
+            self._abandon(
+                claimed,
+                dl.MAX_ATTEMPTS,
+                f"failed {claimed.message.attempt} of {claimed.message.max_attempts} attempts; last: {text}",
+                error_type=type(exc).__name__,
+            )
+            return
+        claimed.outcome = "failed"
+        claimed.error = text
+        claimed.error_type = type(exc).__name__
+        claimed.delay = backoff_seconds(
+            claimed.message.attempt,
+            base=float(self.config.backoff_base),
+            cap=float(self.config.backoff_cap),
+            jitter=self.config.backoff_jitter,
+        )
+
+    def _abandon(
+        self, claimed: Claimed, reason: str, error: str, *, error_type: str = "", finished_delta: int = 1
+    ) -> None:
+        claimed.outcome = "abandoned"
+        claimed.reason = reason
+        claimed.error = error
+        claimed.error_type = error_type or reason
+        claimed.finished_delta = finished_delta
+
+    def _settle(self, cur: psycopg.Cursor[Any], batch: Sequence[Claimed]) -> None:
+        """Write every outcome of the batch in the processing transaction."""
+        # Processed rows are already marked (presume_processed); correct the others.
+        failed = [c for c in batch if c.outcome == "failed"]
+        if failed:
+            cur.executemany(
+                q.mark_failed(self.schema),
+                [{"id": c.id, "delay": c.delay, "error": _clip(f"{c.error_type}: {c.error}")} for c in failed],
+            )
+        abandoned = [c for c in batch if c.outcome == "abandoned"]
+        released = [c for c in batch if c.outcome == "released"]
+        if released:
+            cur.execute(q.unclaim(self.schema), ([c.id for c in released],))
+        if abandoned:
+            cur.executemany(
+                q.mark_abandoned(self.schema),
+                [
+                    {"id": c.id, "finished": c.finished_delta, "error": _clip(f"{c.reason}: {c.error}")}
+                    for c in abandoned
+                ],
+            )
+            cur.executemany(dl.insert_sql(self.schema), [self._dead_letter(c).row() for c in abandoned])
+
+    def _dead_letter(self, claimed: Claimed) -> dl.DeadLetter:
+        properties = claimed.metadata.get("properties") or {}
+        return dl.DeadLetter(
+            source="inbox",
+            reason=claimed.reason,
+            error=claimed.error,
+            error_type=claimed.error_type,
+            message_id=claimed.id,
+            message_type=claimed.message_type,
+            routing_key=claimed.routing_key,
+            message=claimed.message.to_dict(),
+            headers=properties.get("headers") or {},
+            attempts={
+                "started": claimed.started,
+                "finished": claimed.finished + claimed.finished_delta,
+                "max_attempts": claimed.message.max_attempts,
+            },
+        )
+
+    def _count(self, batch: Sequence[Claimed]) -> None:
+        for c in batch:
+            labels = {"message_type": c.message_type, **self._labels}
+            if c.outcome == "processed":
+                metrics.PROCESSED.labels(**labels).inc()
+            elif c.outcome == "failed":
+                metrics.FAILED.labels(**labels).inc()
+                self.log.warning("%s %s failed (attempt %d): %s", c.message_type, c.id, c.message.attempt, c.error)
+            elif c.outcome == "abandoned":
+                metrics.ABANDONED.labels(reason=c.reason, **labels).inc()
+                self.log.error("%s %s abandoned (%s): %s", c.message_type, c.id, c.reason, c.error)
+
+    def _release(self, batch: Sequence[Claimed]) -> None:
+        conn = self._connection()
+        with conn.begin():
+            self._raw(conn).cursor().execute(
+                q.release(self.schema), ([c.id for c in batch], [c.started for c in batch])
+            )
+
+    def _release_quietly(self, batch: Sequence[Claimed]) -> None:
+        try:
+            self._drop_connections()
+            self._release(batch)
+        except Exception as exc:  # the database is gone: the lease will run out instead
+            self.log.debug("could not release claims: %r", exc)
+            self._drop_connections()
+
+    # --- connections and gauges ------------------------------------------------------
+
+    def _connection(self) -> Connection:
+        if self._conn is None or self._conn.closed or self._conn.invalidated:
+            self._conn = self.service.engine.connect()
+        return self._conn
+
+    @staticmethod
+    def _raw(conn: Connection) -> psycopg.Connection[Any]:
+        raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
+        return raw
+
+    def _listener(self) -> psycopg.Connection[Any]:
+        if self._listen is None or self._listen.closed:
+            self._listen = db.connect(self.settings.database_url, autocommit=True)
+            channel = names.notify_channel(self.schema, names.INBOX)
+            self._listen.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
+        return self._listen
+
+    def _drop_connections(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.invalidate()
+                self._conn.close()
+            except Exception as exc:
+                self.log.debug("closing the connection failed: %r", exc)
+            self._conn = None
+        if self._claim_conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._claim_conn.close()
+            self._claim_conn = None
+        if self._listen is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._listen.close()
+            self._listen = None
+
+    def _update_gauges(self, every: float = 5.0) -> None:
+        now = time.monotonic()
+        if now - self._last_gauges < every:
+            return
+        self._last_gauges = now
+        conn = self._connection()
+        with conn.begin():
+            cur = self._raw(conn).cursor()
+            cur.execute(q.backlog(self.schema))
+            row = cur.fetchone()
+        if row is not None:
+            metrics.BACKLOG.labels(**self._labels).set(row[0])
+            metrics.OLDEST_DUE_AGE.labels(**self._labels).set(float(row[1]))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return text + where
+
+
+def _clip(text: str, limit: int = 2000) -> str:
+    """Error text for ``last_error``: bounded, and without what a text column refuses."""
+    text = dl._storable(text)
+    return text if len(text) <= limit else text[:limit] + "…"

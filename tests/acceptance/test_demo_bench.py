@@ -1,0 +1,46 @@
+"""Smoke runs of `txbox bench e2e` and `txbox bench latency`: a few hundred messages each.
+
+Not a measurement (timings never decide a test): they prove the benchmarks still run end
+to end through the real daemons and print the documented JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from framework.demo.processes import REPO, txbox_command
+from tests import support
+
+COMMON = ("--admin-url", support.PG_ADMIN_URL, "--workers", "1")
+
+
+def bench(*args: str) -> dict[str, object]:
+    done = subprocess.run(
+        [*txbox_command(), "bench", *args, "--json", *COMMON],
+        cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.slow
+def test_bench_e2e_smoke() -> None:
+    result = bench("e2e", "--pings", "150", "--window", "100", "--batch", "50", "--raw-messages", "300")
+    assert result["stage"] == "e2e"
+    assert result["messages"] == 300  # every Ping and its Pong handled
+    for key in ("seconds", "rate", "raw_limit_rate", "ratio", "raw_limit"):
+        assert result[key], key
+
+
+@pytest.mark.slow
+def test_bench_latency_smoke() -> None:
+    result = bench("latency", "--rate", "50", "--seconds", "3", "--raw-seconds", "1", "--warmup", "0")
+    assert result["stage"] == "latency"
+    assert result["messages"] == 150
+    for key in ("p50_ms", "p99_ms", "raw_p50_ms", "raw_limit_rate", "ratio"):
+        assert isinstance(result[key], float | int), key
+    assert float(result["p50_ms"]) <= float(result["p99_ms"])  # type: ignore[arg-type]

@@ -1,0 +1,174 @@
+"""Exactly once, proven with real processes killed at random moments (DESIGN §6).
+
+Receiver and worker run as ``txbox receiver|worker --app tests.apps.counter:service``.
+Messages are published while a chaos loop SIGKILLs the receiver and the workers at
+random moments and restarts them. The handler adds one to a per-message counter in
+the worker's transaction, so a message applied twice shows as 2 and a lost one as a
+missing row. The result must be exactly one per message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from framework import topology
+from framework.demo.processes import Daemon, ProcessGroup
+from tests import support
+from tests.apps import counter
+from tests.apps.helpers import publish, query, scalar
+
+APP = ["--app", "tests.apps.counter:service"]
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
+    group = ProcessGroup(log_dir=tmp_path / "logs")
+    try:
+        yield group
+    finally:
+        group.stop_all(timeout=10)
+
+
+@pytest.fixture
+def env(database_url: str, amqp_url: str) -> dict[str, str]:
+    query(database_url, counter.TABLE)
+    values = {
+        "TXBOX_DATABASE_URL": database_url,
+        "TXBOX_AMQP_URL": amqp_url,
+        "TXBOX_QUEUE_TYPE": os.environ.get("TXBOX_QUEUE_TYPE", "quorum"),
+        # A killed worker's claims come back after the lease: keep the test short.
+        "TXBOX_WORKER_LEASE": "4s",
+        "TXBOX_WORKER_TIMEOUT": "2s",
+        "TXBOX_WORKER_POLL_INTERVAL": "0.5s",
+    }
+    app = counter.build(values)
+    topology.declare(app.settings, app.registry)
+    return values
+
+
+class Chaos:
+    """Keeps one receiver and two workers running; kills one of them now and then."""
+
+    def __init__(self, group: ProcessGroup, env: dict[str, str], seed: int) -> None:
+        self.group = group
+        self.env = env
+        self.rng = random.Random(seed)
+        self.kills = {"receiver": 0, "worker": 0}
+        self.crashes = 0  # processes that ended on their own (the poison handler)
+        self.started = 0
+        self.daemons: dict[str, Daemon] = {}
+        for name in ("receiver", "worker-a", "worker-b"):
+            self._start(name)
+
+    def _start(self, name: str) -> None:
+        self.started += 1
+        command = "receiver" if name == "receiver" else "worker"
+        self.daemons[name] = self.group.start(f"{name}-{self.started}", [command, *APP], env=self.env)
+
+    def revive(self) -> None:
+        for name, daemon in list(self.daemons.items()):
+            if not daemon.alive:
+                self.crashes += 1
+                self._start(name)
+
+    def strike(self) -> None:
+        kind = min(self.kills, key=lambda k: (self.kills[k], self.rng.random()))
+        name = "receiver" if kind == "receiver" else self.rng.choice(["worker-a", "worker-b"])
+        self.group.kill(self.daemons[name])  # SIGKILL
+        self.kills[kind] += 1
+        self._start(name)
+
+    def run(self, done: Callable[[], bool], kills_each: int) -> None:
+        while not (done() and min(self.kills.values()) >= kills_each):
+            time.sleep(self.rng.uniform(0.7, 2.5))  # a random moment, not a synchronization
+            self.revive()
+            self.strike()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {d.name}\n{d.log_tail(15)}" for d in self.group.daemons[-4:])
+
+
+def publish_in_background(amqp_url: str, bodies: list[bytes], chunk: int = 500) -> threading.Thread:
+    def target() -> None:
+        for start in range(0, len(bodies), chunk):
+            publish(amqp_url, bodies[start : start + chunk], routing_key=counter.ROUTING_KEY)
+            time.sleep(0.3)  # spread the load over the chaos
+
+    thread = threading.Thread(target=target, name="publisher", daemon=True)
+    thread.start()
+    return thread
+
+
+def settle_and_stop(chaos: Chaos, url: str, expected: int, processes: ProcessGroup) -> None:
+    def settled() -> bool:
+        chaos.revive()
+        return bool(
+            scalar(
+                url,
+                "SELECT count(*) = %s AND bool_and(processed_at IS NOT NULL OR abandoned_at IS NOT NULL)"
+                " FROM txbox.inbox",
+                (expected,),
+            )
+        )
+
+    support.wait_until(settled, 240, interval=0.5, message=f"every message to be settled\n{chaos.logs()}")
+    for daemon in list(chaos.daemons.values()):
+        # A daemon restarted a moment ago may still be importing: SIGTERM would end it
+        # before it could install its handler. Wait until it runs its loop.
+        ready = "consuming" if daemon.name.startswith("receiver") else "processing"
+        support.wait_until(lambda d=daemon, r=ready: r in d.log_tail(100_000), 60, message=f"{daemon.name} to be up")
+        assert processes.stop(daemon) == 0, f"{daemon.name} did not exit 0 on SIGTERM\n{daemon.log_tail()}"
+
+
+@pytest.mark.slow
+def test_ten_thousand_messages_exactly_once_through_kill_9s(
+    database_url: str, amqp_url: str, env: dict[str, str], processes: ProcessGroup
+) -> None:
+    bodies = [counter.envelope(n, aggregate_id=str(n % 200)) for n in range(10_000)]
+    ids = {json.loads(b)["message_id"] for b in bodies}
+    sender = publish_in_background(amqp_url, bodies)
+    chaos = Chaos(processes, env, seed=int(time.time()))
+    chaos.run(done=lambda: not sender.is_alive(), kills_each=5)
+    settle_and_stop(chaos, database_url, len(bodies), processes)
+
+    assert chaos.kills["receiver"] >= 5 and chaos.kills["worker"] >= 5
+    counts = dict(query(database_url, "SELECT id::text, n FROM counters"))
+    assert set(counts) == ids, f"missing: {len(ids - set(counts))}, unexpected: {len(set(counts) - ids)}"
+    twice = {k: v for k, v in counts.items() if v != 1}
+    assert not twice, f"{len(twice)} messages applied more than once"
+    assert scalar(database_url, "SELECT count(*) FROM txbox.dead_letters") == 0
+    assert scalar(database_url, "SELECT count(*) FROM txbox.inbox WHERE processed_at IS NULL") == 0
+
+
+@pytest.mark.slow
+def test_a_handler_that_kills_the_process_ends_as_poison_and_nothing_else_suffers(
+    database_url: str, amqp_url: str, env: dict[str, str], processes: ProcessGroup
+) -> None:
+    bodies = [counter.envelope(n, aggregate_id=str(n % 50)) for n in range(3_000)]
+    poison = counter.envelope(-1, crash=True, aggregate_id="poison")
+    bodies.insert(1_500, poison)
+    poison_id = json.loads(poison)["message_id"]
+    sender = publish_in_background(amqp_url, bodies)
+    chaos = Chaos(processes, env, seed=int(time.time()) + 1)
+
+    def poison_abandoned() -> bool:
+        return bool(scalar(database_url, "SELECT count(*) FROM txbox.dead_letters WHERE reason = 'poison'"))
+
+    chaos.run(done=lambda: not sender.is_alive() and poison_abandoned(), kills_each=5)
+    settle_and_stop(chaos, database_url, len(bodies), processes)
+
+    assert chaos.crashes >= 3, "the poison handler ends the worker process each time it runs"
+    [(message_id, source, reason)] = query(database_url, "SELECT message_id, source, reason FROM txbox.dead_letters")
+    assert (str(message_id), source, reason) == (poison_id, "inbox", "poison")
+    counts = dict(query(database_url, "SELECT id::text, n FROM counters"))
+    expected = {json.loads(b)["message_id"] for b in bodies} - {poison_id}
+    assert set(counts) == expected
+    assert set(counts.values()) == {1}

@@ -1,0 +1,38 @@
+"""The chaos schedule is a pure function of the seed: replayable, and covering every fault kind."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from framework.chaos.faults import DAEMON_KINDS, Kind, plan
+
+
+def test_same_seed_same_schedule_other_seed_other_schedule() -> None:
+    assert plan(5, 16) == plan(5, 16)
+    assert plan(5, 16) != plan(6, 16)
+
+
+def test_a_long_run_covers_every_kind_with_at_least_ten_kills() -> None:
+    schedule = plan(1, 16)
+    kinds = Counter(f.kind for f in schedule)
+    assert kinds[Kind.KILL] >= 10
+    for kind in (Kind.RABBITMQ_RESTART, Kind.POSTGRES_RESTART, Kind.PG_TERMINATE, Kind.AMQP_CLOSE, Kind.POISON):
+        assert kinds[kind] == 1, kind
+    killed = {f.target.split("-", 1)[1] for f in schedule if f.kind is Kind.KILL}
+    assert killed == set(DAEMON_KINDS)
+
+
+def test_a_short_run_still_crashes_a_daemon_and_restarts_both_servers() -> None:
+    kinds = Counter(f.kind for f in plan(3, 4))
+    assert kinds == {Kind.KILL: 2, Kind.RABBITMQ_RESTART: 1, Kind.POSTGRES_RESTART: 1, Kind.POISON: 1}
+
+
+def test_faults_fire_in_progress_order_inside_the_load() -> None:
+    schedule = plan(9, 20, first=0.1, last=0.6)
+    points = [f.at_progress for f in schedule]
+    assert points == sorted(points)
+    assert all(0.1 <= p <= 0.6 for p in points)
+
+
+def test_no_poison_when_asked() -> None:
+    assert all(f.kind is not Kind.POISON for f in plan(2, 8, poison=False))

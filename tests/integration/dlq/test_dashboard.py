@@ -1,0 +1,234 @@
+"""The dashboard over HTTP against real databases: pages, API, security."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from framework.dashboard.app import DashboardSettings, Source, create_app
+from framework.dashboard.server import serving
+from framework.errors import ConfigurationError
+from tests import support
+from tests.conftest import CONTRACTS
+from tests.integration.dlq import seed
+
+TOKEN = "t0ken-for-tests-0123456789"
+XSS = "<script>alert('xss')</script>"
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+OPENER = urllib.request.build_opener(NoRedirect)
+
+
+def http(
+    url: str, *, data: dict[str, str] | None = None, headers: dict[str, str] | None = None, method: str | None = None
+) -> tuple[int, dict[str, str], str]:
+    body = urllib.parse.urlencode(data).encode() if data is not None else None
+    req = urllib.request.Request(url, data=body, headers=headers or {}, method=method)
+    try:
+        with OPENER.open(req, timeout=30) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read().decode()
+
+
+def _source(database_url: str, name: str = "order-service") -> Source:
+    return Source(name, database_url, schema="txbox", contracts_dir=CONTRACTS)
+
+
+@pytest.fixture
+def base(database_url: str) -> Iterator[str]:
+    with serving(create_app([_source(database_url)], DashboardSettings(token=TOKEN))) as url:
+        yield url
+
+
+def _login(base: str) -> dict[str, str]:
+    status, headers, _ = http(base + "/login", data={"token": TOKEN, "next": "/letters"})
+    assert status == 303 and headers["location"] == "/letters"
+    cookie = headers["set-cookie"].split(";")[0]
+    assert "HttpOnly" in headers["set-cookie"] and "SameSite=strict" in headers["set-cookie"]
+    assert TOKEN not in cookie
+    return {"Cookie": cookie}
+
+
+def _csrf(base: str, path: str, cookie: dict[str, str]) -> str:
+    status, _, page = http(base + path, headers=cookie)
+    assert status == 200, page
+    match = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert match, "no CSRF field on the confirmation page"
+    return match.group(1)
+
+
+def test_pages_render_with_numbers_and_charts(base: str, conn: Any) -> None:
+    m = seed.envelope(customer="bob")
+    lid = seed.abandoned(conn, "inbox", m, error="KeyError: 'price'")
+    seed.rejected(conn, None, raw=b"junk")
+
+    status, headers, page = http(base + "/")
+    assert status == 200 and "order-service" in page and page.count('<svg class="chart"') == 2
+    assert "open dead letters" in page and "KeyError" in page
+    assert "default-src 'none'" in headers["content-security-policy"]
+
+    status, _, page = http(base + "/groups")
+    assert status == 200 and "max_attempts" in page and "not_json" in page
+
+    status, _, page = http(base + "/letters?reason=max_attempts")
+    assert status == 200 and f'/letters/order-service/{lid}"' in page and "1 open dead letter" in page
+
+    status, _, page = http(base + f"/letters/order-service/{lid}")
+    assert status == 200 and "&#34;customer&#34;: &#34;bob&#34;" in page
+    assert m.auth_token not in page and "masked" in page  # type: ignore[operator]
+
+    status, _, body = http(base + f"/api/letters/order-service/{lid}")
+    letter = json.loads(body)["letter"]
+    assert letter["message"]["auth_token"].startswith("••••") and letter["message"]["payload"]["customer"] == "bob"
+    status, _, body = http(base + "/api/letters?status=all")
+    data = json.loads(body)
+    assert data["total"] == 2 and len(data["rows"]) == 2
+    status, _, body = http(base + "/api/overview?window=24h")
+    [svc] = json.loads(body)["services"]
+    assert svc["stats"]["dead_letters"]["open"] == 2 and len(svc["timeline"]["buckets"]) == 24
+    assert http(base + "/api/groups")[0] == 200
+
+
+def test_every_filter_is_a_bound_parameter(base: str, conn: Any) -> None:
+    seed.abandoned(conn, "inbox", seed.envelope())
+    evil = ["x' OR '1'='1", "'; DROP TABLE txbox.dead_letters; --", "1) OR (1=1", '" OR ""="']
+    for value in evil:
+        for param in ("message_type", "reason", "fingerprint", "message_id", "origin"):
+            q = urllib.parse.urlencode({param: value, "status": "all"})
+            status, _, body = http(f"{base}/api/letters?{q}")
+            assert status == 200, body
+            assert json.loads(body)["total"] == 0
+        for param in ("since", "until", "status", "page"):
+            status, _, _ = http(f"{base}/letters?" + urllib.parse.urlencode({param: value}))
+            assert status == 400
+        assert http(f"{base}/letters/{urllib.parse.quote(value, safe='')}/1")[0] == 404
+    assert json.loads(http(base + "/api/letters")[2])["total"] == 1
+
+
+def test_message_content_is_escaped(base: str, conn: Any) -> None:
+    m = seed.envelope(customer=XSS)
+    lid = seed.abandoned(conn, "inbox", m, error=f"ValueError: bad customer {XSS} <img src=x onerror=alert(1)>")
+    for path in ("/", "/groups", "/letters", f"/letters/order-service/{lid}"):
+        status, _, page = http(base + path)
+        assert status == 200
+        assert "<script>alert" not in page and "<img src=x" not in page, path
+    assert "&lt;script&gt;alert(" in http(base + f"/letters/order-service/{lid}")[2]
+
+
+def test_state_changes_need_the_token_and_a_csrf_token(base: str, conn: Any) -> None:
+    lid = seed.abandoned(conn, "inbox", seed.envelope())
+    replayed = lambda: conn.execute(  # noqa: E731
+        "SELECT replay_count FROM txbox.dead_letters WHERE id = %s", (lid,)
+    ).fetchone()["replay_count"]
+
+    assert http(base + f"/api/letters/order-service/{lid}/replay", method="POST")[0] == 401
+    bad = {"Authorization": "Bearer wrong"}
+    assert http(base + f"/api/letters/order-service/{lid}/replay", method="POST", headers=bad)[0] == 401
+    assert http(base + f"/letters/order-service/{lid}/replay", data={"csrf": "x"})[0] == 401
+    cookie = _login(base)
+    assert http(base + f"/letters/order-service/{lid}/replay", data={"csrf": "forged"}, headers=cookie)[0] == 403
+    assert http(base + f"/letters/order-service/{lid}/replay", data={}, headers=cookie)[0] == 403
+    assert replayed() == 0
+
+    csrf = _csrf(base, f"/letters/order-service/{lid}/replay", cookie)
+    status, headers, _ = http(base + f"/letters/order-service/{lid}/replay", data={"csrf": csrf}, headers=cookie)
+    assert status == 303 and headers["location"].startswith(f"/letters/order-service/{lid}?done=inbox-reset")
+    assert replayed() == 1
+
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    status, _, body = http(base + f"/api/letters/order-service/{lid}/discard?dry_run=1", method="POST", headers=bearer)
+    assert status == 200 and json.loads(body)["outcomes"][0]["action"] == "discarded"
+    assert (
+        conn.execute("SELECT discarded_at FROM txbox.dead_letters WHERE id = %s", (lid,)).fetchone()["discarded_at"]
+        is None
+    )
+
+
+def test_group_replay_from_the_dashboard(base: str, conn: Any) -> None:
+    ids = [seed.abandoned(conn, "inbox", seed.envelope(), error=f"KeyError: 'sku-{i}'") for i in range(3)]
+    fp = conn.execute("SELECT fingerprint FROM txbox.dead_letters WHERE id = %s", (ids[0],)).fetchone()["fingerprint"]
+    cookie = _login(base)
+    path = f"/groups/order-service/{fp}/replay"
+    status, _, page = http(base + path, headers=cookie)
+    assert "all 3 open dead letters" in page and "inbox-reset" in page  # the dry-run preview
+    csrf = _csrf(base, path, cookie)
+    status, headers, _ = http(base + path, data={"csrf": csrf}, headers=cookie)
+    assert status == 303 and "replay%3A+3+of+3" in headers["location"]
+    assert conn.execute("SELECT count(*) AS n FROM txbox.dead_letters WHERE replay_count = 1").fetchone()["n"] == 3
+
+
+def test_without_a_token_the_dashboard_is_read_only(database_url: str, conn: Any) -> None:
+    lid = seed.abandoned(conn, "inbox", seed.envelope())
+    with serving(create_app([_source(database_url)], DashboardSettings())) as base:
+        assert http(base + "/")[0] == 200
+        assert http(base + f"/letters/order-service/{lid}/replay", data={"csrf": ""})[0] == 403
+        status, _, body = http(
+            base + f"/api/letters/order-service/{lid}/replay", method="POST", headers={"Authorization": "Bearer "}
+        )
+        assert status == 403 and "TXBOX_DASHBOARD_TOKEN" in body
+    assert (
+        conn.execute("SELECT replay_count FROM txbox.dead_letters WHERE id = %s", (lid,)).fetchone()["replay_count"]
+        == 0
+    )
+
+
+def test_viewing_can_require_the_token(database_url: str) -> None:
+    settings = DashboardSettings(token=TOKEN, view_requires_token=True)
+    with serving(create_app([_source(database_url)], settings)) as base:
+        status, headers, _ = http(base + "/letters")
+        assert status == 303 and headers["location"] == "/login?next=%2Fletters"
+        assert http(base + "/api/letters")[0] == 401
+        assert http(base + "/api/letters", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
+        assert http(base + "/letters", headers=_login(base))[0] == 200
+    with pytest.raises(ConfigurationError, match="TXBOX_DASHBOARD_TOKEN"):
+        DashboardSettings(view_requires_token=True)
+    assert DashboardSettings().host == "127.0.0.1"
+
+
+def test_several_sources(database_url: str, conn: Any, template_db: str) -> None:
+    other = support.unique("txbox_t")
+    support.create_database(other, template=template_db)
+    try:
+        seed.abandoned(conn, "inbox", seed.envelope())
+        sources = [_source(database_url), _source(support.db_url(other), "inventory-service")]
+        with serving(create_app(sources, DashboardSettings())) as base:
+            page = http(base + "/")[2]
+            assert "order-service" in page and "inventory-service" in page
+            assert json.loads(http(base + "/api/letters?service=inventory-service")[2])["total"] == 0
+            assert json.loads(http(base + "/api/letters?service=order-service")[2])["total"] == 1
+            assert http(base + "/api/letters?service=nope")[0] == 404
+            for s in sources:
+                s.engine.dispose()
+    finally:
+        support.drop_database(other)
+
+
+def test_overview_shows_the_latest_analyze_run_when_there_is_one(base: str, conn: Any) -> None:
+    assert "Last reconciliation" not in http(base + "/")[2]
+    conn.execute(
+        """INSERT INTO txbox.analytics_runs (run_id, run_at, finished_at, sources, grace_seconds, sla_seconds,
+               outbox_rows, inbox_rows, lost, in_flight, stuck, abandoned, unexpected, redelivered)
+           VALUES ('r1', now(), now(), 'order-service', 60, 300, 10, 10, 2, 0, 0, 1, 0, 0)"""
+    )
+    conn.execute(
+        """INSERT INTO txbox.analytics_latency (run_id, run_at, service, stage, samples, p50_ms, p99_ms)
+           VALUES ('r1', now(), 'order-service', 'end_to_end', 10, 12.4, 80.6)"""
+    )
+    page = http(base + "/")[2]
+    assert "Last reconciliation" in page and 'class="pill alarm">lost 2' in page
+    assert "end_to_end p50 12 ms · p99 81 ms" in page
+    analytics = json.loads(http(base + "/api/overview")[2])["services"][0]["analytics"]
+    assert analytics["run"]["lost"] == 2

@@ -1,0 +1,221 @@
+"""The outbox relay against the real PostgreSQL and RabbitMQ: what it sends, order, failures."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pika
+import psycopg
+
+from framework import names
+from framework.db import conninfo
+from framework.envelope import parse_message
+from framework.publisher import Relay, RelayConfig
+from framework.service import Service
+from framework.settings import Settings
+from tests.integration.publisher.conftest import (
+    drain_queue,
+    inbox_queue,
+    insert_rows,
+    orders,
+    outbox_state,
+    running_relay,
+)
+from tests.support import wait_until
+
+FAST = {"poll_interval": 0.2, "retry_base": 0.05, "retry_cap": 0.2}
+
+
+def test_message_carries_the_envelope_and_amqp_properties(settings: Settings, service: Service) -> None:
+    (message_id,) = insert_rows(
+        settings,
+        service.registry,
+        [
+            {
+                "message_type": "PlaceOrder",
+                "aggregate_id": "o-1",
+                "payload": {"customer": "ada", "sku": "SKU-1", "quantity": 2},
+                "message_context": {"example_correlation_id": "corr-1"},
+                "auth_token": "tok-123",
+            }
+        ],
+    )
+    with running_relay(settings, service.registry):
+        wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the row is marked published")
+    (got,) = drain_queue(settings.amqp_url, inbox_queue(settings))
+    message = parse_message(json_bytes(got.body))
+    assert str(message.message_id) == message_id
+    assert message.payload == {"customer": "ada", "sku": "SKU-1", "quantity": 2}
+    assert message.message_context == {"example_correlation_id": "corr-1"}
+    assert message.auth_token == "tok-123"
+    assert (message.message_type, message.aggregate_type, message.aggregate_id) == ("PlaceOrder", "order", "o-1")
+    assert list(got.body)[:4] == ["payload", "message_context", "message_id", "timestamp"]
+    props = got.properties
+    assert props.message_id == message_id
+    assert props.type == "PlaceOrder"
+    assert props.content_type == "application/json"
+    assert props.delivery_mode == 2
+    assert props.headers == {names.HEADER_CORRELATION_ID: "corr-1"}
+    with psycopg.connect(conninfo(settings.database_url)) as conn:
+        created, stamp, started, finished = conn.execute(
+            "SELECT created_at, processed_at, started_attempts, finished_attempts FROM txbox.outbox"
+        ).fetchone()  # type: ignore[misc]
+    assert message.timestamp == created.replace(microsecond=created.microsecond // 1000 * 1000)
+    assert props.timestamp == int(created.timestamp())
+    assert stamp is not None and (started, finished) == (1, 1)
+    assert got.exchange == "command" and got.routing_key == "order-service.order.place"
+
+
+def json_bytes(body: dict) -> bytes:  # type: ignore[type-arg]
+    import json
+
+    return json.dumps(body).encode()
+
+
+def test_three_publishers_keep_order_per_segment(settings: Settings, service: Service) -> None:
+    """20 segments x 200 messages, 3 relays racing: each segment arrives in creation order."""
+    insert_rows(settings, service.registry, orders(20, 100))
+    configs = [RelayConfig(batch_size=b, poll_interval=0.5) for b in (7, 13, 50)]  # type: ignore[arg-type]
+    relays = [Relay(settings, service.registry, c) for c in configs]
+    threads = [threading.Thread(target=r.run, daemon=True) for r in relays]
+    for t in threads:
+        t.start()
+    try:
+        insert_rows(
+            settings,
+            service.registry,
+            [dict(r, payload={**r["payload"], "quantity": r["payload"]["quantity"] + 100}) for r in orders(20, 100)],
+        )
+        wait_until(lambda: outbox_state(settings)["processed"] == 4000, 120, message="4000 rows published")
+    finally:
+        for r in relays:
+            r.stop()
+        for t in threads:
+            t.join(30)
+    assert sum(r.published for r in relays) == 4000
+    assert all(r.published > 0 for r in relays), [r.published for r in relays]
+    seen: dict[str, list[int]] = {}
+    for d in drain_queue(settings.amqp_url, inbox_queue(settings)):
+        seen.setdefault(d.body["aggregate_id"], []).append(d.body["payload"]["quantity"])
+    assert len(seen) == 20
+    for segment, sequence in seen.items():
+        assert sequence == list(range(1, 201)), f"segment {segment} out of order"
+
+
+def test_higher_priority_goes_first_and_order_holds_within_a_priority(settings: Settings, service: Service) -> None:
+    low = [dict(r, priority=0) for r in orders(5, 3)]
+    high = [dict(r, priority=5, aggregate_id="h-" + r["aggregate_id"]) for r in orders(5, 3)]
+    insert_rows(settings, service.registry, low + high)
+    config = RelayConfig(batch_size=1, max_in_flight=1, poll_interval=0.05)  # type: ignore[arg-type]
+    with running_relay(settings, service.registry, config):
+        wait_until(lambda: outbox_state(settings)["processed"] == 30, 60, message="30 rows published")
+    got = drain_queue(settings.amqp_url, inbox_queue(settings))
+    kinds = ["high" if d.body["aggregate_id"].startswith("h-") else "low" for d in got]
+    # With one message in flight the claim order is the publish order: the due heads of
+    # priority 5 come before any of priority 0, until their lanes run dry.
+    assert kinds[:5] == ["high"] * 5
+    per: dict[str, list[int]] = {}
+    for d in got:
+        per.setdefault(d.body["aggregate_id"], []).append(d.body["payload"]["quantity"])
+    assert all(seq == [1, 2, 3] for seq in per.values()), per
+
+
+def test_parallel_rows_are_free_of_the_head_of_segment_rule(settings: Settings, service: Service) -> None:
+    """A parallel row is published while an earlier sequential row of its segment waits (backoff)."""
+    later = datetime.now(UTC) + timedelta(hours=1)
+    insert_rows(
+        settings,
+        service.registry,
+        [
+            {**orders(1, 1)[0], "not_before": later},  # head of o-0, not due for an hour
+            {**orders(1, 2)[1]},  # sequential, behind the head: must wait
+            {**orders(1, 3)[2], "concurrency": "parallel"},  # free
+        ],
+    )
+    with running_relay(settings, service.registry):
+        wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the parallel row published")
+    (got,) = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
+    assert got.body["payload"]["quantity"] == 3
+
+
+def test_unroutable_command_retries_then_dead_letters_and_unroutable_event_counts_as_published(
+    settings: Settings, service: Service
+) -> None:
+    # RestockItem goes to inventory-service, whose queue does not exist in this vhost;
+    # OrderCompleted is an event nobody subscribes to.
+    command_id, event_id = insert_rows(
+        settings,
+        service.registry,
+        [
+            {"message_type": "RestockItem", "aggregate_id": "SKU-1", "payload": {"sku": "SKU-1", "quantity": 5}},
+            {
+                "message_type": "OrderCompleted",
+                "aggregate_id": "o-1",
+                "payload": {"order_id": "o-1", "status": "completed"},
+            },
+        ],
+    )
+    config = RelayConfig(max_attempts=3, **FAST)  # type: ignore[arg-type]
+    with running_relay(settings, service.registry, config) as relay:
+        wait_until(lambda: outbox_state(settings)["abandoned"] == 1, 30, message="the command abandoned")
+        assert relay.published == 1 and relay.failed == 3 and relay.abandoned == 1
+    with psycopg.connect(conninfo(settings.database_url)) as conn:
+        rows = {
+            r[0]: r[1:]
+            for r in conn.execute(
+                """SELECT id::text, processed_at IS NOT NULL, abandoned_at IS NOT NULL, finished_attempts,
+                          started_attempts, last_error FROM txbox.outbox"""
+            ).fetchall()
+        }
+        letters = conn.execute(
+            """SELECT message_id::text, source, reason, error, message_type, message->>'message_id'
+               FROM txbox.dead_letters"""
+        ).fetchall()
+    assert rows[event_id][:2] == (True, False)
+    processed, abandoned, finished, started, error = rows[command_id]
+    assert (processed, abandoned, finished, started) == (False, True, 3, 3)
+    assert "unroutable" in error and "gave up after 3 attempts" in error
+    assert letters == [(command_id, "outbox", "unroutable", error, "RestockItem", command_id)]
+
+
+def test_nacked_command_is_a_failure_with_backoff(settings: Settings, service: Service) -> None:
+    """A queue that rejects publishes when full makes the broker nack."""
+    conn = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    ch = conn.channel()
+    ch.exchange_declare("command", exchange_type="topic", durable=True)
+    ch.queue_declare("full", durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+    ch.queue_bind("full", "command", routing_key="inventory-service.stock.restock")
+    conn.close()
+    insert_rows(
+        settings,
+        service.registry,
+        [{"message_type": "RestockItem", "aggregate_id": "SKU-1", "payload": {"sku": "SKU-1", "quantity": 5}}],
+    )
+    config = RelayConfig(max_attempts=2, **FAST)  # type: ignore[arg-type]
+    with running_relay(settings, service.registry, config):
+        wait_until(lambda: outbox_state(settings)["abandoned"] == 1, 30, message="the nacked command abandoned")
+    with psycopg.connect(conninfo(settings.database_url)) as db:
+        reason, error = db.execute("SELECT reason, error FROM txbox.dead_letters").fetchone()  # type: ignore[misc]
+        last_error = db.execute("SELECT last_error FROM txbox.outbox").fetchone()[0]  # type: ignore[index]
+    assert reason == "nacked" and "nacked" in error and error == last_error
+
+
+def test_notify_wakes_the_publisher_long_before_the_poll_interval(settings: Settings, service: Service) -> None:
+    config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
+    with running_relay(settings, service.registry, config) as relay:
+        wait_until(lambda: relay._conn is not None, 30, message="the relay connected")
+        insert_rows(settings, service.registry, orders(3, 1))
+        # Without NOTIFY nothing would happen for an hour.
+        wait_until(lambda: outbox_state(settings)["processed"] == 3, 30, message="rows published after NOTIFY")
+
+
+def test_rows_not_due_yet_stay_put(settings: Settings, service: Service) -> None:
+    later = datetime.now(UTC) + timedelta(hours=1)
+    insert_rows(settings, service.registry, [{**orders(1, 1)[0], "not_before": later}])
+    marker = insert_rows(settings, service.registry, orders(1, 1, segment=f"other-{uuid.uuid4()}"))
+    with running_relay(settings, service.registry):
+        wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the due row published")
+    (got,) = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
+    assert got.body["message_id"] == marker[0]

@@ -1,0 +1,210 @@
+"""The receiver against the real RabbitMQ and PostgreSQL: store, dedup, reject, ack."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pika
+
+from framework import names, topology
+from framework.dead_letters import decode_body
+from framework.receiver import Receiver, ReceiverConfig
+from framework.service import Service
+from tests import support
+from tests.apps.helpers import encode, place_order, publish, query, queue_depth, running, scalar
+
+QUEUE = names.inbox_queue("order-service")
+
+
+def config(**overrides: Any) -> ReceiverConfig:
+    values: dict[str, Any] = {"prefetch": 200, "batch_size": 100}
+    values.update(overrides)
+    return ReceiverConfig(**values)
+
+
+def inbox_count(url: str) -> int:
+    return int(scalar(url, "SELECT count(*) FROM txbox.inbox"))
+
+
+def test_stores_valid_deliveries_with_delivery_facts_and_acks_them(
+    service: Service, database_url: str, amqp_url: str, vhost: str
+) -> None:
+    topology.declare(service.settings, service.registry)
+    first = place_order(aggregate_id="7")
+    second = place_order(aggregate_id="7", quantity=2)
+    headers = {names.HEADER_SEGMENT: "custom-lane", "x-correlation-id": "c-1"}
+    props = [
+        pika.BasicProperties(content_type="application/json", delivery_mode=2, message_id=first["message_id"]),
+        pika.BasicProperties(content_type="application/json", delivery_mode=2, headers=headers, priority=3),
+    ]
+    publish(amqp_url, [encode(first), encode(second)], properties=props)
+    with running(Receiver(service, config())):
+        support.wait_until(lambda: inbox_count(database_url) == 2, 20, message="both deliveries stored")
+    assert queue_depth(amqp_url, QUEUE) == 0, "stored deliveries must have been acked"
+    rows = {
+        str(r[0]): r
+        for r in query(
+            database_url,
+            "SELECT id, kind, routing_key, segment, priority, queue, redelivered, metadata, message_timestamp,"
+            " payload, message_context, concurrency FROM txbox.inbox",
+        )
+    }
+    row = rows[first["message_id"]]
+    assert row[1:7] == ("command", "order-service.order.place", "order:7", 0, QUEUE, False)
+    metadata = row[7]
+    assert metadata["auth_token"] == "secret-token"
+    assert metadata["properties"]["message_id"] == first["message_id"]
+    assert metadata["fields"]["routing_key"] == "order-service.order.place"
+    assert row[8].isoformat().startswith(first["timestamp"][:19])
+    assert row[9] == first["payload"] and row[10] == first["message_context"]
+    custom = rows[second["message_id"]]
+    assert custom[3] == "custom-lane" and custom[4] == 3
+    assert custom[7]["properties"]["headers"]["x-correlation-id"] == "c-1"
+
+
+def test_a_duplicate_delivery_is_acked_but_stored_once(
+    service: Service, database_url: str, amqp_url: str, vhost: str
+) -> None:
+    topology.declare(service.settings, service.registry)
+    message = place_order()
+    # A single receiver takes deliveries in queue order: once the last one is stored,
+    # the three copies before it were settled.
+    publish(amqp_url, [encode(message)] * 3 + [encode(place_order())])
+    with running(Receiver(service, config(batch_size=2))):
+        support.wait_until(lambda: inbox_count(database_url) == 2, 20, message="the marker message")
+    assert queue_depth(amqp_url, QUEUE) == 0, "duplicates must be acked too"
+    assert scalar(database_url, "SELECT count(*) FROM txbox.inbox WHERE id = %s", (message["message_id"],)) == 1
+
+
+def _deep(levels: int) -> bytes:
+    return b'{"payload":' + b"[" * levels + b"]" * levels + b"}"
+
+
+def bad_inputs() -> dict[str, tuple[bytes, pika.BasicProperties, str]]:
+    """case → (body, properties, expected reason)."""
+
+    def json_props() -> pika.BasicProperties:
+        return pika.BasicProperties(content_type="application/json", delivery_mode=2)
+
+    no_id = place_order()
+    del no_id["message_id"]
+    no_type = place_order()
+    del no_type["message_type"]
+    return {
+        "empty body": (b"", json_props(), "empty_body"),
+        "not utf-8": (b"\xff\xfe\xfa{", json_props(), "not_utf8"),
+        "not json": (b"hello, receiver", json_props(), "not_json"),
+        "json array": (b"[1, 2, 3]", json_props(), "not_object"),
+        "missing message_id": (encode(no_id), json_props(), "missing_field"),
+        "non-uuid message_id": (encode(place_order(message_id="order-1")), json_props(), "invalid_field"),
+        "missing message_type": (encode(no_type), json_props(), "missing_field"),
+        "unknown message type": (
+            encode(place_order(message_type="LaunchRocket")),
+            json_props(),
+            "unknown_message_type",
+        ),
+        "schema-invalid payload": (
+            encode(place_order(payload={"customer": "ada", "sku": "lower", "quantity": 0})),
+            json_props(),
+            "schema_invalid",
+        ),
+        "over the size limit": (
+            encode(place_order(payload={"customer": "x" * 1_100_000, "sku": "A", "quantity": 1})),
+            json_props(),
+            "too_large",
+        ),
+        "wrong content type": (
+            encode(place_order()),
+            pika.BasicProperties(content_type="text/plain", delivery_mode=2),
+            "wrong_content_type",
+        ),
+        "10,000 levels of nesting": (_deep(10_000), json_props(), "too_deep"),
+    }
+
+
+def test_bad_input_is_rejected_into_dead_letters_and_the_receiver_goes_on(
+    service: Service, database_url: str, amqp_url: str, vhost: str
+) -> None:
+    topology.declare(service.settings, service.registry)
+    cases = bad_inputs()
+    bodies, props = [], []
+    for case, (body, prop, _) in cases.items():
+        prop.headers = {**(prop.headers or {}), "x-test-case": case}
+        bodies.append(body)
+        props.append(prop)
+    good = place_order()
+    publish(amqp_url, [*bodies, encode(good)], properties=[*props, None])  # type: ignore[list-item]
+    receiver = Receiver(service, config())
+    with running(receiver):
+        support.wait_until(lambda: inbox_count(database_url) == 1, 30, message="the good message after the bad ones")
+        support.wait_until(
+            lambda: scalar(database_url, "SELECT count(*) FROM txbox.dead_letters") == len(cases),
+            30,
+            message="dead letters",
+        )
+    assert queue_depth(amqp_url, QUEUE) == 0, "rejected deliveries must be acked"
+    assert str(scalar(database_url, "SELECT id FROM txbox.inbox")) == good["message_id"]
+    letters = query(
+        database_url,
+        "SELECT headers->>'x-test-case', source, reason, raw_body, raw_encoding, message_id, error"
+        " FROM txbox.dead_letters",
+    )
+    found = {row[0]: row for row in letters}
+    assert set(found) == set(cases)
+    for case, (body, _, reason) in cases.items():
+        _, source, got_reason, raw, encoding, _, error = found[case]
+        assert (source, got_reason) == ("broker", reason), f"{case}: {got_reason} ({error})"
+        assert decode_body(raw, encoding) == body, f"{case}: raw body not kept"
+    assert found["not utf-8"][4] == "base64"
+    # A parsed envelope keeps its id even when rejected, so it can be found by id later.
+    assert found["schema-invalid payload"][5] is not None
+
+
+def test_unstorable_json_is_rejected_without_losing_its_batch_mates(
+    service: Service, database_url: str, amqp_url: str
+) -> None:
+    """jsonb refuses \\u0000: the batch falls back to one savepoint per row."""
+    topology.declare(service.settings, service.registry)
+    poisoned = place_order(payload={"customer": "nul\u0000byte", "sku": "SKU-1", "quantity": 1})
+    mates = [place_order() for _ in range(5)]
+    publish(amqp_url, [encode(m) for m in (*mates[:2], poisoned, *mates[2:])])
+    with running(Receiver(service, config(batch_wait=0.5))):
+        support.wait_until(lambda: inbox_count(database_url) == 5, 20, message="the five good messages")
+        support.wait_until(
+            lambda: scalar(database_url, "SELECT reason FROM txbox.dead_letters") == "unstorable",
+            20,
+            message="dead letter",
+        )
+    assert str(scalar(database_url, "SELECT message_id FROM txbox.dead_letters")) == poisoned["message_id"]
+
+
+def test_stop_requeues_nothing_it_stored_and_loses_nothing(
+    service: Service, database_url: str, amqp_url: str, vhost: str
+) -> None:
+    topology.declare(service.settings, service.registry)
+    messages = [place_order(aggregate_id=str(i)) for i in range(300)]
+    publish(amqp_url, [encode(m) for m in messages])
+    with running(Receiver(service, config(batch_size=50, prefetch=100))):
+        support.wait_until(lambda: inbox_count(database_url) > 0, 20, message="the first batch")
+    stored = inbox_count(database_url)
+    # Everything not stored went back to the queue (nothing held, nothing lost).
+    assert stored + queue_depth(amqp_url, QUEUE) == 300
+    with running(Receiver(service, config())):
+        support.wait_until(lambda: inbox_count(database_url) == 300, 30, message="the rest after a restart")
+    ids = {str(r[0]) for r in query(database_url, "SELECT id FROM txbox.inbox")}
+    assert ids == {m["message_id"] for m in messages}
+
+
+def test_json_of_metadata_is_valid_for_binary_headers(service: Service, database_url: str, amqp_url: str) -> None:
+    topology.declare(service.settings, service.registry)
+    message = place_order()
+    props = pika.BasicProperties(content_type="application/json", headers={"blob": b"\xff\x00", "n": 5})
+    publish(amqp_url, [encode(message)], properties=[props])
+    with running(Receiver(service, config())):
+        support.wait_until(lambda: inbox_count(database_url) == 1, 20, message="stored")
+    metadata = scalar(database_url, "SELECT metadata FROM txbox.inbox")
+    assert metadata["properties"]["headers"]["n"] == 5
+    assert json.dumps(metadata)
+    assert uuid.UUID(str(scalar(database_url, "SELECT id FROM txbox.inbox"))) == uuid.UUID(message["message_id"])

@@ -1,0 +1,176 @@
+"""`txbox topology` against the real broker: every exchange, queue, argument and binding of DESIGN §5."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import urllib.parse
+from pathlib import Path
+
+import pika
+import pytest
+
+from framework import names, topology
+from framework.contracts import load_registry
+from framework.errors import TopologyMismatch
+from framework.settings import Settings
+from tests import support
+from tests.conftest import CONTRACTS, ROOT
+
+TXBOX = str(Path(sys.executable).parent / "txbox")
+
+
+def broker_state(vhost: str) -> tuple[dict[str, dict], dict[str, dict], set[tuple[str, str, str]]]:  # type: ignore[type-arg]
+    v = support.vhost_path(vhost)
+    exchanges = {e["name"]: e for e in support.mgmt("GET", f"/exchanges/{v}") if not e["name"].startswith("amq.")}
+    exchanges.pop("", None)
+    queues = {q["name"]: q for q in support.mgmt("GET", f"/queues/{v}")}
+    bindings = {
+        (b["source"], b["destination"], b["routing_key"])
+        for b in support.mgmt("GET", f"/bindings/{v}")
+        if b["source"] and b["destination_type"] == "queue"
+    }
+    return exchanges, queues, bindings
+
+
+def expected_bindings(service: str, queue_type: str) -> set[tuple[str, str, str]]:
+    inbox = f"{service}:inbox"
+    if service == "order-service":
+        own = {
+            ("command", inbox, "order-service.order.place"),
+            ("event", inbox, "inventory-service.stock.reserved"),
+            ("event", inbox, "inventory-service.stock.rejected"),
+        }
+    else:
+        own = {("command", inbox, "inventory-service.stock.restock"), ("event", inbox, "order-service.order.placed")}
+    return own | {
+        ("retry", inbox, f"{inbox}.#"),
+        ("dead_letter", f"{service}:dead_letter", f"{service}.dead_letter"),
+        ("delay", "delay:10s", "delay.10s"),
+        ("delay", "delay:30s", "delay.30s"),
+    }
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_declares_exactly_design_section_5_and_twice_is_a_no_op(
+    settings: Settings, vhost: str, queue_type: str
+) -> None:
+    settings = dataclasses.replace(settings, queue_type=queue_type)  # type: ignore[arg-type]
+    registry = load_registry(CONTRACTS)
+    topology.declare(settings, registry)
+    first = broker_state(vhost)
+    topology.declare(settings, registry)  # idempotent
+    exchanges, queues, bindings = broker_state(vhost)
+    assert (exchanges.keys(), queues.keys(), bindings) == (first[0].keys(), first[1].keys(), first[2])
+
+    assert set(exchanges) == {"command", "event", "delay", "retry", "dead_letter"}
+    for e in exchanges.values():
+        assert (e["type"], e["durable"], e["auto_delete"]) == ("topic", True, False), e["name"]
+
+    assert set(queues) == {"order-service:inbox", "order-service:dead_letter", "delay:10s", "delay:30s"}
+    for q in queues.values():
+        assert q["durable"] and not q["auto_delete"] and not q["exclusive"], q["name"]
+    inbox = queues["order-service:inbox"]["arguments"]
+    assert inbox == {
+        "x-queue-type": queue_type,
+        "x-dead-letter-exchange": "dead_letter",
+        "x-dead-letter-routing-key": "order-service.dead_letter",
+    }
+    assert queues["order-service:inbox"]["type"] == queue_type
+    assert queues["order-service:dead_letter"]["arguments"] == {"x-queue-type": queue_type}
+    for seconds in (10, 30):
+        assert queues[f"delay:{seconds}s"]["arguments"] == {
+            "x-message-ttl": seconds * 1000,
+            "x-dead-letter-exchange": "retry",
+        }
+    assert bindings == expected_bindings("order-service", queue_type)
+
+
+def test_two_services_share_exchanges_and_delay_queues(settings: Settings, vhost: str) -> None:
+    registry = load_registry(CONTRACTS)
+    topology.declare(settings, registry)
+    topology.declare(dataclasses.replace(settings, service="inventory-service", queue_type="classic"), registry)
+    _, queues, bindings = broker_state(vhost)
+    assert bindings == expected_bindings("order-service", "quorum") | expected_bindings("inventory-service", "classic")
+    assert {q for q in queues if q.startswith("inventory-service")} == {
+        "inventory-service:inbox",
+        "inventory-service:dead_letter",
+    }
+
+
+def test_declared_topology_routes_as_designed(settings: Settings) -> None:
+    """Passive declares plus real routing: a command, a subscribed event, a delayed retry."""
+    registry = load_registry(CONTRACTS)
+    topology.declare(settings, registry)
+    conn = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for exchange in names.EXCHANGES:
+            ch.exchange_declare(exchange, passive=True)
+        ch.basic_publish("command", "order-service.order.place", b"{}", mandatory=True)
+        ch.basic_publish("event", "inventory-service.stock.reserved", b"{}", mandatory=True)
+        ch.basic_publish("retry", "order-service:inbox.order-service.order.place", b"{}", mandatory=True)
+        ch.basic_publish("dead_letter", "order-service.dead_letter", b"{}", mandatory=True)
+        assert ch.queue_declare("order-service:inbox", passive=True).method.message_count == 3
+        assert ch.queue_declare("order-service:dead_letter", passive=True).method.message_count == 1
+    finally:
+        conn.close()
+
+
+def run_cli(settings: Settings, *args: str, queue_type: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.update(
+        TXBOX_SERVICE=settings.service,
+        TXBOX_DATABASE_URL=settings.database_url,
+        TXBOX_AMQP_URL=settings.amqp_url,
+        TXBOX_CONTRACTS_DIR=str(settings.contracts_dir),
+        TXBOX_QUEUE_TYPE=queue_type or settings.queue_type,
+    )
+    return subprocess.run(
+        [TXBOX, "topology", *args], check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_cli_declares_and_reports(settings: Settings, vhost: str) -> None:
+    done = run_cli(settings)
+    assert done.returncode == 0, done.stderr
+    assert "order-service:inbox" in done.stdout
+    assert broker_state(vhost)[2] == expected_bindings("order-service", "quorum")
+    assert run_cli(settings).returncode == 0  # again: no-op
+
+
+def test_existing_queue_with_other_type_fails_naming_queue_argument_and_fix(settings: Settings, vhost: str) -> None:
+    assert run_cli(settings, queue_type="classic").returncode == 0
+    done = run_cli(settings, queue_type="quorum")
+    assert done.returncode == 2
+    err = done.stderr
+    assert "Traceback" not in err
+    assert "'order-service:inbox'" in err and "x-queue-type" in err
+    assert "rabbitmqctl delete_queue" in err and "TXBOX_QUEUE_TYPE=classic" in err
+    # The broker still has the original queue, untouched.
+    info = support.queue_info(vhost, "order-service:inbox")
+    assert info["arguments"]["x-queue-type"] == "classic"
+
+
+def test_existing_queue_with_other_dead_letter_argument_fails_clearly(settings: Settings) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    conn.channel().queue_declare(
+        "order-service:inbox",
+        durable=True,
+        arguments={"x-queue-type": "quorum", "x-dead-letter-exchange": "elsewhere"},
+    )
+    conn.close()
+    with pytest.raises(TopologyMismatch) as info:
+        topology.declare(settings, load_registry(CONTRACTS))
+    text = str(info.value)
+    assert "'order-service:inbox'" in text and "x-dead-letter-exchange" in text and "delete" in text
+
+
+def test_unreachable_broker_is_a_clear_error(settings: Settings) -> None:
+    bad = dataclasses.replace(settings, amqp_url="amqp://guest:guest@127.0.0.1:1/" + urllib.parse.quote("x", safe=""))
+    done = run_cli(bad)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "RabbitMQ" in done.stderr

@@ -1,0 +1,310 @@
+"""The worker against the real PostgreSQL: outcomes, attempts, poison, timeouts, conflicts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from framework import CommandHandler, Message, Outbox, PermanentError, RetryableError
+from framework.service import Service
+from framework.worker import Worker, WorkerConfig
+from framework.worker.timeout import Watchdog
+from tests import support
+from tests.apps.helpers import place_order, query, running, scalar, store_in_inbox
+
+FAST = {"backoff_base": 0.01, "backoff_cap": 0.05, "poll_interval": 0.1}
+
+
+class Recorder(CommandHandler):
+    """PlaceOrder handler whose behaviour each test sets with ``act``."""
+
+    message_type = "PlaceOrder"
+
+    def __init__(self, act: Callable[[Message, Session, Outbox], None] | None = None) -> None:
+        self.act = act
+        self.calls: list[tuple[str, int, bool]] = []
+        self.lock = threading.Lock()
+
+    def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+        with self.lock:
+            self.calls.append((str(message.message_id), message.attempt, message.is_final_attempt))
+        session.execute(
+            text("INSERT INTO seen (id, segment, quantity) VALUES (:id, :segment, :q)"),
+            {"id": message.message_id, "segment": message.aggregate_id, "q": message.payload["quantity"]},
+        )
+        if self.act is not None:
+            self.act(message, session, outbox)
+
+
+@pytest.fixture
+def business(database_url: str) -> str:
+    query(
+        database_url,
+        "CREATE TABLE seen (n bigserial PRIMARY KEY, id uuid NOT NULL, segment text NOT NULL, quantity int NOT NULL)",
+    )
+    return database_url
+
+
+def worker(service: Service, **overrides: Any) -> Worker:
+    return Worker(service, WorkerConfig(**{**FAST, **overrides}))
+
+
+def row(url: str, message: dict[str, Any]) -> dict[str, Any]:
+    rows = query(
+        url,
+        "SELECT processed_at, abandoned_at, started_attempts, finished_attempts, last_error,"
+        " locked_until > now() FROM txbox.inbox WHERE id = %s",
+        (message["message_id"],),
+    )
+    keys = ("processed_at", "abandoned_at", "started", "finished", "last_error", "leased")
+    return dict(zip(keys, rows[0], strict=True))
+
+
+def done(url: str) -> int:
+    return int(
+        scalar(url, "SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL OR abandoned_at IS NOT NULL")
+    )
+
+
+def letters(url: str) -> list[tuple[Any, ...]]:
+    return query(url, "SELECT message_id, source, reason, error, message FROM txbox.dead_letters ORDER BY id")
+
+
+def test_a_handler_commits_with_the_processed_mark_and_context_propagates(service: Service, business: str) -> None:
+    def publish(message: Message, session: Session, outbox: Outbox) -> None:
+        outbox.publish_event(
+            "OrderPlaced",
+            aggregate_id=message.aggregate_id,
+            payload={"order_id": message.aggregate_id, "sku": "SKU-1", "quantity": 1},
+        )
+
+    service.register(Recorder(publish))
+    message = place_order(aggregate_id="5")
+    store_in_inbox(service, [message])
+    with running(worker(service)):
+        support.wait_until(lambda: done(business) == 1, 20, message="processed")
+    state = row(business, message)
+    assert state["processed_at"] is not None and (state["started"], state["finished"]) == (1, 1)
+    assert scalar(business, "SELECT count(*) FROM seen") == 1
+    context = scalar(business, "SELECT message_context FROM txbox.outbox")
+    assert context == message["message_context"], "the incoming message_context must be copied"
+
+
+def test_retryable_failures_back_off_then_abandon_after_max_attempts(service: Service, business: str) -> None:
+    def fail(message: Message, session: Session, outbox: Outbox) -> None:
+        raise RetryableError("stock service unavailable")
+
+    handler = service.register(Recorder(fail))
+    message = place_order()
+    store_in_inbox(service, [message])
+    with running(worker(service, max_attempts=3)):
+        support.wait_until(lambda: done(business) == 1, 20, message="abandoned")
+    assert handler.calls == [(message["message_id"], 1, False), (message["message_id"], 2, False),
+                             (message["message_id"], 3, True)]  # fmt: skip
+    state = row(business, message)
+    assert state["abandoned_at"] is not None and state["processed_at"] is None
+    assert (state["started"], state["finished"]) == (3, 3)
+    assert "stock service unavailable" in state["last_error"]
+    assert scalar(business, "SELECT count(*) FROM seen") == 0, "failed runs must leave no business rows"
+    [(message_id, source, reason, _error, body)] = letters(business)
+    assert (str(message_id), source, reason) == (message["message_id"], "inbox", "max_attempts")
+    assert body["payload"] == message["payload"]
+
+
+def test_a_failure_waits_for_its_backoff(service: Service, business: str) -> None:
+    calls: list[float] = []
+
+    def fail_once(message: Message, session: Session, outbox: Outbox) -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise ValueError("first run fails")
+
+    service.register(Recorder(fail_once))
+    message = place_order()
+    store_in_inbox(service, [message])
+    with running(worker(service, backoff_base=1.0, backoff_cap=5.0, backoff_jitter=0.0)):
+        support.wait_until(lambda: done(business) == 1, 20, message="processed on the second run")
+    assert calls[1] - calls[0] >= 0.9
+    assert row(business, message)["finished"] == 2
+
+
+def test_permanent_error_abandons_at_once(service: Service, business: str) -> None:
+    def reject(message: Message, session: Session, outbox: Outbox) -> None:
+        raise PermanentError("customer is blocked")
+
+    handler = service.register(Recorder(reject))
+    message = place_order()
+    store_in_inbox(service, [message])
+    with running(worker(service, max_attempts=5)):
+        support.wait_until(lambda: done(business) == 1, 20, message="abandoned")
+    assert len(handler.calls) == 1
+    assert [r[2] for r in letters(business)] == ["permanent_error"]
+    assert scalar(business, "SELECT count(*) FROM seen") == 0
+
+
+def test_one_failing_message_does_not_undo_its_batch_mates(service: Service, business: str) -> None:
+    bad = place_order(aggregate_id="bad")
+
+    def fail_bad(message: Message, session: Session, outbox: Outbox) -> None:
+        if message.aggregate_id == "bad":
+            raise PermanentError("bad one")
+
+    service.register(Recorder(fail_bad))
+    good = [place_order(aggregate_id=str(i)) for i in range(20)]
+    store_in_inbox(service, [*good[:10], bad, *good[10:]])
+    with running(worker(service, batch_size=50)):
+        support.wait_until(lambda: done(business) == 21, 20, message="all settled")
+    assert scalar(business, "SELECT count(*) FROM seen") == 20
+    assert scalar(business, "SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL") == 20
+
+
+def test_poison_is_abandoned_without_running(service: Service, business: str) -> None:
+    handler = service.register(Recorder())
+    message = place_order()
+    store_in_inbox(service, [message])
+    # Three claims whose runs never finished: the process died in the handler each time.
+    query(business, "UPDATE txbox.inbox SET started_attempts = 3, locked_until = now() - interval '1 s'")
+    with running(worker(service, poison_threshold=3)):
+        support.wait_until(lambda: done(business) == 1, 20, message="abandoned as poison")
+    assert handler.calls == []
+    state = row(business, message)
+    assert state["abandoned_at"] is not None and (state["started"], state["finished"]) == (4, 4)
+    assert [r[2] for r in letters(business)] == ["poison"]
+
+
+def test_a_suspect_below_the_threshold_runs_again_alone(service: Service, business: str) -> None:
+    handler = service.register(Recorder())
+    suspect, other = place_order(), place_order()
+    store_in_inbox(service, [suspect, other])
+    query(
+        business,
+        "UPDATE txbox.inbox SET started_attempts = 1, locked_until = now() - interval '1 s' WHERE id = %s",
+        (suspect["message_id"],),
+    )
+    with running(worker(service, poison_threshold=3)):
+        support.wait_until(lambda: done(business) == 2, 20, message="both processed")
+    assert {c[0] for c in handler.calls} == {suspect["message_id"], other["message_id"]}
+    assert row(business, suspect)["processed_at"] is not None
+
+
+def test_a_handler_over_its_timeout_is_interrupted_and_retried(service: Service, business: str) -> None:
+    def slow_first(message: Message, session: Session, outbox: Outbox) -> None:
+        if message.attempt == 1:
+            for _ in range(3000):  # Python code between short waits: interruptible at once
+                time.sleep(0.01)
+
+    service.register(Recorder(slow_first))
+    message = place_order()
+    store_in_inbox(service, [message])
+    started = time.monotonic()
+    with running(worker(service, timeout=0.5, lease=20)):
+        support.wait_until(lambda: done(business) == 1, 20, message="processed on the second run")
+    assert time.monotonic() - started < 15
+    assert row(business, message)["finished"] == 2
+    assert scalar(business, "SELECT count(*) FROM seen") == 1
+
+
+def test_a_handler_stuck_in_the_database_is_cancelled(service: Service, business: str) -> None:
+    def sleep_in_sql(message: Message, session: Session, outbox: Outbox) -> None:
+        if message.attempt == 1:
+            session.execute(text("SELECT pg_sleep(30)"))
+
+    service.register(Recorder(sleep_in_sql))
+    message = place_order()
+    store_in_inbox(service, [message])
+    with running(worker(service, timeout=0.5, lease=20, max_attempts=1)):
+        support.wait_until(lambda: done(business) == 1, 20, message="abandoned after the timeout")
+    [(_, _, reason, error, _)] = letters(business)
+    assert reason == "max_attempts" and "timeout" in error
+
+
+def test_serialization_failures_rerun_without_counting(service: Service, business: str) -> None:
+    raised: list[int] = []
+
+    def conflict_twice(message: Message, session: Session, outbox: Outbox) -> None:
+        if len(raised) < 2:
+            raised.append(1)
+            raise psycopg.errors.SerializationFailure("could not serialize access")
+
+    handler = service.register(Recorder(conflict_twice))
+    message = place_order()
+    store_in_inbox(service, [message])
+    with running(worker(service)):
+        support.wait_until(lambda: done(business) == 1, 20, message="processed")
+    assert [c[1] for c in handler.calls] == [1, 1, 1], "conflicts are not attempts"
+    state = row(business, message)
+    assert state["processed_at"] is not None and (state["started"], state["finished"]) == (1, 1)
+    assert scalar(business, "SELECT count(*) FROM seen") == 1
+
+
+def test_notify_wakes_an_idle_worker_long_before_the_poll(service: Service, business: str) -> None:
+    service.register(Recorder())
+    with running(worker(service, poll_interval=60)) as w:
+        support.wait_until(lambda: w._listen is not None, 10, message="the worker to listen")
+        store_in_inbox(service, [place_order()])
+        support.wait_until(lambda: done(business) == 1, 10, message="processed after NOTIFY")
+
+
+def test_stopping_finishes_the_batch_in_hand_and_leaves_no_lease(service: Service, business: str) -> None:
+    entered = threading.Event()
+
+    def slow(message: Message, session: Session, outbox: Outbox) -> None:
+        entered.set()
+        time.sleep(0.05)
+
+    service.register(Recorder(slow))
+    store_in_inbox(service, [place_order(aggregate_id=str(i)) for i in range(30)])
+    w = worker(service, batch_size=10)
+    with running(w):
+        assert entered.wait(10)
+    processed = done(business)
+    assert processed % 10 == 0 and processed >= 10, "the batch in hand is finished, the next not started"
+    leased = scalar(
+        business,
+        "SELECT count(*) FROM txbox.inbox WHERE processed_at IS NULL AND (locked_until > now()"
+        " OR started_attempts > finished_attempts)",
+    )
+    assert leased == 0
+
+
+def test_a_row_claimed_by_someone_else_after_our_lease_is_left_alone(service: Service, business: str) -> None:
+    handler = service.register(Recorder())
+    message = place_order()
+    store_in_inbox(service, [message])
+    w = worker(service)
+    batch = w._claim(w._claim_batch, 10)
+    # Another worker claimed it again after our lease (the fencing token moved on).
+    query(business, "UPDATE txbox.inbox SET started_attempts = started_attempts + 1")
+    w._watchdog = Watchdog()
+    try:
+        w._process(batch)
+    finally:
+        w._watchdog.close()
+    assert handler.calls == []
+    assert row(business, message)["processed_at"] is None
+
+
+def test_unknown_handler_is_a_dead_letter_not_a_crash(service: Service, business: str) -> None:
+    message = place_order()
+    store_in_inbox(service, [message])
+    with running(worker(service)):
+        support.wait_until(lambda: done(business) == 1, 20, message="abandoned")
+    assert [r[2] for r in letters(business)] == ["no_handler"]
+
+
+def test_an_error_text_postgresql_cannot_store_does_not_stop_the_worker(service: Service, business: str) -> None:
+    def nul(message: Message, session: Session, outbox: Outbox) -> None:
+        raise PermanentError("bad\x00byte")
+
+    service.register(Recorder(nul))
+    store_in_inbox(service, [place_order()])
+    with running(worker(service)):
+        support.wait_until(lambda: done(business) == 1, 20, message="abandoned")
+    assert "bad" in scalar(business, "SELECT last_error FROM txbox.inbox")

@@ -1,0 +1,76 @@
+"""`txbox run`'s supervisor: one stop reaches every daemon; one daemon dying stops the rest."""
+
+from __future__ import annotations
+
+import threading
+
+from framework.cli.run import Supervisor
+from framework.daemon import Daemon
+
+
+class Looping(Daemon):
+    name = "looping"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.finished = False
+
+    def run(self) -> None:
+        self.started.set()
+        while not self.wait(0.01):
+            pass
+        self.finished = True
+
+
+class Failing(Looping):
+    name = "failing"
+
+    def run(self) -> None:
+        self.started.set()
+        raise RuntimeError("broker said no")
+
+
+def shared(*daemons: Daemon) -> list[Daemon]:
+    event = threading.Event()
+    for daemon in daemons:
+        daemon.stop_event = event
+    return list(daemons)
+
+
+def test_a_stop_request_reaches_every_daemon() -> None:
+    first, second = Looping(), Looping()
+    supervisor = Supervisor(shared(first, second))
+    supervisor.start()
+    assert first.started.wait(5) and second.started.wait(5)
+    supervisor.stop()
+    supervisor.wait()
+    assert supervisor.join(5) == []
+    assert first.finished and second.finished
+    assert supervisor.failures == []
+
+
+def test_one_daemon_failing_stops_the_others_and_is_reported() -> None:
+    healthy, failing = Looping(), Failing()
+    supervisor = Supervisor(shared(healthy, failing))
+    supervisor.start()
+    supervisor.wait()  # returns because the failing daemon ended
+    assert supervisor.join(5) == []
+    assert healthy.finished
+    assert [(name, str(exc)) for name, exc in supervisor.failures] == [("failing", "broker said no")]
+
+
+def test_a_daemon_returning_unasked_counts_as_a_failure() -> None:
+    class Quitting(Looping):
+        name = "quitting"
+
+        def run(self) -> None:
+            return
+
+    healthy = Looping()
+    supervisor = Supervisor(shared(healthy, Quitting()))
+    supervisor.start()
+    supervisor.wait()
+    assert supervisor.join(5) == []
+    assert healthy.finished
+    assert [name for name, _ in supervisor.failures] == ["quitting"]

@@ -1,0 +1,102 @@
+"""Fingerprints group failures: one bug → one group, two bugs → two groups."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from framework.dead_letters import fingerprint, normalize_error
+
+
+def _rand_id(rng: random.Random) -> str:
+    """An id like `K7QX2M9A`: letters and digits. (An all-letter word is indistinguishable
+    from prose, so it is only masked when quoted.)"""
+    chars = [rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ23456789") for _ in range(7)]
+    return "".join(chars) + rng.choice("23456789")
+
+
+# Realistic error texts, each a template of one bug with the parts that vary per message.
+BUGS = {
+    "unique": (
+        "psycopg.errors.UniqueViolation",
+        lambda r: (
+            'duplicate key value violates unique constraint "orders_pkey"\n'
+            f"DETAIL:  Key (id)=({r.randint(1, 10**9)}) already exists."
+        ),
+    ),
+    "keyerror": ("KeyError", lambda r: f"'customer-{r.randint(1, 99999)}'"),
+    "timeout": (
+        "TimeoutError",
+        lambda r: (
+            f"handler exceeded its timeout of {r.randint(5, 60)}.{r.randint(0, 9)}s "
+            f"for message {uuid.uuid4()} at {r.randint(2020, 2030)}-0{r.randint(1, 9)}-1{r.randint(0, 9)}T"
+            f"1{r.randint(0, 9)}:3{r.randint(0, 9)}:0{r.randint(0, 9)}.{r.randint(100, 999)}Z"
+        ),
+    ),
+    "http": (
+        "requests.exceptions.HTTPError",
+        lambda r: (
+            f"404 Client Error: Not Found for url: http://inventory:8080/items/{r.randint(1, 10**6)}"
+            f"?sku=SKU-{r.randint(1000, 9999)}"
+        ),
+    ),
+    "object": (
+        "AttributeError",
+        lambda r: f"'NoneType' object has no attribute 'price' (<Order object at 0x{r.getrandbits(48):012x}>)",
+    ),
+    "stock": (
+        "InsufficientStock",
+        lambda r: f"only {r.randint(0, 9)} of {_rand_id(r)} left, wanted {r.randint(10, 99)}",
+    ),
+    "email": (
+        "ValueError",
+        lambda r: f"customer user{r.randint(1, 10**5)}@example.com is blocked (order_{r.randint(1, 999)})",
+    ),
+    "hash": ("LookupError", lambda r: f"no price list for catalog rev {r.getrandbits(64):016x}"),
+}
+
+
+def test_ten_thousand_failures_from_one_bug_are_one_group() -> None:
+    rng = random.Random(7)
+    for name, (error_type, make) in BUGS.items():
+        prints = {fingerprint("PlaceOrder", error_type, make(rng)) for _ in range(10_000 if name == "unique" else 500)}
+        assert len(prints) == 1, (name, [normalize_error(make(rng)) for _ in range(3)])
+
+
+def test_different_bugs_are_different_groups() -> None:
+    rng = random.Random(1)
+    prints = {fingerprint("PlaceOrder", t, make(rng)) for t, make in BUGS.values()}
+    assert len(prints) == len(BUGS)
+
+
+def test_message_type_and_exception_type_split_groups() -> None:
+    text = "'customer'"
+    assert fingerprint("PlaceOrder", "KeyError", text) != fingerprint("RestockItem", "KeyError", text)
+    assert fingerprint("PlaceOrder", "KeyError", text) != fingerprint("PlaceOrder", "IndexError", text)
+    assert fingerprint(None, "not_json", "x") == fingerprint(None, "not_json", "x")
+
+
+def test_postgres_object_names_are_kept() -> None:
+    a = 'duplicate key value violates unique constraint "orders_pkey"'
+    b = 'duplicate key value violates unique constraint "orders_customer_key"'
+    assert fingerprint("PlaceOrder", "UniqueViolation", a) != fingerprint("PlaceOrder", "UniqueViolation", b)
+    assert 'relation "stock"' in normalize_error('relation "stock" does not exist')
+
+
+def test_normalized_text_reads_well() -> None:
+    text = f"order {uuid.uuid4()} failed at 2024-03-02T08:56:22.555Z after 3 tries: 'ORD-7F3K2Q'"
+    assert normalize_error(text) == "order <uuid> failed at <ts> after <n> tries: <str>"
+    assert normalize_error("a\n\n  b\tc") == "a b c"
+
+
+def test_long_texts_are_bounded() -> None:
+    assert len(normalize_error("x" * 10_000)) == 500
+
+
+@given(st.text(max_size=300), st.integers(), st.integers())
+def test_numbers_never_split_a_group(prefix: str, a: int, b: int) -> None:
+    prefix = "".join(c for c in prefix if not c.isalnum() and c not in "'\"=()@.-+_")
+    assert fingerprint("T", "E", f"{prefix} value {a} !") == fingerprint("T", "E", f"{prefix} value {b} !")
