@@ -136,8 +136,8 @@ class Service:
                 )
                 continue
             if handler.kind and handler.kind != spec.kind:
-                base = "CommandHandler" if spec.kind == "command" else "EventHandler"
-                problems.append(Problem("error", handler.name, f"{message_type} is a {spec.kind}: subclass {base}"))
+                what, base = ("a command", "CommandHandler") if spec.kind == "command" else ("an event", "EventHandler")
+                problems.append(Problem("error", handler.name, f"{message_type} is {what}: subclass {base}"))
             if message_type not in accepted:
                 how = (
                     f"it is a command of {spec.service}"
