@@ -19,10 +19,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+import jsonschema_rs
 import yaml
 from jsonschema import Draft7Validator
 from jsonschema.exceptions import SchemaError
@@ -62,8 +65,30 @@ class MessageSpec:
     source: str = field(compare=False)  # file and JSON path, for messages to people
     validator: Draft7Validator = field(repr=False, compare=False)
 
+    @cached_property
+    def _fast(self) -> Any:
+        """The same schema compiled by jsonschema-rs, or None if it cannot take it.
+
+        ``validator`` (the reference ``jsonschema`` one) costs ~40 µs per small payload
+        here — more than the rest of an outbox write or a receiver's work per message;
+        jsonschema-rs checks the same draft-07 schema in ~1 µs.
+        """
+        try:
+            return jsonschema_rs.Draft7Validator(self.validator.schema, retriever=_retrieve_json)
+        except Exception:  # a schema it cannot compile: the reference validator does it all
+            return None
+
     def validate(self, payload: Any) -> None:
-        """Raise PayloadValidationError listing every violation (path: message)."""
+        """Raise PayloadValidationError listing every violation (path: message).
+
+        jsonschema-rs answers first; a payload it does not accept (or cannot read) goes to
+        the reference validator, which words the errors and has the last word.
+        """
+        fast = self._fast
+        if fast is not None:
+            with suppress(Exception):  # e.g. a value that is not JSON: let the reference judge
+                if fast.is_valid(payload):
+                    return
         errors = sorted(self.validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
         if errors:
             raise PayloadValidationError(
@@ -380,12 +405,14 @@ class _Loader:
         self.registry.messages[spec.message_type] = spec
 
 
-def _retrieve_file(uri: str) -> Resource[Any]:
+def _retrieve_json(uri: str) -> Any:
     if not uri.startswith("file://"):
         raise ContractError(f"only local file references are allowed in schemas, not {uri}")
-    return Resource.from_contents(
-        json.loads(Path(uri.removeprefix("file://")).read_text(encoding="utf-8")), default_specification=DRAFT7
-    )
+    return json.loads(Path(uri.removeprefix("file://")).read_text(encoding="utf-8"))
+
+
+def _retrieve_file(uri: str) -> Resource[Any]:
+    return Resource.from_contents(_retrieve_json(uri), default_specification=DRAFT7)
 
 
 def _pointer(doc: Any, fragment: str) -> Any:

@@ -17,8 +17,13 @@ from sqlalchemy.engine import Engine, make_url
 
 from framework.errors import ConfigurationError, DatabaseUnavailable
 
-# SQLSTATE classes that mean "the infrastructure failed", not "this message is bad".
-_INFRA_SQLSTATE_PREFIXES = ("08", "53", "57", "58")  # connection, resources, operator, system
+# SQLSTATEs that mean "the database failed", not "this statement (so its message) is bad":
+# connection exceptions (08), insufficient resources (53: disk full, out of memory, too
+# many connections), the server shutting down or refusing connections (57P0x) and system
+# errors (58). Everything else a statement raises is about that statement — psycopg files
+# a program limit (54000), a lock timeout (55P03) or a cancelled statement (57014) under
+# OperationalError too, but retrying them elsewhere would only fail the same way.
+_INFRA_SQLSTATE_PREFIXES = ("08", "53", "57P", "58")
 
 
 def create_engine(database_url: str, **kwargs: Any) -> Engine:
@@ -55,12 +60,15 @@ def is_infrastructure_error(exc: BaseException) -> bool:
         if exc.connection_invalidated:
             return True
         exc = exc.orig if exc.orig is not None else exc
-    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+    if isinstance(exc, psycopg.InterfaceError):
         return True
     if isinstance(exc, psycopg.Error):
-        state = exc.sqlstate or ""
-        return state.startswith(_INFRA_SQLSTATE_PREFIXES)
-    return isinstance(exc, DatabaseUnavailable | ConnectionError)
+        if exc.sqlstate is None:  # failed below SQL: refused, closed or reset connection
+            return isinstance(exc, psycopg.OperationalError)
+        return exc.sqlstate.startswith(_INFRA_SQLSTATE_PREFIXES)
+    # Not ConnectionError: a handler's failed HTTP call is the message's failure to retry,
+    # not a reason for the worker to drop its database connection.
+    return isinstance(exc, DatabaseUnavailable)
 
 
 def is_transient_conflict(exc: BaseException) -> bool:

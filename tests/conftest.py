@@ -37,7 +37,7 @@ def template_db() -> Iterator[str]:
         with psycopg.connect(support.PG_ADMIN_URL, connect_timeout=5):
             pass
     except psycopg.OperationalError as exc:
-        pytest.fail(f"PostgreSQL is not reachable at {support.PG_ADMIN_URL} ({exc}); run `make setup` (scripts/setup.sh) first")
+        pytest.fail(f"PostgreSQL is not reachable at {support.PG_ADMIN_URL} ({exc}); run `make setup` first")
     name = support.unique("txbox_tpl")
     support.create_database(name)
     migrate.upgrade(support.db_url(name))
@@ -75,9 +75,7 @@ def vhost() -> Iterator[str]:
     try:
         support.create_vhost(name)
     except OSError as exc:
-        pytest.fail(
-            f"RabbitMQ management API is not reachable at {support.MGMT_URL} ({exc}); run `make setup` (scripts/setup.sh) first"
-        )
+        pytest.fail(f"RabbitMQ management API is not reachable at {support.MGMT_URL} ({exc}); run `make setup` first")
     yield name
     support.delete_vhost(name)
 

@@ -13,14 +13,11 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
-
-import jsonschema_rs
 
 from framework import dead_letters as dl
 from framework import names
-from framework.contracts import MessageSpec, Registry
+from framework.contracts import Registry
 from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
@@ -152,44 +149,6 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-class FastValidators:
-    """Payload validation at receiver speed: jsonschema-rs first, the contract's validator on doubt.
-
-    The contract's compiled ``jsonschema`` validator costs ~40 µs per PlaceOrder payload
-    here — a third of the receiver's whole budget per message at the DESIGN §10 bar;
-    jsonschema-rs checks the same draft-07 schema in ~1 µs. A payload it finds valid is
-    accepted; one it rejects (or a schema it cannot compile) goes to the contract's own
-    validator, which words the error and has the last word on the rejection.
-    """
-
-    def __init__(self) -> None:
-        self._compiled: dict[str, Any] = {}
-
-    def validate(self, spec: MessageSpec, payload: Any) -> None:
-        fast = self._compiled.get(spec.message_type, _MISSING)
-        if fast is _MISSING:
-            fast = self._compiled[spec.message_type] = _compile(spec)
-        if fast is not None and fast.is_valid(payload):
-            return
-        spec.validate(payload)
-
-
-_MISSING = object()
-
-
-def _compile(spec: MessageSpec) -> Any:
-    try:
-        return jsonschema_rs.Draft7Validator(spec.validator.schema, retriever=_retrieve_file)
-    except Exception:  # a schema it cannot take: the reference validator does it all
-        return None
-
-
-def _retrieve_file(uri: str) -> Any:
-    if not uri.startswith("file://"):
-        raise ValueError(f"only local file references are allowed in schemas, not {uri}")
-    return json.loads(Path(uri.removeprefix("file://")).read_text(encoding="utf-8"))
-
-
 class Intake:
     """Turns deliveries of one service's inbox queue into rows or dead letters."""
 
@@ -199,7 +158,6 @@ class Intake:
         self.queue = names.inbox_queue(service)
         self.max_body_bytes = max_body_bytes
         self.accepted = {spec.message_type for spec in registry.accepted_types(service)}
-        self.validators = FastValidators()
 
     def reject(
         self,
@@ -259,7 +217,7 @@ class Intake:
                 data=data,
             )
         try:
-            self.validators.validate(spec, message.payload)
+            spec.validate(message.payload)
         except PayloadValidationError as exc:
             return self.reject(delivery, dl.SCHEMA_INVALID, str(exc), data=data)
         segment = delivery.headers.get(names.HEADER_SEGMENT)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pika
+import pytest
 
 from framework import names, topology
 from framework.dead_letters import decode_body
@@ -162,12 +165,24 @@ def test_bad_input_is_rejected_into_dead_letters_and_the_receiver_goes_on(
     assert found["schema-invalid payload"][5] is not None
 
 
-def test_unstorable_json_is_rejected_without_losing_its_batch_mates(
-    service: Service, database_url: str, amqp_url: str
+@pytest.mark.parametrize(
+    "make_poisoned",
+    [
+        # jsonb refuses \\u0000 inside a string (SQLSTATE 22P05).
+        pytest.param(
+            lambda: place_order(payload={"customer": "nul\u0000byte", "sku": "SKU-1", "quantity": 1}), id="nul"
+        ),
+        # An aggregate id too long for the segment index (program limit, SQLSTATE 54000):
+        # an OperationalError to psycopg, yet the row's fault, not the database's.
+        pytest.param(lambda: place_order(aggregate_id=secrets.token_urlsafe(30_000)), id="index-row-too-big"),
+    ],
+)
+def test_unstorable_message_is_rejected_without_losing_its_batch_mates(
+    service: Service, database_url: str, amqp_url: str, make_poisoned: Callable[[], dict[str, Any]]
 ) -> None:
-    """jsonb refuses \\u0000: the batch falls back to one savepoint per row."""
+    """PostgreSQL refuses one row of a batch: one savepoint per row finds it, the rest are stored."""
     topology.declare(service.settings, service.registry)
-    poisoned = place_order(payload={"customer": "nul\u0000byte", "sku": "SKU-1", "quantity": 1})
+    poisoned = make_poisoned()
     mates = [place_order() for _ in range(5)]
     publish(amqp_url, [encode(m) for m in (*mates[:2], poisoned, *mates[2:])])
     with running(Receiver(service, config(batch_wait=0.5))):

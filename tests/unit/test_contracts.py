@@ -129,3 +129,26 @@ def test_names_derivation() -> None:
     assert names.pascal_case("example-create-command") == "ExampleCreateCommand"
     assert names.inbox_queue("order-service") == "order-service:inbox"
     assert names.retry_routing_key("s", "a.b.c") == "s:inbox.a.b.c"
+
+
+def test_fast_validation_agrees_with_the_reference_and_words_errors_like_it(registry) -> None:  # type: ignore[no-untyped-def]
+    spec = registry.get("PlaceOrder")
+    assert spec._fast is not None, "the example schemas must compile with jsonschema-rs (the fast path)"
+    cases = [
+        {"customer": "ada", "sku": "SKU-1", "quantity": 2},
+        {"customer": "ada", "sku": "SKU-1", "quantity": 0},
+        {"customer": "ada", "sku": "lower case", "quantity": 1},
+        {"customer": "ada", "sku": "SKU-1"},
+        {"customer": "ada", "sku": "SKU-1", "quantity": 1, "extra": True},
+        [],
+    ]
+    for payload in cases:
+        assert spec._fast.is_valid(payload) == spec.validator.is_valid(payload), payload
+    spec.validate(cases[0])
+    with pytest.raises(PayloadValidationError, match="quantity"):
+        spec.validate(cases[1])
+    with pytest.raises(PayloadValidationError, match="does not match"):
+        spec.validate(cases[2])
+    # A value that is not JSON at all still gets the reference validator's verdict.
+    with pytest.raises(PayloadValidationError):
+        spec.validate({"customer": object(), "sku": "SKU-1", "quantity": 1})

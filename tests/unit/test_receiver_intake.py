@@ -130,19 +130,6 @@ def test_a_batch_larger_than_the_prefetch_is_refused() -> None:
         ReceiverConfig(prefetch=10, batch_size=20)
 
 
-def test_fast_validation_agrees_with_the_contract_and_words_errors_like_it() -> None:
-    from framework.errors import PayloadValidationError
-    from framework.receiver.intake import FastValidators
-
-    spec = load_registry(CONTRACTS).get("PlaceOrder")
-    fast = FastValidators()
-    fast.validate(spec, {"customer": "ada", "sku": "SKU-1", "quantity": 2})
-    with pytest.raises(PayloadValidationError, match="quantity"):
-        fast.validate(spec, {"customer": "ada", "sku": "SKU-1", "quantity": 0})
-    with pytest.raises(PayloadValidationError, match="does not match"):
-        fast.validate(spec, {"customer": "ada", "sku": "lower case", "quantity": 1})
-
-
 def test_headers_jsonb_cannot_store_are_cleaned_not_fatal(intake: Intake) -> None:
     row = intake.admit(delivery(with_(), headers={"nul": "a\x00b", "nan": float("nan"), "ok": 1}))
     assert isinstance(row, InboxRow)
