@@ -186,10 +186,17 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         return window
 
     def require_change_rights(request: Request, form_csrf: str | None) -> None:
+        """Pages' forms: session cookie + CSRF token (``form_csrf``); the JSON API: Bearer only.
+
+        The API takes no cookie: a page of another origin (another port of 127.0.0.1 is
+        one, and SameSite does not see ports) could otherwise POST with the browser's.
+        """
         if not auth.enabled:
             raise HttpError(403, "replay and discard are disabled: start the dashboard with TXBOX_DASHBOARD_TOKEN set")
         if not auth.authenticated(request):
             raise HttpError(401, "log in with the dashboard token (or send Authorization: Bearer <token>)")
+        if form_csrf is None and not auth.bearer(request):
+            raise HttpError(403, "the JSON API needs the header Authorization: Bearer <token> (the cookie is for pages)")
         if form_csrf is not None and not auth.csrf_ok(request, form_csrf):
             raise HttpError(403, "the form's CSRF token is missing or stale: reload the page and try again")
 

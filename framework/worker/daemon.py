@@ -48,6 +48,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+import sqlalchemy as sa
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
@@ -70,6 +71,10 @@ SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker lef
 
 class _Conflict(Exception):
     """A serialization failure or deadlock: run the batch again."""
+
+
+class _Split(Exception):
+    """The commit refused the batch for a reason no single handler raised: run each alone."""
 
 
 class _Rerun(Exception):
@@ -273,6 +278,8 @@ class Worker(Daemon):
             try:
                 self._run_batch(batch)
                 break
+            except _Split:
+                return sum(self._process([claimed]) for claimed in batch)
             except Exception as exc:
                 if not (isinstance(exc, _Conflict) or db.is_transient_conflict(exc)):
                     self._release_quietly(batch)
@@ -314,6 +321,17 @@ class Worker(Daemon):
                     if rerun.claimed is not None:
                         known[rerun.claimed.id] = rerun.exc
                     careful = True
+            except Exception as exc:
+                if not _is_database_error(exc) or db.is_infrastructure_error(exc) or db.is_transient_conflict(exc):
+                    raise
+                # The commit itself refused the batch (say, a deferred constraint): whose
+                # row broke it cannot be told, so each message gets a transaction of its
+                # own, and alone, the refusal is its message's failure.
+                if len(batch) > 1:
+                    raise _Split() from exc
+                if batch[0].id in known:
+                    raise  # even settling it without running fails: not the message's doing
+                known[batch[0].id] = exc
 
     def _pass(self, batch: list[Claimed], known: dict[uuid.UUID, BaseException], careful: bool) -> None:
         conn = self._connection()
@@ -382,7 +400,11 @@ class Worker(Daemon):
                 exc = HandlerTimeout(f"{handler.name} ran longer than its timeout of {timeout:g}s")
             self._reraise_infrastructure(exc)
             if savepoint is None:
-                raise _Rerun(claimed, exc) from exc  # optimistic pass: roll back, run again without it
+                # Optimistic pass: roll back and run again without it — unless it is a
+                # database error, which may be an earlier handler's row (flushed by this
+                # one's query) or a transaction an earlier handler left aborted: then the
+                # whole batch runs carefully, so nobody is blamed for another's error.
+                raise _Rerun(None if _is_database_error(exc) else claimed, exc) from exc
             session.rollback()  # rolls back the joined savepoint
             if savepoint.is_active:
                 savepoint.rollback()
@@ -559,6 +581,10 @@ class Worker(Daemon):
         if row is not None:
             metrics.BACKLOG.labels(**self._labels).set(row[0])
             metrics.OLDEST_DUE_AGE.labels(**self._labels).set(float(row[1]))
+
+
+def _is_database_error(exc: BaseException) -> bool:
+    return isinstance(exc, sa.exc.DBAPIError | psycopg.Error)
 
 
 def _describe(exc: BaseException) -> str:

@@ -9,8 +9,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import text
-from sqlalchemy.orm import Session
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from framework import CommandHandler, Message, Outbox, PermanentError, RetryableError
 from framework.service import Service
@@ -308,3 +308,71 @@ def test_an_error_text_postgresql_cannot_store_does_not_stop_the_worker(service:
     with running(worker(service)):
         support.wait_until(lambda: done(business) == 1, 20, message="abandoned")
     assert "bad" in scalar(business, "SELECT last_error FROM txbox.inbox")
+
+
+def test_a_commit_that_refuses_the_batch_blames_only_its_message(service: Service, business: str) -> None:
+    """A deferred constraint fails at COMMIT, naming no handler: each message then runs alone."""
+    query(business, "CREATE TABLE once (k text CONSTRAINT once_k UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    query(business, "INSERT INTO once VALUES ('segment-3')")
+
+    def claim_key(message: Message, session: Session, outbox: Outbox) -> None:
+        session.execute(text("INSERT INTO once VALUES (:k)"), {"k": f"segment-{message.aggregate_id}"})
+
+    service.register(Recorder(claim_key))
+    messages = [place_order(aggregate_id=str(i)) for i in range(6)]
+    store_in_inbox(service, messages)
+    with running(worker(service, batch_size=10, max_attempts=2)):  # a crash would re-raise here
+        support.wait_until(lambda: done(business) == 6, 30, message="every message settled")
+    bad = messages[3]
+    for message in messages:
+        state = row(business, message)
+        if message is bad:
+            assert state["abandoned_at"] is not None and state["finished"] == 2
+            assert "once_k" in state["last_error"]
+        else:
+            assert state["processed_at"] is not None and (state["started"], state["finished"]) == (1, 1)
+    # Each good message's effect committed once; the bad one's never.
+    counts = dict(query(business, "SELECT id::text, count(*) FROM seen GROUP BY id"))
+    assert counts == {m["message_id"]: 1 for m in messages if m is not bad}
+    assert [(str(r[0]), r[2]) for r in letters(business)] == [(bad["message_id"], "max_attempts")]
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class Keyed(_Base):
+    __tablename__ = "keyed"
+    k: Mapped[str] = mapped_column(primary_key=True)
+
+
+def test_a_database_error_in_a_handler_is_not_blamed_on_a_batch_mate(service: Service, business: str) -> None:
+    """The optimistic pass may see one handler's bad row fail in the next one's query."""
+    query(business, "CREATE TABLE keyed (k text PRIMARY KEY)")
+    query(business, "INSERT INTO keyed VALUES ('taken')")
+
+    def act(message: Message, session: Session, outbox: Outbox) -> None:
+        if message.aggregate_id == "bad":
+            session.add(Keyed(k="taken"))  # pending: fails when the next handler's query autoflushes
+        elif message.aggregate_id == "http":
+            raise ConnectionRefusedError("the handler's HTTP call failed")  # not the database's trouble
+        else:
+            session.scalar(select(func.count()).select_from(Keyed))
+
+    service.register(Recorder(act))
+    good = [place_order(aggregate_id=f"g{i}") for i in range(4)]
+    bad, http_down = place_order(aggregate_id="bad"), place_order(aggregate_id="http")
+    store_in_inbox(service, [*good[:2], bad, http_down, *good[2:]])
+    with running(worker(service, batch_size=10, max_attempts=3, backoff_base=30, backoff_cap=30)):
+        support.wait_until(lambda: done(business) == 4, 30, message="the four good messages")
+        support.wait_until(
+            lambda: all(row(business, m)["last_error"] for m in (bad, http_down)), 30, message="both failures"
+        )
+    for message in good:
+        state = row(business, message)
+        assert state["processed_at"] is not None and (state["started"], state["finished"]) == (1, 1)
+    # The bad row surfaced in a batch mate's query; the mate is processed all the same.
+    for message, error in ((bad, "UniqueViolation"), (http_down, "ConnectionRefusedError")):
+        state = row(business, message)
+        assert state["processed_at"] is None and state["abandoned_at"] is None, message["aggregate_id"]
+        assert (state["started"], state["finished"]) == (1, 1) and error in state["last_error"]

@@ -141,6 +141,10 @@ def test_state_changes_need_the_token_and_a_csrf_token(base: str, conn: Any) -> 
     cookie = _login(base)
     assert http(base + f"/letters/order-service/{lid}/replay", data={"csrf": "forged"}, headers=cookie)[0] == 403
     assert http(base + f"/letters/order-service/{lid}/replay", data={}, headers=cookie)[0] == 403
+    # The JSON API takes only the Bearer header: the browser's cookie alone is no CSRF bypass.
+    for path in (f"/api/letters/order-service/{lid}/replay", f"/api/groups/order-service/{'0' * 16}/replay"):
+        status, _, body = http(base + path, method="POST", headers=cookie)
+        assert status == 403 and "Bearer" in body, path
     assert replayed() == 0
 
     csrf = _csrf(base, f"/letters/order-service/{lid}/replay", cookie)
