@@ -196,7 +196,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         if not auth.authenticated(request):
             raise HttpError(401, "log in with the dashboard token (or send Authorization: Bearer <token>)")
         if form_csrf is None and not auth.bearer(request):
-            raise HttpError(403, "the JSON API needs the header Authorization: Bearer <token> (the cookie is for pages)")
+            raise HttpError(403, "the JSON API needs the header Authorization: Bearer <token> (cookies are for pages)")
         if form_csrf is not None and not auth.csrf_ok(request, form_csrf):
             raise HttpError(403, "the form's CSRF token is missing or stale: reload the page and try again")
 
@@ -214,13 +214,25 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                             "stats": queries.overview(conn, s.schema),
                             "timeline": queries.timeline(conn, s.schema, window),
                             "groups": queries.groups(conn, s.schema, queries.Filters(), limit=5),
-                            "analytics": queries.analytics(conn, s.schema, s.name),
+                            "analytics": analytics_of(s, conn),
                             "error": None,
                         }
                     )
             except TxboxError as exc:
                 cards.append({"name": s.name, "error": str(exc)})
         return cards
+
+    def analytics_of(s: Source, conn: Any) -> dict[str, Any] | None:
+        """The last ``txbox analyze`` run covering ``s``: in its own database, else in another
+        source's (the job writes one report, by default into its first source's database)."""
+        found = queries.analytics(conn, s.schema, s.name)
+        for other in sources:
+            if found is not None:
+                break
+            if other is not s:
+                with queries.connection(other.engine) as report:
+                    found = queries.analytics(report, other.schema, s.name, covering=True)
+        return found
 
     def groups_data(request: Request) -> list[dict[str, Any]]:
         filters = filters_from(request)
@@ -306,6 +318,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                 f"{card['name']}: dead letters", t["buckets"], t["bucket_seconds"], dead
             )
             card["dead_legend"] = charts.legend(dead)
+            if card["analytics"] and card["analytics"]["latency"]:
+                card["latency_chart"] = charts.latency_chart(card["analytics"]["latency"])
+                card["latency_legend"] = charts.legend(charts.LATENCY_LEGEND)
         return render(request, "overview.html", cards=cards, window=window, title="Overview")
 
     def groups_page(request: Request) -> Response:

@@ -3,9 +3,11 @@ a screenshot, and safe under a strict Content-Security-Policy."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from html import escape
+from typing import Any
 
 from markupsafe import Markup
 
@@ -91,3 +93,46 @@ def legend(series: list[Series]) -> Markup:
         for s in series
     )
     return Markup(f'<div class="legend">{items}</div>')
+
+
+def latency_chart(stages: list[dict[str, Any]]) -> Markup:
+    """Horizontal bars of p50 and p99 per stage, from the last ``txbox analyze`` run.
+
+    A log scale: stages differ by orders of magnitude (a publish takes milliseconds, a
+    message waiting out a retry minutes), and each row is labelled with its figures.
+    """
+    rows = [s for s in stages if s.get("p99_ms") is not None or s.get("p50_ms") is not None]
+    row_h, label_w, width = 26, 250, WIDTH
+    height = TOP + 6 + row_h * max(len(rows), 1)
+    top = max((float(s.get("p99_ms") or s.get("p50_ms") or 0) for s in rows), default=1.0)
+    span = math.log10(max(top, 1.0) + 1) or 1.0
+    plot_w = width - label_w - RIGHT
+
+    def w(ms: float) -> float:
+        return max(plot_w * math.log10(max(ms, 0.0) + 1) / span, 1.0)
+
+    title = "Latency per stage (p50, p99; log scale)"
+    out = [
+        f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+        f'aria-label="{escape(title)}" xmlns="http://www.w3.org/2000/svg">',
+        f"<title>{escape(title)}</title>",
+    ]
+    for i, s in enumerate(rows):
+        y = TOP + i * row_h
+        p50, p99 = float(s.get("p50_ms") or 0), float(s.get("p99_ms") or 0)
+        text = f"{s['stage']} p50 {p50:.0f} ms · p99 {p99:.0f} ms"
+        out.append(f'<text x="4" y="{y + 15}" class="axis">{escape(text)}</text>')
+        out.append(
+            f'<rect x="{label_w}" y="{y + 3}" width="{w(p99):.1f}" height="18" fill="{P99_COLOR}">'
+            f"<title>{escape(s['stage'])} p99: {p99:,.1f} ms</title></rect>"
+        )
+        out.append(
+            f'<rect x="{label_w}" y="{y + 7}" width="{w(p50):.1f}" height="10" fill="{P50_COLOR}">'
+            f"<title>{escape(s['stage'])} p50: {p50:,.1f} ms</title></rect>"
+        )
+    out.append("</svg>")
+    return Markup("".join(out))  # every interpolated text is escaped above
+
+
+P50_COLOR, P99_COLOR = "#2f6fb0", "#a9c7e6"
+LATENCY_LEGEND = [Series("p50", [], P50_COLOR), Series("p99", [], P99_COLOR)]

@@ -307,17 +307,22 @@ def timeline(conn: psycopg.Connection[Any], schema: str, window: str = "1h") -> 
     }
 
 
-def analytics(conn: psycopg.Connection[Any], schema: str, service: str) -> dict[str, Any] | None:
+def analytics(
+    conn: psycopg.Connection[Any], schema: str, service: str, *, covering: bool = False
+) -> dict[str, Any] | None:
     """The latest ``txbox analyze`` run's reconciliation and latency, when its report tables
-    are in this database (migration 0005 and a finished run); None otherwise."""
+    are in this database (migration 0005 and a finished run); None otherwise. ``covering``:
+    only a run whose sources include ``service`` (a report database shared by services)."""
     found = conn.execute("SELECT to_regclass(%(t)s) IS NOT NULL AS ok", {"t": f"{schema}.analytics_runs"}).fetchone()
     if not found or not found["ok"]:
         return None
     run = conn.execute(
         sql.SQL(
             "SELECT run_id, run_at, finished_at, lost, stuck, in_flight, abandoned, unexpected, redelivered "
-            "FROM {t} ORDER BY run_at DESC LIMIT 1"
-        ).format(t=_t(schema, "analytics_runs"))
+            "FROM {t} WHERE NOT %(covering)s OR %(service)s = ANY(string_to_array(sources, ',')) "
+            "ORDER BY run_at DESC LIMIT 1"
+        ).format(t=_t(schema, "analytics_runs")),
+        {"covering": covering, "service": service},
     ).fetchone()
     if run is None:
         return None

@@ -220,19 +220,51 @@ def test_several_sources(database_url: str, conn: Any, template_db: str) -> None
         support.drop_database(other)
 
 
-def test_overview_shows_the_latest_analyze_run_when_there_is_one(base: str, conn: Any) -> None:
-    assert "Last reconciliation" not in http(base + "/")[2]
+def _report(conn: Any, run_id: str, sources: str, lost: int) -> None:
+    """An analyze run as the Spark job writes it (txbox.analytics_runs / analytics_latency)."""
     conn.execute(
         """INSERT INTO txbox.analytics_runs (run_id, run_at, finished_at, sources, grace_seconds, sla_seconds,
                outbox_rows, inbox_rows, lost, in_flight, stuck, abandoned, unexpected, redelivered)
-           VALUES ('r1', now(), now(), 'order-service', 60, 300, 10, 10, 2, 0, 0, 1, 0, 0)"""
+           VALUES (%s, now(), now(), %s, 60, 300, 10, 10, %s, 0, 0, 1, 0, 0)""",
+        (run_id, sources, lost),
     )
-    conn.execute(
-        """INSERT INTO txbox.analytics_latency (run_id, run_at, service, stage, samples, p50_ms, p99_ms)
-           VALUES ('r1', now(), 'order-service', 'end_to_end', 10, 12.4, 80.6)"""
-    )
+    for service in sources.split(","):
+        conn.execute(
+            """INSERT INTO txbox.analytics_latency (run_id, run_at, service, stage, samples, p50_ms, p99_ms)
+               VALUES (%s, now(), %s, 'end_to_end', 10, 12.4, 80.6), (%s, now(), %s, 'published_to_received',
+               10, 2.2, 9.7)""",
+            (run_id, service, run_id, service),
+        )
+
+
+def test_overview_shows_the_latest_analyze_run_when_there_is_one(base: str, conn: Any) -> None:
+    assert "Last reconciliation" not in http(base + "/")[2]
+    _report(conn, "r1", "order-service", lost=2)
     page = http(base + "/")[2]
     assert "Last reconciliation" in page and 'class="pill alarm">lost 2' in page
-    assert "end_to_end p50 12 ms · p99 81 ms" in page
+    # The latency chart is drawn from analytics_latency, one labelled row per stage.
+    chart = re.search(r'<svg class="chart"[^>]*aria-label="Latency per stage[^"]*".*?</svg>', page, re.S)
+    assert chart is not None
+    assert "end_to_end p50 12 ms · p99 81 ms" in chart.group(0)
+    assert "published_to_received p50 2 ms · p99 10 ms" in chart.group(0)
+    assert chart.group(0).count("<rect") == 4
     analytics = json.loads(http(base + "/api/overview")[2])["services"][0]["analytics"]
     assert analytics["run"]["lost"] == 2
+
+
+def test_one_report_database_serves_every_service(database_url: str, conn: Any, template_db: str) -> None:
+    """`txbox analyze` writes its report into the first source's database by default."""
+    other = support.unique("txbox_t")
+    support.create_database(other, template=template_db)
+    try:
+        _report(conn, "older", "order-service", lost=0)
+        _report(conn, "shared", "order-service,inventory-service", lost=3)
+        sources = [_source(database_url), _source(support.db_url(other), "inventory-service")]
+        with serving(create_app(sources, DashboardSettings())) as base:
+            cards = {c["name"]: c for c in json.loads(http(base + "/api/overview")[2])["services"]}
+            for s in sources:
+                s.engine.dispose()
+        assert cards["inventory-service"]["analytics"]["run"]["run_id"] == "shared"
+        assert cards["inventory-service"]["analytics"]["run"]["lost"] == 3
+    finally:
+        support.drop_database(other)
