@@ -100,3 +100,8 @@ def test_long_texts_are_bounded() -> None:
 def test_numbers_never_split_a_group(prefix: str, a: int, b: int) -> None:
     prefix = "".join(c for c in prefix if not c.isalnum() and c not in "'\"=()@.-+_")
     assert fingerprint("T", "E", f"{prefix} value {a} !") == fingerprint("T", "E", f"{prefix} value {b} !")
+
+
+def test_a_long_number_is_a_number_not_a_uuid() -> None:
+    assert normalize_error(f"value {10**31} !") == "value <n> !"
+    assert normalize_error(f"id {uuid.uuid4().hex} and {uuid.uuid4()}") == "id <uuid> and <uuid>"
