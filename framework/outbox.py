@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
+from psycopg import sql
 from sqlalchemy import Connection, insert
 from sqlalchemy.orm import Session
 
@@ -75,11 +76,16 @@ class Outbox:
         *,
         schema: str = tables.SCHEMA,
         incoming: Message | None = None,
+        defer_to: list[OutboxRow] | None = None,
     ) -> None:
         self._bind = bind
         self._registry = registry
         self._options = {"schema_translate_map": tables.translate_map(schema)} if schema != tables.SCHEMA else {}
         self._incoming = incoming
+        # The worker's batches collect rows here and insert them all before the commit
+        # (:func:`insert_sql`), saving a round trip per message; validation still raises
+        # in the handler that wrote the bad message.
+        self._deferred = defer_to
         self.written: list[OutboxRow] = []
 
     def send_command(self, message_type: str, **kwargs: Any) -> uuid.UUID:
@@ -148,9 +154,29 @@ class Outbox:
 
     def _write(self, spec: MessageSpec, **kwargs: Any) -> uuid.UUID:
         row = self.build(spec, **kwargs)
-        self._bind.execute(_INSERT, row.params(), execution_options=self._options)
+        if self._deferred is not None:
+            self._deferred.append(row)
+        else:
+            self._bind.execute(_INSERT, row.params(), execution_options=self._options)
         self.written.append(row)
         return row.id
+
+
+_COLUMNS = tuple(f for f in OutboxRow.__dataclass_fields__ if f != "locked_until")
+
+
+def insert_sql(schema: str) -> sql.Composed:
+    """One outbox row for raw psycopg ``executemany`` (params: :func:`json_params`).
+
+    One statement per row, not a multi-row INSERT: ``created_at`` (``clock_timestamp()``)
+    orders a segment, and rows of one statement may share a microsecond.
+    """
+    return sql.SQL("INSERT INTO {t} ({cols}, locked_until) VALUES ({vals}, COALESCE({lu}, clock_timestamp()))").format(
+        t=sql.Identifier(schema, tables.outbox.name),
+        cols=sql.SQL(", ").join(map(sql.Identifier, _COLUMNS)),
+        vals=sql.SQL(", ").join(map(sql.Placeholder, _COLUMNS)),
+        lu=sql.SQL("{}::timestamptz").format(sql.Placeholder("locked_until")),
+    )
 
 
 def json_params(row: OutboxRow) -> dict[str, Any]:
@@ -158,4 +184,5 @@ def json_params(row: OutboxRow) -> dict[str, Any]:
     params = row.params()
     for key in ("payload", "message_context", "metadata"):
         params[key] = json.dumps(params[key])
+    params.setdefault("locked_until", None)  # insert_sql: NULL means due now
     return params

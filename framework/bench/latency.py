@@ -133,17 +133,11 @@ def _offer(service: Service, group: ProcessGroup, args: argparse.Namespace) -> t
     does. (A SQLAlchemy Session per request costs this 2-core machine so much CPU that
     the writers, not txbox, would cap the offered load well below 500/s.)
     """
-    from sqlalchemy import insert
-    from sqlalchemy.dialects import postgresql
-
-    from framework import tables
-    from framework.outbox import Outbox, json_params
+    from framework.outbox import Outbox, insert_sql, json_params
 
     spec = service.registry.get("Ping")
     builder = Outbox(None, service.registry)  # type: ignore[arg-type]  # build() never writes
-    sample = json_params(builder.build(spec, aggregate_id="p0", payload={"n": 0, "echo": False}))
-    dialect = postgresql.psycopg.dialect()  # type: ignore[no-untyped-call]
-    statement = str(insert(tables.outbox).compile(dialect=dialect, column_keys=list(sample)))
+    statement = insert_sql(service.settings.schema)
 
     @contextmanager
     def sender() -> Iterator[Sender]:

@@ -46,6 +46,7 @@ from framework.contracts import Registry
 from framework.envelope import message_from_dict
 from framework.errors import TxboxError
 from framework.outbox import Outbox, default_segment, json_params
+from framework.outbox import insert_sql as outbox_insert_sql
 
 CHUNK = 500
 
@@ -225,18 +226,7 @@ def _insert_from_envelope(
             message_version=message.message_version,
             auth_token=message.auth_token,
         )
-        params = json_params(row)
-        params.pop("locked_until", None)
-        cols = list(params)
-        _x(
-            conn,
-            sql.SQL("INSERT INTO {t} ({cols}) VALUES ({vals})").format(
-                t=_t(schema, table),
-                cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
-                vals=sql.SQL(", ").join(map(sql.Placeholder, cols)),
-            ),
-            params,
-        )
+        _x(conn, outbox_insert_sql(schema), json_params(row))
         return
     if spec.message_type not in {s.message_type for s in registry.accepted_types(service)}:
         raise ReplayRefused(f"{service} does not receive {spec.message_type} (check its contract's x-subscribes)")

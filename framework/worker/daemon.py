@@ -58,6 +58,8 @@ from framework.backoff import backoff_seconds
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import Message
 from framework.errors import PermanentError
+from framework.outbox import Outbox, OutboxRow, json_params
+from framework.outbox import insert_sql as outbox_insert_sql
 from framework.service import Service
 from framework.worker import metrics
 from framework.worker import sql as q
@@ -126,6 +128,7 @@ class Worker(Daemon):
         park = self.config.segment_policy == "park"
         self._claim_batch = q.claim(self.schema, suspects=False, park=park)
         self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
+        self._insert_outbox = outbox_insert_sql(self.schema)
         self._conn: Connection | None = None
         self._listen: psycopg.Connection[Any] | None = None
         self._watchdog: Watchdog | None = None
@@ -341,6 +344,9 @@ class Worker(Daemon):
             cur.execute(q.presume_processed(self.schema), ([c.id for c in batch], [c.started for c in batch]))
             ours = {row[0] for row in cur.fetchall()}
             session = Session(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
+            # Optimistic pass: handlers' outbox rows are inserted together at the end
+            # (one pipelined round trip); careful pass: at once, inside each savepoint.
+            outbox_rows: list[OutboxRow] | None = None if careful else []
             try:
                 for claimed in batch:
                     claimed.outcome = ""
@@ -349,9 +355,11 @@ class Worker(Daemon):
                     elif claimed.id in known:
                         self._classify(claimed, known[claimed.id])
                     else:
-                        self._run_one(claimed, conn, session, raw, careful)
-                if not careful:
+                        self._run_one(claimed, conn, session, raw, outbox_rows)
+                if outbox_rows is not None:
                     try:
+                        if outbox_rows:
+                            cur.executemany(self._insert_outbox, [json_params(r) for r in outbox_rows])
                         session.flush()
                     except Exception as exc:
                         self._reraise_infrastructure(exc)
@@ -361,8 +369,16 @@ class Worker(Daemon):
             self._settle(cur, batch)
 
     def _run_one(
-        self, claimed: Claimed, conn: Connection, session: Session, raw: psycopg.Connection[Any], careful: bool
+        self,
+        claimed: Claimed,
+        conn: Connection,
+        session: Session,
+        raw: psycopg.Connection[Any],
+        outbox_rows: list[OutboxRow] | None,
     ) -> None:
+        """Run one handler; ``outbox_rows`` collects its outbox rows (optimistic pass), or,
+        when None, it runs carefully: in a savepoint, its rows written at once."""
+        careful = outbox_rows is None
         message = claimed.message
         if claimed.unfinished_before >= self.config.poison_threshold:
             self._abandon(
@@ -389,7 +405,10 @@ class Worker(Daemon):
         assert self._watchdog is not None
         try:
             with self._watchdog.guard(timeout, hard, raw.cancel_safe):
-                handler.handle(message, session, self.service.outbox(session, incoming=message))
+                outbox = Outbox(
+                    session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
+                )
+                handler.handle(message, session, outbox)
                 if careful:
                     session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
             if savepoint is not None:

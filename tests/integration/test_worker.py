@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -376,3 +377,34 @@ def test_a_database_error_in_a_handler_is_not_blamed_on_a_batch_mate(service: Se
         state = row(business, message)
         assert state["processed_at"] is None and state["abandoned_at"] is None, message["aggregate_id"]
         assert (state["started"], state["finished"]) == (1, 1) and error in state["last_error"]
+
+
+def test_outbox_rows_of_a_batch_commit_with_their_handlers_only(service: Service, business: str) -> None:
+    """Handlers' outbox rows go out together at the end of the batch; a row PostgreSQL
+    refuses there (a reused message id) fails its own message, not its batch mates."""
+    reused = uuid.uuid4()
+
+    def publish(message: Message, session: Session, outbox: Outbox) -> None:
+        if message.aggregate_id == "boom":
+            raise RetryableError("not now")
+        outbox.publish_event(
+            "OrderPlaced",
+            aggregate_id=message.aggregate_id,
+            payload={"order_id": message.aggregate_id, "sku": "SKU-1", "quantity": 1},
+            message_id=reused if message.aggregate_id.startswith("dup") else None,
+        )
+
+    service.register(Recorder(publish))
+    messages = [place_order(aggregate_id=a) for a in ("a", "dup1", "b", "boom", "dup2", "c")]
+    store_in_inbox(service, messages)
+    with running(worker(service, batch_size=10, backoff_base=30, backoff_cap=30)):
+        support.wait_until(lambda: done(business) == 4, 30, message="a, b, c and one dup processed")
+        support.wait_until(
+            lambda: sum(1 for m in messages if row(business, m)["last_error"]) == 2, 30, message="two failures"
+        )
+    states = {m["aggregate_id"]: row(business, m) for m in messages}
+    assert all(states[a]["processed_at"] is not None for a in ("a", "b", "c", "dup1"))
+    assert "UniqueViolation" in states["dup2"]["last_error"] and states["dup2"]["processed_at"] is None
+    assert "not now" in states["boom"]["last_error"]
+    rows = query(business, "SELECT aggregate_id, count(*) FROM txbox.outbox GROUP BY 1 ORDER BY 1")
+    assert rows == [("a", 1), ("b", 1), ("c", 1), ("dup1", 1)]
