@@ -341,7 +341,9 @@ class Worker(Daemon):
         raw = self._raw(conn)
         with conn.begin():
             cur = raw.cursor()
-            cur.execute(q.presume_processed(self.schema), ([c.id for c in batch], [c.started for c in batch]))
+            cur.execute(
+                q.presume_processed(self.schema), {"ids": [c.id for c in batch], "started": [c.started for c in batch]}
+            )
             ours = {row[0] for row in cur.fetchall()}
             session = Session(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
             # Optimistic pass: handlers' outbox rows are inserted together at the end
@@ -540,7 +542,7 @@ class Worker(Daemon):
         conn = self._connection()
         with conn.begin():
             self._raw(conn).cursor().execute(
-                q.release(self.schema), ([c.id for c in batch], [c.started for c in batch])
+                q.release(self.schema), {"ids": [c.id for c in batch], "started": [c.started for c in batch]}
             )
 
     def _release_quietly(self, batch: Sequence[Claimed]) -> None:

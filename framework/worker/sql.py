@@ -71,6 +71,18 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
     )
 
 
+# Our claims that still carry the started_attempts they had when we claimed them (the
+# fencing token); params ``ids`` and ``started``. Each is looked up through the primary
+# key by a scalar subquery, then updated by ``ctid`` (a TID scan): a plain join of the
+# inbox to the unnest made the planner hash the whole inbox — every row ever received,
+# processed ones included — once per batch (30-60 ms per batch at 50k rows, and growing).
+_FENCE = """t.ctid = ANY(ARRAY(
+    SELECT (SELECT i.ctid FROM {inbox} i WHERE i.id = c.id AND i.started_attempts = c.started
+              AND i.processed_at IS NULL AND i.abandoned_at IS NULL)
+    FROM unnest(%(ids)s::uuid[], %(started)s::int2[]) AS c(id, started)))
+    AND t.processed_at IS NULL AND t.abandoned_at IS NULL"""
+
+
 def presume_processed(schema: str) -> sql.Composed:
     """First statement of the processing transaction: mark our claims processed, lock them.
 
@@ -83,9 +95,7 @@ def presume_processed(schema: str) -> sql.Composed:
     return sql.SQL(
         "UPDATE {inbox} t SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, "
         "locked_until = clock_timestamp() "
-        "FROM unnest(%s::uuid[], %s::int2[]) AS c(id, started) "
-        "WHERE t.id = c.id AND t.started_attempts = c.started "
-        "AND t.processed_at IS NULL AND t.abandoned_at IS NULL RETURNING t.id"
+        f"WHERE {_FENCE} RETURNING t.id"
     ).format(inbox=sql.Identifier(schema, names.INBOX))
 
 
@@ -119,8 +129,7 @@ def release(schema: str) -> sql.Composed:
     """Give back claims that were never run (stop, lost database): not an attempt, not poison."""
     return sql.SQL(
         "UPDATE {inbox} t SET started_attempts = t.started_attempts - 1, locked_until = clock_timestamp() "
-        "FROM unnest(%s::uuid[], %s::int2[]) AS c(id, started) "
-        "WHERE t.id = c.id AND t.started_attempts = c.started AND t.processed_at IS NULL AND t.abandoned_at IS NULL"
+        f"WHERE {_FENCE}"
     ).format(inbox=sql.Identifier(schema, names.INBOX))
 
 
