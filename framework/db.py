@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
@@ -90,3 +91,21 @@ def database_errors(what: str) -> Iterator[None]:
         yield
     except (psycopg.OperationalError, sa.exc.OperationalError) as exc:
         raise DatabaseUnavailable(f"{what}: {exc}".strip()) from exc
+
+
+def needs_analyze(schema: str, table: str) -> psycopg.sql.Composed:
+    """True when more rows changed since the last ANALYZE than it counted (and > 1,000).
+
+    The daemons' claims lean on partial indexes over pending rows; statistics taken
+    before a burst make the planner misjudge them badly (seconds per claim), and
+    autovacuum may not analyze for a minute or more. So the daemons check this now and
+    then and run :func:`analyze` themselves.
+    """
+    return psycopg.sql.SQL(
+        "SELECT n_mod_since_analyze > greatest(1000, n_live_tup / 2) "
+        "FROM pg_stat_user_tables WHERE relid = {}::regclass"
+    ).format(psycopg.sql.Literal(f"{schema}.{table}"))
+
+
+def analyze(schema: str, table: str) -> psycopg.sql.Composed:
+    return psycopg.sql.SQL("ANALYZE {}").format(psycopg.sql.Identifier(schema, table))

@@ -217,8 +217,8 @@ class Relay(Daemon):
         self._sql_release = named.release(self.schema)
         self._sql_backlog = named.backlog(self.schema)
         self._sql_dead = insert_sql(self.schema)
-        self._sql_needs_analyze = named.needs_analyze(self.schema)
-        self._sql_analyze = named.analyze(self.schema)
+        self._sql_needs_analyze = db.needs_analyze(self.schema, names.OUTBOX)
+        self._sql_analyze = db.analyze(self.schema, names.OUTBOX)
         self._wake = threading.Event()
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []

@@ -20,7 +20,7 @@ Planner note: with statistics, the head-of-lane probe is one descent of
 over 50k rows). On a table bulk-filled since its last ANALYZE the planner misjudges its
 size and walks ``outbox_due_idx`` over every earlier row instead (measured: 4 s per
 claim, and no index shape or rewrite avoided it), so the relay analyzes the outbox
-itself when :func:`needs_analyze` says the statistics are stale (see relay.py).
+itself when :func:`framework.db.needs_analyze` says the statistics are stale (relay.py).
 """
 
 from __future__ import annotations
@@ -204,20 +204,6 @@ SELECT count(*),
 FROM {outbox} WHERE processed_at IS NULL AND abandoned_at IS NULL
 """
     ).format(outbox=_outbox(schema))
-
-
-def needs_analyze(schema: str) -> sql.Composed:
-    """True when more rows changed since the last ANALYZE than it counted (and > 1,000)."""
-    return sql.SQL(
-        """
-SELECT n_mod_since_analyze > greatest(1000, n_live_tup / 2)
-FROM pg_stat_user_tables WHERE relid = {regclass}::regclass
-"""
-    ).format(regclass=sql.Literal(f"{schema}.{names.OUTBOX}"))
-
-
-def analyze(schema: str) -> sql.Composed:
-    return sql.SQL("ANALYZE {}").format(_outbox(schema))
 
 
 def listen(channel: str) -> sql.Composed:

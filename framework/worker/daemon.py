@@ -129,6 +129,8 @@ class Worker(Daemon):
         self._claim_batch = q.claim(self.schema, suspects=False, park=park)
         self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
         self._insert_outbox = outbox_insert_sql(self.schema)
+        self._needs_analyze = db.needs_analyze(self.schema, names.INBOX)
+        self._analyze = db.analyze(self.schema, names.INBOX)
         self._conn: Connection | None = None
         self._listen: psycopg.Connection[Any] | None = None
         self._watchdog: Watchdog | None = None
@@ -597,6 +599,11 @@ class Worker(Daemon):
         conn = self._connection()
         with conn.begin():
             cur = self._raw(conn).cursor()
+            cur.execute(self._needs_analyze)
+            stale = cur.fetchone()
+            if stale and stale[0]:
+                # A burst since the last ANALYZE makes the planner pick slow claim plans.
+                cur.execute(self._analyze)
             cur.execute(q.backlog(self.schema))
             row = cur.fetchone()
         if row is not None:

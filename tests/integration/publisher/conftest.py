@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
@@ -22,16 +21,10 @@ import pytest
 from framework import names
 from framework.contracts import Registry
 from framework.db import conninfo
-from framework.outbox import Outbox, json_params
+from framework.outbox import Outbox, insert_sql, json_params
 from framework.publisher import Relay, RelayConfig
 from framework.settings import Settings
 from tests.conftest import ROOT
-
-INSERT = """INSERT INTO txbox.outbox (id, message_type, aggregate_type, aggregate_id, message_version, kind,
-    routing_key, payload, message_context, metadata, segment, concurrency, priority{lu})
-    VALUES (%(id)s, %(message_type)s, %(aggregate_type)s, %(aggregate_id)s, %(message_version)s, %(kind)s,
-    %(routing_key)s, %(payload)s, %(message_context)s, %(metadata)s, %(segment)s, %(concurrency)s,
-    %(priority)s{lu_param})"""
 
 
 def insert_rows(settings: Settings, registry: Registry, rows: list[dict[str, Any]]) -> list[str]:
@@ -44,10 +37,8 @@ def insert_rows(settings: Settings, registry: Registry, rows: list[dict[str, Any
         params.append(json_params(outbox.build(spec, **kwargs)))
     ids = [str(p["id"]) for p in params]
     with psycopg.connect(conninfo(settings.database_url)) as conn, conn.cursor() as cur:
-        # Runs of the same shape keep the insert order (created_at is the order that matters).
-        for timed, run in itertools.groupby(params, key=lambda p: "locked_until" in p):
-            statement = INSERT.format(lu=", locked_until", lu_param=", %(locked_until)s") if timed else INSERT
-            cur.executemany(statement.format(lu="", lu_param=""), list(run))
+        # One statement per row, in order: created_at is the order that matters.
+        cur.executemany(insert_sql(settings.schema), params)
     return ids
 
 
