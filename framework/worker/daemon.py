@@ -69,6 +69,7 @@ from framework.worker.timeout import HandlerTimeout, Watchdog
 NO_HANDLER = "no_handler"  # a message type this process has no handler for
 LEASE_MARGIN = 2.0  # seconds kept between the hard stop of a handler and the end of its lease
 SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker left behind, under backlog
+ANALYZE_INTERVAL = 30.0  # seconds at least between two ANALYZEs of the inbox by one worker
 
 
 class _Conflict(Exception):
@@ -141,6 +142,7 @@ class Worker(Daemon):
         self._ahead: Future[list[Claimed]] | None = None
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._last_suspect_check = 0.0
+        self._next_analyze = 0.0
 
     # --- the loop -----------------------------------------------------------------
 
@@ -601,9 +603,11 @@ class Worker(Daemon):
             cur = self._raw(conn).cursor()
             cur.execute(self._needs_analyze)
             stale = cur.fetchone()
-            if stale and stale[0]:
-                # A burst since the last ANALYZE makes the planner pick slow claim plans.
+            if stale and stale[0] and now >= self._next_analyze:
+                # A burst since the last ANALYZE makes the planner pick slow claim plans;
+                # under steady load rows change fast, so not more than twice a minute.
                 cur.execute(self._analyze)
+                self._next_analyze = now + ANALYZE_INTERVAL
             cur.execute(q.backlog(self.schema))
             row = cur.fetchone()
         if row is not None:

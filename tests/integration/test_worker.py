@@ -408,3 +408,25 @@ def test_outbox_rows_of_a_batch_commit_with_their_handlers_only(service: Service
     assert "not now" in states["boom"]["last_error"]
     rows = query(business, "SELECT aggregate_id, count(*) FROM txbox.outbox GROUP BY 1 ORDER BY 1")
     assert rows == [("a", 1), ("b", 1), ("c", 1), ("dup1", 1)]
+
+
+def test_the_worker_refreshes_inbox_statistics_after_a_burst(service: Service, business: str) -> None:
+    """Plans made with statistics of an empty inbox scan every pending row per claim."""
+    analyzed = lambda: scalar(  # noqa: E731 - manual ANALYZEs only (autovacuum counts apart)
+        business, "SELECT analyze_count FROM pg_stat_user_tables WHERE relid = 'txbox.inbox'::regclass"
+    )
+    before = analyzed()
+    service.register(Recorder())
+    store_in_inbox(service, [place_order(aggregate_id=str(i)) for i in range(1500)])
+    support.wait_until(
+        lambda: (
+            scalar(
+                business, "SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relid = 'txbox.inbox'::regclass"
+            )
+            >= 1500
+        ),
+        20,
+        message="the statistics collector to see the burst",
+    )
+    with running(worker(service, batch_size=500)):
+        support.wait_until(lambda: analyzed() > before, 30, message="an ANALYZE of txbox.inbox by the worker")
