@@ -102,3 +102,11 @@ def test_service_without_contract() -> None:
 def test_register_a_class_instead_of_instance_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match=r"register\(PlaceOrder\(\)\)"):
         orders().register(PlaceOrder)  # type: ignore[arg-type]
+
+
+def test_handler_without_message_type_is_named() -> None:
+    class Forgot(CommandHandler):
+        pass
+
+    text = errors_of(orders(PlaceOrder(), StockReserved(), StockRejected(), Forgot()))
+    assert "Forgot" in text and "does not set `message_type`" in text

@@ -180,7 +180,7 @@ def test_unroutable_command_retries_then_dead_letters_and_unroutable_event_count
     assert letters == [(command_id, "outbox", "unroutable", error, "RestockItem", command_id)]
 
 
-def test_nacked_command_is_a_failure_with_backoff(settings: Settings, service: Service) -> None:
+def _a_queue_that_nacks_restock(settings: Settings, service: Service) -> None:
     """A queue that rejects publishes when full makes the broker nack."""
     conn = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
     ch = conn.channel()
@@ -193,6 +193,24 @@ def test_nacked_command_is_a_failure_with_backoff(settings: Settings, service: S
         service.registry,
         [{"message_type": "RestockItem", "aggregate_id": "SKU-1", "payload": {"sku": "SKU-1", "quantity": 5}}],
     )
+
+
+def test_a_failed_publish_waits_out_its_backoff(settings: Settings, service: Service) -> None:
+    _a_queue_that_nacks_restock(settings, service)
+    config = RelayConfig(max_attempts=5, poll_interval=0.2, retry_base=30, retry_cap=300)  # type: ignore[arg-type]
+    with running_relay(settings, service.registry, config):
+        wait_until(lambda: outbox_state(settings)["leased"] == 1, 30, message="the nacked row backed off")
+        with psycopg.connect(conninfo(settings.database_url)) as db:
+            finished, wait, error = db.execute(  # type: ignore[misc]
+                "SELECT finished_attempts, extract(epoch FROM locked_until - now()), last_error FROM txbox.outbox"
+            ).fetchone()
+    # First retry: base 30 s, ±50 % jitter; not abandoned, not retried meanwhile.
+    assert finished == 1 and 14 <= float(wait) <= 46 and "nacked" in error
+    assert outbox_state(settings)["abandoned"] == 0
+
+
+def test_nacked_command_is_a_failure_with_backoff(settings: Settings, service: Service) -> None:
+    _a_queue_that_nacks_restock(settings, service)
     config = RelayConfig(max_attempts=2, **FAST)  # type: ignore[arg-type]
     with running_relay(settings, service.registry, config):
         wait_until(lambda: outbox_state(settings)["abandoned"] == 1, 30, message="the nacked command abandoned")
@@ -204,8 +222,18 @@ def test_nacked_command_is_a_failure_with_backoff(settings: Settings, service: S
 
 def test_notify_wakes_the_publisher_long_before_the_poll_interval(settings: Settings, service: Service) -> None:
     config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
+
+    def idle_and_listening() -> bool:
+        with psycopg.connect(conninfo(settings.database_url)) as db:
+            listening = db.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'"
+            ).fetchone()
+        # The listener's own first wake-up (and the claim it triggers) must be over, or
+        # that claim, not the NOTIFY, could publish the rows.
+        return bool(listening and listening[0]) and relay._conn is not None and not relay._claim_hint
+
     with running_relay(settings, service.registry, config) as relay:
-        wait_until(lambda: relay._conn is not None, 30, message="the relay connected")
+        wait_until(idle_and_listening, 30, message="the relay listening and idle")
         insert_rows(settings, service.registry, orders(3, 1))
         # Without NOTIFY nothing would happen for an hour.
         wait_until(lambda: outbox_state(settings)["processed"] == 3, 30, message="rows published after NOTIFY")
