@@ -9,11 +9,12 @@ Replay semantics (each covered by tests/integration/test_dlq_replay.py):
   once. The attempt history is not lost: the row's counters, last error and abandon
   time are appended to the letter's ``attempts -> 'history'`` list first.
 * **broker** letters (the message never made it into the inbox: rejected by the
-  receiver or dead-lettered by RabbitMQ) were addressed to this service, so they are
-  re-injected straight into this service's inbox table (same ``message_id``, validated
-  against the current contracts) rather than re-sent through the broker: one local
-  transaction, no broker needed, and no second copy to other subscribers of an event.
-  If the inbox already holds that id, the inbox rules apply.
+  receiver or dead-lettered by RabbitMQ) are re-sent through this service's outbox in
+  the transaction that marks them replayed (same ``message_id``, validated against the
+  current contracts, routed by its contract): the relay publishes it, and the receiver
+  stores it like any delivery, checks included. An event goes to every subscriber
+  again; the others already have its id in their inboxes and drop it. If this
+  service's inbox already holds that id, the inbox rules apply instead.
 * **outbox** letters (the publisher gave up): the outbox row is reset the same way (or,
   if it is gone, a fresh outbox row with the same ``message_id`` is written), so the
   publisher relays it again; receivers dedupe by ``message_id``.
@@ -120,12 +121,31 @@ def _replay_one(
         return Outcome(lid, "skipped", "already resolved", False)
     if letter["message_id"] is None:
         return Outcome(lid, "refused", "no valid message_id: nothing to replay (discard it)", False)
-    table = names.OUTBOX if letter["source"] == "outbox" else names.INBOX
     try:
         with conn.transaction():  # a savepoint: a refused letter leaves the others of the chunk intact
+            if letter["source"] == "broker":
+                return _resend(conn, schema, registry, service, letter)
+            table = names.OUTBOX if letter["source"] == "outbox" else names.INBOX
             return _replay_into(conn, schema, registry, service, letter, table)
     except ReplayRefused as exc:
         return Outcome(lid, "refused", str(exc), False)
+
+
+def _resend(
+    conn: psycopg.Connection[Any], schema: str, registry: Registry, service: str, letter: dict[str, Any]
+) -> Outcome:
+    """A broker letter: through the outbox again, unless the inbox has the message by now."""
+    in_inbox = _x(
+        conn,
+        sql.SQL("SELECT 1 FROM {t} WHERE id = %(id)s").format(t=_t(schema, names.INBOX)),
+        {"id": letter["message_id"]},
+    ).fetchone()
+    if in_inbox is not None:
+        return _replay_into(conn, schema, registry, service, letter, names.INBOX)
+    message_type = letter["message_type"]
+    if message_type is not None and message_type not in {s.message_type for s in registry.accepted_types(service)}:
+        raise ReplayRefused(f"{service} does not receive {message_type} (check its contract's x-subscribes)")
+    return _replay_into(conn, schema, registry, service, letter, names.OUTBOX, resend=True)
 
 
 def _replay_into(
@@ -135,7 +155,11 @@ def _replay_into(
     service: str,
     letter: dict[str, Any],
     table: str,
+    *,
+    resend: bool = False,
 ) -> Outcome:
+    """Reset (or write) the message's row in ``table``; ``resend``: an outbox row that
+    was published already is published again (a broker letter never reached the inbox)."""
     lid, mid = letter["id"], letter["message_id"]
     row = _x(
         conn,
@@ -147,8 +171,8 @@ def _replay_into(
     ).fetchone()
     if row is None:
         _insert_from_envelope(conn, schema, registry, service, letter, table)
-        action, detail = f"{table}-insert", f"re-injected into {table} as {mid}"
-    elif row["processed_at"] is not None:
+        action, detail = f"{table}-insert", f"written to {table} as {mid}" + (" to be sent again" if resend else "")
+    elif row["processed_at"] is not None and not resend:
         _x(
             conn,
             sql.SQL("UPDATE {t} SET resolved_at = %(at)s WHERE id = %(id)s").format(t=_t(schema, names.DEAD_LETTERS)),
@@ -160,14 +184,15 @@ def _replay_into(
             "already-" + done,
             f"{table} row {mid} was {done} at {row['processed_at']:%Y-%m-%d %H:%M:%S}; marked resolved",
         )
-    elif row["abandoned_at"] is None:
+    elif row["abandoned_at"] is None and row["processed_at"] is None:
         action, detail = f"{table}-pending", f"{table} row {mid} is already pending"
     else:
         _x(
             conn,
             sql.SQL(
-                """UPDATE {t} SET abandoned_at = NULL, last_error = NULL, started_attempts = 0,
-                       finished_attempts = 0, locked_until = clock_timestamp() WHERE id = %(id)s"""
+                """UPDATE {t} SET processed_at = NULL, abandoned_at = NULL, last_error = NULL,
+                       started_attempts = 0, finished_attempts = 0, locked_until = clock_timestamp()
+                   WHERE id = %(id)s"""
             ).format(t=_t(schema, table)),
             {"id": mid},
         )

@@ -150,3 +150,41 @@ def test_when_a_row_is_refused_the_delivery_is_kept_as_raw_text(conn: Any, monke
     [row] = _rows(conn)
     assert row["message"] is None and row["raw_body"] == body.decode()
     assert row["headers"] == {"unstorable": '{"bad": NaN}'} and "stored as raw text" in row["error"]
+
+
+def test_a_broker_letter_replayed_travels_outbox_broker_inbox_handler_once(
+    service: Service, collector: Collector, conn: Any
+) -> None:
+    """The whole way with the real daemons: the outbox row, the relay, the receiver, the worker."""
+    from sqlalchemy import text
+
+    from framework import CommandHandler
+    from framework.dlq import replay
+    from framework.publisher import Relay, RelayConfig
+    from framework.receiver import Receiver
+    from framework.worker import Worker, WorkerConfig
+    from tests.apps.helpers import running
+
+    class PlaceOrder(CommandHandler):
+        message_type = "PlaceOrder"
+
+        def handle(self, message: Any, session: Any, outbox: Any) -> None:
+            session.execute(text("INSERT INTO effects (id) VALUES (:id)"), {"id": message.message_id})
+
+    conn.execute("CREATE TABLE effects (n bigserial PRIMARY KEY, id uuid NOT NULL)")
+    service.register(PlaceOrder())
+    topology.declare(service.settings, service.registry)
+    m = seed.envelope()
+    lid = seed.rejected(conn, m)
+    [outcome] = replay.replay(conn, "txbox", service.registry, service.name, [lid])
+    assert outcome.action == "outbox-insert"
+    relay = Relay(service.settings, service.registry, RelayConfig(poll_interval=0.2))  # type: ignore[arg-type]
+    with running(relay), running(Receiver(service)), running(Worker(service, WorkerConfig(poll_interval=0.1))):  # type: ignore[arg-type]
+        support.wait_until(
+            lambda: conn.execute("SELECT resolved_at FROM txbox.dead_letters WHERE id = %s", (lid,)).fetchone()[
+                "resolved_at"
+            ],
+            30,
+            message="the replayed letter processed and resolved",
+        )
+    assert conn.execute("SELECT count(*) AS n FROM effects WHERE id = %s", (m.message_id,)).fetchone()["n"] == 1

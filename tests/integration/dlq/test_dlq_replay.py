@@ -72,23 +72,53 @@ def test_a_letter_whose_message_was_processed_meanwhile_is_resolved_not_reset(co
     assert letter["resolved_at"] is not None and letter["replay_count"] == 0
 
 
-def test_broker_letter_is_reinjected_into_the_inbox_once(conn: Any, registry: Registry) -> None:
+def test_broker_letter_is_sent_again_through_the_outbox_once(conn: Any, registry: Registry) -> None:
     m = seed.envelope()
     lid = seed.rejected(conn, m)
 
     [first] = replay.replay(conn, S, registry, SERVICE, [lid])
     [second] = replay.replay(conn, S, registry, SERVICE, [lid])
 
-    assert (first.action, second.action) == ("inbox-insert", "inbox-pending")
-    rows = conn.execute("SELECT * FROM txbox.inbox WHERE id = %s", (m.message_id,)).fetchall()
+    assert (first.action, second.action) == ("outbox-insert", "outbox-pending")
+    rows = conn.execute("SELECT * FROM txbox.outbox WHERE id = %s", (m.message_id,)).fetchall()
     assert len(rows) == 1
     row = rows[0]
     assert row["payload"] == m.payload and row["message_context"] == m.message_context
-    assert row["metadata"]["auth_token"] == m.auth_token and row["metadata"]["replayed_from_dead_letter"] == lid
-    assert (row["kind"], row["queue"], row["segment"]) == ("command", "order-service:inbox", f"order:{m.aggregate_id}")
-    conn.execute("UPDATE txbox.inbox SET processed_at = now() WHERE id = %s", (m.message_id,))
+    assert row["metadata"]["auth_token"] == m.auth_token
+    assert (row["kind"], row["routing_key"], row["segment"]) == (
+        "command",
+        "order-service.order.place",
+        f"order:{m.aggregate_id}",
+    )
+    assert _letter(conn, lid)["replay_count"] == 2  # marked in the same transaction, each time
+    # The relay publishes it, the receiver stores it, the worker processes it: resolved.
+    conn.execute("UPDATE txbox.outbox SET processed_at = now() WHERE id = %s", (m.message_id,))
+    replay.resolve_replayed(conn, S)
+    assert _letter(conn, lid)["resolved_at"] is None, "published is not processed"
+    conn.execute(
+        """INSERT INTO txbox.inbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload,
+               segment, message_timestamp, queue, processed_at)
+           SELECT id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, segment, created_at,
+               'order-service:inbox', now() FROM txbox.outbox WHERE id = %s""",
+        (m.message_id,),
+    )
     replay.resolve_replayed(conn, S)
     assert _letter(conn, lid)["resolved_at"] is not None
+
+
+def test_broker_letter_of_a_message_the_inbox_has_follows_the_inbox(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.rejected(conn, m)
+    conn.execute(
+        """INSERT INTO txbox.inbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload,
+               segment, message_timestamp, queue, processed_at)
+           VALUES (%s, 'PlaceOrder', 'order', %s, 'command', 'order-service.order.place', '{}', 'x', now(),
+               'order-service:inbox', now())""",
+        (m.message_id, m.aggregate_id),
+    )
+    [outcome] = replay.replay(conn, S, registry, SERVICE, [lid])
+    assert outcome.action == "already-processed"
+    assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
 
 
 def test_broker_letters_that_cannot_be_replayed_are_refused_and_left_open(conn: Any, registry: Registry) -> None:
@@ -110,6 +140,7 @@ def test_broker_letters_that_cannot_be_replayed_are_refused_and_left_open(conn: 
     assert "Nope" in outcomes[unknown].detail
     assert outcomes[999_999].action == "missing"
     assert conn.execute("SELECT count(*) AS n FROM txbox.inbox").fetchone()["n"] == 0
+    assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
     assert (
         conn.execute("SELECT count(*) AS n FROM txbox.dead_letters WHERE replayed_at IS NOT NULL").fetchone()["n"] == 0
     )
@@ -140,9 +171,10 @@ def test_dry_run_reports_and_changes_nothing(conn: Any, registry: Registry) -> N
     lid = seed.abandoned(conn, "inbox", m)
     broker = seed.rejected(conn, seed.envelope())
     outcomes = replay.replay(conn, S, registry, SERVICE, [lid, broker], dry_run=True)
-    assert [o.action for o in outcomes] == ["inbox-reset", "inbox-insert"]
+    assert [o.action for o in outcomes] == ["inbox-reset", "outbox-insert"]
     assert _one(conn, "SELECT abandoned_at FROM txbox.inbox WHERE id = %s", m.message_id)["abandoned_at"] is not None
     assert conn.execute("SELECT count(*) AS n FROM txbox.inbox").fetchone()["n"] == 1
+    assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
     assert _letter(conn, lid)["replay_count"] == 0
     assert [o.action for o in replay.discard(conn, S, [lid], dry_run=True)] == ["discarded"]
     assert _letter(conn, lid)["discarded_at"] is None
