@@ -166,8 +166,15 @@ class Publisher:
         message_id: str | None = None,
         headers: dict[str, Any] | None = None,
         mandatory: bool = True,
+        callback: Callable[[Future[None]], None] | None = None,
     ) -> Future[None]:
-        """Send one persistent message; the Future completes on confirm or fails with PublishError."""
+        """Send one persistent message; the Future completes on confirm or fails with PublishError.
+
+        ``callback`` (seed 004's completion listener) is attached before the message is
+        sent, so it always runs on the I/O thread, in send order. One added later with
+        ``add_done_callback`` runs at once, on the caller's thread, if the send has
+        completed meanwhile.
+        """
         if properties is None:
             properties = pika.BasicProperties(
                 content_type="application/json",
@@ -180,6 +187,8 @@ class Publisher:
             properties.message_id = message_id or str(uuid.uuid4())
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
+        if callback is not None:
+            future.add_done_callback(callback)
 
         def done(_: Outgoing, error: PublishError | None) -> None:
             if error is None:

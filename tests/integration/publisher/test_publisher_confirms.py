@@ -76,9 +76,7 @@ def test_many_in_flight_complete_in_send_order(broker: str, vhost: str) -> None:
     with Publisher(broker) as publisher:
         futures: list[Future[None]] = []
         for i in range(n):
-            f = publisher.publish("x", "k" if i % 10 else "nobody", b"%d" % i)
-            f.add_done_callback(partial(record, i))
-            futures.append(f)
+            futures.append(publisher.publish("x", "k" if i % 10 else "nobody", b"%d" % i, callback=partial(record, i)))
         # Streamed: many are in flight at once, not one round trip each.
         peak = publisher.in_flight
         assert publisher.flush(timeout=60)
@@ -110,7 +108,7 @@ def test_close_or_flush_inside_a_completion_callback_raises(broker: str) -> None
                 except PublishError as exc:
                     raised.append(exc)
 
-        publisher.publish("x", "k", b"{}").add_done_callback(callback)
+        publisher.publish("x", "k", b"{}", callback=callback)
         assert publisher.flush(timeout=30)
         assert publisher.is_open  # the refused close() did not close it
     assert len(raised) == 2
