@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> Result:
             wait_ready(scratch, group)
             sent, seconds = _offer(service, group, args)
             _wait_handled(scratch, group, sent)
-            ms, worst = _latencies(scratch.database_url, args.warmup)
+            ms, worst, breakdown = _latencies(scratch.database_url, args.warmup)
         finally:
             group.stop_all()
             service.engine.dispose()
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> Result:
             "p95_ms": p95,
             "p99_ms": p99,
             "max_ms": worst,
+            **breakdown,
             "raw_p50_ms": raw_ms[0],
             "raw_p95_ms": raw_ms[1],
             "raw_p99_ms": raw_ms[2],
@@ -168,21 +169,41 @@ def _wait_handled(scratch: Scratch, group: ProcessGroup, expected: int, timeout:
             time.sleep(0.1)
 
 
-def _latencies(database_url: str, warmup: float) -> tuple[tuple[float, float, float], float]:
-    """Percentiles of handler commit minus outbox created_at, skipping the first ``warmup`` seconds."""
+# Where the time goes, each from the same PostgreSQL clock: the relay (outbox commit →
+# broker confirm recorded), the broker and the receiver (outbox commit → inbox row),
+# the worker (inbox row → handler's business row).
+STAGES = {
+    "relay": "processed_at - created_at",
+    "to_inbox": "received_at - created_at",
+    "worker": "handled_at - received_at",
+}
+
+
+def _latencies(database_url: str, warmup: float) -> tuple[tuple[float, float, float], float, dict[str, float]]:
+    """Percentiles of handler commit minus outbox created_at, skipping the first ``warmup``
+    seconds; and the p50 and p99 of each stage (:data:`STAGES`)."""
+    stages = ", ".join(
+        f"percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY extract(epoch FROM {expr}) * 1000)"
+        for expr in STAGES.values()
+    )
     query = f"""
         WITH l AS (
-            SELECT extract(epoch FROM h.handled_at - o.created_at) * 1000 AS ms, o.created_at
-            FROM bench_handled h JOIN txbox.outbox o ON o.id = h.message_id
+            SELECT extract(epoch FROM h.handled_at - o.created_at) * 1000 AS ms, o.created_at, o.processed_at,
+                   i.created_at AS received_at, h.handled_at
+            FROM bench_handled h JOIN txbox.outbox o ON o.id = h.message_id JOIN txbox.inbox i ON i.id = h.message_id
         ), t0 AS (SELECT min(created_at) AS t FROM l)
-        SELECT {PERCENTILES}, max(ms) FROM l, t0 WHERE l.created_at >= t0.t + make_interval(secs => %s)
+        SELECT {PERCENTILES}, max(ms), {stages}
+        FROM l, t0 WHERE l.created_at >= t0.t + make_interval(secs => %s)
     """
     with psycopg.connect(conninfo(database_url)) as conn:
         row = conn.execute(query, (warmup,)).fetchone()
     if not row or row[0] is None:
         raise TxboxError("no latencies recorded")
     p50, p95, p99 = (round(float(v), 2) for v in row[0])
-    return (p50, p95, p99), round(float(row[1]), 2)
+    breakdown = {}
+    for name, values in zip(STAGES, row[2:], strict=True):
+        breakdown[f"{name}_p50_ms"], breakdown[f"{name}_p99_ms"] = (round(float(v), 2) for v in values)
+    return (p50, p95, p99), round(float(row[1]), 2), breakdown
 
 
 def _raw(scratch: Scratch, args: argparse.Namespace) -> tuple[float, tuple[float, float, float]]:

@@ -129,6 +129,7 @@ class Worker(Daemon):
         park = self.config.segment_policy == "park"
         self._claim_batch = q.claim(self.schema, suspects=False, park=park)
         self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
+        self._presume = q.presume_processed(self.schema)
         self._insert_outbox = outbox_insert_sql(self.schema)
         self._needs_analyze = db.needs_analyze(self.schema, names.INBOX)
         self._analyze = db.analyze(self.schema, names.INBOX)
@@ -345,9 +346,7 @@ class Worker(Daemon):
         raw = self._raw(conn)
         with conn.begin():
             cur = raw.cursor()
-            cur.execute(
-                q.presume_processed(self.schema), {"ids": [c.id for c in batch], "started": [c.started for c in batch]}
-            )
+            cur.execute(self._presume, {"ids": [c.id for c in batch], "started": [c.started for c in batch]})
             ours = {row[0] for row in cur.fetchall()}
             session = Session(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
             # Optimistic pass: handlers' outbox rows are inserted together at the end
