@@ -95,6 +95,10 @@ def legend(series: list[Series]) -> Markup:
     return Markup(f'<div class="legend">{items}</div>')
 
 
+P50_COLOR, P99_COLOR = "#2f6fb0", "#a9c7e6"
+LATENCY_LEGEND = [Series("p50", [], P50_COLOR), Series("p99", [], P99_COLOR)]
+
+
 def latency_chart(stages: list[dict[str, Any]]) -> Markup:
     """Horizontal bars of p50 and p99 per stage, from the last ``txbox analyze`` run.
 
@@ -132,7 +136,3 @@ def latency_chart(stages: list[dict[str, Any]]) -> Markup:
         )
     out.append("</svg>")
     return Markup("".join(out))  # every interpolated text is escaped above
-
-
-P50_COLOR, P99_COLOR = "#2f6fb0", "#a9c7e6"
-LATENCY_LEGEND = [Series("p50", [], P50_COLOR), Series("p99", [], P99_COLOR)]

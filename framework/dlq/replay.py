@@ -142,9 +142,8 @@ def _resend(
     ).fetchone()
     if in_inbox is not None:
         return _replay_into(conn, schema, registry, service, letter, names.INBOX)
-    message_type = letter["message_type"]
-    if message_type is not None and message_type not in {s.message_type for s in registry.accepted_types(service)}:
-        raise ReplayRefused(f"{service} does not receive {message_type} (check its contract's x-subscribes)")
+    if letter["message_type"] is not None:
+        _ensure_received(registry, service, letter["message_type"])
     return _replay_into(conn, schema, registry, service, letter, names.OUTBOX, resend=True)
 
 
@@ -253,8 +252,7 @@ def _insert_from_envelope(
         )
         _x(conn, outbox_insert_sql(schema), json_params(row))
         return
-    if spec.message_type not in {s.message_type for s in registry.accepted_types(service)}:
-        raise ReplayRefused(f"{service} does not receive {spec.message_type} (check its contract's x-subscribes)")
+    _ensure_received(registry, service, spec.message_type)
     metadata: dict[str, Any] = {"replayed_from_dead_letter": letter["id"]}
     if message.auth_token is not None:
         metadata["auth_token"] = message.auth_token
@@ -340,3 +338,8 @@ def resolve_processed(cursor: psycopg.Cursor[Any], schema: str, message_ids: Seq
         {"ids": list(message_ids)},
     )
     return cursor.rowcount
+
+
+def _ensure_received(registry: Registry, service: str, message_type: str) -> None:
+    if message_type not in {s.message_type for s in registry.accepted_types(service)}:
+        raise ReplayRefused(f"{service} does not receive {message_type} (check its contract's x-subscribes)")

@@ -134,10 +134,6 @@ def _metadata_text(metadata: dict[str, Any]) -> str:
     return text
 
 
-def json_text(value: Any) -> str:
-    return _encode(value)
-
-
 def _json_default(value: Any) -> Any:
     if isinstance(value, bytes | bytearray):
         try:
@@ -151,7 +147,7 @@ def _json_default(value: Any) -> Any:
 
 # One encoder for every call: json.dumps with options builds a new one each time, which
 # costs as much as encoding a small payload (three encodes per received message).
-_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_json_default).encode
+json_text = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_json_default).encode
 
 
 class Intake:

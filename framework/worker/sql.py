@@ -71,7 +71,7 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
     )
 
 
-# Our claims that still carry the started_attempts they had when we claimed it (the
+# Our claims that still carry the started_attempts they had when we claimed them (the
 # fencing token); params ``ids`` and ``started``. Each is looked up through the primary
 # key by a scalar subquery, then updated by ``ctid`` (a TID scan). Both spell "pending"
 # as ``coalesce(processed_at, abandoned_at) IS NULL`` on purpose: that does not match the
