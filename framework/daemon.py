@@ -27,6 +27,10 @@ class Daemon:
     def stopping(self) -> bool:
         return self.stop_event.is_set()
 
+    def run(self) -> None:
+        """The daemon's loop, until :meth:`stop` (each daemon defines it)."""
+        raise NotImplementedError
+
     def stop(self) -> None:
         self.stop_event.set()
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from framework import jsoncodec
 from framework.errors import EnvelopeError
 
 CONTENT_TYPE = "application/json"
@@ -119,12 +120,12 @@ def decode_json(body: bytes | str) -> Any:
     if text.strip() == "":
         raise EnvelopeError(EMPTY_BODY, "the body is empty")
     try:
-        value = json.loads(text)
+        value = jsoncodec.loads(text)
     except RecursionError:
         raise EnvelopeError(TOO_DEEP, "the JSON is nested too deeply to parse") from None
     except ValueError as exc:
         raise EnvelopeError(NOT_JSON, f"the body is not JSON ({exc})") from None
-    if _SURROGATE_ESCAPE.search(text):
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):
         _reject_lone_surrogates(value)
     return value
 

@@ -12,7 +12,6 @@ import argparse
 import base64
 import json
 import os
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -25,6 +24,7 @@ import psycopg
 from psycopg import sql
 
 from framework import migrate, names, topology
+from framework.bench import instances
 from framework.bench.result import Result
 from framework.db import conninfo
 from framework.envelope import Message
@@ -167,6 +167,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--messages", type=int, default=50_000, help="queued deliveries (default 50000)")
     parser.add_argument("--prefetch", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument(
+        "--instances", type=int, default=2, help="receiver processes consuming the queue (default 2, one per core)"
+    )
+
+
+def receiver_instance(settings: Settings, prefetch: int, batch_size: int) -> tuple[Receiver, Any]:
+    """One bench receiver (built in its own process by :func:`instances.timed`)."""
+    receiver = Receiver(Service(settings=settings), ReceiverConfig(prefetch=prefetch, batch_size=batch_size))
+    return receiver, receiver_metrics.STORED.labels(service=settings.service)
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -181,21 +190,12 @@ def run(args: argparse.Namespace) -> Result:
         raw_rate = raw_consume(scratch.amqp_url, queue, args.messages)
 
         fill_queue(scratch.amqp_url, bodies, spec.routing_key)
-        config = ReceiverConfig(prefetch=args.prefetch, batch_size=args.batch_size)
-        receiver = Receiver(service, config)
-        stored = receiver_metrics.STORED.labels(service=SERVICE)
-        before = stored._value.get()
-        thread = threading.Thread(target=receiver.run, name="receiver", daemon=True)
-        started = time.perf_counter()
-        thread.start()
-        deadline = time.monotonic() + 600
-        while stored._value.get() - before < args.messages:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise TxboxError("the receiver stopped before storing every delivery")
-            time.sleep(0.005)
-        receiver.stop()  # the last batch's ack goes out before run() returns
-        thread.join()
-        seconds = time.perf_counter() - started
+        seconds = instances.timed(
+            receiver_instance,
+            (scratch.settings, args.prefetch, args.batch_size),
+            instances=args.instances,
+            target=args.messages,
+        )
 
         rows = scratch.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier("txbox", names.INBOX)))[0][0]
         left = _depth(scratch.amqp_url, queue)
@@ -210,6 +210,7 @@ def run(args: argparse.Namespace) -> Result:
             extra={
                 "prefetch": args.prefetch,
                 "batch_size": args.batch_size,
+                "instances": args.instances,
                 "queue_type": args.queue_type,
                 "body_bytes": len(bodies[0]),
             },

@@ -9,7 +9,6 @@ i.e. the database's own claim + write + update rate for this work on this machin
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 import uuid
 from typing import Any
@@ -19,6 +18,7 @@ from psycopg import sql
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from framework import CommandHandler, Message, Outbox, names
+from framework.bench import instances
 from framework.bench.receiver import Scratch, add_scratch_options, envelopes
 from framework.bench.result import Result
 from framework.db import conninfo
@@ -27,6 +27,7 @@ from framework.receiver import Delivery, Intake
 from framework.receiver.intake import InboxRow
 from framework.receiver.store import insert_rows
 from framework.service import Service
+from framework.settings import Settings
 from framework.worker import Worker, WorkerConfig
 from framework.worker import metrics as worker_metrics
 
@@ -60,6 +61,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_scratch_options(parser)
     parser.add_argument("--messages", type=int, default=50_000, help="inbox rows (default 50000)")
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument(
+        "--instances", type=int, default=2, help="worker processes sharing the inbox (default 2, one per core)"
+    )
+
+
+def worker_instance(settings: Settings, batch_size: int) -> tuple[Worker, Any]:
+    """One bench worker (built in its own process by :func:`instances.timed`)."""
+    service = Service(settings=settings)
+    service.register(StoreOrder())
+    worker = Worker(service, WorkerConfig(batch_size=batch_size))
+    return worker, worker_metrics.PROCESSED.labels(service=service.name, message_type="PlaceOrder")
 
 
 def fill_inbox(service: Service, count: int) -> None:
@@ -117,21 +129,10 @@ def run(args: argparse.Namespace) -> Result:
         fill_inbox(service, args.messages)
         scratch.execute("VACUUM ANALYZE txbox.inbox")
 
-        worker = Worker(service, WorkerConfig(batch_size=args.batch_size))
-        processed = worker_metrics.PROCESSED.labels(service=service.name, message_type="PlaceOrder")
-        before = processed._value.get()
-        thread = threading.Thread(target=worker.run, name="worker", daemon=True)
-        started = time.perf_counter()
-        thread.start()
-        deadline = time.monotonic() + 600
-        while processed._value.get() - before < args.messages:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise TxboxError("the worker stopped before processing every row")
-            time.sleep(0.005)
-        seconds = time.perf_counter() - started
-        worker.stop()
-        thread.join()
         service.engine.dispose()
+        seconds = instances.timed(
+            worker_instance, (scratch.settings, args.batch_size), instances=args.instances, target=args.messages
+        )
 
         check: Any = scratch.execute(
             "SELECT (SELECT count(*) FROM bench_orders), "
@@ -146,5 +147,9 @@ def run(args: argparse.Namespace) -> Result:
             raw_limit_rate=raw_rate,
             raw_limit="plain SQL: claim 500 FOR UPDATE SKIP LOCKED + executemany the business rows + "
             "UPDATE processed + commit, no framework",
-            extra={"batch_size": args.batch_size, "handler": "session.add() of one ORM business row"},
+            extra={
+                "batch_size": args.batch_size,
+                "instances": args.instances,
+                "handler": "session.add() of one ORM business row",
+            },
         )

@@ -85,7 +85,7 @@ class Supervisor:
 
     def _run(self, daemon: Daemon) -> None:
         try:
-            daemon.run()  # type: ignore[attr-defined]  # every concrete daemon has run()
+            daemon.run()
         except BaseException as exc:  # any daemon dying takes the others down cleanly
             log.error("%s failed: %s", daemon.name, exc, exc_info=not isinstance(exc, Exception) or None)
             self.failures.append((daemon.name, exc))

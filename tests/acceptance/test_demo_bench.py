@@ -1,4 +1,4 @@
-"""Smoke runs of `txbox bench e2e` and `txbox bench latency`: a few hundred messages each.
+"""Smoke runs of `txbox bench e2e`, `latency`, `receiver` and `worker`: a few hundred messages each.
 
 Not a measurement (timings never decide a test): they prove the benchmarks still run end
 to end through the real daemons and print the documented JSON line.
@@ -17,9 +17,9 @@ from tests import support
 COMMON = ("--admin-url", support.PG_ADMIN_URL, "--workers", "1")
 
 
-def bench(*args: str) -> dict[str, object]:
+def bench(*args: str, common: tuple[str, ...] = COMMON) -> dict[str, object]:
     done = subprocess.run(
-        [*txbox_command(), "bench", *args, "--json", *COMMON],
+        [*txbox_command(), "bench", *args, "--json", *common],
         cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -44,3 +44,14 @@ def test_bench_latency_smoke() -> None:
     for key in ("p50_ms", "p99_ms", "raw_p50_ms", "raw_limit_rate", "ratio"):
         assert isinstance(result[key], float | int), key
     assert float(result["p50_ms"]) <= float(result["p99_ms"])  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["receiver", "worker"])
+def test_bench_stage_with_two_instances(stage: str) -> None:
+    """Two daemon processes share the work, and the bench counts all of it (instances.timed)."""
+    result = bench(stage, "--messages", "3000", "--instances", "2", common=("--admin-url", support.PG_ADMIN_URL))
+    assert result["stage"] == stage
+    assert result["messages"] == 3000 and result["instances"] == 2
+    for key in ("seconds", "rate", "raw_limit_rate", "ratio"):
+        assert float(result[key]) > 0, key  # type: ignore[arg-type]

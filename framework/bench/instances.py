@@ -1,0 +1,79 @@
+"""Run N instances of one daemon, each in a process of its own, and time a fixed amount of work.
+
+Python runs one daemon's hot path on one core (the GIL), so a stage scales the way users
+deploy it: more instances of the daemon, competing for the same rows or deliveries
+(``FOR UPDATE SKIP LOCKED`` claims, competing consumers; README "Scaling"). The benches
+start them here, spawned (no inherited sockets), and time from the moment every instance
+is ready to the moment their combined counter reaches the target.
+
+An instance is built in its child by ``build(*args)``, a module-level function returning
+the daemon and the Prometheus counter child that counts its finished work; children copy
+that counter into shared memory, so counting costs the database and the broker nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event
+from typing import Any
+
+from framework.daemon import Daemon
+from framework.errors import TxboxError
+
+Build = Callable[..., tuple[Daemon, Any]]
+_START_TIMEOUT = 120.0
+
+
+def _child(build: Build, args: tuple[Any, ...], ready: Event, go: Event, stop: Event, done: Synchronized[int]) -> None:
+    daemon, counter = build(*args)
+    before = counter._value.get()
+    ready.set()
+    go.wait()
+    thread = threading.Thread(target=daemon.run, name=daemon.name)
+    thread.start()
+    while not stop.wait(0.005) and thread.is_alive():
+        done.value = int(counter._value.get() - before)
+    daemon.stop()
+    thread.join()
+    done.value = int(counter._value.get() - before)
+
+
+def timed(build: Build, args: tuple[Any, ...], *, instances: int, target: int, timeout: float = 600.0) -> float:
+    """Seconds for ``instances`` daemons built by ``build(*args)`` to count ``target`` between them."""
+    ctx = mp.get_context("spawn")
+    go, stop = ctx.Event(), ctx.Event()
+    readies = [ctx.Event() for _ in range(instances)]
+    counts = [ctx.Value("q", 0) for _ in range(instances)]
+    procs = [
+        ctx.Process(target=_child, args=(build, args, ready, go, stop, done), name=f"bench instance {n}")
+        for n, (ready, done) in enumerate(zip(readies, counts, strict=True))
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        start_by = time.monotonic() + _START_TIMEOUT
+        for ready, proc in zip(readies, procs, strict=True):
+            while not ready.wait(0.1):
+                if not proc.is_alive() or time.monotonic() > start_by:
+                    raise TxboxError(f"{proc.name} failed to start (exit code {proc.exitcode})")
+        started = time.perf_counter()
+        go.set()
+        deadline = time.monotonic() + timeout
+        while sum(c.value for c in counts) < target:
+            dead = [p for p in procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                why = f"{dead[0].name} exited ({dead[0].exitcode})" if dead else f"not done after {timeout:g}s"
+                raise TxboxError(f"bench stopped early: {why}; counted {sum(c.value for c in counts)} of {target}")
+            time.sleep(0.002)
+        return time.perf_counter() - started
+    finally:
+        stop.set()
+        go.set()
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
