@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -27,13 +26,14 @@ import psycopg
 from psycopg import sql
 
 from framework import migrate, names, topology
+from framework.bench import instances
 from framework.bench.result import Result
 from framework.contracts import load_registry
 from framework.db import conninfo
 from framework.envelope import format_timestamp
 from framework.errors import TxboxError
 from framework.outbox import Outbox
-from framework.publisher.relay import Claimed, Relay, RelayConfig, envelope_body
+from framework.publisher.relay import PUBLISHED, Claimed, Relay, RelayConfig, envelope_body
 from framework.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +48,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=2000)
     parser.add_argument("--max-in-flight", type=int, default=4000)
     parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum")
+    parser.add_argument("--instances", type=int, default=1, help="publisher processes sharing the outbox (default 1)")
+
+
+def relay_instance(settings: Settings, batch_size: int, max_in_flight: int) -> tuple[Relay, Any]:
+    """One bench publisher (built in its own process by :func:`instances.timed`)."""
+    config = RelayConfig(batch_size=batch_size, max_in_flight=max_in_flight)
+    relay = Relay(settings, load_registry(settings.contracts_dir), config, declare_topology=False)
+    return relay, PUBLISHED.labels("PlaceOrder")
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -79,19 +87,12 @@ def run(args: argparse.Namespace) -> Result:
         )
         _purge(settings.amqp_url, queue)
 
-        config = RelayConfig(batch_size=args.batch_size, max_in_flight=args.max_in_flight)
-        relay = Relay(settings, registry, config, declare_topology=False)
-        thread = threading.Thread(target=relay.run, name="bench relay")
-        started = time.perf_counter()
-        thread.start()
-        deadline = time.monotonic() + 600
-        while relay.published < args.messages:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise TxboxError(f"relay stopped after {relay.published} of {args.messages} messages")
-            time.sleep(0.01)
-        seconds = time.perf_counter() - started
-        relay.stop()
-        thread.join(60)
+        seconds = instances.timed(
+            relay_instance,
+            (settings, args.batch_size, args.max_in_flight),
+            instances=args.instances,
+            target=args.messages,
+        )
         in_queue = _queue_depth(settings.amqp_url, queue)
         return Result(
             stage="relay",
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> Result:
             extra={
                 "message_bytes": body_size,
                 "queue_type": args.queue_type,
+                "instances": args.instances,
                 "in_queue": in_queue,
                 "scratch": {"database": dbname, "vhost": vhost},
             },
