@@ -7,7 +7,6 @@ the payload is validated here, so a bad message raises before anything commits.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from psycopg import sql
 from sqlalchemy import Connection, insert
 from sqlalchemy.orm import Session
 
-from framework import tables
+from framework import jsoncodec, tables
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import DEFAULT_MESSAGE_VERSION
 from framework.errors import ContractError
@@ -183,6 +182,6 @@ def json_params(row: OutboxRow) -> dict[str, Any]:
     """Row params with JSON columns serialized, for raw psycopg executemany on hot paths."""
     params = row.params()
     for key in ("payload", "message_context", "metadata"):
-        params[key] = json.dumps(params[key])
+        params[key] = jsoncodec.dumps(params[key])
     params.setdefault("locked_until", None)  # insert_sql: NULL means due now
     return params

@@ -25,6 +25,23 @@ def test_same_value_as_json_for_any_json_text(value: object) -> None:
     assert jsoncodec.loads(text.encode()) == json.loads(text)
 
 
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats() | st.text(),
+        lambda inner: (
+            st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8) | st.integers(), inner, max_size=5)
+        ),
+        max_leaves=30,
+    )
+)
+def test_dumps_writes_the_same_json_as_json(value: object) -> None:
+    """NaN, infinities, huge integers and integer keys included: the same JSON value (a float's
+    spelling may differ: 0.00001 for 1e-05, which jsonb stores as the same number)."""
+    theirs = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    ours = jsoncodec.dumps(value)
+    assert json.dumps(json.loads(ours)) == json.dumps(json.loads(theirs))
+
+
 @pytest.mark.parametrize(
     "text",
     [

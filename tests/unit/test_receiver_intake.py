@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from framework.dead_letters import DeadLetter
 from framework.errors import ConfigurationError
 from framework.receiver import Delivery, Intake, ReceiverConfig
 from framework.receiver.config import parse_schedule
-from framework.receiver.intake import InboxRow
+from framework.receiver.intake import InboxRow, _json_default, json_text
 from tests.apps.helpers import place_order
 
 CONTRACTS = Path(__file__).resolve().parents[2] / "contracts"
@@ -135,3 +137,18 @@ def test_headers_jsonb_cannot_store_are_cleaned_not_fatal(intake: Intake) -> Non
     assert isinstance(row, InboxRow)
     headers = json.loads(row.metadata)["properties"]["headers"]
     assert "\x00" not in headers["nul"] and headers["nan"] == "nan" and headers["ok"] == 1
+
+
+def test_json_text_of_amqp_values_is_what_the_json_module_writes() -> None:
+    """orjson renders datetimes itself and the rest through the same default as json."""
+    values = {
+        "when": datetime(2026, 11, 23, 15, 0, 0, 123456, tzinfo=UTC),
+        "naive": datetime(2026, 1, 2, 3, 4, 5),
+        "zoned": datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=timezone(timedelta(hours=-5, minutes=-30))),
+        "bytes": b"\x00\xff raw",
+        "text bytes": b"hello",
+        "amount": Decimal("12.50"),
+        "nested": [{"n": 2**70, "f": float("nan")}, None, True, 1.5],
+    }
+    expected = json.dumps(values, separators=(",", ":"), ensure_ascii=False, default=_json_default)
+    assert json.dumps(json.loads(json_text(values))) == json.dumps(json.loads(expected))  # NaN != NaN
