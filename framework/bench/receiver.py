@@ -168,7 +168,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument(
-        "--instances", type=int, default=2, help="receiver processes consuming the queue (default 2, one per core)"
+        "--instances",
+        type=int,
+        default=1,
+        help="receiver processes consuming the queue (default 1: per-segment order across the broker "
+        "holds with one receiver per queue; see README 'Scaling')",
     )
 
 

@@ -99,6 +99,7 @@ class Receiver(Daemon):
                 publish_channel = connection.channel()
                 publish_channel.confirm_delivery()
                 channel.basic_qos(prefetch_count=self.config.prefetch)
+                self._warn_if_not_alone(channel)
                 tag = channel.basic_consume(self.queue, self._on_delivery)
                 reconnect.succeeded()
                 self.state("consuming", self.queue)
@@ -110,6 +111,17 @@ class Receiver(Daemon):
             if connection.is_open:
                 with contextlib.suppress(pika.exceptions.AMQPError):
                     connection.close()
+
+    def _warn_if_not_alone(self, channel: Any) -> None:
+        """Two receivers on one queue may store a segment's messages out of order (README "Scaling")."""
+        others = channel.queue_declare(self.queue, passive=True).method.consumer_count
+        if others:
+            self.log.warning(
+                "%d other consumer(s) on %s: messages of one sequential segment may be stored, and handled, "
+                "out of order; run one receiver per inbox queue unless the service's messages are parallel",
+                others,
+                self.queue,
+            )
 
     def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any) -> None:
         """Consume and settle until stopped; batch N is written while batch N+1 is collected.

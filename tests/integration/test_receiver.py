@@ -223,3 +223,24 @@ def test_json_of_metadata_is_valid_for_binary_headers(service: Service, database
     assert metadata["properties"]["headers"]["n"] == 5
     assert json.dumps(metadata)
     assert uuid.UUID(str(scalar(database_url, "SELECT id FROM txbox.inbox"))) == uuid.UUID(message["message_id"])
+
+
+def test_a_second_receiver_on_the_queue_is_warned_about_ordering(
+    service: Service, database_url: str, amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    topology.declare(service.settings, service.registry)
+    caplog.set_level("WARNING", logger="txbox.receiver")
+    with running(Receiver(service, config())):
+        support.wait_until(lambda: _consumers(amqp_url) == 1, 20, message="the first receiver consuming")
+        assert "out of order" not in caplog.text  # alone on the queue
+        with running(Receiver(service, config())):
+            support.wait_until(lambda: _consumers(amqp_url) == 2, 20, message="the second receiver consuming")
+    assert "1 other consumer(s) on order-service:inbox" in caplog.text
+
+
+def _consumers(amqp_url: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        return int(connection.channel().queue_declare(QUEUE, passive=True).method.consumer_count)
+    finally:
+        connection.close()
