@@ -500,8 +500,13 @@ def _inject(
 
 
 def _rate_between_faults(samples: list[tuple[float, int]], events: list[Event], end: float) -> float:
-    """Handled messages/s over the sampled intervals that touch no fault (or its settling)."""
-    windows = [(e.started, e.ended + SETTLE) for e in events if e.fault.kind is not Kind.POISON]
+    """Handled messages/s over the sampled intervals that touch no fault nor its recovery.
+
+    A fault's recovery lasts at least :data:`SETTLE` seconds and until the handled count
+    moves again (daemons restarting, reconnecting, leases of a killed daemon running
+    out); a standstill that follows no fault counts against the rate.
+    """
+    windows = [(e.started, _recovered_at(samples, e.ended)) for e in events if e.fault.kind is not Kind.POISON]
     if samples:  # stop where the last message was handled: idle waiting is not throughput
         top = samples[-1][1]
         end = min(end, next(t for t, h in samples if h >= top))
@@ -515,6 +520,15 @@ def _rate_between_faults(samples: list[tuple[float, int]], events: list[Event], 
         seconds += t1 - t0
         handled += h1 - h0
     return handled / seconds if seconds > 0 else 0.0
+
+
+def _recovered_at(samples: list[tuple[float, int]], fault_ended: float) -> float:
+    """The end of a fault's recovery: SETTLE after it, or the first progress after that."""
+    settled = fault_ended + SETTLE
+    for (t0, h0), (_t1, h1) in itertools.pairwise(samples):
+        if t0 >= settled and h1 > h0:
+            return t0
+    return settled
 
 
 def _analyze(urls: dict[str, str], log_dir: Path) -> int:
