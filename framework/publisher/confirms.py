@@ -390,6 +390,8 @@ class Publisher:
             self._broken(exc)
         finally:
             self._next_tag = tag
+        if sent > 1:
+            _coalesce_writes(self._conn)
 
     def _on_return(
         self,
@@ -470,3 +472,34 @@ class Publisher:
                 self._incomplete -= completed
                 if self._incomplete <= 0:
                     self._done_cond.notify_all()
+
+
+_COALESCED_CHUNK = 256 * 1024
+
+
+def _coalesce_writes(conn: pika.SelectConnection | None) -> None:
+    """Join the frames a burst of publishes queued into few large writes.
+
+    pika queues every frame of a message (method, header, body) as a buffer of its own
+    and sends each with its own ``send()``: three system calls per message, and as many
+    small TCP segments for the broker to read. Joined into chunks of up to 256 KB, a
+    burst of 2,000 messages is a handful of system calls. This reaches into pika's
+    transport (``_transport._tx_buffers``); with another pika that lacks it, nothing is
+    joined and sending works as before. Runs on the I/O thread, which owns the transport.
+    """
+    buffers = getattr(getattr(conn, "_transport", None), "_tx_buffers", None)
+    if not isinstance(buffers, deque) or len(buffers) < 2:
+        return
+    chunks: list[bytes] = []
+    part: list[bytes] = []
+    size = 0
+    for data in buffers:
+        part.append(data)
+        size += len(data)
+        if size >= _COALESCED_CHUNK:
+            chunks.append(b"".join(part))
+            part, size = [], 0
+    if part:
+        chunks.append(b"".join(part))
+    buffers.clear()
+    buffers.extend(chunks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import deque
 from types import SimpleNamespace
 
 import pika.spec
@@ -14,7 +15,7 @@ from framework.cli import publisher as cli
 from framework.envelope import parse_message
 from framework.errors import ConfigurationError, PublishError
 from framework.publisher import Outgoing, Publisher, RelayConfig
-from framework.publisher.confirms import _PENDING
+from framework.publisher.confirms import _COALESCED_CHUNK, _PENDING, _coalesce_writes
 from framework.publisher.relay import Claimed, envelope_body, outgoing
 from framework.settings import load
 
@@ -143,3 +144,18 @@ def test_a_returned_message_fails_as_unroutable_when_its_ack_comes() -> None:
 def test_publish_before_start_is_refused() -> None:
     with pytest.raises(PublishError, match="closed"):
         Publisher("amqp://guest:guest@127.0.0.1:5672/%2F").publish("x", "k", b"{}")
+
+
+def test_a_burst_of_frames_goes_out_in_few_large_writes_in_order() -> None:
+    frames = [bytes([i % 251]) * (100 + i % 400) for i in range(6000)]  # ~1.5 MB of frames
+    conn = SimpleNamespace(_transport=SimpleNamespace(_tx_buffers=deque(frames)))
+    _coalesce_writes(conn)  # type: ignore[arg-type]
+    chunks = list(conn._transport._tx_buffers)
+    assert b"".join(chunks) == b"".join(frames)  # same bytes, same order
+    assert len(chunks) <= len(b"".join(frames)) // _COALESCED_CHUNK + 1
+    assert all(len(c) < _COALESCED_CHUNK + 500 for c in chunks)
+
+
+def test_coalescing_leaves_a_transport_it_does_not_know_alone() -> None:
+    _coalesce_writes(None)
+    _coalesce_writes(SimpleNamespace(_transport=SimpleNamespace()))  # type: ignore[arg-type]
