@@ -1,12 +1,15 @@
 """Transactional outbox writes: one row in the caller's own transaction (DESIGN §6, §7).
 
 The row commits or rolls back with the business data it belongs to; the publisher
-relays it afterwards. Routing key, kind and aggregate type come from the contracts and
-the payload is validated here, so a bad message raises before anything commits.
+relays it afterwards. A row written at the top level of a transaction is sent with its
+COMMIT (:mod:`framework.outbox_commit`), saving the round trip of an INSERT of its own.
+Routing key, kind and aggregate type come from the contracts and the payload is
+validated here, so a bad message raises before anything commits.
 """
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ from psycopg import sql
 from sqlalchemy import Connection, insert
 from sqlalchemy.orm import Session
 
-from framework import jsoncodec, tables
+from framework import jsoncodec, outbox_commit, tables
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import DEFAULT_MESSAGE_VERSION
 from framework.errors import ContractError
@@ -79,6 +82,7 @@ class Outbox:
     ) -> None:
         self._bind = bind
         self._registry = registry
+        self._schema = schema
         self._options = {"schema_translate_map": tables.translate_map(schema)} if schema != tables.SCHEMA else {}
         self._incoming = incoming
         # The worker's batches collect rows here and insert them all before the commit
@@ -151,12 +155,29 @@ class Outbox:
             locked_until=not_before.astimezone(UTC) if not_before is not None else None,
         )
 
+    def flush(self) -> None:
+        """Insert the rows this transaction holds for its COMMIT now.
+
+        Rows written at the top level of a transaction reach the table with its COMMIT
+        (:mod:`framework.outbox_commit`); call this first to read them back before that.
+        """
+        if self._deferred is None:
+            outbox_commit.write_held(self._connection())
+
+    def _connection(self) -> Connection:
+        if isinstance(self._bind, Session):
+            return self._bind.connection(bind_arguments={"clause": _INSERT})
+        return self._bind
+
     def _write(self, spec: MessageSpec, **kwargs: Any) -> uuid.UUID:
         row = self.build(spec, **kwargs)
         if self._deferred is not None:
             self._deferred.append(row)
         else:
-            self._bind.execute(_INSERT, row.params(), execution_options=self._options)
+            conn = self._connection()
+            if not outbox_commit.hold(conn, _table_text(self._schema), _json_values(row)):
+                outbox_commit.write_held(conn)  # rows written earlier go first
+                conn.execute(_INSERT, row.params(), execution_options=self._options)
         self.written.append(row)
         return row.id
 
@@ -178,10 +199,21 @@ def insert_sql(schema: str) -> sql.Composed:
     )
 
 
+@functools.cache
+def _table_text(schema: str) -> str:
+    return sql.Identifier(schema, tables.outbox.name).as_string()
+
+
+def _json_values(row: OutboxRow) -> dict[str, Any]:
+    # Column values, JSON columns serialized; without locked_until when due now (default).
+    values = row.params()
+    for key in ("payload", "message_context", "metadata"):
+        values[key] = jsoncodec.dumps(values[key])
+    return values
+
+
 def json_params(row: OutboxRow) -> dict[str, Any]:
     """Row params with JSON columns serialized, for raw psycopg executemany on hot paths."""
-    params = row.params()
-    for key in ("payload", "message_context", "metadata"):
-        params[key] = jsoncodec.dumps(params[key])
+    params = _json_values(row)
     params.setdefault("locked_until", None)  # insert_sql: NULL means due now
     return params
