@@ -2,7 +2,8 @@
 
 Exchanges ``command``/``event``/``delay``/``retry``/``dead_letter`` (topic, durable); the
 service's inbox queue with its dead-letter arguments and bindings; its dead-letter
-queue; the shared ``delay:<n>s`` queues whose expired messages go to ``retry``.
+queue; the shared ``delay:<n>s`` queues whose expired messages go to ``retry``
+(quorum, dead-lettering at least once: :func:`delay_queue`).
 """
 
 from __future__ import annotations
@@ -49,17 +50,40 @@ def plan(settings: Settings, registry: Registry) -> Topology:
         {"x-queue-type": settings.queue_type},
         [(names.DEAD_LETTER_EXCHANGE, names.dead_letter_routing_key(service))],
     )
-    # Delay queues are shared by every service: classic, so any service may declare them
-    # first with the same arguments whatever its own inbox queue type is.
-    delays = [
-        QueueSpec(
-            names.delay_queue(s),
-            {"x-message-ttl": s * 1000, "x-dead-letter-exchange": names.RETRY_EXCHANGE},
-            [(names.DELAY_EXCHANGE, names.delay_routing_key(s))],
-        )
-        for s in names.DELAY_SECONDS
-    ]
+    delays = [delay_queue(s) for s in names.DELAY_SECONDS]
     return Topology(names.EXCHANGES, [inbox, dead, *delays])
+
+
+def delay_queue(seconds: int) -> QueueSpec:
+    """A queue holding retries for ``seconds`` before they expire into ``retry``.
+
+    Quorum with at-least-once dead-lettering, whatever the inbox queue type: the copy a
+    receiver parks here (the database was down) is the only one left once the original
+    delivery is acked. A classic queue dead-letters at most once; the chaos run lost
+    deliveries that way when RabbitMQ restarted while they waited (on restart, expired
+    messages went to an inbox queue whose leader was not elected yet, and were dropped).
+    At-least-once dead-lettering keeps each message until the target queue confirmed it,
+    and needs ``reject-publish`` overflow. The queues are shared by every service, so they
+    must be declared with the same arguments by all of them.
+    """
+    return QueueSpec(
+        names.delay_queue(seconds),
+        {
+            "x-queue-type": "quorum",
+            "x-message-ttl": seconds * 1000,
+            "x-dead-letter-exchange": names.RETRY_EXCHANGE,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        },
+        [(names.DELAY_EXCHANGE, names.delay_routing_key(seconds))],
+    )
+
+
+def declare_queue(channel: Any, queue: QueueSpec, settings: Settings) -> None:
+    """Declare ``queue`` and its bindings; a queue with other arguments raises TopologyMismatch."""
+    _guard(lambda: channel.queue_declare(queue.name, durable=True, arguments=queue.arguments), settings)
+    for exchange, key in queue.bindings:
+        channel.queue_bind(queue.name, exchange, routing_key=key)
 
 
 def declare(settings: Settings, registry: Registry, channel: Any | None = None) -> Topology:
@@ -74,9 +98,7 @@ def declare(settings: Settings, registry: Registry, channel: Any | None = None) 
             for exchange in topology.exchanges:
                 _guard(lambda e=exchange: channel.exchange_declare(e, exchange_type="topic", durable=True), settings)
             for queue in topology.queues:
-                _guard(lambda q=queue: channel.queue_declare(q.name, durable=True, arguments=q.arguments), settings)
-                for exchange, key in queue.bindings:
-                    channel.queue_bind(queue.name, exchange, routing_key=key)
+                declare_queue(channel, queue, settings)
     finally:
         if connection is not None and connection.is_open:
             connection.close()
@@ -94,7 +116,10 @@ def _guard(declare_call: Any, settings: Settings) -> None:
             raise TopologyMismatch(f"RabbitMQ refused a declaration: {exc.reply_text}") from None
         what, name, arg, wanted, current = found
         hint = ""
-        if arg == "x-queue-type":
+        if arg == "x-queue-type" and name in (
+            names.inbox_queue(settings.service),
+            names.dead_letter_queue(settings.service),
+        ):
             hint = f", or set TXBOX_QUEUE_TYPE={current.strip(chr(39))} to keep the existing queue"
         raise TopologyMismatch(
             f"{what} {name!r} already exists with {arg}={current}, txbox needs {arg}={wanted}. "

@@ -22,6 +22,7 @@ throughput between faults, recovery time after the last fault, wall time.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import random
@@ -465,9 +466,70 @@ def _drive(
         if now - last_progress_at > options.stall_timeout:
             raise ChaosFailed(
                 f"no message handled for {options.stall_timeout:.0f}s at {progress:.1%} "
-                f"({len(pending)} faults not yet fired); logs in {supervisor.group.log_dir}"
+                f"({len(pending)} faults not yet fired); {_where_they_sit(dsns, rabbit)}; "
+                f"logs in {supervisor.group.log_dir}"
             )
         time.sleep(0.5)  # sampling period of the progress timeline
+
+
+WHERE_ROWS = """
+SELECT (SELECT count(*) FROM txbox.outbox WHERE processed_at IS NULL AND abandoned_at IS NULL),
+       (SELECT count(*) FROM txbox.outbox WHERE abandoned_at IS NOT NULL),
+       (SELECT count(*) FROM txbox.inbox WHERE processed_at IS NULL AND abandoned_at IS NULL),
+       (SELECT count(*) FROM txbox.inbox WHERE abandoned_at IS NOT NULL),
+       (SELECT count(*) FROM txbox.dead_letters)
+"""
+
+
+def _where_they_sit(dsns: dict[str, str], rabbit: PrivateRabbit) -> str:
+    """Where unhandled messages are when a run stalls: tables per service, then queues."""
+    parts = []
+    published: dict[uuid.UUID, tuple[str, Any]] = {}
+    received: set[uuid.UUID] = set()
+    for dsn in dsns.values():
+        try:
+            with psycopg.connect(dsn, connect_timeout=5) as conn:
+                published.update(
+                    (r[0], (r[1], r[2]))
+                    for r in conn.execute(
+                        "SELECT id, message_type, processed_at FROM txbox.outbox WHERE processed_at IS NOT NULL"
+                    )
+                )
+                received.update(r[0] for r in conn.execute("SELECT id FROM txbox.inbox"))
+        except psycopg.Error:
+            pass
+    missing: dict[str, list[Any]] = collections.defaultdict(list)
+    for mid, (kind, at) in published.items():
+        if mid not in received:
+            missing[kind].append(at)
+    if missing:
+        # Events nobody subscribes to are among them by design (e.g. OrderCompleted).
+        parts.append(
+            "published but in no inbox: "
+            + ", ".join(
+                f"{kind} {len(ats)} ({min(ats):%H:%M:%S.%f} … {max(ats):%H:%M:%S.%f})"
+                for kind, ats in sorted(missing.items())
+            )
+        )
+    for short, dsn in dsns.items():
+        try:
+            with psycopg.connect(dsn, connect_timeout=5) as conn:
+                row = conn.execute(WHERE_ROWS).fetchone()
+        except psycopg.Error as exc:
+            parts.append(f"{short}: database unreadable ({type(exc).__name__})")
+            continue
+        assert row is not None
+        parts.append(
+            f"{short}: outbox {row[0]} unpublished/{row[1]} abandoned, "
+            f"inbox {row[2]} unhandled/{row[3]} abandoned, {row[4]} dead letters"
+        )
+    try:
+        queues = rabbit.api("GET", "/queues") or []
+        busy = [f"{q['name']} {q.get('messages_ready', 0)}+{q.get('messages_unacknowledged', 0)}" for q in queues]
+        parts.append("queues (ready+unacked): " + (", ".join(b for b in busy if not b.endswith(" 0+0")) or "empty"))
+    except Exception as exc:  # a diagnosis must not hide the stall itself
+        parts.append(f"queues unreadable ({exc})")
+    return "; ".join(parts)
 
 
 def _poison_settled(dsn: str, poison_id: uuid.UUID | None) -> bool:

@@ -198,12 +198,7 @@ class Receiver(Daemon):
     def _declare_extra_delays(self, channel: Any) -> None:
         """Delay queues of a non-standard schedule, shaped exactly like topology's ones."""
         for seconds in self.config.extra_delays:
-            channel.queue_declare(
-                names.delay_queue(seconds),
-                durable=True,
-                arguments={"x-message-ttl": seconds * 1000, "x-dead-letter-exchange": names.RETRY_EXCHANGE},
-            )
-            channel.queue_bind(names.delay_queue(seconds), names.DELAY_EXCHANGE, names.delay_routing_key(seconds))
+            topology.declare_queue(channel, topology.delay_queue(seconds), self.settings)
 
     # --- settling a batch -----------------------------------------------------------
 

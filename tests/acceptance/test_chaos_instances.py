@@ -9,7 +9,11 @@ import pika.exceptions
 import psycopg
 import pytest
 
+from framework import names, topology
 from framework.chaos.instances import PrivatePostgres, PrivateRabbit
+from framework.contracts import load_registry
+from framework.settings import Settings
+from tests.conftest import CONTRACTS
 from tests.support import wait_until
 
 pytestmark = pytest.mark.slow
@@ -65,6 +69,47 @@ def test_rabbit_restart_keeps_confirmed_messages(rabbit: PrivateRabbit) -> None:
             lambda: ch.queue_declare("keep", durable=True, passive=True).method.message_count, 30, message="queue"
         )
         assert count == 100
+    finally:
+        conn.close()
+
+
+def test_retries_that_expire_while_the_broker_restarts_still_reach_the_inbox(rabbit: PrivateRabbit) -> None:
+    """A receiver parks deliveries in a delay queue while PostgreSQL is down; RabbitMQ
+    restarting meanwhile must not drop them (the chaos run lost them with classic
+    delay queues: dead-lettering from those is at most once)."""
+    settings = Settings(
+        service="order-service",
+        database_url="postgresql+psycopg://unused@127.0.0.1/unused",
+        amqp_url=rabbit.amqp_url(),
+        contracts_dir=CONTRACTS,
+    )
+    topology.declare(settings, load_registry(CONTRACTS))
+    inbox = names.inbox_queue("order-service")
+    conn = pika.BlockingConnection(pika.URLParameters(rabbit.amqp_url()))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    topology.declare_queue(ch, topology.delay_queue(1), settings)  # expires during the restart
+    cc = [names.retry_routing_key("order-service", "order-service.order.place")]
+    for i in range(20):
+        ch.basic_publish(
+            names.DELAY_EXCHANGE,
+            names.delay_routing_key(1),
+            str(i).encode(),
+            pika.BasicProperties(delivery_mode=2, headers={"CC": cc}),
+            mandatory=True,
+        )
+    conn.close()
+    rabbit.restart()
+    conn = pika.BlockingConnection(pika.URLParameters(rabbit.amqp_url()))
+    try:
+        ch = conn.channel()
+
+        def arrived() -> int:
+            count = ch.queue_declare(inbox, durable=True, passive=True).method.message_count
+            return count if count >= 20 else 0
+
+        assert wait_until(arrived, 60, message="the retries in the inbox queue") == 20
+        assert ch.queue_declare(names.delay_queue(1), durable=True, passive=True).method.message_count == 0
     finally:
         conn.close()
 

@@ -82,9 +82,13 @@ def test_declares_exactly_design_section_5_and_twice_is_a_no_op(
     assert queues["order-service:dead_letter"]["arguments"] == {"x-queue-type": queue_type}
     for seconds in (10, 30):
         assert queues[f"delay:{seconds}s"]["arguments"] == {
+            "x-queue-type": "quorum",
             "x-message-ttl": seconds * 1000,
             "x-dead-letter-exchange": "retry",
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
         }
+        assert queues[f"delay:{seconds}s"]["type"] == "quorum"
     assert bindings == expected_bindings("order-service", queue_type)
 
 
@@ -167,6 +171,19 @@ def test_existing_queue_with_other_dead_letter_argument_fails_clearly(settings: 
         topology.declare(settings, load_registry(CONTRACTS))
     text = str(info.value)
     assert "'order-service:inbox'" in text and "x-dead-letter-exchange" in text and "delete" in text
+
+
+def test_a_classic_delay_queue_of_an_older_release_fails_with_the_fix(settings: Settings) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    conn.channel().queue_declare(
+        "delay:10s", durable=True, arguments={"x-message-ttl": 10_000, "x-dead-letter-exchange": "retry"}
+    )
+    conn.close()
+    with pytest.raises(TopologyMismatch) as info:
+        topology.declare(settings, load_registry(CONTRACTS))
+    text = str(info.value)
+    assert "'delay:10s'" in text and "rabbitmqctl delete_queue 'delay:10s'" in text
+    assert "TXBOX_QUEUE_TYPE" not in text  # the inbox setting does not choose this queue's type
 
 
 def test_unreachable_broker_is_a_clear_error(settings: Settings) -> None:
