@@ -45,7 +45,7 @@ class ReceiverConfig:
         "TXBOX_RECEIVER_BATCH_WAIT",
         "5ms",
         default=Seconds(0.005),
-        help="how long a partial batch may wait for more deliveries",
+        help="how long a partial batch may wait for more deliveries while the previous batch is being written",
     )
     max_body_bytes: int = setting(
         "TXBOX_RECEIVER_MAX_BODY_BYTES", "1048576", default=1048576, help="larger bodies are rejected"

@@ -68,7 +68,7 @@ from framework.worker.timeout import HandlerTimeout, Watchdog
 
 NO_HANDLER = "no_handler"  # a message type this process has no handler for
 LEASE_MARGIN = 2.0  # seconds kept between the hard stop of a handler and the end of its lease
-SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker left behind, under backlog
+SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker left behind
 ANALYZE_INTERVAL = 30.0  # seconds at least between two ANALYZEs of the inbox by one worker
 
 
@@ -183,10 +183,14 @@ class Worker(Daemon):
             future, self._ahead = self._ahead, None
             batch = future.result()
         else:
-            self._last_suspect_check = time.monotonic()
-            batch = self._claim(self._claim_suspect, 1)
-            if batch:
-                return self._process(batch)  # alone, and nothing claimed beside it (poison)
+            # Suspects (rows whose run never finished) are rare, and the plain claim skips
+            # them: looking once per interval, not at every wake-up, saves a round trip
+            # per batch, which at a steady trickle was a quarter of the worker's time.
+            if time.monotonic() - self._last_suspect_check >= SUSPECT_CHECK_INTERVAL:
+                self._last_suspect_check = time.monotonic()
+                batch = self._claim(self._claim_suspect, 1)
+                if batch:
+                    return self._process(batch)  # alone, and nothing claimed beside it (poison)
             batch = self._claim(self._claim_batch, self.config.batch_size)
         if (
             len(batch) == self.config.batch_size

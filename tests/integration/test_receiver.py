@@ -67,6 +67,16 @@ def test_stores_valid_deliveries_with_delivery_facts_and_acks_them(
     assert custom[7]["properties"]["headers"]["x-correlation-id"] == "c-1"
 
 
+def test_an_idle_receiver_stores_a_lone_delivery_without_waiting_for_batch_mates(
+    service: Service, database_url: str, amqp_url: str
+) -> None:
+    """Group commit: ``batch_wait`` applies only while the previous batch is being written."""
+    topology.declare(service.settings, service.registry)
+    with running(Receiver(service, config(batch_wait=60))):
+        publish(amqp_url, [encode(place_order())])
+        support.wait_until(lambda: inbox_count(database_url) == 1, 15, message="the lone delivery stored")
+
+
 def test_a_duplicate_delivery_is_acked_but_stored_once(
     service: Service, database_url: str, amqp_url: str, vhost: str
 ) -> None:
