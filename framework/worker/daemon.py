@@ -187,10 +187,12 @@ class Worker(Daemon):
             # them: looking once per interval, not at every wake-up, saves a round trip
             # per batch, which at a steady trickle was a quarter of the worker's time.
             if time.monotonic() - self._last_suspect_check >= SUSPECT_CHECK_INTERVAL:
-                self._last_suspect_check = time.monotonic()
                 batch = self._claim(self._claim_suspect, 1)
                 if batch:
+                    # More may wait (a crash leaves its whole batch behind): look again
+                    # at once, not in a second.
                     return self._process(batch)  # alone, and nothing claimed beside it (poison)
+                self._last_suspect_check = time.monotonic()
             batch = self._claim(self._claim_batch, self.config.batch_size)
         if (
             len(batch) == self.config.batch_size

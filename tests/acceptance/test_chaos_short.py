@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("TXBOX_CHAOS_SEED", "11"))
 
 
+# Longer than the run's own limit (600 s), so a stalled run reports where its messages
+# sit instead of being cut off, output and all, by the suite's 300 s default.
+@pytest.mark.timeout(660)
 def test_exactly_once_survives_crashes_restarts_and_a_poison_message(tmp_path: Path) -> None:
     args = [
         *txbox_command(),
