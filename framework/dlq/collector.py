@@ -125,8 +125,8 @@ def letter_from_delivery(
         else "published to the dead_letter exchange without x-death facts"
     )
     if names.HEADER_DEAD_REASON not in headers and headers.get(names.HEADER_FINAL_ATTEMPT):
-        # The receiver rejects its flagged final try when it still cannot store the
-        # delivery (DESIGN §5): the broker-level delay/retry chain is used up.
+        # Receivers before 2026-11-23 rejected their flagged final try (DESIGN §5)
+        # without our headers; today's publish the copy with HEADER_DEAD_REASON set.
         reason = RETRIES_EXHAUSTED
         error = (
             f"the receiver could not store it through the whole delay/retry chain "

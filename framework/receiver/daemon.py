@@ -11,8 +11,8 @@ acks the batch with one ``basic_ack(multiple=True)``. Three paths leave the happ
   txbox.redeliveries in its own committed transaction *before* it is touched, and
   handled alone, so one poisonous delivery cannot drag its batch mates to the limit;
 - PostgreSQL unavailable: each delivery is republished to the ``delay`` exchange with
-  its attempt number and acked only once the broker confirmed the copy (DESIGN §5); the
-  final attempt is rejected so the queue's dead-letter exchange keeps it.
+  its attempt number and acked only once the broker confirmed the copy (DESIGN §5); after
+  the final attempt the copy goes, confirmed the same way, to ``<service>:dead_letter``.
 """
 
 from __future__ import annotations
@@ -341,37 +341,51 @@ class Receiver(Daemon):
     # --- PostgreSQL down: the delay/retry chain of DESIGN §5 ---------------------------
 
     def _retry_later(self, group: Sequence[Delivery], channel: Any, publish_channel: Any) -> None:
+        """Park each delivery in a delay queue, or give it up to ``<service>:dead_letter``.
+
+        Either way a copy is published with a confirm and only then is the delivery
+        acked. The last step used to be ``basic_reject`` into the inbox queue's
+        dead-letter exchange, but broker dead-lettering is at most once: a letter whose
+        target queue had no leader at that instant (say, just after a broker restart)
+        was dropped.
+        """
         service = self.settings.service
         for delivery in group:
-            if delivery.final_attempt:
-                # The queue's dead-letter exchange moves it to <service>:dead_letter.
-                channel.basic_reject(delivery.delivery_tag, requeue=False)
-                metrics.GAVE_UP.labels(**self._labels).inc()
-                continue
-            retries_done = delivery.attempt - 1
-            final = retries_done >= len(self._schedule)
-            delay = self._schedule[min(retries_done, len(self._schedule) - 1)]
             headers = dict(delivery.headers)
-            headers[names.HEADER_ATTEMPT] = delivery.attempt + 1
-            if final:
-                headers[names.HEADER_FINAL_ATTEMPT] = True
-            headers["CC"] = [names.retry_routing_key(service, delivery.original_routing_key(service))]
+            if delivery.final_attempt:
+                headers[names.HEADER_DEAD_REASON] = dl.RETRIES_EXHAUSTED
+                headers[names.HEADER_DEAD_ERROR] = (
+                    f"the receiver could not store it through the whole delay/retry chain "
+                    f"(attempt {delivery.attempt}): the database stayed unavailable"
+                )
+                exchange, key, done = (
+                    names.DEAD_LETTER_EXCHANGE,
+                    names.dead_letter_routing_key(service),
+                    metrics.GAVE_UP,
+                )
+            else:
+                retries_done = delivery.attempt - 1
+                final = retries_done >= len(self._schedule)
+                delay = self._schedule[min(retries_done, len(self._schedule) - 1)]
+                headers[names.HEADER_ATTEMPT] = delivery.attempt + 1
+                if final:
+                    headers[names.HEADER_FINAL_ATTEMPT] = True
+                headers["CC"] = [names.retry_routing_key(service, delivery.original_routing_key(service))]
+                exchange, key, done = names.DELAY_EXCHANGE, names.delay_routing_key(delay), metrics.DELAYED
             props = pika.BasicProperties(
                 delivery_mode=2,
                 headers=headers,
                 **{k: delivery.properties[k] for k in _REPUBLISHED_PROPERTIES if k in delivery.properties},
             )
             try:
-                publish_channel.basic_publish(
-                    names.DELAY_EXCHANGE, names.delay_routing_key(delay), delivery.body, props, mandatory=True
-                )
+                publish_channel.basic_publish(exchange, key, delivery.body, props, mandatory=True)
             except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
-                # No delay queue took it: keep it in the inbox queue rather than lose it.
-                self.log.error("delay queue refused a retry (%r): requeueing the delivery", exc)
+                # No queue took the copy: keep the delivery in the inbox queue rather than lose it.
+                self.log.error("%s refused a copy (%r): requeueing the delivery", exchange, exc)
                 channel.basic_nack(delivery.delivery_tag, requeue=True)
                 continue
             channel.basic_ack(delivery.delivery_tag)
-            metrics.DELAYED.labels(**self._labels).inc()
+            done.labels(**self._labels).inc()
 
     # --- PostgreSQL connection ----------------------------------------------------
 

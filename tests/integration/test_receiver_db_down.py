@@ -139,8 +139,8 @@ def test_deliveries_wait_in_the_delay_chain_until_the_database_is_back(cluster: 
     assert queue_depth(amqp_url, names.dead_letter_queue("order-service")) == 0
 
 
-def test_when_the_chain_runs_out_the_delivery_is_dead_lettered_by_the_broker(cluster: Cluster, service: Service,
-                                                                             amqp_url: str) -> None:  # fmt: skip
+def test_when_the_chain_runs_out_the_delivery_is_dead_lettered_with_a_confirm(cluster: Cluster, service: Service,
+                                                                              amqp_url: str) -> None:  # fmt: skip
     config = ReceiverConfig(retry_schedule="1s*2", db_connect_timeout=2)
     messages = [place_order(aggregate_id=str(i)) for i in range(3)]
     cluster.stop()
@@ -161,7 +161,10 @@ def test_when_the_chain_runs_out_the_delivery_is_dead_lettered_by_the_broker(clu
     bodies = {body for _, body in got.values()}
     assert bodies == {encode(m) for m in messages}, "the original bodies, untouched"
     for headers, _ in got.values():
-        # Two scheduled retries, then the final one (attempt 4), then reject → DLX.
+        # Two scheduled retries, then the final one (attempt 4), then a confirmed copy to
+        # the dead_letter exchange (not a reject: broker dead-lettering is at most once).
         assert headers[names.HEADER_ATTEMPT] == 4 and headers[names.HEADER_FINAL_ATTEMPT] is True
-        assert headers["x-death"][0]["reason"] == "rejected"
+        assert headers[names.HEADER_DEAD_REASON] == "retries_exhausted"
+        assert "(attempt 4)" in headers[names.HEADER_DEAD_ERROR]
+        assert all(death["reason"] == "expired" for death in headers["x-death"]), "only the delay hops"
     assert queue_depth(amqp_url, names.inbox_queue("order-service")) == 0
