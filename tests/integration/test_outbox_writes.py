@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+import psycopg
 import pytest
-from sqlalchemy import Column, MetaData, Table, Text, func, select
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Column, MetaData, Table, Text, event, func, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session
 
-from framework import Message, Service, migrate, tables
+from framework import Message, Service, migrate, outbox_commit, tables
+from framework.db import conninfo, create_engine
 from framework.errors import ContractError, PayloadValidationError, UnknownMessageType
 from framework.settings import Settings
 from tests.conftest import CONTRACTS
@@ -158,3 +165,147 @@ def test_other_schema(empty_database_url: str) -> None:
         assert count == 1
     finally:
         service.engine.dispose()
+
+
+# --- rows written at the top of a transaction travel with its COMMIT (framework.outbox_commit)
+
+
+def committed_ids(engine: Engine) -> list[uuid.UUID]:
+    with engine.connect() as conn:
+        query = select(tables.outbox.c.id).order_by(tables.outbox.c.created_at)
+        return list(conn.execute(query).scalars())
+
+
+def count_in(bind: Session) -> int:
+    return bind.execute(select(func.count()).select_from(tables.outbox)).scalar_one()
+
+
+def test_a_row_is_held_until_commit_and_sent_with_it(service: Service, engine: Engine) -> None:
+    statements: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    with Session(engine) as session, session.begin():
+        session.execute(orders.insert().values(id="o-1"))
+        message_id = service.outbox(session).send_command("PlaceOrder", aggregate_id="o-1", payload=PAYLOAD)
+        assert count_in(session) == 0  # not yet in the table: it rides on the COMMIT
+    assert committed_ids(engine) == [message_id]
+    assert not any("outbox" in s and s.lstrip().upper().startswith("INSERT") for s in statements)
+
+
+def test_flush_writes_held_rows_into_the_open_transaction(service: Service, engine: Engine) -> None:
+    with Session(engine) as session, session.begin():
+        outbox = service.outbox(session)
+        outbox.send_command("PlaceOrder", aggregate_id="o-1", payload=PAYLOAD)
+        outbox.flush()
+        assert count_in(session) == 1
+    assert len(committed_ids(engine)) == 1
+
+
+def test_rollback_to_a_savepoint_keeps_rows_written_before_it(service: Service, engine: Engine) -> None:
+    with Session(engine) as session, session.begin():
+        outbox = service.outbox(session)
+        first = outbox.send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD)
+        nested = session.begin_nested()
+        outbox.send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD)
+        nested.rollback()
+        last = outbox.send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD)
+    assert committed_ids(engine) == [first, last]
+
+
+def test_rows_around_a_released_savepoint_keep_the_order_they_were_written_in(service: Service, engine: Engine) -> None:
+    with Session(engine) as session, session.begin():
+        outbox = service.outbox(session)
+        ids = [outbox.send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD)]
+        with session.begin_nested():
+            ids += [outbox.send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD) for _ in range(2)]
+        ids.append(outbox.send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD))
+    assert committed_ids(engine) == ids
+
+
+def test_a_failing_row_fails_the_commit_and_nothing_commits(service: Service, engine: Engine) -> None:
+    duplicate = uuid.uuid4()
+    with Session(engine) as session, session.begin():
+        service.outbox(session).send_command("PlaceOrder", aggregate_id="x", payload=PAYLOAD, message_id=duplicate)
+    session = Session(engine)
+    with pytest.raises(IntegrityError) as caught, session.begin():
+        session.execute(orders.insert().values(id="o-9"))
+        service.outbox(session).send_command(
+            "PlaceOrder", aggregate_id="y", payload=PAYLOAD, message_id=duplicate, auth_token="s3cret"
+        )
+    session.close()
+    assert "s3cret" not in str(caught.value) and "SKU-1" not in str(caught.value)
+    assert committed_ids(engine) == [duplicate]
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(orders)).scalar_one() == 0
+    # The pooled connection is clean again.
+    with Session(engine) as again, again.begin():
+        service.outbox(again).send_command("PlaceOrder", aggregate_id="z", payload=PAYLOAD)
+    assert len(committed_ids(engine)) == 2
+
+
+def test_rows_of_a_rolled_back_transaction_never_reach_the_next_one(
+    service: Service, engine: Engine, database_url: str
+) -> None:
+    one = create_engine(database_url, pool_size=1, max_overflow=0)  # one DBAPI connection, reused
+    try:
+        with one.connect() as conn:
+            service.outbox(conn).send_command("PlaceOrder", aggregate_id="gone", payload=PAYLOAD)
+            conn.rollback()
+            kept = service.outbox(conn).send_command("PlaceOrder", aggregate_id="kept", payload=PAYLOAD)
+            conn.commit()
+        with one.connect() as conn:
+            service.outbox(conn).send_command("PlaceOrder", aggregate_id="closed", payload=PAYLOAD)
+            # closed without a commit: rolled back on its way back to the pool
+        with one.begin() as conn:  # a commit on the same DBAPI connection
+            conn.execute(orders.insert().values(id="o-1"))
+        assert committed_ids(one) == [kept]
+    finally:
+        one.dispose()
+
+
+def test_autocommit_writes_at_once(service: Service, engine: Engine) -> None:
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        message_id = service.outbox(conn).send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD)
+        assert committed_ids(engine) == [message_id]  # visible to another connection already
+
+
+def test_text_postgresql_cannot_store_is_refused_at_write(service: Service, engine: Engine) -> None:
+    with Session(engine) as session, session.begin():
+        with pytest.raises(DataError, match="NUL"):
+            service.outbox(session).send_command("PlaceOrder", aggregate_id="a\x00b", payload=PAYLOAD)
+        session.execute(orders.insert().values(id="still-usable"))
+    assert committed_ids(engine) == []
+
+
+# Any text, as the values of a row are bound by hand (outbox_commit._literal).
+texts = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(aggregate_id=texts, customer=texts.filter(bool))
+def test_any_text_arrives_exactly_as_written(
+    service: Service, engine: Engine, aggregate_id: str, customer: str
+) -> None:
+    payload = {**PAYLOAD, "customer": customer}
+    with Session(engine) as session, session.begin():
+        message_id = service.outbox(session).send_command("PlaceOrder", aggregate_id=aggregate_id, payload=payload)
+    with engine.connect() as conn:
+        row = conn.execute(select(tables.outbox).where(tables.outbox.c.id == message_id)).mappings().one()
+    assert (row["aggregate_id"], row["segment"], row["payload"]) == (aggregate_id, f"order:{aggregate_id}", payload)
+
+
+@pytest.mark.parametrize("conforming", ["on", "off"])
+def test_literals_match_postgresql_parsing_either_way(database_url: str, conforming: str) -> None:
+    values: dict[str, Any] = {"a": "it's \\ a 'test' \\n", "b": uuid.uuid4(), "c": -3, "d": None}
+    with psycopg.connect(conninfo(database_url), autocommit=True) as raw:
+        raw.execute(f"SET standard_conforming_strings = {conforming}")
+        statement = outbox_commit._insert(raw, "t", values)
+        literals = statement[statement.index(" VALUES (") + len(" VALUES (") : -1]
+        row = raw.execute(f"SELECT {literals}").fetchone()
+    assert row == tuple(values.values())
+
+
+def test_an_engine_with_execution_options_commits_its_rows(service: Service, engine: Engine) -> None:
+    with engine.execution_options(logging_token="shop").connect() as conn:
+        message_id = service.outbox(conn).send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD)
+        conn.commit()
+    assert committed_ids(engine) == [message_id]
