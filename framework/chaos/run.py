@@ -486,9 +486,10 @@ def _where_they_sit(dsns: dict[str, str], rabbit: PrivateRabbit) -> str:
     parts = []
     published: dict[uuid.UUID, tuple[str, Any]] = {}
     received: set[uuid.UUID] = set()
-    for dsn in dsns.values():
+    for short, dsn in dsns.items():
         try:
             with psycopg.connect(dsn, connect_timeout=5) as conn:
+                row = conn.execute(WHERE_ROWS).fetchone()
                 published.update(
                     (r[0], (r[1], r[2]))
                     for r in conn.execute(
@@ -496,8 +497,14 @@ def _where_they_sit(dsns: dict[str, str], rabbit: PrivateRabbit) -> str:
                     )
                 )
                 received.update(r[0] for r in conn.execute("SELECT id FROM txbox.inbox"))
-        except psycopg.Error:
-            pass
+        except psycopg.Error as exc:
+            parts.append(f"{short}: database unreadable ({type(exc).__name__})")
+            continue
+        assert row is not None
+        parts.append(
+            f"{short}: outbox {row[0]} unpublished/{row[1]} abandoned, "
+            f"inbox {row[2]} unhandled/{row[3]} abandoned, {row[4]} dead letters"
+        )
     missing: dict[str, list[Any]] = collections.defaultdict(list)
     for mid, (kind, at) in published.items():
         if mid not in received:
@@ -511,22 +518,14 @@ def _where_they_sit(dsns: dict[str, str], rabbit: PrivateRabbit) -> str:
                 for kind, ats in sorted(missing.items())
             )
         )
-    for short, dsn in dsns.items():
-        try:
-            with psycopg.connect(dsn, connect_timeout=5) as conn:
-                row = conn.execute(WHERE_ROWS).fetchone()
-        except psycopg.Error as exc:
-            parts.append(f"{short}: database unreadable ({type(exc).__name__})")
-            continue
-        assert row is not None
-        parts.append(
-            f"{short}: outbox {row[0]} unpublished/{row[1]} abandoned, "
-            f"inbox {row[2]} unhandled/{row[3]} abandoned, {row[4]} dead letters"
-        )
     try:
         queues = rabbit.api("GET", "/queues") or []
-        busy = [f"{q['name']} {q.get('messages_ready', 0)}+{q.get('messages_unacknowledged', 0)}" for q in queues]
-        parts.append("queues (ready+unacked): " + (", ".join(b for b in busy if not b.endswith(" 0+0")) or "empty"))
+        busy = [
+            f"{q['name']} {q.get('messages_ready', 0)}+{q.get('messages_unacknowledged', 0)}"
+            for q in queues
+            if q.get("messages_ready") or q.get("messages_unacknowledged")
+        ]
+        parts.append("queues (ready+unacked): " + (", ".join(busy) or "empty"))
     except Exception as exc:  # a diagnosis must not hide the stall itself
         parts.append(f"queues unreadable ({exc})")
     return "; ".join(parts)
