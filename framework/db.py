@@ -110,13 +110,31 @@ def database_errors(what: str) -> Iterator[None]:
         raise DatabaseUnavailable(f"{what}: {exc}".strip()) from exc
 
 
+# The columns the daemons' claims filter, join and order on: the only statistics their
+# plans need. Leaving out the JSON columns halves the cost of an ANALYZE (measured on
+# 55,000 outbox rows: 77-81 ms against 117-165 ms), so the daemons can afford one
+# whenever a burst made the statistics wrong.
+PLANNING_COLUMNS = (
+    "id",
+    "segment",
+    "priority",
+    "concurrency",
+    "created_at",
+    "locked_until",
+    "processed_at",
+    "abandoned_at",
+    "started_attempts",
+    "finished_attempts",
+)
+
+
 def needs_analyze(schema: str, table: str) -> psycopg.sql.Composed:
     """True when more rows changed since the last ANALYZE than it counted (and > 1,000).
 
     The daemons' claims lean on partial indexes over pending rows; statistics taken
     before a burst make the planner misjudge them badly (seconds per claim), and
     autovacuum may not analyze for a minute or more. So the daemons check this now and
-    then and run :func:`analyze` themselves.
+    then and run :func:`analyze` themselves (see :class:`Statistics`).
     """
     return psycopg.sql.SQL(
         "SELECT n_mod_since_analyze > greatest(1000, n_live_tup / 2) "
@@ -125,4 +143,49 @@ def needs_analyze(schema: str, table: str) -> psycopg.sql.Composed:
 
 
 def analyze(schema: str, table: str) -> psycopg.sql.Composed:
-    return psycopg.sql.SQL("ANALYZE {}").format(psycopg.sql.Identifier(schema, table))
+    """ANALYZE of the :data:`PLANNING_COLUMNS` of a txbox table."""
+    return psycopg.sql.SQL("ANALYZE {} ({})").format(
+        psycopg.sql.Identifier(schema, table),
+        psycopg.sql.SQL(", ").join(psycopg.sql.Identifier(c) for c in PLANNING_COLUMNS),
+    )
+
+
+class Statistics:
+    """Keeps the planner's statistics of one txbox table fit for its daemon's claims.
+
+    Statistics taken while every row was processed say "no pending rows"; a burst after
+    that makes the planner probe each head of segment through the index of *all* pending
+    rows instead of the segment index: measured 620 ms for a 200-row inbox claim over
+    3,500 pending rows, where a fresh plan takes a few ms. :meth:`refresh` is called on
+    a timer (the gauges) and, ``urgent``, right after a slow claim, so a bad plan lasts
+    one claim rather than until the next timer tick.
+    """
+
+    URGENT_INTERVAL = 2.0  # seconds between two ANALYZEs after slow claims, at least
+
+    def __init__(self, schema: str, table: str, *, min_interval: float) -> None:
+        self._needs = needs_analyze(schema, table)
+        self._analyze = analyze(schema, table)
+        self._min_interval = min_interval
+        self._last = -min_interval
+
+    @staticmethod
+    def slow(seconds: float, rows: int) -> bool:
+        """A claim far slower than a fresh plan makes it.
+
+        Fresh plans measured 15-55 ms for 200-1,000 rows; misplanned ones 620 ms for 200
+        and 1,322 ms for 1,000. The bar sits between, so a busy moment does not cost an
+        ANALYZE.
+        """
+        return seconds > 0.02 + 0.0002 * rows
+
+    def refresh(self, cur: psycopg.Cursor[Any], now: float, *, urgent: bool = False) -> bool:
+        """ANALYZE if stale, at most once per ``min_interval`` (``urgent``: per 2 s). True if it ran."""
+        if now - self._last < (self.URGENT_INTERVAL if urgent else self._min_interval):
+            return False
+        row = cur.execute(self._needs).fetchone()
+        if not (row and row[0]):
+            return False
+        cur.execute(self._analyze)
+        self._last = now
+        return True

@@ -217,8 +217,7 @@ class Relay(Daemon):
         self._sql_release = named.release(self.schema)
         self._sql_backlog = named.backlog(self.schema)
         self._sql_dead = insert_sql(self.schema)
-        self._sql_needs_analyze = db.needs_analyze(self.schema, names.OUTBOX)
-        self._sql_analyze = db.analyze(self.schema, names.OUTBOX)
+        self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
         self._wake = threading.Event()
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
@@ -334,6 +333,7 @@ class Relay(Daemon):
         if room <= 0 or not self._claim_hint:
             return 0
         params = {"limit": room, "lease": float(self.config.lease), "window": room * 4}
+        started = time.monotonic()
         if self._wide:
             # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.
             rows = conn.execute(self._sql_claim, params).fetchall()
@@ -348,6 +348,9 @@ class Relay(Daemon):
                 self._next_full_claim = now + float(self.config.poll_interval)
                 rows = conn.execute(self._sql_claim, params).fetchall()
             self._wide = len(rows) >= room
+        elapsed = time.monotonic() - started
+        if db.Statistics.slow(elapsed, len(rows)):
+            self._refresh_statistics(conn, elapsed, len(rows))
         # A short claim took every due head there is: claiming again is pointless until
         # something changes (a write frees the next heads, NOTIFY, the poll timer).
         self._claim_hint = len(rows) >= room
@@ -363,6 +366,18 @@ class Relay(Daemon):
             conn.execute(self._sql_release, {"ids": [r.id for r in claimed]})
             return 0
         return len(items)
+
+    def _refresh_statistics(self, conn: psycopg.Connection[Any], elapsed: float, rows: int) -> None:
+        """After a slow claim: ANALYZE now if the statistics are stale (db.Statistics).
+
+        A failure here must not cost the claimed rows (their publish comes next), so it is
+        only logged.
+        """
+        try:
+            if self._statistics.refresh(conn.cursor(), time.monotonic(), urgent=True):
+                log.info("slow claim (%.0f ms for %d rows): outbox statistics refreshed", elapsed * 1000, rows)
+        except psycopg.Error as exc:
+            log.debug("could not refresh the outbox statistics: %r", exc)
 
     def _done(self, item: Outgoing, error: PublishError | None) -> None:
         """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
@@ -479,10 +494,8 @@ class Relay(Daemon):
         if now < self._next_gauges:
             return
         self._next_gauges = now + self.config.metrics_interval
-        stale = conn.execute(self._sql_needs_analyze).fetchone()
-        if stale and stale[0]:
-            # A burst since the last ANALYZE makes the planner pick a slow claim plan (sql.py).
-            conn.execute(self._sql_analyze)
+        # A burst since the last ANALYZE makes the planner pick a slow claim plan (sql.py).
+        self._statistics.refresh(conn.cursor(), now)
         count, age = conn.execute(self._sql_backlog).fetchone() or (0, 0)
         BACKLOG.set(count)
         OLDEST_DUE_AGE.set(float(age))

@@ -131,8 +131,7 @@ class Worker(Daemon):
         self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
         self._presume = q.presume_processed(self.schema)
         self._insert_outbox = outbox_insert_sql(self.schema)
-        self._needs_analyze = db.needs_analyze(self.schema, names.INBOX)
-        self._analyze = db.analyze(self.schema, names.INBOX)
+        self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
         self._listen: psycopg.Connection[Any] | None = None
         self._watchdog: Watchdog | None = None
@@ -143,7 +142,6 @@ class Worker(Daemon):
         self._ahead: Future[list[Claimed]] | None = None
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._last_suspect_check = 0.0
-        self._next_analyze = 0.0
 
     # --- the loop -----------------------------------------------------------------
 
@@ -243,8 +241,26 @@ class Worker(Daemon):
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()
             raise
+        elapsed = time.monotonic() - claimed_at
+        if db.Statistics.slow(elapsed, len(rows)):
+            self._refresh_statistics(conn, elapsed, len(rows))
         rows.sort(key=lambda r: (-r[12], r[13]))
         return [self._claimed(r, claimed_at) for r in rows]
+
+    def _refresh_statistics(self, conn: psycopg.Connection[Any], elapsed: float, rows: int) -> None:
+        """After a slow claim: ANALYZE now if the statistics are stale (db.Statistics).
+
+        The claim is committed already; a failure here must not lose it, so it is only logged.
+        """
+        try:
+            with conn.cursor() as cur:
+                if self._statistics.refresh(cur, time.monotonic(), urgent=True):
+                    self.log.info("slow claim (%.0f ms for %d rows): inbox statistics refreshed", elapsed * 1000, rows)
+            conn.commit()  # never left idle in a transaction (it would hold back vacuum)
+        except psycopg.Error as exc:
+            self.log.debug("could not refresh the inbox statistics: %r", exc)
+            with contextlib.suppress(psycopg.Error):
+                conn.rollback()
 
     def _claim_connection(self) -> psycopg.Connection[Any]:
         if self._claim_conn is None or self._claim_conn.closed:
@@ -606,13 +622,9 @@ class Worker(Daemon):
         conn = self._connection()
         with conn.begin():
             cur = self._raw(conn).cursor()
-            cur.execute(self._needs_analyze)
-            stale = cur.fetchone()
-            if stale and stale[0] and now >= self._next_analyze:
-                # A burst since the last ANALYZE makes the planner pick slow claim plans;
-                # under steady load rows change fast, so not more than twice a minute.
-                cur.execute(self._analyze)
-                self._next_analyze = now + ANALYZE_INTERVAL
+            # A burst since the last ANALYZE makes the planner pick slow claim plans;
+            # under steady load rows change fast, so not more than twice a minute.
+            self._statistics.refresh(cur, now)
             cur.execute(q.backlog(self.schema))
             row = cur.fetchone()
         if row is not None:

@@ -1,0 +1,96 @@
+"""The daemons' own ANALYZE (framework.db.Statistics): why it exists, and what it does.
+
+Statistics taken while every row was processed tell the planner there are no pending
+rows; after a burst it then probes each head of segment through the index of all
+pending rows. These tests rebuild that state in a real inbox and read the plans.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from framework import db, names
+from framework.worker import sql as q
+from tests import support
+from tests.support import db_url
+
+pytestmark = pytest.mark.integration
+
+PENDING = 3000
+ROW = """
+INSERT INTO txbox.inbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload,
+                         segment, queue, message_timestamp, processed_at)
+SELECT gen_random_uuid(), 'PlaceOrder', 'order', g::text, 'command', 'order-service.order.place-order',
+       '{{"n": 1}}', 'order:' || g, 'order-service:inbox', now(), {processed}
+FROM generate_series(1, {count}) g
+"""
+
+
+def _probe_index(conn: psycopg.Connection[Any]) -> str:
+    """The index the claim's head-of-segment probe (its NOT EXISTS) reads."""
+    claim = q.claim("txbox", suspects=False, park=False).as_string(conn)
+    plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + claim, {"limit": 200, "lease": 60.0}))
+    probe = plan[plan.index("SubPlan") :]
+    for index in ("inbox_segment_idx", "inbox_due_idx"):
+        if index in probe:
+            return index
+    raise AssertionError(f"no index in the probe:\n{plan}")
+
+
+def _burst(conn: psycopg.Connection[Any]) -> None:
+    """PENDING new pending rows, and wait until the statistics counters show them."""
+    before = _modified(conn)
+    conn.execute(ROW.format(processed="NULL", count=PENDING))
+    support.wait_until(lambda: _modified(conn) >= before + PENDING, 20, message="the counters to see the burst")
+
+
+def _modified(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(
+        "SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relid = 'txbox.inbox'::regclass"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.fixture
+def stale_inbox(database: str) -> psycopg.Connection[Any]:
+    """An inbox analyzed while all its rows were processed, then a burst of pending rows."""
+    conn = psycopg.connect(db.conninfo(db_url(database)), autocommit=True)
+    conn.execute(ROW.format(processed="now()", count=PENDING))
+    conn.execute(db.analyze("txbox", names.INBOX))
+    _burst(conn)
+    return conn
+
+
+def test_a_refresh_after_a_burst_gives_the_claim_its_segment_index_back(stale_inbox: psycopg.Connection[Any]) -> None:
+    assert _probe_index(stale_inbox) == "inbox_due_idx"  # the misplan: every pending row per probe
+
+    statistics = db.Statistics("txbox", names.INBOX, min_interval=30.0)
+    assert statistics.refresh(stale_inbox.cursor(), now=100.0, urgent=True)
+
+    assert _probe_index(stale_inbox) == "inbox_segment_idx"
+
+
+def test_refreshes_are_spaced_and_skip_the_json_columns(stale_inbox: psycopg.Connection[Any]) -> None:
+    statistics = db.Statistics("txbox", names.INBOX, min_interval=30.0)
+    assert statistics.refresh(stale_inbox.cursor(), now=100.0)
+    _burst(stale_inbox)  # stale again
+
+    assert not statistics.refresh(stale_inbox.cursor(), now=101.0, urgent=True)  # urgent: 2 s apart
+    assert not statistics.refresh(stale_inbox.cursor(), now=120.0)  # timer: min_interval apart
+    assert statistics.refresh(stale_inbox.cursor(), now=102.5, urgent=True)
+
+    analyzed = {
+        r[0]
+        for r in stale_inbox.execute(
+            "SELECT attname FROM pg_stats WHERE schemaname = 'txbox' AND tablename = 'inbox'"
+        ).fetchall()
+    }
+    assert {"segment", "processed_at", "locked_until"} <= analyzed <= set(db.PLANNING_COLUMNS)
+
+
+def test_a_fresh_table_needs_no_refresh(database: str) -> None:
+    with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
+        assert not db.Statistics("txbox", names.INBOX, min_interval=30.0).refresh(conn.cursor(), now=100.0)
