@@ -10,6 +10,10 @@ from framework.settings import Seconds, load, setting
 
 SegmentPolicy = Literal["proceed", "park"]
 
+LEASE_MARGIN = 2.0  # seconds kept between the hard stop of a handler and the end of its lease
+GRACE = 1.0  # seconds a timed-out handler has to unwind (cancelled statement, cleanup) before the hard stop
+MIN_RUN = 0.1  # seconds of lease a handler run needs at least, besides those two
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
@@ -67,6 +71,13 @@ class WorkerConfig:
             raise ConfigurationError(
                 f"TXBOX_WORKER_SEGMENT_POLICY={self.segment_policy!r} must be proceed or park. "
                 "Example: TXBOX_WORKER_SEGMENT_POLICY=proceed"
+            )
+        shortest = LEASE_MARGIN + GRACE + MIN_RUN
+        if self.lease <= shortest:
+            raise ConfigurationError(
+                f"TXBOX_WORKER_LEASE={self.lease:g}s is too short: a handler run needs {MIN_RUN:g}s of lease, "
+                f"{GRACE:g}s to unwind after its timeout and {LEASE_MARGIN:g}s of margin, so more than "
+                f"{shortest:g}s. Example: TXBOX_WORKER_LEASE=60s"
             )
         if not 0 < self.timeout < self.lease:
             raise ConfigurationError(

@@ -13,7 +13,8 @@ from framework.errors import ConfigurationError
 from framework.settings import load
 from framework.worker import HandlerTimeout, WorkerConfig
 from framework.worker import sql as q
-from framework.worker.daemon import Claimed
+from framework.worker.config import GRACE, LEASE_MARGIN
+from framework.worker.daemon import Claimed, run_deadlines
 from framework.worker.timeout import Watchdog
 
 
@@ -26,6 +27,29 @@ def test_defaults() -> None:
 def test_a_timeout_not_shorter_than_the_lease_fails_at_start_naming_both() -> None:
     with pytest.raises(ConfigurationError, match=r"TXBOX_WORKER_TIMEOUT.*TXBOX_WORKER_LEASE"):
         WorkerConfig(timeout=60, lease=60)  # type: ignore[arg-type]
+
+
+def test_a_lease_with_no_room_for_a_run_fails_at_start_with_an_example() -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"TXBOX_WORKER_LEASE=3s is too short.*Example: TXBOX_WORKER_LEASE=60s"
+    ):
+        WorkerConfig(timeout=1, lease=3)  # type: ignore[arg-type]
+
+
+def test_a_handler_gets_its_whole_timeout_while_the_lease_is_young() -> None:
+    assert run_deadlines(claimed_at=100.0, now=100.0, lease=60.0, timeout=30.0) == (30.0, 60.0 - LEASE_MARGIN)
+
+
+def test_a_handler_late_in_its_lease_still_has_time_to_unwind_before_the_hard_stop() -> None:
+    # Batch mates used 55 of 60 s: the timeout shrinks, the grace before the hard stop does not.
+    timeout, hard = run_deadlines(claimed_at=100.0, now=155.0, lease=60.0, timeout=30.0) or (0.0, 0.0)
+    assert hard == pytest.approx(60.0 - LEASE_MARGIN - 55.0)
+    assert timeout == pytest.approx(hard - GRACE)
+    assert timeout > 0
+
+
+def test_a_handler_is_not_started_without_lease_for_a_run_and_its_grace() -> None:
+    assert run_deadlines(claimed_at=100.0, now=100.0 + 60.0 - LEASE_MARGIN - GRACE, lease=60.0, timeout=30.0) is None
 
 
 def test_policy_and_durations_come_from_the_environment() -> None:
