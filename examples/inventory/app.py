@@ -7,7 +7,7 @@ calls the order service, it only publishes StockReserved / StockRejected.
 
 from __future__ import annotations
 
-from sqlalchemy import update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -22,17 +22,29 @@ service = Service.from_env(
 )
 
 
+# Statements built once, with bind parameters, on the tables rather than the mapped
+# classes: a third of the CPU of building an ORM statement per message, and no autoflush,
+# so the Reservation rows of a whole batch are flushed together (see examples/orders/app.py).
+_stock = Stock.metadata.tables[Stock.__tablename__]
+_upsert = insert(_stock).values(sku=bindparam("sku_"), available=bindparam("quantity_"))
+_RESTOCK = _upsert.on_conflict_do_update(
+    index_elements=[_stock.c.sku], set_={"available": _stock.c.available + _upsert.excluded.available}
+)
+_RESERVE = (
+    update(_stock)
+    .where(_stock.c.sku == bindparam("sku_"), _stock.c.available >= bindparam("quantity_"))
+    .values(available=_stock.c.available - bindparam("quantity_"), reserved=_stock.c.reserved + bindparam("quantity_"))
+    .returning(_stock.c.available)
+)
+_AVAILABLE = select(_stock.c.available).where(_stock.c.sku == bindparam("sku_"))
+
+
 class RestockItem(CommandHandler):
     message_type = "RestockItem"
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
         sku, quantity = message.payload["sku"], message.payload["quantity"]
-        upsert = insert(Stock).values(sku=sku, available=quantity)
-        session.execute(
-            upsert.on_conflict_do_update(
-                index_elements=[Stock.sku], set_={"available": Stock.available + upsert.excluded.available}
-            )
-        )
+        session.execute(_RESTOCK, {"sku_": sku, "quantity_": quantity})
 
 
 class ReserveStock(EventHandler):
@@ -43,16 +55,11 @@ class ReserveStock(EventHandler):
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
         order_id = message.payload["order_id"]
         sku, quantity = message.payload["sku"], message.payload["quantity"]
-        left = session.scalar(
-            update(Stock)
-            .where(Stock.sku == sku, Stock.available >= quantity)
-            .values(available=Stock.available - quantity, reserved=Stock.reserved + quantity)
-            .returning(Stock.available)
-        )
+        left = session.scalar(_RESERVE, {"sku_": sku, "quantity_": quantity})
         reason = None
         if left is None:
-            stock = session.get(Stock, sku)
-            reason = "unknown sku" if stock is None else f"only {stock.available} left"
+            available = session.scalar(_AVAILABLE, {"sku_": sku})
+            reason = "unknown sku" if available is None else f"only {available} left"
         status = RESERVED if reason is None else REJECTED
         # Primary key order_id: a second answer for one order cannot commit.
         session.add(
