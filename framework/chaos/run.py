@@ -320,6 +320,7 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
                 options, schedule, feeder, supervisor, pg, rabbit, dsns, base_handled, expected, say
             )
             drained_at = load_end
+            _write_timeline(log_dir / "timeline.json", samples, events)
             say("  drained; stopping the daemons (SIGTERM)")
         finally:
             if feeder is not None:
@@ -558,6 +559,20 @@ def _inject(
         feeder.write(rows)
         return f"poison PlaceOrder {rows[0]['id']} written", uuid.UUID(str(rows[0]["id"]))
     raise AssertionError(fault.kind)
+
+
+def _write_timeline(path: Path, samples: list[tuple[float, int]], events: list[Event]) -> None:
+    """The handled count every half second and each fault's window, in seconds from the
+    first sample: where a run lost its rate (kept with the logs)."""
+    t0 = samples[0][0] if samples else 0.0
+    timeline = {
+        "samples": [[round(t - t0, 2), handled] for t, handled in samples],
+        "faults": [
+            {"fault": str(e.fault), "started": round(e.started - t0, 2), "ended": round(e.ended - t0, 2)}
+            for e in events
+        ],
+    }
+    path.write_text(json.dumps(timeline) + "\n")
 
 
 def _rate_between_faults(samples: list[tuple[float, int]], events: list[Event], end: float) -> float:
