@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -357,7 +357,7 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
             connection_kills=sum(1 for e in events if e.fault.kind in (Kind.PG_TERMINATE, Kind.AMQP_CLOSE)),
             wall_seconds=time.monotonic() - wall_start,
             load_seconds=drained_at - samples[0][0] if samples else 0.0,
-            rate_between_faults=_rate_between_faults(samples, events, drained_at),
+            rate_between_faults=_rate_between_faults(samples, events, drained_at, supervisor.tally.exit_times),
             recovery_seconds=max(0.0, drained_at - last_fault_end),
             analyze_exit=analyze_exit,
             log_dir=log_dir,
@@ -575,14 +575,19 @@ def _write_timeline(path: Path, samples: list[tuple[float, int]], events: list[E
     path.write_text(json.dumps(timeline) + "\n")
 
 
-def _rate_between_faults(samples: list[tuple[float, int]], events: list[Event], end: float) -> float:
+def _rate_between_faults(
+    samples: list[tuple[float, int]], events: list[Event], end: float, crashes: Sequence[float] = ()
+) -> float:
     """Handled messages/s over the sampled intervals that touch no fault nor its recovery.
 
     A fault's recovery lasts at least :data:`SETTLE` seconds and until the handled count
     moves again (daemons restarting, reconnecting, leases of a killed daemon running
-    out); a standstill that follows no fault counts against the rate.
+    out); a standstill that follows no fault counts against the rate. The poison
+    message's fault is the crashes it causes, not its writing: each daemon ``crashes``
+    (times it was seen dead without a planned kill) has the recovery a ``kill -9`` has.
     """
     windows = [(e.started, _recovered_at(samples, e.ended)) for e in events if e.fault.kind is not Kind.POISON]
+    windows += [(t, _recovered_at(samples, t)) for t in crashes]
     if samples:  # stop where the last message was handled: idle waiting is not throughput
         top = samples[-1][1]
         end = min(end, next(t for t, h in samples if h >= top))

@@ -29,6 +29,8 @@ class Spec:
 class Tally:
     kills: dict[str, int] = field(default_factory=dict)
     unexpected_exits: dict[str, int] = field(default_factory=dict)
+    #: When each unexpected exit was seen (time.monotonic()): the poison's crashes, mostly.
+    exit_times: list[float] = field(default_factory=list)
     restarts: int = 0
 
 
@@ -78,6 +80,7 @@ class Supervisor:
                     self.broken = f"{name} refused to start:\n{daemon.log_tail(5)}"
                 if name not in self._restart_at:
                     self.tally.unexpected_exits[name] = self.tally.unexpected_exits.get(name, 0) + 1
+                    self.tally.exit_times.append(now)
                     self._restart_at[name] = now + RESTART_PAUSE
                 if now >= self._restart_at[name]:
                     del self._restart_at[name]

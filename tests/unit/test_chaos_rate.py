@@ -46,3 +46,14 @@ def test_the_settle_time_is_recovery_even_when_progress_never_stopped() -> None:
 def test_the_idle_tail_after_the_last_message_is_not_counted() -> None:
     samples = steady(0, 10, 1000, 0) + [(t, 10_000) for t in (10.5, 11, 20, 30)]
     assert _rate_between_faults(samples, [], end=30) == pytest.approx(1000, rel=0.01)
+
+
+def test_a_crash_the_poison_causes_has_the_recovery_of_a_kill() -> None:
+    """The poison is written at 5 s and kills its worker at 10 s: a kill, not load."""
+    before = steady(0, 10, 1000, 0)
+    stalled = [(t, 10_000) for t in (10.5 + 0.5 * i for i in range(19))]
+    after = steady(20, 30, 1000, 10_000)
+    poison = Event(Fault(Kind.POISON, "orders-worker", 0.3), started=5, ended=5)
+    samples = before + stalled + after
+    assert _rate_between_faults(samples, [poison], end=30) == pytest.approx(20_000 / 30, rel=0.01)
+    assert _rate_between_faults(samples, [poison], end=30, crashes=[10.0]) == pytest.approx(1000, rel=0.01)
