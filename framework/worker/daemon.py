@@ -150,10 +150,15 @@ class Worker(Daemon):
         reconnect = Reconnect(self)
         try:
             while not self.stopping:
+                # The gauges and the wait use connections too (the listener's among
+                # them): losing one there is the same outage, not a crash.
                 try:
                     handled = self.run_once()
                     reconnect.succeeded()
                     self.state("processing")
+                    self._update_gauges()
+                    if not handled:
+                        self._wait_for_work()
                 except Exception as exc:
                     if not db.is_infrastructure_error(exc):
                         raise
@@ -161,10 +166,6 @@ class Worker(Daemon):
                     self._drop_connections()
                     if reconnect.failed("PostgreSQL", exc):
                         break
-                    continue
-                self._update_gauges()
-                if not handled:
-                    self._wait_for_work()
         finally:
             self._give_back_ahead()
             self._ahead_pool.shutdown(wait=True)

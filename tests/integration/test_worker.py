@@ -441,3 +441,21 @@ def test_the_worker_refreshes_inbox_statistics_after_a_burst(service: Service, b
     )
     with running(worker(service, batch_size=500)):
         support.wait_until(lambda: analyzed() > before, 30, message="an ANALYZE of txbox.inbox by the worker")
+
+
+def test_a_worker_whose_connections_are_terminated_while_idle_reconnects(service: Service, business: str) -> None:
+    """pg_terminate_backend of everything the idle worker holds, its listener included
+    (a chaos run crashed a worker this way: the loss surfaced outside its reconnect)."""
+    recorder = Recorder()
+    service.register(recorder)
+    w = worker(service)
+    with running(w):
+        support.wait_until(lambda: w._listen is not None, 10, message="the worker to listen")
+        killed = scalar(
+            business,
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        assert killed >= 2  # the listener and the processing connection at least
+        store_in_inbox(service, [place_order(aggregate_id="after")])
+        support.wait_until(lambda: done(business) == 1, 30, message="the message stored after the outage")
