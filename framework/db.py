@@ -7,8 +7,10 @@ row. Both come from one URL.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
@@ -164,6 +166,7 @@ class Statistics:
     URGENT_INTERVAL = 2.0  # seconds between two ANALYZEs after slow claims, at least
 
     def __init__(self, schema: str, table: str, *, min_interval: float) -> None:
+        self._table = f"{schema}.{table}"
         self._needs = needs_analyze(schema, table)
         self._analyze = analyze(schema, table)
         self._min_interval = min_interval
@@ -178,6 +181,28 @@ class Statistics:
         for 1,000. The bar sits between, so a busy moment does not cost an ANALYZE.
         """
         return seconds > 0.05 + 0.0005 * rows
+
+    def after_claim(self, conn: psycopg.Connection[Any], seconds: float, rows: int, log: logging.Logger) -> None:
+        """Call after each claim: if it was :meth:`slow`, ANALYZE now when stale.
+
+        Never raises: the claim is done, and a failure here must not cost its rows. Leaves
+        no transaction open (an idle one would hold back vacuum).
+        """
+        if not self.slow(seconds, rows):
+            return
+        try:
+            with conn.cursor() as cur:
+                if self.refresh(cur, time.monotonic(), urgent=True):
+                    log.info(
+                        "slow claim (%.0f ms for %d rows): %s statistics refreshed", seconds * 1000, rows, self._table
+                    )
+            if not conn.autocommit:
+                conn.commit()
+        except psycopg.Error as exc:
+            log.debug("could not refresh the statistics of %s: %r", self._table, exc)
+            if not conn.autocommit:
+                with suppress(psycopg.Error):
+                    conn.rollback()
 
     def refresh(self, cur: psycopg.Cursor[Any], now: float, *, urgent: bool = False) -> bool:
         """ANALYZE if stale, at most once per ``min_interval`` (``urgent``: per 2 s). True if it ran."""

@@ -348,9 +348,7 @@ class Relay(Daemon):
                 self._next_full_claim = now + float(self.config.poll_interval)
                 rows = conn.execute(self._sql_claim, params).fetchall()
             self._wide = len(rows) >= room
-        elapsed = time.monotonic() - started
-        if db.Statistics.slow(elapsed, len(rows)):
-            self._refresh_statistics(conn, elapsed, len(rows))
+        self._statistics.after_claim(conn, time.monotonic() - started, len(rows), log)
         # A short claim took every due head there is: claiming again is pointless until
         # something changes (a write frees the next heads, NOTIFY, the poll timer).
         self._claim_hint = len(rows) >= room
@@ -366,18 +364,6 @@ class Relay(Daemon):
             conn.execute(self._sql_release, {"ids": [r.id for r in claimed]})
             return 0
         return len(items)
-
-    def _refresh_statistics(self, conn: psycopg.Connection[Any], elapsed: float, rows: int) -> None:
-        """After a slow claim: ANALYZE now if the statistics are stale (db.Statistics).
-
-        A failure here must not cost the claimed rows (their publish comes next), so it is
-        only logged.
-        """
-        try:
-            if self._statistics.refresh(conn.cursor(), time.monotonic(), urgent=True):
-                log.info("slow claim (%.0f ms for %d rows): outbox statistics refreshed", elapsed * 1000, rows)
-        except psycopg.Error as exc:
-            log.debug("could not refresh the outbox statistics: %r", exc)
 
     def _done(self, item: Outgoing, error: PublishError | None) -> None:
         """Completion callback on the publisher's I/O thread: hand over, wake the loop."""

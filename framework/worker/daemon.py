@@ -241,26 +241,9 @@ class Worker(Daemon):
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()
             raise
-        elapsed = time.monotonic() - claimed_at
-        if db.Statistics.slow(elapsed, len(rows)):
-            self._refresh_statistics(conn, elapsed, len(rows))
+        self._statistics.after_claim(conn, time.monotonic() - claimed_at, len(rows), self.log)
         rows.sort(key=lambda r: (-r[12], r[13]))
         return [self._claimed(r, claimed_at) for r in rows]
-
-    def _refresh_statistics(self, conn: psycopg.Connection[Any], elapsed: float, rows: int) -> None:
-        """After a slow claim: ANALYZE now if the statistics are stale (db.Statistics).
-
-        The claim is committed already; a failure here must not lose it, so it is only logged.
-        """
-        try:
-            with conn.cursor() as cur:
-                if self._statistics.refresh(cur, time.monotonic(), urgent=True):
-                    self.log.info("slow claim (%.0f ms for %d rows): inbox statistics refreshed", elapsed * 1000, rows)
-            conn.commit()  # never left idle in a transaction (it would hold back vacuum)
-        except psycopg.Error as exc:
-            self.log.debug("could not refresh the inbox statistics: %r", exc)
-            with contextlib.suppress(psycopg.Error):
-                conn.rollback()
 
     def _claim_connection(self) -> psycopg.Connection[Any]:
         if self._claim_conn is None or self._claim_conn.closed:

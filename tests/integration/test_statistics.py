@@ -7,6 +7,7 @@ pending rows. These tests rebuild that state in a real inbox and read the plans.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import psycopg
@@ -94,3 +95,17 @@ def test_refreshes_are_spaced_and_skip_the_json_columns(stale_inbox: psycopg.Con
 def test_a_fresh_table_needs_no_refresh(database: str) -> None:
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
         assert not db.Statistics("txbox", names.INBOX, min_interval=30.0).refresh(conn.cursor(), now=100.0)
+
+
+def test_only_a_slow_claim_refreshes_and_no_transaction_is_left_open(
+    database: str, stale_inbox: psycopg.Connection[Any]
+) -> None:
+    statistics = db.Statistics("txbox", names.INBOX, min_interval=30.0)
+    log = logging.getLogger("test")
+    with psycopg.connect(db.conninfo(db_url(database))) as conn:  # not autocommit, as the worker's claims
+        statistics.after_claim(conn, seconds=0.01, rows=200, log=log)  # a fresh plan's time
+        assert _probe_index(stale_inbox) == "inbox_due_idx"
+
+        statistics.after_claim(conn, seconds=0.62, rows=200, log=log)  # the misplan's time
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert _probe_index(stale_inbox) == "inbox_segment_idx"
