@@ -35,12 +35,12 @@ from typing import Any
 import pika
 import psycopg
 from psycopg import sql
-from sqlalchemy import FetchedValue, insert
+from sqlalchemy import DateTime, Text, func, insert
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from framework import CommandHandler, EventHandler, Message, Outbox, Service, migrate, names, tables, topology
 from framework.bench.result import Result
-from framework.db import conninfo
+from framework.db import conninfo, create_engine
 from framework.demo.processes import ProcessGroup
 from framework.errors import TxboxError
 from framework.settings import Settings
@@ -87,10 +87,6 @@ SCHEMA = """\
  "required": ["n"], "properties": {"n": {"type": "integer"}, "echo": {"type": "boolean"},
  "pad": {"type": "string"}}}
 """
-TABLE = (
-    "CREATE TABLE IF NOT EXISTS bench_handled (message_id uuid PRIMARY KEY, message_type text NOT NULL, "
-    "handled_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-)
 
 
 class _Base(DeclarativeBase):
@@ -107,8 +103,8 @@ class Handled(_Base):
     __tablename__ = "bench_handled"
 
     message_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
-    message_type: Mapped[str]
-    handled_at: Mapped[datetime] = mapped_column(server_default=FetchedValue())
+    message_type: Mapped[str] = mapped_column(Text)
+    handled_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.clock_timestamp())
 
 
 def _record(session: Session, message: Message) -> None:
@@ -183,8 +179,9 @@ class Scratch:
             "PUT", f"/permissions/{self._q(self.vhost)}/guest", {"configure": ".*", "write": ".*", "read": ".*"}
         )
         migrate.upgrade(self.database_url)
-        with psycopg.connect(conninfo(self.database_url), autocommit=True) as conn:
-            conn.execute(TABLE)
+        engine = create_engine(self.database_url)
+        _Base.metadata.create_all(engine)
+        engine.dispose()
         return self
 
     def __exit__(self, *exc: object) -> None:
