@@ -224,7 +224,8 @@ class Relay(Daemon):
         self._conn: psycopg.Connection[Any] | None = None
         self._write_conn: psycopg.Connection[Any] | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="publisher write")
-        self._writing: tuple[list[tuple[Outgoing, PublishError | None]], Future[Any]] | None = None
+        self._writing: tuple[list[tuple[Outgoing, PublishError | None]], Future[Any], int] | None = None
+        self._notified = 0  # NOTIFYs seen by the listener: a write compares it (see _collect_writes)
         self._publisher: Publisher | None = None
         self._db_retry = Reconnect(self)
         self._broker_retry = Reconnect(self)
@@ -333,6 +334,7 @@ class Relay(Daemon):
         if room <= 0 or not self._claim_hint:
             return 0
         params = {"limit": room, "lease": float(self.config.lease), "window": room * 4}
+        notified = self._notified
         started = time.monotonic()
         if self._wide:
             # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.
@@ -350,8 +352,9 @@ class Relay(Daemon):
             self._wide = len(rows) >= room
         self._statistics.after_claim(conn, time.monotonic() - started, len(rows), log)
         # A short claim took every due head there is: claiming again is pointless until
-        # something changes (a write frees the next heads, NOTIFY, the poll timer).
-        self._claim_hint = len(rows) >= room
+        # something changes (a write frees the next heads, NOTIFY, the poll timer). A
+        # NOTIFY that came during the claim may be for a row its snapshot missed.
+        self._claim_hint = len(rows) >= room or self._notified != notified
         if not rows:
             return 0
         claimed = [Claimed(*r) for r in rows]  # in claim order: priority, then creation
@@ -382,18 +385,18 @@ class Relay(Daemon):
         conn = self._writer_db()
         future = self._writer.submit(self._write, conn, batch)
         future.add_done_callback(lambda _: self._wake.set())
-        self._writing = (batch, future)
+        self._writing = (batch, future, self._notified)
 
     def _collect_writes(self, *, block: bool) -> None:
         """Account a finished write; a failed one goes back to the queue for the next try."""
         if self._writing is None:
             return
-        batch, future = self._writing
+        batch, future, notified = self._writing
         if not block and not future.done():
             return
         self._writing = None
         try:
-            published, failed, abandoned = future.result()
+            published, failed, abandoned, unblocked = future.result()
         except BaseException:
             self._unrecorded[:0] = batch
             raise
@@ -403,7 +406,12 @@ class Relay(Daemon):
             FAILED.labels(message_type, reason).inc(n)
         for message_type, n in abandoned.items():
             ABANDONED.labels(message_type).inc(n)
-        self._claim_hint = True  # the marks made the next rows of those lanes heads
+        # Claim again only if the write made a row due: a successor of a marked row, a
+        # released or abandoned row's lane. A row committed after the mark's snapshot
+        # escaped its successor probe, but its NOTIFY came after the write started: a
+        # claim that the NOTIFY triggered meanwhile may have found it still blocked.
+        if unblocked or self._notified != notified:
+            self._claim_hint = True
         self.published += sum(published.values())
         self.failed += sum(failed.values())
         self.abandoned += sum(abandoned.values())
@@ -416,8 +424,9 @@ class Relay(Daemon):
 
     def _write(
         self, conn: psycopg.Connection[Any], batch: list[tuple[Outgoing, PublishError | None]]
-    ) -> tuple[Tally[str], Tally[tuple[str, str]], Tally[str]]:
-        """Writer thread: all outcomes of ``batch`` in one transaction."""
+    ) -> tuple[Tally[str], Tally[tuple[str, str]], Tally[str], bool]:
+        """Writer thread: all outcomes of ``batch`` in one transaction; True at the end when
+        that may have made rows due (see :func:`framework.publisher.sql.mark_published`)."""
         published: list[str] = []
         published_types: Tally[str] = Tally()
         failures: list[tuple[Claimed, PublishError]] = []
@@ -433,9 +442,11 @@ class Relay(Daemon):
                 released.append(row.id)
         failed: Tally[tuple[str, str]] = Tally()
         abandoned: Tally[str] = Tally()
+        unblocked = bool(released or failures)
         with conn.transaction(), conn.cursor() as cur:
             if published:
                 cur.execute(self._sql_mark, {"ids": published})
+                unblocked = unblocked or bool((cur.fetchone() or (False,))[0])
             if released:
                 cur.execute(self._sql_release, {"ids": released})
             for row, error in failures:
@@ -444,7 +455,7 @@ class Relay(Daemon):
                     abandoned[row.message_type] += 1
         if failures:
             log.warning("%d publish(es) failed, e.g. %s: %s", len(failures), failures[0][0].id, failures[0][1])
-        return published_types, failed, abandoned
+        return published_types, failed, abandoned, unblocked
 
     def _fail(self, cur: psycopg.Cursor[Any], row: Claimed, error: PublishError) -> bool:
         """Count a failed attempt; abandon with a dead letter at ``max_attempts``. True if abandoned."""
@@ -521,15 +532,19 @@ class Relay(Daemon):
                 with db.connect(self.settings.database_url, autocommit=True) as conn:
                     conn.execute(named.listen(channel))
                     retry.succeeded()
-                    self._claim_hint = True  # rows may have arrived while not listening
-                    self._wake.set()
+                    self._notice()  # rows may have arrived while not listening
                     while not self.stopping:
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
-                            self._claim_hint = True
-                            self._wake.set()
+                            self._notice()
             except (psycopg.Error, DatabaseUnavailable) as exc:
                 if retry.failed("PostgreSQL (listen)", exc):
                     return
+
+    def _notice(self) -> None:
+        """Rows may have arrived: claim at the next step (listener thread)."""
+        self._notified += 1
+        self._claim_hint = True
+        self._wake.set()
 
     # ---- shutdown --------------------------------------------------------------------
 

@@ -147,12 +147,26 @@ WITH due AS (
 
 
 def mark_published(schema: str) -> sql.Composed:
-    """Params: ids (uuid[]). Only rows still pending: a row another publisher finished stays as is."""
+    """Params: ids (uuid[]). Only rows still pending: a row another publisher finished stays as is.
+
+    Returns one boolean: does a marked sequential row have a pending successor in its
+    lane, which the mark has just made a head? Only then is a claim worth making at once;
+    at a trickle, where every lane holds one message, this saves a claim per message.
+    The probe reads the statement's snapshot, in which the marked rows are still pending,
+    so it skips the marked row itself (one lane never has two rows in flight).
+    """
     return sql.SQL(
         """
-UPDATE {outbox}
-SET processed_at = clock_timestamp(), finished_attempts = finished_attempts + 1, last_error = NULL
-WHERE id = ANY(%(ids)s::uuid[]) AND processed_at IS NULL AND abandoned_at IS NULL
+WITH marked AS (
+    UPDATE {outbox}
+    SET processed_at = clock_timestamp(), finished_attempts = finished_attempts + 1, last_error = NULL
+    WHERE id = ANY(%(ids)s::uuid[]) AND processed_at IS NULL AND abandoned_at IS NULL
+    RETURNING id, segment, priority, concurrency
+)
+SELECT EXISTS (
+    SELECT 1 FROM marked m JOIN {outbox} p ON p.segment = m.segment AND p.priority = m.priority
+    WHERE m.concurrency = 'sequential' AND p.concurrency = 'sequential'
+      AND p.processed_at IS NULL AND p.abandoned_at IS NULL AND p.id <> m.id)
 """
     ).format(outbox=_outbox(schema))
 

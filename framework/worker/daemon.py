@@ -247,7 +247,14 @@ class Worker(Daemon):
 
     def _claim_connection(self) -> psycopg.Connection[Any]:
         if self._claim_conn is None or self._claim_conn.closed:
-            self._claim_conn = db.connect(self.settings.database_url, application_name="txbox-worker-claim")
+            conn = db.connect(self.settings.database_url, application_name="txbox-worker-claim")
+            # A claim is a lease, not a result: one lost to a database crash leaves the row
+            # unclaimed, to be claimed again, and the batch's own commit (synchronous, and
+            # later in the WAL) makes the claim durable before any handler's writes are.
+            # Not waiting for its fsync takes a disk flush off every message's path.
+            conn.execute("SET synchronous_commit = off")
+            conn.commit()
+            self._claim_conn = conn
         return self._claim_conn
 
     def _claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:

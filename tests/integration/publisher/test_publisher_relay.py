@@ -245,6 +245,21 @@ def test_notify_wakes_the_publisher_long_before_the_poll_interval(settings: Sett
         wait_until(lambda: outbox_state(settings)["processed"] == 3, 30, message="rows published after NOTIFY")
 
 
+def test_a_lane_drains_without_notify_or_poll_as_each_mark_frees_its_successor(
+    settings: Settings, service: Service
+) -> None:
+    # No poll for an hour; only the first row's insert NOTIFYs a claim. Each later row of
+    # the lane becomes due when its predecessor's mark commits, and the mark itself must
+    # say so: the relay claims after a mark only when the mark freed a successor.
+    config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
+    with running_relay(settings, service.registry, config) as relay:
+        wait_until(lambda: relay._conn is not None and not relay._claim_hint, 30, message="the relay idle")
+        insert_rows(settings, service.registry, orders(1, 5))
+        wait_until(lambda: outbox_state(settings)["processed"] == 5, 30, message="the whole lane published")
+    got = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
+    assert [d.body["payload"]["quantity"] for d in got] == [1, 2, 3, 4, 5]
+
+
 def test_rows_not_due_yet_stay_put(settings: Settings, service: Service) -> None:
     later = datetime.now(UTC) + timedelta(hours=1)
     insert_rows(settings, service.registry, [{**orders(1, 1)[0], "not_before": later}])
