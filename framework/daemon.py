@@ -56,9 +56,15 @@ class Daemon:
 
 
 class Reconnect:
-    """Capped exponential backoff between reconnect attempts, reset after a success."""
+    """Capped exponential backoff between reconnect attempts, reset after a success.
 
-    def __init__(self, daemon: Daemon, *, base: float = 0.5, cap: float = 30.0) -> None:
+    The cap is short on purpose: a daemon holds one or two connections, so trying every
+    second costs the server nothing, while a long cap keeps a daemon away for up to
+    that long after the server is back. With a 30 s cap, after a 10 s RabbitMQ or a 4 s
+    PostgreSQL restart the daemons came back 3 to 6 s after the server did.
+    """
+
+    def __init__(self, daemon: Daemon, *, base: float = 0.5, cap: float = 1.0) -> None:
         self.daemon = daemon
         self.base = base
         self.cap = cap

@@ -203,13 +203,21 @@ class Worker(Daemon):
             self._ahead = self._ahead_pool.submit(self._claim, self._claim_batch, self.config.batch_size)
         return self._process(batch)
 
-    def _give_back_ahead(self) -> None:
-        """Release a batch claimed ahead that will not be processed (stop, database trouble)."""
+    def _take_ahead(self) -> list[Claimed]:
+        """Wait for the claim running ahead, if any, and take its batch (empty if it failed)."""
         if self._ahead is None:
-            return
+            return []
         future, self._ahead = self._ahead, None
         try:
-            batch = future.result()
+            return future.result()
+        except Exception as exc:  # its rows were not claimed, or their lease runs out
+            self.log.debug("the claim ahead failed: %r", exc)
+            return []
+
+    def _give_back_ahead(self) -> None:
+        """Release a batch claimed ahead that will not be processed (stop, database trouble)."""
+        batch = self._take_ahead()
+        try:
             if batch:
                 self._release(batch)
         except Exception as exc:  # the lease runs out instead
@@ -564,9 +572,10 @@ class Worker(Daemon):
             )
 
     def _release_quietly(self, batch: Sequence[Claimed]) -> None:
+        ahead = self._take_ahead()  # given back with the batch, on the new connection
         try:
             self._drop_connections()
-            self._release(batch)
+            self._release([*batch, *ahead])
         except Exception as exc:  # the database is gone: the lease will run out instead
             self.log.debug("could not release claims: %r", exc)
             self._drop_connections()
@@ -591,6 +600,10 @@ class Worker(Daemon):
         return self._listen
 
     def _drop_connections(self) -> None:
+        # A claim running ahead uses the claim connection: closed under it, its thread
+        # waited forever on the socket's number, which the next connection reused (a
+        # chaos run's worker hung so after a pg_terminate_backend in mid-batch).
+        self._give_back_ahead()
         if self._conn is not None:
             try:
                 self._conn.invalidate()

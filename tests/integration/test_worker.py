@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -459,3 +460,40 @@ def test_a_worker_whose_connections_are_terminated_while_idle_reconnects(service
         assert killed >= 2  # the listener and the processing connection at least
         store_in_inbox(service, [place_order(aggregate_id="after")])
         support.wait_until(lambda: done(business) == 1, 30, message="the message stored after the outage")
+
+
+def test_dropping_connections_waits_for_the_claim_running_ahead_and_gives_its_batch_back(
+    service: Service, business: str
+) -> None:
+    """The claim ahead runs on the claim connection in its own thread: closing that
+    connection under it left the thread (and the worker waiting for it) hung forever."""
+    service.register(Recorder())
+    messages = [place_order(aggregate_id=f"a{n}") for n in range(3)]
+    store_in_inbox(service, messages)
+    w = worker(service)
+    w._ahead_pool = ThreadPoolExecutor(1)
+    in_claim, go_on = threading.Event(), threading.Event()
+
+    def claim_ahead() -> list[Any]:
+        in_claim.set()
+        go_on.wait(30)
+        return w._claim(w._claim_batch, 10)
+
+    try:
+        w._claim_connection()
+        w._ahead = w._ahead_pool.submit(claim_ahead)
+        assert in_claim.wait(10)
+        dropping = threading.Thread(target=w._drop_connections)
+        dropping.start()
+        dropping.join(0.5)
+        assert dropping.is_alive(), "the claim connection was dropped under the claim running ahead"
+        go_on.set()
+        dropping.join(30)
+        assert not dropping.is_alive()
+    finally:
+        go_on.set()
+        w._ahead_pool.shutdown(wait=True)
+        w._drop_connections()
+    # Claimed ahead, never run, given back: no attempt counted, no lease left.
+    assert [row(business, m)["started"] for m in messages] == [0, 0, 0]
+    assert not any(row(business, m)["leased"] for m in messages)
