@@ -141,6 +141,8 @@ class Worker(Daemon):
         self._ahead: Future[list[Claimed]] | None = None
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._last_suspect_check = 0.0
+        self._freed = False  # the last batch made rows due that no NOTIFY will announce
+        self._more = False  # claim again at once, not at the next NOTIFY (see run_once)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class Worker(Daemon):
                     reconnect.succeeded()
                     self.state("processing")
                     self._update_gauges()
-                    if not handled:
+                    if not handled or not self._more:
                         self._wait_for_work()
                 except Exception as exc:
                     if not db.is_infrastructure_error(exc):
@@ -177,6 +179,7 @@ class Worker(Daemon):
         """One batch: claimed now (suspects first) or ahead during the previous one; processed."""
         if self._watchdog is None:  # called without run() (tests, embedding): timeouts still hold
             self._watchdog = Watchdog()
+        self._freed = False
         if self._ahead is not None:
             future, self._ahead = self._ahead, None
             batch = future.result()
@@ -189,6 +192,7 @@ class Worker(Daemon):
                 if batch:
                     # More may wait (a crash leaves its whole batch behind): look again
                     # at once, not in a second.
+                    self._more = True
                     return self._process(batch)  # alone, and nothing claimed beside it (poison)
                 self._last_suspect_check = time.monotonic()
             batch = self._claim(self._claim_batch, self.config.batch_size)
@@ -201,7 +205,19 @@ class Worker(Daemon):
             # A backlog: claim the next batch on the claim connection while this one
             # runs, so PostgreSQL claims while Python handles.
             self._ahead = self._ahead_pool.submit(self._claim, self._claim_batch, self.config.batch_size)
-        return self._process(batch)
+        handled = self._process(batch)
+        # A short batch took every due row nobody else holds, and a row committed since
+        # comes with a NOTIFY. So claim again at once only for a full batch or for rows
+        # that this batch made due and no NOTIFY announces: the next row of a segment,
+        # the lane of an abandoned or given-back row. At a trickle this saves the empty
+        # claim after every batch.
+        self._more = (
+            len(batch) >= self.config.batch_size
+            or self._ahead is not None
+            or self._freed
+            or any(c.outcome not in ("processed", "failed") for c in batch)
+        )
+        return handled
 
     def _take_ahead(self) -> list[Claimed]:
         """Wait for the claim running ahead, if any, and take its batch (empty if it failed)."""
@@ -231,7 +247,14 @@ class Worker(Daemon):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
+            notified = False
             for _ in listen.notifies(timeout=min(remaining, 0.25), stop_after=1):
+                notified = True
+            if notified:
+                # One claim answers every NOTIFY queued so far. (Not drained inside the
+                # loop above: the generator holds the connection's lock while it runs.)
+                for _ in listen.notifies(timeout=0):
+                    pass
                 return
 
     # --- claim --------------------------------------------------------------------
@@ -367,7 +390,9 @@ class Worker(Daemon):
         with conn.begin():
             cur = raw.cursor()
             cur.execute(self._presume, {"ids": [c.id for c in batch], "started": [c.started for c in batch]})
-            ours = {row[0] for row in cur.fetchall()}
+            presumed = cur.fetchall()
+            ours = {row[0] for row in presumed}
+            self._freed = self._freed or any(row[1] for row in presumed)
             session = Session(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
             # Optimistic pass: handlers' outbox rows are inserted together at the end
             # (one pipelined round trip); careful pass: at once, inside each savepoint.

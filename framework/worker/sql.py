@@ -93,11 +93,19 @@ def presume_processed(schema: str) -> sql.Composed:
     be claimed while we work) and the success mark in one pass over the rows. The few
     that do not succeed are corrected by the statements below before the commit, so
     nobody ever sees the presumption. ``processed_at`` is thus when the batch started.
+
+    Each row comes back with whether a later sequential row of its segment waits behind
+    it: the batch's commit makes that row due, and only then is a claim worth making
+    before the next NOTIFY. The probe reads the statement's snapshot, in which the batch
+    is still pending, so it skips the batch's own rows.
     """
     return sql.SQL(
         "UPDATE {inbox} t SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, "
         "locked_until = clock_timestamp() "
-        f"WHERE {_FENCE} RETURNING t.id"
+        f"WHERE {_FENCE} "
+        "RETURNING t.id, t.concurrency = 'sequential' AND EXISTS ("
+        "SELECT 1 FROM {inbox} p WHERE p.segment = t.segment AND p.concurrency = 'sequential' "
+        "AND p.processed_at IS NULL AND p.abandoned_at IS NULL AND p.id <> ALL(%(ids)s::uuid[]))"
     ).format(inbox=sql.Identifier(schema, names.INBOX))
 
 

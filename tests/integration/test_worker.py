@@ -497,3 +497,17 @@ def test_dropping_connections_waits_for_the_claim_running_ahead_and_gives_its_ba
     # Claimed ahead, never run, given back: no attempt counted, no lease left.
     assert [row(business, m)["started"] for m in messages] == [0, 0, 0]
     assert not any(row(business, m)["leased"] for m in messages)
+
+
+def test_a_segment_drains_without_a_notify_per_row_as_each_commit_frees_its_successor(
+    service: Service, business: str
+) -> None:
+    # One NOTIFY for the three rows, no poll for an hour: each later row of the segment
+    # becomes due when its predecessor's batch commits, and that batch must say so.
+    service.register(Recorder())
+    messages = [place_order(aggregate_id="lane", quantity=n) for n in (1, 2, 3)]
+    with running(worker(service, poll_interval=3600)) as w:
+        support.wait_until(lambda: w._listen is not None, 10, message="the worker to listen")
+        store_in_inbox(service, messages)
+        support.wait_until(lambda: done(business) == 3, 30, message="the whole segment processed")
+    assert [r[0] for r in query(business, "SELECT quantity FROM seen ORDER BY n")] == [1, 2, 3]
