@@ -69,12 +69,27 @@ def conninfo(database_url: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def connect(database_url: str, *, autocommit: bool = False, **kwargs: Any) -> psycopg.Connection[Any]:
-    """A raw psycopg connection; connection failures become DatabaseUnavailable."""
+def connect(
+    database_url: str, *, autocommit: bool = False, synchronous_commit: bool = True, **kwargs: Any
+) -> psycopg.Connection[Any]:
+    """A raw psycopg connection; connection failures become DatabaseUnavailable.
+
+    ``synchronous_commit=False``: its commits do not wait for the WAL flush, for the
+    daemons' leases and marks that a database crash may lose without harm (each caller
+    says why). Set per session, so options in the URL stay as they are.
+    """
     try:
         conn = psycopg.connect(conninfo(database_url), autocommit=autocommit, **kwargs)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc
+    if not synchronous_commit:
+        try:
+            conn.execute("SET synchronous_commit = off")
+            if not autocommit:
+                conn.commit()
+        except BaseException:
+            conn.close()
+            raise
     set_json_loads(jsoncodec.loads, conn)
     return conn
 

@@ -307,10 +307,9 @@ class Relay(Daemon):
 
     def _db(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = db.connect(self.settings.database_url, autocommit=True)
             # A claim lost to a database crash only loses a lease: the row is claimed
             # (and maybe published) again, which at-least-once delivery allows.
-            self._conn.execute("SET synchronous_commit = off")
+            self._conn = db.connect(self.settings.database_url, autocommit=True, synchronous_commit=False)
             self.state("running")
         return self._conn
 
@@ -323,10 +322,9 @@ class Relay(Daemon):
 
     def _writer_db(self) -> psycopg.Connection[Any]:
         if self._write_conn is None or self._write_conn.closed:
-            self._write_conn = db.connect(self.settings.database_url, autocommit=True)
             # Losing the last marks to a crash only means those rows are published again
             # (at-least-once; the inbox dedups), so the relay need not wait for fsync.
-            self._write_conn.execute("SET synchronous_commit = off")
+            self._write_conn = db.connect(self.settings.database_url, autocommit=True, synchronous_commit=False)
         return self._write_conn
 
     def _claim_and_publish(self, conn: psycopg.Connection[Any], publisher: Publisher) -> int:

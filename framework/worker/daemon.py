@@ -164,12 +164,10 @@ class Worker(Daemon):
                 except Exception as exc:
                     if not db.is_infrastructure_error(exc):
                         raise
-                    self._give_back_ahead()
-                    self._drop_connections()
+                    self._drop_connections()  # the batch claimed ahead is given back first
                     if reconnect.failed("PostgreSQL", exc):
                         break
         finally:
-            self._give_back_ahead()
             self._ahead_pool.shutdown(wait=True)
             self._watchdog.close()
             self._drop_connections()
@@ -213,7 +211,6 @@ class Worker(Daemon):
         # claim after every batch.
         self._more = (
             len(batch) >= self.config.batch_size
-            or self._ahead is not None
             or self._freed
             or any(c.outcome not in ("processed", "failed") for c in batch)
         )
@@ -278,14 +275,13 @@ class Worker(Daemon):
 
     def _claim_connection(self) -> psycopg.Connection[Any]:
         if self._claim_conn is None or self._claim_conn.closed:
-            conn = db.connect(self.settings.database_url, application_name="txbox-worker-claim")
             # A claim is a lease, not a result: one lost to a database crash leaves the row
             # unclaimed, to be claimed again, and the batch's own commit (synchronous, and
             # later in the WAL) makes the claim durable before any handler's writes are.
             # Not waiting for its fsync takes a disk flush off every message's path.
-            conn.execute("SET synchronous_commit = off")
-            conn.commit()
-            self._claim_conn = conn
+            self._claim_conn = db.connect(
+                self.settings.database_url, synchronous_commit=False, application_name="txbox-worker-claim"
+            )
         return self._claim_conn
 
     def _claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:
