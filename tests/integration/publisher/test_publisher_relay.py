@@ -201,11 +201,18 @@ def _a_queue_that_nacks_restock(settings: Settings, service: Service) -> None:
     )
 
 
+def _finished_attempts(settings: Settings) -> int:
+    with psycopg.connect(conninfo(settings.database_url)) as db:
+        row = db.execute("SELECT coalesce(sum(finished_attempts), 0) FROM txbox.outbox").fetchone()
+    return int(row[0]) if row else 0
+
+
 def test_a_failed_publish_waits_out_its_backoff(settings: Settings, service: Service) -> None:
     _a_queue_that_nacks_restock(settings, service)
     config = RelayConfig(max_attempts=5, poll_interval=0.2, retry_base=30, retry_cap=300)  # type: ignore[arg-type]
     with running_relay(settings, service.registry, config):
-        wait_until(lambda: outbox_state(settings)["leased"] == 1, 30, message="the nacked row backed off")
+        # The claim leases the row too: wait for the nack's outcome, not just a lease.
+        wait_until(lambda: _finished_attempts(settings) == 1, 30, message="the nacked row backed off")
         with psycopg.connect(conninfo(settings.database_url)) as db:
             finished, wait, error = db.execute(  # type: ignore[misc]
                 "SELECT finished_attempts, extract(epoch FROM locked_until - now()), last_error FROM txbox.outbox"
