@@ -2,7 +2,8 @@
 
 Statistics taken while every row was processed tell the planner there are no pending
 rows; after a burst it then probes each head of segment through the index of all
-pending rows. These tests rebuild that state in a real inbox and read the plans.
+pending rows. These tests rebuild that state in a real inbox and read the plans; the
+last two show which claims do not depend on statistics at all.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import psycopg
 import pytest
 
 from framework import db, names
+from framework.publisher import sql as relay_sql
 from framework.worker import sql as q
 from tests import support
 from tests.support import db_url
@@ -109,3 +111,42 @@ def test_only_a_slow_claim_refreshes_and_no_transaction_is_left_open(
         statistics.after_claim(conn, seconds=0.62, rows=200, log=log)  # the misplan's time
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         assert _probe_index(stale_inbox) == "inbox_segment_idx"
+
+
+def _plan(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> str:
+    return "\n".join(r[0] for r in conn.execute("EXPLAIN " + statement, params))
+
+
+def test_the_worker_claim_updates_its_rows_by_tid_whatever_the_statistics_say(database: str) -> None:
+    # Analyzed while small, then grown: matched by id, the UPDATE scanned the inbox per claim.
+    with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
+        conn.execute(ROW.format(processed="now()", count=10))
+        conn.execute(db.analyze("txbox", names.INBOX))
+        conn.execute(ROW.format(processed="now()", count=PENDING))
+        conn.execute(ROW.format(processed="NULL", count=20))
+        plan = _plan(conn, q.claim("txbox", suspects=False, park=False).as_string(conn), {"limit": 200, "lease": 60.0})
+
+    scans = [line for line in plan.splitlines() if "->" in line and " on inbox t " in line]
+    assert scans and all("Tid Scan" in scan for scan in scans), plan
+
+
+def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_statistics_say(database: str) -> None:
+    # Joined by id under statistics from a smaller outbox, the heads were a nested loop
+    # that re-ran the whole window for every row (quadratic in the window); by ctid there
+    # is no join to misplan.
+    rows = """
+    INSERT INTO txbox.outbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, segment,
+                              processed_at)
+    SELECT gen_random_uuid(), 'PlaceOrder', 'order', g::text, 'command', 'order-service.order.place-order',
+           '{{"n": 1}}', 'order:' || g, {processed}
+    FROM generate_series(1, {count}) g
+    """
+    with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
+        conn.execute(rows.format(processed="now()", count=10))
+        conn.execute(db.analyze("txbox", names.OUTBOX))
+        conn.execute(rows.format(processed="now()", count=PENDING))
+        conn.execute(rows.format(processed="NULL", count=200))
+        statement = relay_sql.claim_window("txbox").as_string(conn)
+        plan = _plan(conn, statement, {"window": 800, "limit": 200, "lease": 60.0})
+
+    assert "Join" not in plan and "Nested Loop" not in plan, plan
