@@ -18,6 +18,7 @@ acks the batch with one ``basic_ack(multiple=True)``. Three paths leave the happ
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,7 +52,17 @@ _REPUBLISHED_PROPERTIES = (
 )
 
 
-_BUSY_POLL = 0.001  # seconds between looks at the write in flight while collecting
+_IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
+
+
+def _wake(connection: pika.BlockingConnection, _write: Future[None]) -> None:
+    """Done callback of a write, on the database thread: ends the consuming thread's wait."""
+    with contextlib.suppress(pika.exceptions.ConnectionWrongStateError):  # closed meanwhile
+        connection.add_callback_threadsafe(_nothing)
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass
@@ -138,9 +149,7 @@ class Receiver(Daemon):
         inflight: tuple[list[Delivery], Future[None]] | None = None
         try:
             while not self.stopping:
-                busy = inflight[1] if inflight is not None else None
-                # With a write in flight, an empty wait ends soon: the batch's ack is due.
-                self._fill(connection, idle_wait=0.2 if busy is None else _BUSY_POLL, busy=busy)
+                self._fill(connection, busy=inflight[1] if inflight is not None else None)
                 if not self._buffer:
                     if inflight is not None:
                         self._finish(inflight, channel, publish_channel)
@@ -161,6 +170,7 @@ class Receiver(Daemon):
                 if inflight is not None:
                     self._finish(inflight, channel, publish_channel)
                 inflight = (batch, pool.submit(self._write, prepared))
+                inflight[1].add_done_callback(functools.partial(_wake, connection))
             if inflight is not None:
                 self._finish(inflight, channel, publish_channel)
         finally:
@@ -186,18 +196,19 @@ class Receiver(Daemon):
     def _on_delivery(self, channel: Any, method: Any, props: Any, body: bytes) -> None:
         self._buffer.append(Delivery.from_pika(method, props, body))
 
-    def _fill(self, connection: pika.BlockingConnection, idle_wait: float, busy: Future[None] | None) -> None:
+    def _fill(self, connection: pika.BlockingConnection, busy: Future[None] | None) -> None:
         """Collect deliveries until a full batch, a free database, ``batch_wait`` after the first, or a stop.
 
         Group commit: while the previous batch is being written (``busy``), deliveries
         gather for the next one; once the database is free, what has arrived goes at
         once. A quiet receiver adds no batching delay to a message's latency, a busy one
-        gets batches as large as a write takes.
+        gets batches as large as a write takes. Every wait returns early on a delivery or
+        on the end of the write (:func:`_wake`), so the write's ack is never late.
         """
         deadline: float | None = None
         while len(self._buffer) < self.config.batch_size and not self.stopping:
             if deadline is None:
-                connection.process_data_events(time_limit=idle_wait)
+                connection.process_data_events(time_limit=_IDLE_WAIT)
                 if not self._buffer:
                     return
                 deadline = time.monotonic() + self.config.batch_wait
@@ -208,8 +219,7 @@ class Receiver(Daemon):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            # Returns early when deliveries arrive; otherwise look at the write again soon.
-            connection.process_data_events(time_limit=min(remaining, _BUSY_POLL))
+            connection.process_data_events(time_limit=remaining)
 
     def _declare_extra_delays(self, channel: Any) -> None:
         """Delay queues of a non-standard schedule, shaped exactly like topology's ones."""

@@ -14,6 +14,7 @@ import pytest
 from framework import names, topology
 from framework.dead_letters import decode_body
 from framework.receiver import Receiver, ReceiverConfig
+from framework.receiver import daemon as receiver_daemon
 from framework.service import Service
 from tests import support
 from tests.apps.helpers import encode, place_order, publish, query, queue_depth, running, scalar
@@ -75,6 +76,21 @@ def test_an_idle_receiver_stores_a_lone_delivery_without_waiting_for_batch_mates
     with running(Receiver(service, config(batch_wait=60))):
         publish(amqp_url, [encode(place_order())])
         support.wait_until(lambda: inbox_count(database_url) == 1, 15, message="the lone delivery stored")
+
+
+def test_the_end_of_a_write_acks_its_batch_at_once_not_after_the_wait(
+    service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With prefetch 1 the second delivery comes only after the first is acked: no
+    delivery can end the receiver's wait, only the finished write (``daemon._wake``)."""
+    monkeypatch.setattr(receiver_daemon, "_IDLE_WAIT", 60.0)
+    topology.declare(service.settings, service.registry)
+    publish(amqp_url, [encode(place_order()), encode(place_order())])
+    with running(Receiver(service, config(prefetch=1, batch_size=1, batch_wait=60))):
+        support.wait_until(lambda: inbox_count(database_url) == 2, 20, message="the second delivery stored")
+        # A delivery ends the long wait the receiver is in now, so it can see the stop.
+        monkeypatch.undo()
+        publish(amqp_url, [encode(place_order())])
 
 
 def test_a_duplicate_delivery_is_acked_but_stored_once(
