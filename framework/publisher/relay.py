@@ -443,8 +443,9 @@ class Relay(Daemon):
         unblocked = bool(released or failures)
         with conn.transaction(), conn.cursor() as cur:
             if published:
-                cur.execute(self._sql_mark, {"ids": published})
-                unblocked = unblocked or bool((cur.fetchone() or (False,))[0])
+                probe = len(published) <= named.PROBE_AT_MOST
+                cur.execute(self._sql_mark, {"ids": published, "probe": probe})
+                unblocked = unblocked or not probe or bool((cur.fetchone() or (False,))[0])
             if released:
                 cur.execute(self._sql_release, {"ids": released})
             for row, error in failures:

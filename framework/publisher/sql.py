@@ -152,27 +152,40 @@ WITH due AS (
     ).format(outbox=_outbox(schema))
 
 
-def mark_published(schema: str) -> sql.Composed:
-    """Params: ids (uuid[]). Only rows still pending: a row another publisher finished stays as is.
+# Marks of more rows than this skip the successor probe and report "maybe": they come
+# from full claims, after which the relay claims again anyway.
+PROBE_AT_MOST = 32
 
-    Returns one boolean: does a marked sequential row have a pending successor in its
-    lane, which the mark has just made a head? Only then is a claim worth making at once;
-    at a trickle, where every lane holds one message, this saves a claim per message.
-    The probe reads the statement's snapshot, in which the marked rows are still pending,
-    so it skips the marked row itself (one lane never has two rows in flight).
+
+def mark_published(schema: str) -> sql.Composed:
+    """Params: ids (uuid[]), probe (bool). Only rows still pending: a row another publisher
+    finished stays as is.
+
+    Returns one boolean: with ``probe``, does a marked sequential row have a pending
+    successor in its lane, which the mark has just made a head? Only then is a claim
+    worth making at once; at a trickle, where every lane holds one message, this saves a
+    claim per message. The probe reads the statement's snapshot, in which the marked
+    rows are still pending, so it skips the marked row itself (one lane never has two
+    rows in flight). It runs once per marked row, as a subquery of RETURNING: as a join
+    against the marked rows, statistics from a smaller outbox made it a nested loop
+    over every pending row per marked row (9 s for a mark of 1,101 rows, seen in
+    ``txbox bench e2e``); hence also the cap (:data:`PROBE_AT_MOST`). The UPDATE spells
+    "pending" with ``coalesce`` so that it finds its rows through the primary key: the
+    partial indexes' predicate would match the plain spelling, and with the same stale
+    statistics the planner walked every pending row of one of them for the ids.
     """
     return sql.SQL(
         """
 WITH marked AS (
-    UPDATE {outbox}
-    SET processed_at = clock_timestamp(), finished_attempts = finished_attempts + 1, last_error = NULL
-    WHERE id = ANY(%(ids)s::uuid[]) AND processed_at IS NULL AND abandoned_at IS NULL
-    RETURNING id, segment, priority, concurrency
+    UPDATE {outbox} t
+    SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, last_error = NULL
+    WHERE t.id = ANY(%(ids)s::uuid[]) AND coalesce(t.processed_at, t.abandoned_at) IS NULL
+    RETURNING %(probe)s AND t.concurrency = 'sequential' AND EXISTS (
+        SELECT 1 FROM {outbox} p
+        WHERE p.segment = t.segment AND p.priority = t.priority AND p.concurrency = 'sequential'
+          AND p.processed_at IS NULL AND p.abandoned_at IS NULL AND p.id <> t.id) AS frees
 )
-SELECT EXISTS (
-    SELECT 1 FROM marked m JOIN {outbox} p ON p.segment = m.segment AND p.priority = m.priority
-    WHERE m.concurrency = 'sequential' AND p.concurrency = 'sequential'
-      AND p.processed_at IS NULL AND p.abandoned_at IS NULL AND p.id <> m.id)
+SELECT coalesce(bool_or(frees), false) FROM marked
 """
     ).format(outbox=_outbox(schema))
 

@@ -150,3 +150,27 @@ def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_stat
         plan = _plan(conn, statement, {"window": 800, "limit": 200, "lease": 60.0})
 
     assert "Join" not in plan and "Nested Loop" not in plan, plan
+
+
+def test_the_relay_mark_probes_each_marked_row_without_a_join_whatever_the_statistics_say(database: str) -> None:
+    # As a join against the marked rows, statistics from a smaller outbox made the probe
+    # a nested loop over every pending row per marked row (9 s for a mark of 1,101 rows).
+    rows = """
+    INSERT INTO txbox.outbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, segment,
+                              processed_at)
+    SELECT gen_random_uuid(), 'PlaceOrder', 'order', g::text, 'command', 'order-service.order.place-order',
+           '{{"n": 1}}', 'order:' || (g % 50), {processed}
+    FROM generate_series(1, {count}) g
+    """
+    with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
+        conn.execute(rows.format(processed="now()", count=10))
+        conn.execute(db.analyze("txbox", names.OUTBOX))
+        conn.execute(rows.format(processed="NULL", count=PENDING))
+        ids = [str(r[0]) for r in conn.execute("SELECT id FROM txbox.outbox WHERE processed_at IS NULL LIMIT 30")]
+        statement = relay_sql.mark_published("txbox").as_string(conn)
+        plan = _plan(conn, statement, {"ids": ids, "probe": True})
+
+    assert "Join" not in plan and "Nested Loop" not in plan and "SubPlan" in plan, plan
+    # The UPDATE finds its ids by cost (primary key, or a scan of this small table), never
+    # by walking a partial index of every pending row that the stale statistics call empty.
+    assert "_idx on outbox t" not in plan, plan
