@@ -3,7 +3,7 @@
 Statistics taken while every row was processed tell the planner there are no pending
 rows; after a burst it then probes each head of segment through the index of all
 pending rows. These tests rebuild that state in a real inbox and read the plans; the
-last two show which claims do not depend on statistics at all.
+last three show statements whose plans stale statistics cannot spoil.
 """
 
 from __future__ import annotations
@@ -113,6 +113,15 @@ def test_only_a_slow_claim_refreshes_and_no_transaction_is_left_open(
         assert _probe_index(stale_inbox) == "inbox_segment_idx"
 
 
+OUTBOX_ROWS = """
+INSERT INTO txbox.outbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, segment,
+                          processed_at)
+SELECT gen_random_uuid(), 'PlaceOrder', 'order', g::text, 'command', 'order-service.order.place-order',
+       '{{"n": 1}}', 'order:' || (g % 50), {processed}
+FROM generate_series(1, {count}) g
+"""
+
+
 def _plan(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> str:
     return "\n".join(r[0] for r in conn.execute("EXPLAIN " + statement, params))
 
@@ -134,18 +143,11 @@ def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_stat
     # Joined by id under statistics from a smaller outbox, the heads were a nested loop
     # that re-ran the whole window for every row (quadratic in the window); by ctid there
     # is no join to misplan.
-    rows = """
-    INSERT INTO txbox.outbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, segment,
-                              processed_at)
-    SELECT gen_random_uuid(), 'PlaceOrder', 'order', g::text, 'command', 'order-service.order.place-order',
-           '{{"n": 1}}', 'order:' || g, {processed}
-    FROM generate_series(1, {count}) g
-    """
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
-        conn.execute(rows.format(processed="now()", count=10))
+        conn.execute(OUTBOX_ROWS.format(processed="now()", count=10))
         conn.execute(db.analyze("txbox", names.OUTBOX))
-        conn.execute(rows.format(processed="now()", count=PENDING))
-        conn.execute(rows.format(processed="NULL", count=200))
+        conn.execute(OUTBOX_ROWS.format(processed="now()", count=PENDING))
+        conn.execute(OUTBOX_ROWS.format(processed="NULL", count=200))
         statement = relay_sql.claim_window("txbox").as_string(conn)
         plan = _plan(conn, statement, {"window": 800, "limit": 200, "lease": 60.0})
 
@@ -155,17 +157,10 @@ def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_stat
 def test_the_relay_mark_probes_each_marked_row_without_a_join_whatever_the_statistics_say(database: str) -> None:
     # As a join against the marked rows, statistics from a smaller outbox made the probe
     # a nested loop over every pending row per marked row (9 s for a mark of 1,101 rows).
-    rows = """
-    INSERT INTO txbox.outbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, segment,
-                              processed_at)
-    SELECT gen_random_uuid(), 'PlaceOrder', 'order', g::text, 'command', 'order-service.order.place-order',
-           '{{"n": 1}}', 'order:' || (g % 50), {processed}
-    FROM generate_series(1, {count}) g
-    """
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
-        conn.execute(rows.format(processed="now()", count=10))
+        conn.execute(OUTBOX_ROWS.format(processed="now()", count=10))
         conn.execute(db.analyze("txbox", names.OUTBOX))
-        conn.execute(rows.format(processed="NULL", count=PENDING))
+        conn.execute(OUTBOX_ROWS.format(processed="NULL", count=PENDING))
         ids = [str(r[0]) for r in conn.execute("SELECT id FROM txbox.outbox WHERE processed_at IS NULL LIMIT 30")]
         statement = relay_sql.mark_published("txbox").as_string(conn)
         plan = _plan(conn, statement, {"ids": ids, "probe": True})
