@@ -126,13 +126,21 @@ def _plan(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any])
     return "\n".join(r[0] for r in conn.execute("EXPLAIN " + statement, params))
 
 
+def _analyzed_small_then_grown(
+    conn: psycopg.Connection[Any], rows: str, table: str, *, processed: int, pending: int
+) -> None:
+    """Statistics taken over 10 processed rows, then ``processed`` and ``pending`` more rows."""
+    conn.execute(rows.format(processed="now()", count=10))
+    conn.execute(db.analyze("txbox", table))
+    if processed:
+        conn.execute(rows.format(processed="now()", count=processed))
+    conn.execute(rows.format(processed="NULL", count=pending))
+
+
 def test_the_worker_claim_updates_its_rows_by_tid_whatever_the_statistics_say(database: str) -> None:
     # Analyzed while small, then grown: matched by id, the UPDATE scanned the inbox per claim.
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
-        conn.execute(ROW.format(processed="now()", count=10))
-        conn.execute(db.analyze("txbox", names.INBOX))
-        conn.execute(ROW.format(processed="now()", count=PENDING))
-        conn.execute(ROW.format(processed="NULL", count=20))
+        _analyzed_small_then_grown(conn, ROW, names.INBOX, processed=PENDING, pending=20)
         plan = _plan(conn, q.claim("txbox", suspects=False, park=False).as_string(conn), {"limit": 200, "lease": 60.0})
 
     scans = [line for line in plan.splitlines() if "->" in line and " on inbox t " in line]
@@ -144,10 +152,7 @@ def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_stat
     # that re-ran the whole window for every row (quadratic in the window); by ctid there
     # is no join to misplan.
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
-        conn.execute(OUTBOX_ROWS.format(processed="now()", count=10))
-        conn.execute(db.analyze("txbox", names.OUTBOX))
-        conn.execute(OUTBOX_ROWS.format(processed="now()", count=PENDING))
-        conn.execute(OUTBOX_ROWS.format(processed="NULL", count=200))
+        _analyzed_small_then_grown(conn, OUTBOX_ROWS, names.OUTBOX, processed=PENDING, pending=200)
         statement = relay_sql.claim_window("txbox").as_string(conn)
         plan = _plan(conn, statement, {"window": 800, "limit": 200, "lease": 60.0})
 
@@ -158,9 +163,7 @@ def test_the_relay_mark_probes_each_marked_row_without_a_join_whatever_the_stati
     # As a join against the marked rows, statistics from a smaller outbox made the probe
     # a nested loop over every pending row per marked row (9 s for a mark of 1,101 rows).
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
-        conn.execute(OUTBOX_ROWS.format(processed="now()", count=10))
-        conn.execute(db.analyze("txbox", names.OUTBOX))
-        conn.execute(OUTBOX_ROWS.format(processed="NULL", count=PENDING))
+        _analyzed_small_then_grown(conn, OUTBOX_ROWS, names.OUTBOX, processed=0, pending=PENDING)
         ids = [str(r[0]) for r in conn.execute("SELECT id FROM txbox.outbox WHERE processed_at IS NULL LIMIT 30")]
         statement = relay_sql.mark_published("txbox").as_string(conn)
         plan = _plan(conn, statement, {"ids": ids, "probe": True})
