@@ -170,12 +170,14 @@ def analyze(schema: str, table: str) -> psycopg.sql.Composed:
 class Statistics:
     """Keeps the planner's statistics of one txbox table fit for its daemon's claims.
 
-    Statistics taken while every row was processed say "no pending rows"; a burst after
-    that makes the planner probe each head of segment through the index of *all* pending
-    rows instead of the segment index: measured 620 ms for a 200-row inbox claim over
-    3,500 pending rows, where a fresh plan takes a few ms. :meth:`refresh` is called on
-    a timer (the gauges) and, ``urgent``, right after a slow claim, so a bad plan lasts
-    one claim rather than until the next timer tick.
+    Statistics taken while every row was processed say "no pending rows", and statistics
+    taken while the table was small misjudge it once it has grown. Each plan we saw go
+    wrong that way is now written so it cannot (the ``ctid`` matches and the spellings of
+    "pending" in framework/tables.py); the worst had cost 620 ms for a 200-row inbox
+    claim that a fresh plan makes in a few ms. This refresh stays as the second line for
+    plans not seen yet: :meth:`refresh` is called on a timer (the gauges) and,
+    ``urgent``, right after a slow claim, so a bad plan lasts one claim rather than until
+    the next timer tick.
     """
 
     URGENT_INTERVAL = 2.0  # seconds between two ANALYZEs after slow claims, at least

@@ -15,12 +15,15 @@ pending until its confirm is *recorded*, at most one row per lane is ever in fli
 a failure (nack, return, lost connection) of an earlier row can never let a later one
 overtake it, whichever publisher holds which row.
 
-Planner note: with statistics, the head-of-lane probe is one descent of
-``outbox_segment_idx (segment, created_at)`` per candidate (~50 ms per 2,000-row claim
-over 50k rows). On a table bulk-filled since its last ANALYZE the planner misjudges its
-size and walks ``outbox_due_idx`` over every earlier row instead (measured: 4 s per
-claim, and no index shape or rewrite avoided it), so the relay analyzes the outbox
-itself when :func:`framework.db.needs_analyze` says the statistics are stale (relay.py).
+Planner note: the head-of-lane probe is one descent of ``outbox_segment_idx (segment,
+created_at)`` per candidate (~50 ms per 2,000-row claim over 50k rows). On a table
+bulk-filled since its last ANALYZE the planner misjudged the partial indexes and walked
+``outbox_due_idx`` over every earlier row instead (4 s per claim; 1-2.7 s per claim in
+``txbox bench e2e``). Since migration 0006 the probe spells "pending" as the segment
+index's predicate, which ``outbox_due_idx`` cannot serve (framework/tables.py), and the
+statements that find rows by id spell it so that neither partial index can. The relay
+still analyzes the outbox itself when the statistics are stale (relay.py): row counts
+matter for the rest of the plan.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 from psycopg import sql
 
 from framework import names
+from framework.tables import pending_by_id, pending_in_segment
 
 # Columns the relay reads back from a claim, in this order (see relay.Claimed).
 CLAIM_COLUMNS = (
@@ -54,11 +58,16 @@ def _outbox(schema: str) -> sql.Identifier:
     return sql.Identifier(schema, names.OUTBOX)
 
 
-_PROBE = """NOT EXISTS (
-            SELECT 1 FROM {outbox} p
+# Statements that find their rows by id spell "pending" so that no partial index can
+# serve them (framework/tables.py says why).
+_PENDING_BY_ID = sql.SQL(pending_by_id())
+
+
+_PROBE = f"""NOT EXISTS (
+            SELECT 1 FROM {{outbox}} p
             WHERE p.segment = o.segment AND p.priority = o.priority
               AND p.concurrency = 'sequential'
-              AND p.processed_at IS NULL AND p.abandoned_at IS NULL
+              AND {pending_in_segment("p")}
               AND (p.created_at, p.id) < (o.created_at, o.id))"""
 
 # Take the locked rows: the lease and the attempt in one UPDATE, found by ``ctid``, and
@@ -121,7 +130,9 @@ WITH window_rows AS (
     SELECT o.ctid
     FROM {outbox} o
     WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM firsts))
-      AND o.processed_at IS NULL AND o.abandoned_at IS NULL AND o.locked_until <= now()
+      AND """
+        + pending_by_id("o")
+        + """ AND o.locked_until <= now()
       AND (o.concurrency = 'parallel' OR """
         + _PROBE
         + """)
@@ -170,20 +181,20 @@ def mark_published(schema: str) -> sql.Composed:
     against the marked rows, statistics from a smaller outbox made it a nested loop
     over every pending row per marked row (9 s for a mark of 1,101 rows, seen in
     ``txbox bench e2e``); hence also the cap (:data:`PROBE_AT_MOST`). The UPDATE spells
-    "pending" with ``coalesce`` so that it finds its rows through the primary key: the
-    partial indexes' predicate would match the plain spelling, and with the same stale
-    statistics the planner walked every pending row of one of them for the ids.
+    "pending" so that it finds its rows through the primary key: a spelling that matched
+    a partial index's predicate let the same stale statistics walk every pending row of
+    that index for the ids.
     """
     return sql.SQL(
-        """
+        f"""
 WITH marked AS (
-    UPDATE {outbox} t
+    UPDATE {{outbox}} t
     SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, last_error = NULL
-    WHERE t.id = ANY(%(ids)s::uuid[]) AND coalesce(t.processed_at, t.abandoned_at) IS NULL
+    WHERE t.id = ANY(%(ids)s::uuid[]) AND {pending_by_id("t")}
     RETURNING %(probe)s AND t.concurrency = 'sequential' AND EXISTS (
-        SELECT 1 FROM {outbox} p
+        SELECT 1 FROM {{outbox}} p
         WHERE p.segment = t.segment AND p.priority = t.priority AND p.concurrency = 'sequential'
-          AND p.processed_at IS NULL AND p.abandoned_at IS NULL AND p.id <> t.id) AS frees
+          AND {pending_in_segment("p")} AND p.id <> t.id) AS frees
 )
 SELECT coalesce(bool_or(frees), false) FROM marked
 """
@@ -198,9 +209,9 @@ UPDATE {outbox}
 SET finished_attempts = finished_attempts + 1,
     locked_until = clock_timestamp() + make_interval(secs => %(delay)s),
     last_error = %(error)s
-WHERE id = %(id)s::uuid AND processed_at IS NULL AND abandoned_at IS NULL
+WHERE id = %(id)s::uuid AND {pending}
 """
-    ).format(outbox=_outbox(schema))
+    ).format(outbox=_outbox(schema), pending=_PENDING_BY_ID)
 
 
 def abandon(schema: str) -> sql.Composed:
@@ -209,9 +220,9 @@ def abandon(schema: str) -> sql.Composed:
         """
 UPDATE {outbox}
 SET finished_attempts = finished_attempts + 1, abandoned_at = clock_timestamp(), last_error = %(error)s
-WHERE id = %(id)s::uuid AND processed_at IS NULL AND abandoned_at IS NULL
+WHERE id = %(id)s::uuid AND {pending}
 """
-    ).format(outbox=_outbox(schema))
+    ).format(outbox=_outbox(schema), pending=_PENDING_BY_ID)
 
 
 def release(schema: str) -> sql.Composed:
@@ -223,9 +234,9 @@ def release(schema: str) -> sql.Composed:
     return sql.SQL(
         """
 UPDATE {outbox} SET locked_until = clock_timestamp()
-WHERE id = ANY(%(ids)s::uuid[]) AND processed_at IS NULL AND abandoned_at IS NULL
+WHERE id = ANY(%(ids)s::uuid[]) AND {pending}
 """
-    ).format(outbox=_outbox(schema))
+    ).format(outbox=_outbox(schema), pending=_PENDING_BY_ID)
 
 
 def backlog(schema: str) -> sql.Composed:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from psycopg import sql
 
 from framework import names
+from framework.tables import pending_by_id, pending_in_segment
 
 _RETURNING = (
     "t.id, t.message_type, t.aggregate_type, t.aggregate_id, t.message_version, t.routing_key, t.payload,"
@@ -24,30 +25,30 @@ _RETURNING = (
     " t.created_at, t.segment"
 )
 
-_CLAIM = """
+_CLAIM = f"""
 WITH due AS (
     SELECT i.ctid
-    FROM {inbox} i
+    FROM {{inbox}} i
     WHERE i.processed_at IS NULL AND i.abandoned_at IS NULL
       AND i.locked_until <= now()
-      AND {which}
+      AND {{which}}
       AND (i.concurrency = 'parallel' OR NOT EXISTS (
-            SELECT 1 FROM {inbox} p
+            SELECT 1 FROM {{inbox}} p
             WHERE p.segment = i.segment
-              AND p.processed_at IS NULL AND p.abandoned_at IS NULL
+              AND {pending_in_segment("p")}
               AND p.concurrency = 'sequential'
               AND (p.priority > i.priority
                    OR (p.priority = i.priority AND (p.created_at, p.id) < (i.created_at, i.id)))))
-      {park}
-    ORDER BY {order}
+      {{park}}
+    ORDER BY {{order}}
     LIMIT %(limit)s
     FOR UPDATE OF i SKIP LOCKED
 )
-UPDATE {inbox} t
+UPDATE {{inbox}} t
 SET started_attempts = t.started_attempts + 1,
     locked_until = now() + make_interval(secs => %(lease)s)
 WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
-RETURNING {returning}
+RETURNING {{returning}}
 """
 
 # Parked: an abandoned sequential message of the segment whose dead letter is still open.
@@ -79,15 +80,15 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
 # Our claims that still carry the started_attempts they had when we claimed them (the
 # fencing token); params ``ids`` and ``started``. Each is looked up through the primary
 # key by a scalar subquery, then updated by ``ctid`` (a TID scan). Both spell "pending"
-# as ``coalesce(processed_at, abandoned_at) IS NULL`` on purpose: that does not match the
-# partial indexes' predicate, so the planner cannot pick one of them. It did, with
-# statistics taken while the inbox was small, and scanned every pending row per id (0.8 s
-# per batch); a plain join to the unnest hashed the whole inbox per batch instead.
-_FENCE = """t.ctid = ANY(ARRAY(
-    SELECT (SELECT i.ctid FROM {inbox} i WHERE i.id = c.id AND i.started_attempts = c.started
-              AND coalesce(i.processed_at, i.abandoned_at) IS NULL)
+# so that it matches no partial index's predicate (framework/tables.py): with statistics
+# taken while the inbox was small, the planner picked one of them and scanned every
+# pending row per id (0.8 s per batch); a plain join to the unnest hashed the whole inbox
+# per batch instead.
+_FENCE = f"""t.ctid = ANY(ARRAY(
+    SELECT (SELECT i.ctid FROM {{inbox}} i WHERE i.id = c.id AND i.started_attempts = c.started
+              AND {pending_by_id("i")})
     FROM unnest(%(ids)s::uuid[], %(started)s::int2[]) AS c(id, started)))
-    AND coalesce(t.processed_at, t.abandoned_at) IS NULL"""
+    AND {pending_by_id("t")}"""
 
 
 def presume_processed(schema: str) -> sql.Composed:
@@ -110,7 +111,7 @@ def presume_processed(schema: str) -> sql.Composed:
         f"WHERE {_FENCE} "
         "RETURNING t.id, t.concurrency = 'sequential' AND EXISTS ("
         "SELECT 1 FROM {inbox} p WHERE p.segment = t.segment AND p.concurrency = 'sequential' "
-        "AND p.processed_at IS NULL AND p.abandoned_at IS NULL AND p.id <> ALL(%(ids)s::uuid[]))"
+        f"AND {pending_in_segment('p')} AND p.id <> ALL(%(ids)s::uuid[]))"
     ).format(inbox=sql.Identifier(schema, names.INBOX))
 
 
