@@ -190,6 +190,12 @@ def _ids(conn: psycopg.Connection[Any], table: str) -> list[str]:
     return [str(r[0]) for r in conn.execute(f"SELECT id FROM txbox.{table} WHERE processed_at IS NULL LIMIT 30")]
 
 
+def _fenced(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """Params of the worker's fenced statements: claims as first started."""
+    ids = _ids(conn, names.INBOX)
+    return {"ids": ids, "started": [0] * len(ids)}
+
+
 Statement = Callable[[psycopg.Connection[Any]], tuple[sql.Composed, dict[str, Any]]]
 
 PROBES: dict[str, tuple[str, Statement]] = {
@@ -199,10 +205,7 @@ PROBES: dict[str, tuple[str, Statement]] = {
     ),
     "worker presume": (
         names.INBOX,
-        lambda conn: (
-            q.presume_processed("txbox"),
-            {"ids": (ids := _ids(conn, names.INBOX)), "started": [0] * len(ids)},
-        ),
+        lambda conn: (q.presume_processed("txbox"), _fenced(conn)),
     ),
     "relay claim": (names.OUTBOX, lambda conn: (relay_sql.claim("txbox"), {"limit": 200, "lease": 60.0})),
     "relay window claim": (
@@ -245,7 +248,7 @@ BY_ID: dict[str, tuple[str, Statement]] = {
     "worker presume": PROBES["worker presume"],
     "worker release": (
         names.INBOX,
-        lambda conn: (q.release("txbox"), {"ids": (ids := _ids(conn, names.INBOX)), "started": [0] * len(ids)}),
+        lambda conn: (q.release("txbox"), _fenced(conn)),
     ),
 }
 
