@@ -125,6 +125,10 @@ def _plan(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any])
     return "\n".join(r[0] for r in conn.execute("EXPLAIN " + statement, params))
 
 
+def _ids(conn: psycopg.Connection[Any], table: str) -> list[str]:
+    return [str(r[0]) for r in conn.execute(f"SELECT id FROM txbox.{table} WHERE processed_at IS NULL LIMIT 30")]
+
+
 def _analyzed_small_then_grown(
     conn: psycopg.Connection[Any], rows: str, table: str, *, processed: int, pending: int
 ) -> None:
@@ -163,9 +167,8 @@ def test_the_relay_mark_probes_each_marked_row_without_a_join_whatever_the_stati
     # a nested loop over every pending row per marked row (9 s for a mark of 1,101 rows).
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
         _analyzed_small_then_grown(conn, OUTBOX_ROWS, names.OUTBOX, processed=0, pending=PENDING)
-        ids = [str(r[0]) for r in conn.execute("SELECT id FROM txbox.outbox WHERE processed_at IS NULL LIMIT 30")]
         statement = relay_sql.mark_published("txbox").as_string(conn)
-        plan = _plan(conn, statement, {"ids": ids, "probe": True})
+        plan = _plan(conn, statement, {"ids": _ids(conn, names.OUTBOX), "probe": True})
 
     assert "Join" not in plan and "Nested Loop" not in plan and "SubPlan" in plan, plan
 
@@ -184,10 +187,6 @@ def _probe_indexes(plan: str, table: str) -> set[str]:
         else:
             used.add(line.split("->")[-1].split("(")[0].strip())
     return used
-
-
-def _ids(conn: psycopg.Connection[Any], table: str) -> list[str]:
-    return [str(r[0]) for r in conn.execute(f"SELECT id FROM txbox.{table} WHERE processed_at IS NULL LIMIT 30")]
 
 
 def _fenced(conn: psycopg.Connection[Any]) -> dict[str, Any]:
