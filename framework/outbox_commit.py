@@ -1,44 +1,81 @@
 """Outbox rows that travel with the caller's COMMIT (issue 2: writing must be cheap).
 
-A one-row business transaction is commit-bound: BEGIN, its statement and COMMIT are a
-round trip each. An outbox INSERT of its own is one round trip more, measured at about
-1.35 times the transaction alone on this VM. So a row written at the top level of a
-transaction waits here and is sent together with the COMMIT, as one simple-protocol
-query ``INSERT ...; INSERT ...; COMMIT``. It is still the caller's transaction: the rows
-commit exactly when the business data does, and a failing INSERT makes the commit fail
-(PostgreSQL skips the rest of the query), so nothing commits without its messages.
+A one-row business transaction is a few round trips: BEGIN, its statement and COMMIT.
+An outbox INSERT of its own would be one more, and parsing and planning a wide INSERT
+costs PostgreSQL about as much again as executing it. So a row written at the top level
+of a transaction waits here and goes out with the COMMIT in one libpq pipeline:
+``[Close, Parse,] Bind/Execute ... COMMIT, Sync``, one round trip, executing a statement
+prepared once per connection. It is still the caller's transaction: the rows commit
+exactly when the business data does, and a failing INSERT aborts the pipeline, so the
+COMMIT never runs and nothing commits without its messages.
 
 A row is only held back where the commit is sure to pass SQLAlchemy's ``commit`` event:
-a psycopg connection inside a plain (not two-phase) transaction that is not in
-autocommit mode. Everywhere else the caller inserts it at once (:func:`hold` says which).
-Rows still held when a SAVEPOINT starts are inserted before it, so rolling back to the
-savepoint cannot take them along; rows written inside a savepoint go in at once, after
-any held ones, so a segment keeps the order in which its messages were written.
+a psycopg connection (libpq with pipeline mode) inside a plain (not two-phase)
+transaction that is not in autocommit mode. Everywhere else the caller inserts it at
+once (:func:`hold` says which). Rows still held when a SAVEPOINT starts are inserted
+before it, so rolling back to the savepoint cannot take them along; rows written inside
+a savepoint go in at once, after any held ones, so a segment keeps the order in which
+its messages were written.
 
 Rows are kept per transaction object, so a rolled-back transaction's rows can never
 reach another transaction on the same pooled connection.
+
+The prepared statement lives in the database session, where others can drop it: psycopg
+sends ``DEALLOCATE ALL`` after a rollback or DDL once it has prepared statements of its
+own, and anyone may run ``DISCARD ALL``. Whenever one of those may have happened (seen
+through SQLAlchemy's events) the statement is closed and prepared again with the next
+commit, in the same round trip. Connections with ``prepare_threshold=None`` (psycopg's
+setting for poolers in transaction mode) get an unnamed statement every time.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import re
+import select
 import threading
 import uuid
 import weakref
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import capabilities, pq
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.engine.base import RootTransaction
 from sqlalchemy.exc import DBAPIError
 
-# Complete INSERT statements, values bound, in the order written.
-Held = list[str]
+_PIPELINE = capabilities.has_pipeline()
+# Closing a statement that may or may not exist is no error only at the protocol level.
+_NAMED = _PIPELINE and capabilities.has_send_close_prepared()
+_OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+# Command tags after which the session's prepared statements may be gone: psycopg
+# deallocates all of its own (and so ours) after these, and the last two do it outright.
+_DEALLOCATING = re.compile(r"(?:DROP|ALTER|ROLLBACK|DISCARD ALL|DEALLOCATE)\b").match
 
-_held: weakref.WeakKeyDictionary[RootTransaction, Held] = weakref.WeakKeyDictionary()
+
+@dataclass(frozen=True, slots=True)
+class _Insert:
+    """One INSERT with ``$n`` parameters and the name it is prepared under."""
+
+    name: bytes
+    text: bytes
+
+    @property
+    def shown(self) -> str:
+        """The statement as error messages name it: without values (payloads, tokens)."""
+        return self.text.decode().split(" VALUES ", 1)[0] + " VALUES (...)"
+
+
+# A held row: its statement and its parameters in libpq's text format.
+_Row = tuple[_Insert, list[bytes | None]]
+
+_held: weakref.WeakKeyDictionary[RootTransaction, list[_Row]] = weakref.WeakKeyDictionary()
+# Statements known to be prepared in each session; absent or empty: close and prepare.
+_prepared: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[bytes]] = weakref.WeakKeyDictionary()
 _hooked: weakref.WeakSet[Engine] = weakref.WeakSet()
 _hook_lock = threading.Lock()
 
@@ -50,17 +87,27 @@ def hold(conn: Connection, table: str, values: dict[str, Any]) -> bool:
     (JSON columns already serialized to text).
     """
     txn = conn.get_transaction()
-    if type(txn) is not RootTransaction or conn.in_nested_transaction() or conn.dialect.driver != "psycopg":
+    if (
+        not _PIPELINE
+        or type(txn) is not RootTransaction
+        or conn.in_nested_transaction()
+        or conn.dialect.driver != "psycopg"
+    ):
         return False
     raw = conn.connection.driver_connection
     if not isinstance(raw, psycopg.Connection) or raw.autocommit:
         return False
+    statement = _statement(table, tuple(values))
     try:
-        statement = _insert(raw, table, values)
+        try:
+            params = [_text(value, raw.info.encoding) for value in values.values()]
+        except UnicodeEncodeError as exc:
+            encoding = raw.info.parameter_status("client_encoding")
+            raise psycopg.DataError(f"client_encoding {encoding} cannot carry this text: {exc}") from None
     except psycopg.Error as exc:  # a value PostgreSQL cannot take, e.g. text with a NUL
-        raise DBAPIError.instance(f"INSERT INTO {table}", None, exc, psycopg.Error, dialect=conn.dialect) from exc
+        raise DBAPIError.instance(statement.shown, None, exc, psycopg.Error, dialect=conn.dialect) from exc
     _hook(conn.engine)
-    _held.setdefault(txn, []).append(statement)
+    _held.setdefault(txn, []).append((statement, params))
     return True
 
 
@@ -82,6 +129,8 @@ def _hook(engine: Engine) -> None:
             event.listen(engine, "commit", _on_commit)
             event.listen(engine, "savepoint", _on_savepoint)
             event.listen(engine, "rollback", _on_rollback)
+            event.listen(engine, "after_cursor_execute", _on_statement)
+            event.listen(engine, "reset", _on_reset)
             _hooked.add(engine)
 
 
@@ -102,52 +151,140 @@ def _on_rollback(conn: Connection) -> None:
     txn = conn.get_transaction()
     if txn is not None:
         _held.pop(txn, None)
+    _forget_if_open(conn.connection.driver_connection)
 
 
-def _send(conn: Connection, rows: Held, *, commit: bool) -> None:
+def _on_reset(dbapi_connection: Any, record: Any, state: Any) -> None:
+    # The pool rolls back what its borrower left open.
+    _forget_if_open(dbapi_connection)
+
+
+def _on_statement(conn: Connection, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+    status = getattr(cursor, "statusmessage", None)
+    if status and _DEALLOCATING(status):
+        _forget(conn.connection.driver_connection)
+
+
+def _forget_if_open(raw: Any) -> None:
+    # psycopg sends ROLLBACK (and may then deallocate) only for an open transaction.
+    if isinstance(raw, psycopg.Connection) and raw.info.transaction_status != pq.TransactionStatus.IDLE:
+        _forget(raw)
+
+
+def _forget(raw: Any) -> None:
+    if isinstance(raw, psycopg.Connection):
+        _prepared.pop(raw, None)
+
+
+def _send(conn: Connection, rows: list[_Row], *, commit: bool) -> None:
     raw = conn.connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
-    # Without parameters psycopg sends the simple-protocol Query message, the one that
-    # may carry several statements.
+    shown = ";\n".join(dict.fromkeys(statement.shown for statement, _ in rows)) + (";\nCOMMIT" if commit else "")
     try:
-        raw.execute(";\n".join([*rows, "COMMIT"] if commit else rows))
-    except psycopg.Error as exc:
-        # Name the statement without its values: they hold payloads and auth tokens,
-        # and errors get logged.
-        shown = ";\n".join(row[: row.index(" VALUES ")] + " VALUES (...)" for row in rows)
-        raise DBAPIError.instance(
-            shown + (";\nCOMMIT" if commit else ""), None, exc, psycopg.Error, dialect=conn.dialect
-        ) from exc
+        with raw.lock:
+            results, names = _pipeline(raw, rows, commit=commit)
+    except BaseException as exc:
+        # Cut off mid-pipeline (connection lost, interrupt): the session's state is
+        # unknown, and the commit's outcome unknowable, as with any interrupted COMMIT.
+        _prepared.pop(raw, None)
+        raw.close()
+        if isinstance(exc, psycopg.Error):
+            raise DBAPIError.instance(shown, None, exc, psycopg.Error, dialect=conn.dialect) from exc
+        raise
+    failed = next((result for result in results if result.status not in _OK), None)
+    if failed is None:
+        _prepared.setdefault(raw, set()).update(names)
+        return
+    _prepared.pop(raw, None)  # which statements the aborted pipeline prepared is not worth knowing
+    if commit and raw.info.transaction_status != pq.TransactionStatus.IDLE:
+        # An INSERT failed, so the COMMIT never ran; SQLAlchemy counts the transaction
+        # as ended all the same, so end it here too.
+        raw.rollback()
+    error = psycopg.errors.error_from_result(failed, encoding=raw.info.encoding)
+    wrapped = DBAPIError.instance(shown, None, error, psycopg.Error, dialect=conn.dialect)
+    if isinstance(error, psycopg.errors.InvalidSqlStatementName):
+        wrapped.add_note(
+            "txbox prepares its outbox INSERT once per connection, and something dropped it where "
+            "SQLAlchemy's events could not see (DEALLOCATE or DISCARD ALL on the driver connection, "
+            "or a pooler in transaction mode: give it connect_args={'prepare_threshold': None}). "
+            "The transaction rolled back and nothing committed; a retry prepares it again."
+        )
+    raise wrapped from error
 
 
-def _insert(raw: psycopg.Connection[Any], table: str, values: dict[str, Any]) -> str:
-    # Bound here, client-side: a statement with server-side parameters cannot share its
-    # Query message with others, and the point is one round trip.
-    plain = raw.info.parameter_status("standard_conforming_strings") == "on"
-    columns = ", ".join(_identifier(name) for name in values)
-    literals = ", ".join(_literal(value, raw, plain) for value in values.values())
-    return f"INSERT INTO {table} ({columns}) VALUES ({literals})"
+def _pipeline(
+    raw: psycopg.Connection[Any], rows: list[_Row], *, commit: bool
+) -> tuple[list[pq.abc.PGresult], set[bytes]]:
+    """Send ``rows`` (and COMMIT) in one pipeline: the results before its Sync, and the
+    statements it prepared."""
+    pgconn = raw.pgconn
+    named = _NAMED and raw.prepare_threshold is not None
+    known = _prepared.get(raw, set())
+    preparing: set[bytes] = set()
+    pgconn.enter_pipeline_mode()
+    for statement, params in rows:
+        if not named:
+            pgconn.send_query_params(statement.text, params)
+            continue
+        if statement.name not in known and statement.name not in preparing:
+            pgconn.send_close_prepared(statement.name)
+            pgconn.send_prepare(statement.name, statement.text)
+            preparing.add(statement.name)
+        pgconn.send_query_prepared(statement.name, params)
+    if commit:
+        pgconn.send_query_params(b"COMMIT", None)
+    pgconn.pipeline_sync()
+    results = _results(pgconn)
+    pgconn.exit_pipeline_mode()
+    return results, preparing
+
+
+def _results(pgconn: pq.abc.PGconn) -> list[pq.abc.PGresult]:
+    # Waiting in poll(), not inside libpq, leaves other threads the GIL for the round trip.
+    poll = select.poll()
+    poll.register(pgconn.socket, select.POLLIN | select.POLLOUT)
+    while pgconn.flush():  # psycopg's connections are non-blocking: send the rest
+        poll.poll()
+        pgconn.consume_input()
+    poll.modify(pgconn.socket, select.POLLIN)
+    results: list[pq.abc.PGresult] = []
+    while True:
+        while pgconn.is_busy():
+            poll.poll()
+            pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is None:  # the end of one statement's results
+            if pgconn.status == pq.ConnStatus.BAD:
+                raise psycopg.OperationalError("the connection was lost before the server answered")
+            continue
+        if result.status == pq.ExecStatus.PIPELINE_SYNC:
+            return results
+        results.append(result)
 
 
 @functools.cache
+def _statement(table: str, columns: tuple[str, ...]) -> _Insert:
+    placeholders = ", ".join(f"${n}" for n in range(1, len(columns) + 1))
+    text = f"INSERT INTO {table} ({', '.join(map(_identifier, columns))}) VALUES ({placeholders})"
+    # One name per table and column list; a hash keeps it within 63 bytes.
+    name = "txbox_outbox_" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return _Insert(name=name.encode(), text=text.encode())
+
+
 def _identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _literal(value: object, raw: psycopg.Connection[Any], plain_strings: bool) -> str:
-    # The common types by hand (psycopg's general quoting costs about as much as the
-    # whole rest of a write); anything else, and any string with a NUL (which PostgreSQL
-    # refuses), through psycopg. With standard_conforming_strings on, a quote is the
-    # only special character inside '...'.
+def _text(value: object, encoding: str) -> bytes | None:
+    # libpq's text format; PostgreSQL's input functions parse it by the column's type.
     if value is None:
-        return "NULL"
+        return None
     if isinstance(value, str):
-        if plain_strings and "\x00" not in value:
-            return "'" + value.replace("'", "''") + "'"
-    elif isinstance(value, uuid.UUID):
-        return f"'{value}'::uuid"
-    elif type(value) is int:
-        return str(value)
-    elif isinstance(value, datetime) and value.tzinfo is not None:
-        return f"'{value.isoformat()}'::timestamptz"
-    return sql.Literal(value).as_string(raw)
+        if "\x00" in value:
+            raise psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+        return value.encode(encoding)
+    if isinstance(value, uuid.UUID) or type(value) is int:
+        return str(value).encode()
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return value.isoformat().encode()
+    raise TypeError(f"an outbox column value of type {type(value).__name__} has no text format here")

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Column, MetaData, Table, Text, event, func, select
+from sqlalchemy import Column, Connection, MetaData, Table, Text, event, func, select, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session
 
-from framework import Message, Service, migrate, outbox_commit, tables
-from framework.db import conninfo, create_engine
+from framework import Message, Service, migrate, tables
+from framework.db import create_engine
 from framework.errors import ContractError, PayloadValidationError, UnknownMessageType
 from framework.settings import Settings
 from tests.conftest import CONTRACTS
@@ -276,7 +276,7 @@ def test_text_postgresql_cannot_store_is_refused_at_write(service: Service, engi
     assert committed_ids(engine) == []
 
 
-# Any text, as the values of a row are bound by hand (outbox_commit._literal).
+# Any text, as the values of a row travel in libpq's text format (outbox_commit._text).
 texts = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), max_size=40)
 
 
@@ -293,15 +293,148 @@ def test_any_text_arrives_exactly_as_written(
     assert (row["aggregate_id"], row["segment"], row["payload"]) == (aggregate_id, f"order:{aggregate_id}", payload)
 
 
-@pytest.mark.parametrize("conforming", ["on", "off"])
-def test_literals_match_postgresql_parsing_either_way(database_url: str, conforming: str) -> None:
-    values: dict[str, Any] = {"a": "it's \\ a 'test' \\n", "b": uuid.uuid4(), "c": -3, "d": None}
-    with psycopg.connect(conninfo(database_url), autocommit=True) as raw:
-        raw.execute(f"SET standard_conforming_strings = {conforming}")
-        statement = outbox_commit._insert(raw, "t", values)
-        literals = statement[statement.index(" VALUES (") + len(" VALUES (") : -1]
-        row = raw.execute(f"SELECT {literals}").fetchone()
-    assert row == tuple(values.values())
+# --- the held rows' INSERT is prepared once per connection and survives whatever drops it
+
+
+def our_statements(conn: Connection) -> list[tuple[str, int]]:
+    """The outbox statements prepared in ``conn``'s session, with how often each ran."""
+    query = text(
+        "SELECT name, generic_plans + custom_plans FROM pg_prepared_statements"
+        " WHERE name LIKE 'txbox_outbox_%' ORDER BY name"
+    )
+    return [(name, runs) for name, runs in conn.execute(query)]
+
+
+def write_and_commit(service: Service, conn: Connection, aggregate_id: str) -> uuid.UUID:
+    conn.execute(orders.insert().values(id=aggregate_id))  # begins the transaction
+    message_id = service.outbox(conn).send_command("PlaceOrder", aggregate_id=aggregate_id, payload=PAYLOAD)
+    conn.commit()
+    return message_id
+
+
+@pytest.fixture
+def one_connection(engine: Engine, database_url: str) -> Iterator[Engine]:
+    """An engine whose every checkout is the same session; psycopg prepares at once."""
+    one = create_engine(database_url, pool_size=1, max_overflow=0, connect_args={"prepare_threshold": 0})
+    yield one
+    one.dispose()
+
+
+def test_the_insert_is_prepared_once_and_reused(service: Service, one_connection: Engine) -> None:
+    with one_connection.connect() as conn:
+        for n in range(3):
+            write_and_commit(service, conn, f"a{n}")
+        ((_, runs),) = our_statements(conn)
+    assert runs == 3
+    assert len(committed_ids(one_connection)) == 3
+
+
+def deallocate(conn: Connection, engine: Engine) -> None:
+    conn.execute(text("DEALLOCATE ALL"))
+    conn.commit()
+
+
+def discard(conn: Connection, engine: Engine) -> None:
+    conn.commit()
+    conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("DISCARD ALL"))
+
+
+def roll_back(conn: Connection, engine: Engine) -> None:
+    # psycopg deallocates everything after a rollback once it has prepared statements
+    conn.execute(orders.insert().values(id="x"))
+    conn.rollback()
+
+
+def reset_in_the_pool(conn: Connection, engine: Engine) -> None:
+    conn.commit()
+    conn.close()
+    raw = engine.raw_connection()  # no SQLAlchemy Connection, so no rollback event
+    raw.cursor().execute("INSERT INTO orders VALUES ('x')")
+    raw.close()  # the pool rolls it back
+
+
+@pytest.mark.parametrize("drop", [deallocate, discard, roll_back, reset_in_the_pool])
+def test_a_dropped_statement_is_prepared_again_in_the_same_round_trip(
+    service: Service, one_connection: Engine, drop: Any
+) -> None:
+    with one_connection.connect() as conn:
+        first = write_and_commit(service, conn, "first")
+        conn.execute(select(func.count()).select_from(orders))  # psycopg prepares one of its own
+        drop(conn, one_connection)
+    with one_connection.connect() as conn:
+        assert our_statements(conn) == []  # the session really lost it
+        second = write_and_commit(service, conn, "second")
+        assert len(our_statements(conn)) == 1
+    assert committed_ids(one_connection) == [first, second]
+
+
+def test_a_statement_dropped_behind_sqlalchemys_back_fails_one_commit_and_loses_nothing(
+    service: Service, one_connection: Engine
+) -> None:
+    with one_connection.connect() as conn:
+        kept = write_and_commit(service, conn, "a")
+        conn.execute(orders.insert().values(id="o-1"))
+        conn.connection.driver_connection.pgconn.exec_(b"DEALLOCATE ALL")  # type: ignore[union-attr]
+        service.outbox(conn).send_command("PlaceOrder", aggregate_id="b", payload=PAYLOAD)
+        with pytest.raises(ProgrammingError, match="does not exist") as caught:
+            conn.commit()
+        assert "retry" in "".join(getattr(caught.value, "__notes__", []))
+        conn.rollback()  # as after any failed commit
+        again = write_and_commit(service, conn, "c")  # and the next try goes through
+        assert conn.execute(select(orders.c.id).order_by(orders.c.id)).scalars().all() == ["a", "c"]
+    assert committed_ids(one_connection) == [kept, again]
+
+
+def test_without_prepared_statements_rows_still_ride_on_the_commit(
+    service: Service, engine: Engine, database_url: str
+) -> None:
+    # prepare_threshold=None is psycopg's setting behind a pooler in transaction mode.
+    unprepared = create_engine(database_url, pool_size=1, connect_args={"prepare_threshold": None})
+    try:
+        statements: list[str] = []
+        event.listen(unprepared, "before_cursor_execute", lambda *args: statements.append(args[2]))
+        with unprepared.connect() as conn:
+            message_id = write_and_commit(service, conn, "a")
+            assert our_statements(conn) == []
+        assert not any("outbox" in s and s.startswith("INSERT") for s in statements)
+        assert committed_ids(engine) == [message_id]
+    finally:
+        unprepared.dispose()
+
+
+def test_a_connection_lost_before_the_commit_commits_nothing(service: Service, engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.execute(orders.insert().values(id="o-1"))
+        pid = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+        service.outbox(conn).send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD)
+        with engine.connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(OperationalError):
+            conn.commit()
+    assert committed_ids(engine) == []
+    with Session(engine) as session, session.begin():  # the pool replaced the connection
+        service.outbox(session).send_command("PlaceOrder", aggregate_id="b", payload=PAYLOAD)
+    assert len(committed_ids(engine)) == 1
+
+
+@pytest.mark.parametrize(("value", "arrives"), [("café", True), ("€ 5", False)])
+def test_text_travels_in_the_connections_own_encoding(
+    service: Service, database_url: str, value: str, arrives: bool
+) -> None:
+    engine = create_engine(database_url, connect_args={"options": "-c client_encoding=LATIN1"})
+    try:
+        with Session(engine) as session, session.begin():
+            outbox = service.outbox(session)
+            if not arrives:
+                with pytest.raises(DataError, match="client_encoding LATIN1"):
+                    outbox.send_command("PlaceOrder", aggregate_id=value, payload=PAYLOAD)
+                return
+            message_id = outbox.send_command("PlaceOrder", aggregate_id=value, payload=PAYLOAD)
+        with engine.connect() as conn:
+            row = conn.execute(select(tables.outbox.c.aggregate_id).where(tables.outbox.c.id == message_id))
+            assert row.scalar_one() == value
+    finally:
+        engine.dispose()
 
 
 def test_an_engine_with_execution_options_commits_its_rows(service: Service, engine: Engine) -> None:
