@@ -98,12 +98,13 @@ def hold(conn: Connection, table: str, values: dict[str, Any]) -> bool:
     if not isinstance(raw, psycopg.Connection) or raw.autocommit:
         return False
     statement = _statement(table, tuple(values))
+    encoding = raw.info.encoding
     try:
         try:
-            params = [_text(value, raw.info.encoding) for value in values.values()]
+            params = [_text(value, encoding) for value in values.values()]
         except UnicodeEncodeError as exc:
-            encoding = raw.info.parameter_status("client_encoding")
-            raise psycopg.DataError(f"client_encoding {encoding} cannot carry this text: {exc}") from None
+            name = raw.info.parameter_status("client_encoding")
+            raise psycopg.DataError(f"client_encoding {name} cannot carry this text: {exc}") from None
     except psycopg.Error as exc:  # a value PostgreSQL cannot take, e.g. text with a NUL
         raise DBAPIError.instance(statement.shown, None, exc, psycopg.Error, dialect=conn.dialect) from exc
     _hook(conn.engine)
