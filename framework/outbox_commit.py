@@ -253,6 +253,9 @@ def _results(pgconn: pq.abc.PGconn) -> list[pq.abc.PGresult]:
         while pgconn.is_busy():
             poll.poll()
             pgconn.consume_input()
+        while (notify := pgconn.notifies()) is not None:  # as psycopg does: to the handlers
+            if pgconn.notify_handler:
+                pgconn.notify_handler(notify)
         result = pgconn.get_result()
         if result is None:  # the end of one statement's results
             if pgconn.status == pq.ConnStatus.BAD:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -415,6 +416,20 @@ def test_a_connection_lost_before_the_commit_commits_nothing(service: Service, e
     with Session(engine) as session, session.begin():  # the pool replaced the connection
         service.outbox(session).send_command("PlaceOrder", aggregate_id="b", payload=PAYLOAD)
     assert len(committed_ids(engine)) == 1
+
+
+def test_notifications_arriving_with_the_commit_reach_psycopgs_handlers(service: Service, engine: Engine) -> None:
+    heard: list[str] = []
+    with engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert isinstance(raw, psycopg.Connection)
+        raw.add_notify_handler(lambda notify: heard.append(notify.channel))
+        conn.execute(text("LISTEN txbox_outbox_insert"))  # the outbox trigger's own channel
+        conn.commit()
+        write_and_commit(service, conn, "a")
+        assert heard == ["txbox_outbox_insert"]  # with no further statement
+        conn.execute(text("UNLISTEN *"))
+        conn.commit()
 
 
 @pytest.mark.parametrize(("value", "arrives"), [("café", True), ("€ 5", False)])
