@@ -223,6 +223,10 @@ def _pipeline(
     known = _prepared.get(raw, set())
     preparing: set[bytes] = set()
     pgconn.enter_pipeline_mode()
+    if pgconn.transaction_status == pq.TransactionStatus.IDLE:
+        # Nothing ran in the transaction yet, so psycopg has not sent its BEGIN: without
+        # one these statements would commit on their own at the Sync.
+        pgconn.send_query_params(_begin(raw), None)
     for statement, params in rows:
         if not named:
             pgconn.send_query_params(statement.text, params)
@@ -238,6 +242,18 @@ def _pipeline(
     results = _results(pgconn)
     pgconn.exit_pipeline_mode()
     return results, preparing
+
+
+def _begin(raw: psycopg.Connection[Any]) -> bytes:
+    """The BEGIN psycopg would send, with the connection's transaction characteristics."""
+    parts = ["BEGIN"]
+    if raw.isolation_level is not None:
+        parts.append("ISOLATION LEVEL " + raw.isolation_level.name.replace("_", " "))
+    if raw.read_only is not None:
+        parts.append("READ ONLY" if raw.read_only else "READ WRITE")
+    if raw.deferrable is not None:
+        parts.append("DEFERRABLE" if raw.deferrable else "NOT DEFERRABLE")
+    return " ".join(parts).encode()
 
 
 def _results(pgconn: pq.abc.PGconn) -> list[pq.abc.PGresult]:

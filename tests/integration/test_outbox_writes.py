@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Column, Connection, MetaData, Table, Text, event, func, select, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DataError, IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from framework import Message, Service, migrate, tables
@@ -198,6 +198,36 @@ def test_flush_writes_held_rows_into_the_open_transaction(service: Service, engi
         outbox.send_command("PlaceOrder", aggregate_id="o-1", payload=PAYLOAD)
         outbox.flush()
         assert count_in(session) == 1
+    assert len(committed_ids(engine)) == 1
+
+
+def test_rows_flushed_first_thing_in_a_transaction_still_roll_back_with_it(service: Service, engine: Engine) -> None:
+    # No statement ran before them, so the driver has not begun the transaction yet.
+    with Session(engine) as session, session.begin():
+        service.outbox(session).send_command("PlaceOrder", aggregate_id="flushed", payload=PAYLOAD)
+        service.outbox(session).flush()
+        session.rollback()
+    with Session(engine) as session, session.begin():
+        service.outbox(session).send_command("PlaceOrder", aggregate_id="before", payload=PAYLOAD)
+        nested = session.begin_nested()  # the held row goes in before the SAVEPOINT
+        nested.rollback()
+        session.rollback()
+    assert committed_ids(engine) == []
+
+
+def test_a_transaction_begun_by_the_outbox_has_the_connections_characteristics(
+    service: Service, engine: Engine
+) -> None:
+    options = {"isolation_level": "SERIALIZABLE", "postgresql_deferrable": True}
+    with engine.connect().execution_options(**options) as conn, conn.begin():
+        service.outbox(conn).send_command("PlaceOrder", aggregate_id="a", payload=PAYLOAD)
+        service.outbox(conn).flush()  # the transaction's first statement
+        settings = text("SELECT current_setting('transaction_isolation'), current_setting('transaction_deferrable')")
+        assert tuple(conn.execute(settings).one()) == ("serializable", "on")
+    with engine.connect().execution_options(postgresql_readonly=True) as conn, conn.begin():
+        service.outbox(conn).send_command("PlaceOrder", aggregate_id="b", payload=PAYLOAD)
+        with pytest.raises(DBAPIError, match="read-only transaction"):
+            service.outbox(conn).flush()
     assert len(committed_ids(engine)) == 1
 
 
