@@ -187,7 +187,7 @@ def _send(conn: Connection, rows: list[_Row], *, commit: bool) -> None:
     except BaseException as exc:
         # Cut off mid-pipeline (connection lost, interrupt): the session's state is
         # unknown, and the commit's outcome unknowable, as with any interrupted COMMIT.
-        _prepared.pop(raw, None)
+        _forget(raw)
         raw.close()
         if isinstance(exc, psycopg.Error):
             raise DBAPIError.instance(shown, None, exc, psycopg.Error, dialect=conn.dialect) from exc
@@ -196,7 +196,7 @@ def _send(conn: Connection, rows: list[_Row], *, commit: bool) -> None:
     if failed is None:
         _prepared.setdefault(raw, set()).update(names)
         return
-    _prepared.pop(raw, None)  # which statements the aborted pipeline prepared is not worth knowing
+    _forget(raw)  # which statements the aborted pipeline prepared is not worth knowing
     if commit and raw.info.transaction_status != pq.TransactionStatus.IDLE:
         # An INSERT failed, so the COMMIT never ran; SQLAlchemy counts the transaction
         # as ended all the same, so end it here too.
