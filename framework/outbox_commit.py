@@ -37,6 +37,7 @@ import select
 import threading
 import uuid
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -98,13 +99,8 @@ def hold(conn: Connection, table: str, values: dict[str, Any]) -> bool:
     if not isinstance(raw, psycopg.Connection) or raw.autocommit:
         return False
     statement = _statement(table, tuple(values))
-    encoding = raw.info.encoding
     try:
-        try:
-            params = [_text(value, encoding) for value in values.values()]
-        except UnicodeEncodeError as exc:
-            name = raw.info.parameter_status("client_encoding")
-            raise psycopg.DataError(f"client_encoding {name} cannot carry this text: {exc}") from None
+        params = _params(raw, values.values())
     except psycopg.Error as exc:  # a value PostgreSQL cannot take, e.g. text with a NUL
         raise DBAPIError.instance(statement.shown, None, exc, psycopg.Error, dialect=conn.dialect) from exc
     _hook(conn.engine)
@@ -293,6 +289,15 @@ def _statement(table: str, columns: tuple[str, ...]) -> _Insert:
 
 def _identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
+
+
+def _params(raw: psycopg.Connection[Any], values: Iterable[object]) -> list[bytes | None]:
+    encoding = raw.info.encoding
+    try:
+        return [_text(value, encoding) for value in values]
+    except UnicodeEncodeError as exc:
+        name = raw.info.parameter_status("client_encoding")
+        raise psycopg.DataError(f"client_encoding {name} cannot carry this text: {exc}") from None
 
 
 def _text(value: object, encoding: str) -> bytes | None:
