@@ -14,11 +14,13 @@ import math
 import re
 import uuid
 from dataclasses import dataclass, field
+from datetime import date, datetime
+from decimal import Decimal
 from typing import Any, Literal
 
 from psycopg import sql
 
-from framework import names
+from framework import jsoncodec, names
 
 Source = Literal["broker", "inbox", "outbox"]
 
@@ -34,23 +36,32 @@ PERMANENT_ERROR = "permanent_error"
 POISON = "poison"
 UNROUTABLE = "unroutable"
 NACKED = "nacked"
+INTERNAL_ERROR = "internal_error"  # the last resort: txbox failed to judge or store the input
 
+# Every pattern below sees sender text (error messages quote payload values). Each runs
+# in linear time: no start position scans further than a bounded window or its own run
+# (the lookaheads are bounded for that), and only ``_SCAN_LIMIT`` characters are judged
+# (see docs/architecture.md, "Dead letters").
 # Dashed, or 32 hex digits with a letter among them: 32 plain digits are a number (<n>).
 _UUID = re.compile(
     r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
-    r"|\b(?=[0-9]*[a-fA-F])[0-9a-fA-F]{32}\b"
+    r"|\b(?=[0-9]{0,31}[a-fA-F])[0-9a-fA-F]{32}\b"
 )
 _TIMESTAMP = re.compile(r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?\b")
-_EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
+# The local part is at most 64 characters (RFC 5321); unbounded, ``a.a.a.a…`` is quadratic.
+_EMAIL = re.compile(r"\b[\w.+-]{1,64}@[\w-]+(?:\.[\w-]+)+\b")
 _HEX = re.compile(r"\b0x[0-9a-fA-F]+\b|\b(?=[0-9]*[a-fA-F])[0-9a-fA-F]{12,}\b")
 # PostgreSQL names its objects in double quotes: keep them, they tell bugs apart.
 _PG_NAME = re.compile(r'\b(constraint|relation|column|table|index|type|function|schema) "([^"]{1,63})"', re.IGNORECASE)
 _QUOTED = re.compile(r"'[^'\n]{0,200}'|\"[^\"\n]{0,200}\"")
 _KEY_VALUE = re.compile(r"=\([^)]{0,200}\)")  # PostgreSQL DETAIL: Key (sku)=(ABC-1) already exists
 # A token mixing letters and digits (order ids, SKUs, short hashes) differs per message.
-_MIXED_ID = re.compile(r"\b(?=[A-Za-z_-]*\d)(?=[\d_-]*[A-Za-z])[A-Za-z0-9_-]{6,}\b")
+# Bounded lookaheads: unbounded, ``a-a-a-a…`` (a word boundary at every character) is quadratic.
+_MIXED_ID = re.compile(r"\b(?=[A-Za-z_-]{0,63}\d)(?=[\d_-]{0,63}[A-Za-z])[A-Za-z0-9_-]{6,}\b")
 _NUMBER = re.compile(r"(?:(?<![\w-])-)?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _SPACE = re.compile(r"\s+")
+_PGNAME_MARK = "\x00PGNAME\x00"  # NUL never survives into the text (see normalize_error)
+_SCAN_LIMIT = 4096  # characters of an error judged: the result keeps 500 anyway
 
 
 def normalize_error(text: str) -> str:
@@ -59,8 +70,10 @@ def normalize_error(text: str) -> str:
     Masks uuids, timestamps, e-mail addresses, hex ids and addresses, quoted values,
     PostgreSQL key values, tokens mixing letters and digits, and every remaining number
     (also inside words: ``order_42``); keeps PostgreSQL object names (``constraint
-    "orders_pkey"``) because two constraints are two bugs.
+    "orders_pkey"``) because two constraints are two bugs. Only the first 4096
+    characters are judged, so a 1 MiB error costs what a 4 KiB one does.
     """
+    text = str(text)[:_SCAN_LIMIT].replace("\x00", "\ufffd")
     text = _UUID.sub("<uuid>", text)
     text = _TIMESTAMP.sub("<ts>", text)
     text = _EMAIL.sub("<email>", text)
@@ -69,26 +82,42 @@ def normalize_error(text: str) -> str:
 
     def keep(match: re.Match[str]) -> str:
         kept.append(f'{match.group(1)} "{match.group(2)}"')
-        return "\x00PGNAME\x00"
+        return _PGNAME_MARK
 
     text = _PG_NAME.sub(keep, text)
     text = _KEY_VALUE.sub("=(<v>)", text)
     text = _QUOTED.sub("<str>", text)
     text = _MIXED_ID.sub("<id>", text)
     text = _NUMBER.sub("<n>", text)
-    text = re.sub("\x00PGNAME\x00", lambda _m: kept.pop(0), text)
+    parts = text.split(_PGNAME_MARK)
+    text = "".join(part + (kept[i] if i < len(kept) else "") for i, part in enumerate(parts))
     return _SPACE.sub(" ", text).strip()[:500]
 
 
 def fingerprint(message_type: str | None, error_type: str, error_text: str) -> str:
     """Group key of a failure: 10,000 failures from one bug share one fingerprint."""
-    basis = "\x1f".join((message_type or "", error_type, normalize_error(error_text)))
-    return hashlib.sha1(basis.encode()).hexdigest()[:16]
+    basis = "\x1f".join((str(message_type or ""), str(error_type), normalize_error(error_text)))
+    return hashlib.sha1(basis.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+BODY_LIMIT = 64 * 1024
+"""Bytes of a body a dead letter keeps: beyond it, a prefix with the body's length and sha256."""
+JSON_DEPTH_LIMIT = 64
+"""Nesting kept in a dead letter's JSON columns; deeper parts become :data:`TOO_DEEP`."""
+TOO_DEEP = f"<nested deeper than {JSON_DEPTH_LIMIT} levels, not kept>"
+ERROR_LIMIT = 16 * 1024  # characters of an error text kept (errors may quote whole payloads)
+BODY_FACTS = "x-txbox-body"
+"""Key in a dead letter's ``headers`` with the facts of its body (length, sha256, what was kept)."""
+_BIG_INT_BITS = 10_000  # ~3,000 digits: str() refuses more than 4,300 and jsonb numerics are bounded
 
 
 @dataclass(kw_only=True)
 class DeadLetter:
-    """One row of txbox.dead_letters before insertion."""
+    """One row of txbox.dead_letters before insertion.
+
+    :meth:`row` never raises: whatever a sender put into the fields, it returns a row
+    PostgreSQL stores (see docs/architecture.md, "Dead letters").
+    """
 
     source: Source
     reason: str
@@ -103,45 +132,246 @@ class DeadLetter:
     attempts: dict[str, Any] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
-        raw, encoding = encode_body(self.raw_body) if self.raw_body is not None else (None, None)
+        """The row's column values (``insert_sql``'s parameters); never raises.
+
+        Should building the row fail all the same, the row of last resort is reason
+        ``internal_error`` with what could be kept: the original reason, the error and
+        the body's length and sha256.
+        """
+        try:
+            return self._row()
+        except Exception as exc:  # the last resort: one bad letter must never stop its writer
+            return self._last_resort_row(exc)
+
+    def _row(self) -> dict[str, Any]:
+        headers = to_storable(self.headers)
+        if not isinstance(headers, dict):
+            headers = {"headers": headers}
+        if BODY_FACTS in headers:  # a sender's header of that name must not pass for ours
+            headers[f"{BODY_FACTS} (sender)"] = headers.pop(BODY_FACTS)
+        message = _json_text(self.message) if self.message is not None else None
+        body = self.raw_body
+        if message is not None and len(message) > BODY_LIMIT:  # characters ≤ bytes: cheap first test
+            encoded = message.encode("utf-8")
+            if len(encoded) > BODY_LIMIT:
+                # Never the whole body: the raw body (or the envelope's JSON) keeps a prefix.
+                message = None
+                body = encoded if body is None else body
+        raw = encoding = None
+        if body is not None:
+            stored = stored_body(body)
+            raw, encoding = stored.text, stored.encoding
+            headers[BODY_FACTS] = stored.facts
+            if self.message is not None and message is None:
+                headers[BODY_FACTS]["message"] = "not kept: its JSON exceeds the body limit"
         return {
-            "message_id": self.message_id,
+            "message_id": _uuid_or_none(self.message_id),
             "source": self.source,
-            "reason": _storable(self.reason),
-            "error": _storable(self.error),
-            "fingerprint": fingerprint(self.message_type, self.error_type or self.reason, self.error),
-            "message_type": _storable(self.message_type),
-            "routing_key": _storable(self.routing_key),
-            "message": json.dumps(_storable(self.message), default=str) if self.message is not None else None,
+            "reason": clean_text(self.reason, 200),
+            "error": clean_text(self.error, ERROR_LIMIT),
+            "fingerprint": fingerprint(
+                clean_text(self.message_type, 1000), str(self.error_type or self.reason), str(self.error)
+            ),
+            "message_type": clean_text(self.message_type, 1000),
+            "routing_key": clean_text(self.routing_key, 1000),
+            "message": message,
             "raw_body": raw,
             "raw_encoding": encoding,
-            "headers": json.dumps(_storable(self.headers), default=str),
-            "attempts": json.dumps(_storable(self.attempts), default=str),
+            "headers": _json_text(headers),
+            "attempts": _json_text(self.attempts),
+        }
+
+    def _last_resort_row(self, exc: Exception) -> dict[str, Any]:
+        facts: dict[str, Any] = {"error": f"{type(exc).__name__} while building the dead letter"}
+        if isinstance(self.raw_body, bytes | bytearray):
+            facts.update(length=len(self.raw_body), sha256=hashlib.sha256(self.raw_body).hexdigest())
+        error = f"could not build the dead letter ({_ascii(self.reason, 200)}): {_ascii(exc, 2000)}"
+        return {
+            "message_id": _uuid_or_none(self.message_id),
+            "source": self.source if self.source in ("broker", "inbox", "outbox") else "broker",
+            "reason": INTERNAL_ERROR,
+            "error": error + f"; original error: {_ascii(self.error, 4000)}",
+            "fingerprint": fingerprint(None, INTERNAL_ERROR, type(exc).__name__),
+            "message_type": None,
+            "routing_key": None,
+            "message": None,
+            "raw_body": None,
+            "raw_encoding": None,
+            "headers": json.dumps({BODY_FACTS: facts}),
+            "attempts": "{}",
         }
 
 
-def _storable(value: Any) -> Any:
-    """``value`` with what PostgreSQL refuses replaced: NUL and lone surrogates (text, jsonb), NaN/±Infinity (jsonb).
+def internal_error_letter(
+    *,
+    source: Source,
+    error: str,
+    raw_body: bytes | None = None,
+    headers: dict[str, Any] | None = None,
+    message_id: uuid.UUID | None = None,
+    routing_key: str | None = None,
+) -> DeadLetter:
+    """The letter of last resort: reason ``internal_error``, with what could be kept.
 
-    A dead letter is the last resort for hostile input; if its row could not be stored
-    the receiver would crash on the same delivery again and again. The raw body keeps
-    the exact bytes, so nothing is lost by cleaning the parsed copies.
+    For a delivery txbox failed to judge (a bug, or input nothing foresaw): call it with
+    the exception's text and the delivery's body and headers, store the letter and go on
+    with the next delivery, instead of failing on the same delivery again and again.
     """
-    if isinstance(value, str):
-        if "\x00" in value:
-            value = value.replace("\x00", "\ufffd")
+    return DeadLetter(
+        source=source,
+        reason=INTERNAL_ERROR,
+        error=error,
+        error_type=INTERNAL_ERROR,
+        message_id=message_id,
+        routing_key=routing_key,
+        raw_body=raw_body,
+        headers=headers or {},
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredBody:
+    """What a dead letter keeps of a body: ``text`` in ``encoding``, and ``facts`` about the whole."""
+
+    text: str
+    encoding: str
+    facts: dict[str, Any]
+
+
+def stored_body(body: bytes) -> StoredBody:
+    """The one place a body becomes what a dead letter stores (every writer goes through it).
+
+    At most :data:`BODY_LIMIT` bytes are kept, cut at a UTF-8 character boundary so a
+    text body stays text; ``facts`` holds the whole body's ``length`` and ``sha256``,
+    the ``stored`` byte count and whether it was ``truncated``. Whatever is to be
+    changed in every stored body (redacting secrets, say) belongs here.
+    """
+    body = bytes(body)
+    kept = _utf8_prefix(body, BODY_LIMIT)
+    text, encoding = encode_body(kept)
+    facts = {
+        "length": len(body),
+        "sha256": hashlib.sha256(body).hexdigest(),
+        "stored": len(kept),
+        "truncated": len(kept) < len(body),
+    }
+    return StoredBody(text=text, encoding=encoding, facts=facts)
+
+
+def _utf8_prefix(body: bytes, limit: int) -> bytes:
+    if len(body) <= limit:
+        return body
+    for cut in range(limit, max(limit - 4, 0), -1):  # a UTF-8 character has at most 4 bytes
         try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            value = value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+            body[:cut].decode("utf-8")
+            return body[:cut]
+        except UnicodeDecodeError:
+            continue
+    return body[:limit]  # not text anyway: stored as base64
+
+
+def to_storable(value: Any) -> Any:
+    """``value`` as JSON PostgreSQL stores in ``jsonb``; total: never raises, always storable.
+
+    - NUL (``jsonb`` and ``text`` refuse it) becomes U+FFFD, lone surrogates (not UTF-8)
+      become U+FFFD, in keys and strings;
+    - containers nested deeper than :data:`JSON_DEPTH_LIMIT` become the string
+      :data:`TOO_DEEP` (PostgreSQL's stack and Python's recursion have limits);
+    - NaN and ±Infinity become their names, integers beyond ~3,000 digits a short
+      description, bytes text (UTF-8, invalid bytes replaced), dates ISO 8601, decimals
+      numbers, and anything else its ``str()``.
+
+    A dead letter is the last resort for hostile input: if its row could not be stored
+    its writer would fail on the same input again and again. The raw body keeps the
+    bytes, so nothing is lost by cleaning the parsed copies.
+    """
+    return _storable(value, 0)
+
+
+def _storable(value: Any, depth: int = 0) -> Any:
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, str):
+        return _clean(value)
+    if isinstance(value, int):
+        return value if value.bit_length() <= _BIG_INT_BITS else f"<integer of {value.bit_length()} bits>"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict | list | tuple) and depth >= JSON_DEPTH_LIMIT:
+        return TOO_DEEP
     if isinstance(value, dict):
-        return {_storable(str(k)): _storable(v) for k, v in value.items()}
+        return {_key(k): _storable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_storable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
+        return [_storable(v, depth + 1) for v in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        return _clean(bytes(value).decode("utf-8", "replace"))
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return _decimal(value)
+    return _clean(_str(value))
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, bytes | bytearray):
+        return _clean(bytes(key).decode("utf-8", "replace"))
+    return _clean(key if isinstance(key, str) else _str(key))
+
+
+def _decimal(value: Decimal) -> Any:
+    if value.is_finite():
+        as_float = float(value)
+        if math.isfinite(as_float):
+            return as_float
+    return str(value)
+
+
+def _str(value: Any) -> str:
+    try:
         return str(value)
-    return value
+    except Exception:  # a foreign object whose __str__ fails still names its type
+        return f"<unprintable {type(value).__name__}>"
+
+
+def _clean(text: str) -> str:
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
+def clean_text(value: Any, limit: int) -> str | None:
+    """``value`` for a ``text`` column: str, no NUL, valid UTF-8, at most ``limit`` characters (+ a note)."""
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        text = bytes(value).decode("utf-8", "replace")
+    else:
+        text = value if isinstance(value, str) else _str(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}… ({len(text)} characters)"
+    return _clean(text)
+
+
+def _ascii(value: Any, limit: int) -> str:
+    """Plain ASCII with escapes: storable in any column whatever the value held."""
+    return _str(value)[:limit].encode("ascii", "backslashreplace").decode("ascii").replace("\x00", "\\x00")
+
+
+def _json_text(value: Any) -> str:
+    return jsoncodec.dumps(to_storable(value))
+
+
+def _uuid_or_none(value: Any) -> uuid.UUID | None:
+    if value is None or isinstance(value, uuid.UUID):
+        return value
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
 
 
 def encode_body(body: bytes) -> tuple[str, str]:

@@ -111,3 +111,8 @@ class RetryableError(HandlerOutcome):
 
 class PermanentError(HandlerOutcome):
     """REJECTED: roll back and abandon at once; the message goes to the dead letters."""
+
+
+class DeadLetterUnstorable(DatabaseUnavailable):
+    """PostgreSQL refused even the minimal row of a dead letter: the database is at fault,
+    so the delivery is not acknowledged and is tried again once the database is fixed."""

@@ -16,13 +16,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
+import re
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import date, datetime
-from decimal import Decimal
 from typing import Any
 
 import pika
@@ -34,10 +33,22 @@ from psycopg import sql
 from framework import amqp, db, names, topology
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
-from framework.dead_letters import RETRIES_EXHAUSTED, DeadLetter, encode_body
+from framework.dead_letters import (
+    BODY_FACTS,
+    BODY_LIMIT,
+    ERROR_LIMIT,
+    INTERNAL_ERROR,
+    RETRIES_EXHAUSTED,
+    DeadLetter,
+    clean_text,
+    fingerprint,
+    internal_error_letter,
+    stored_body,
+    to_storable,
+)
 from framework.dlq.replay import resolve_replayed
 from framework.envelope import decode_json
-from framework.errors import BrokerUnavailable, DatabaseUnavailable, EnvelopeError
+from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
 from framework.settings import Seconds, Settings, setting
 
 COLLECTED = Counter("txbox_collector_dead_letters_total", "Dead letters drained from the broker", ["service"])
@@ -60,20 +71,8 @@ class CollectorSettings:
 
 
 def jsonable(value: Any) -> Any:
-    """AMQP header values (bytes, datetimes, decimals, nested tables) as JSON values."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return float(value) if value.is_finite() else str(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/Infinity
-    return value
+    """AMQP header values (bytes, datetimes, decimals, nested tables) as storable JSON values."""
+    return to_storable(value)
 
 
 _PROPERTIES = (
@@ -90,6 +89,9 @@ _PROPERTIES = (
     "user_id",
     "app_id",
 )
+# Our reason header names a code: anything else there (a forged or garbled value) is
+# kept among the headers but not taken for the reason. Judged on at most 64 characters.
+_REASON_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 def _uuid(value: Any) -> uuid.UUID | None:
@@ -103,34 +105,85 @@ def _uuid(value: Any) -> uuid.UUID | None:
         return None
 
 
+def _text(value: Any) -> str | None:
+    """A header or property value that should be text, as text (None when absent or not scalar)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def _reason_code(value: Any) -> str | None:
+    text = _text(value)
+    if text is None or len(text) > 64 or not _REASON_CODE.fullmatch(text):
+        return None
+    return text
+
+
+def _deaths(headers: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``x-death`` entries that are tables; anything else there is kept in the headers only."""
+    deaths = headers.get("x-death")
+    if not isinstance(deaths, list):
+        return []
+    return [d for d in deaths if isinstance(d, dict)]
+
+
+def _count(death: dict[str, Any]) -> int:
+    count = death.get("count")
+    return count if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 2**63 else 0
+
+
 def letter_from_delivery(
     properties: pika.BasicProperties, body: bytes, routing_key: str | None = None
 ) -> tuple[DeadLetter, str]:
-    """One dead-lettered delivery → (dead letter, delivery key). Pure, for unit tests."""
-    headers = jsonable(dict(properties.headers or {}))
-    deaths: list[dict[str, Any]] = headers.get("x-death") or []
-    first_queue = headers.get("x-first-death-queue")
-    first_reason = headers.get("x-first-death-reason")
+    """One dead-lettered delivery → (dead letter, delivery key). Pure, for unit tests; never raises.
+
+    Whatever arrives (no, forged or malformed ``x-death`` and ``x-txbox-*`` headers,
+    properties of the wrong type), the delivery becomes a letter: should judging it
+    fail all the same, the letter of last resort (``internal_error``) with its body and
+    headers (see docs/architecture.md, "Dead letters").
+    """
+    try:
+        return _letter_from_delivery(properties, body, routing_key)
+    except Exception as exc:  # the last resort: one delivery must never stop the collector
+        return _last_resort(properties, body, routing_key, exc)
+
+
+def _letter_from_delivery(
+    properties: pika.BasicProperties, body: bytes, routing_key: str | None
+) -> tuple[DeadLetter, str]:
+    raw_headers = properties.headers
+    headers = jsonable(dict(raw_headers)) if isinstance(raw_headers, dict) else {}
+    if raw_headers is not None and not isinstance(raw_headers, dict):
+        headers["headers"] = jsonable(raw_headers)
+    deaths = _deaths(headers)
+    first_queue = _text(headers.get("x-first-death-queue"))
+    first_reason = _text(headers.get("x-first-death-reason"))
     first = next((d for d in deaths if d.get("queue") == first_queue and d.get("reason") == first_reason), None)
     if first is None and deaths:
         first = deaths[-1]  # RabbitMQ prepends: the oldest entry is last
     if first is not None:
-        first_queue = first_queue or first.get("queue")
-        first_reason = first_reason or first.get("reason")
-    total = sum(int(d.get("count") or 0) for d in deaths)
-    reason = headers.get(names.HEADER_DEAD_REASON) or (f"broker_{first_reason}" if first_reason else "broker_unknown")
-    error = headers.get(names.HEADER_DEAD_ERROR) or (
+        first_queue = first_queue or _text(first.get("queue"))
+        first_reason = first_reason or _text(first.get("reason"))
+    total = sum(_count(d) for d in deaths)
+    reason = _reason_code(headers.get(names.HEADER_DEAD_REASON)) or (
+        f"broker_{_reason_code(first_reason) or 'unknown'}" if first_reason else "broker_unknown"
+    )
+    error = _text(headers.get(names.HEADER_DEAD_ERROR)) or (
         f"RabbitMQ dead-lettered the message from queue {first_queue} ({first_reason}, {total} time(s))"
         if first_queue
         else "published to the dead_letter exchange without x-death facts"
     )
     if names.HEADER_DEAD_REASON not in headers and headers.get(names.HEADER_FINAL_ATTEMPT):
-        # Receivers before 2026-11-23 rejected their flagged final try (DESIGN §5)
+        # Receivers before 2026-11-23 rejected their flagged final try (docs/architecture.md)
         # without our headers; today's publish the copy with HEADER_DEAD_REASON set.
         reason = RETRIES_EXHAUSTED
         error = (
             f"the receiver could not store it through the whole delay/retry chain "
-            f"(attempt {headers.get(names.HEADER_ATTEMPT, '?')}); {error}"
+            f"(attempt {_text(headers.get(names.HEADER_ATTEMPT)) or '?'}); {error}"
         )
 
     envelope: dict[str, Any] | None = None
@@ -141,10 +194,11 @@ def letter_from_delivery(
     except EnvelopeError:
         pass
     message_id = _uuid(properties.message_id) or (_uuid(envelope.get("message_id")) if envelope else None)
-    message_type = properties.type or (envelope.get("message_type") if envelope else None)
+    message_type = _text(properties.type) or (envelope.get("message_type") if envelope else None)
     if not isinstance(message_type, str):
         message_type = None
-    original_keys = (first or {}).get("routing-keys") or []
+    original_keys = (first or {}).get("routing-keys")
+    original_key = _text(original_keys[0]) if isinstance(original_keys, list) and original_keys else None
     props = {p: jsonable(getattr(properties, p)) for p in _PROPERTIES if getattr(properties, p, None) is not None}
     headers["amqp_properties"] = props
     attempts = {
@@ -152,7 +206,7 @@ def letter_from_delivery(
         "first_death": {
             "queue": first_queue,
             "reason": first_reason,
-            "exchange": headers.get("x-first-death-exchange"),
+            "exchange": _text(headers.get("x-first-death-exchange")),
             "time": (first or {}).get("time"),
         },
         "deaths": total,
@@ -160,22 +214,47 @@ def letter_from_delivery(
     }
     letter = DeadLetter(
         source="broker",
-        reason=str(reason),
-        error=str(error),
-        error_type=str(reason),
+        reason=reason,
+        error=error,
+        error_type=reason,
         message_id=message_id,
         message_type=message_type,
-        routing_key=original_keys[0] if original_keys else routing_key,
+        routing_key=original_key or _text(routing_key),
         message=envelope,
-        raw_body=None if envelope is not None else body,
+        raw_body=body if _raw_needed(envelope, body) else None,
         headers=headers,
         attempts=attempts,
     )
+    return letter, _delivery_key(str(message_id or ""), body, [deaths, first_queue, first_reason])
+
+
+def _raw_needed(envelope: dict[str, Any] | None, body: bytes) -> bool:
+    """The raw body is kept when the envelope alone would not show the delivery as it came:
+    not an envelope, one the JSON columns store altered (NUL, depth…), or one too large."""
+    return envelope is None or len(body) > BODY_LIMIT or to_storable(envelope) != envelope
+
+
+def _last_resort(
+    properties: pika.BasicProperties, body: bytes, routing_key: str | None, exc: Exception
+) -> tuple[DeadLetter, str]:
+    headers = getattr(properties, "headers", None)
+    letter = internal_error_letter(
+        source="broker",
+        error=f"the collector could not judge this delivery ({type(exc).__name__}: {exc})",
+        raw_body=body if isinstance(body, bytes) else None,
+        headers={"headers": headers},
+        routing_key=routing_key if isinstance(routing_key, str) else None,
+    )
+    return letter, _delivery_key(INTERNAL_ERROR, body, headers)
+
+
+def _delivery_key(message_id: str, body: bytes, facts: Any) -> str:
+    """Same delivery, same key: a redelivery after a crash before the ack inserts nothing."""
     key = hashlib.sha256()
-    key.update(str(message_id or "").encode())
-    key.update(hashlib.sha256(body).digest())
-    key.update(json.dumps([deaths, first_queue, first_reason], sort_keys=True, default=str).encode())
-    return letter, key.hexdigest()
+    key.update(message_id.encode())
+    key.update(hashlib.sha256(body if isinstance(body, bytes) else b"").digest())
+    key.update(json.dumps(jsonable(facts), sort_keys=True, default=str).encode("utf-8", "surrogatepass"))
+    return key.hexdigest()
 
 
 def insert_sql(schema: str, columns: list[str]) -> sql.Composed:
@@ -191,35 +270,73 @@ def insert_sql(schema: str, columns: list[str]) -> sql.Composed:
 def store(conn: psycopg.Connection[Any], schema: str, deliveries: list[tuple[pika.BasicProperties, bytes, str]]) -> int:
     """Insert the deliveries' letters in one transaction; returns how many were new.
 
-    A delivery PostgreSQL cannot store as it is (JSON with ``\\u0000``, which ``jsonb``
-    refuses) must not wedge the collector: it is stored again, in its own savepoint, with
-    the body as raw text and the JSON columns sanitized.
+    Each delivery is inserted in its own savepoint; a row PostgreSQL refuses is tried
+    again in simpler forms (:func:`_rows`), down to one holding only the body's length
+    and sha256. When even that is refused the database is at fault, not the delivery:
+    :class:`DeadLetterUnstorable` (a :class:`DatabaseUnavailable`) leaves the batch
+    unacknowledged, so RabbitMQ keeps it for the next try.
     """
     inserted = 0
     with conn.transaction(), conn.cursor() as cur:
         for properties, body, routing_key in deliveries:
             letter, key = letter_from_delivery(properties, body, routing_key)
-            row = {**letter.row(), "delivery_key": key}
-            query = insert_sql(schema, list(row))
-            try:
-                with conn.transaction():  # one statement each: rowcount tells duplicates apart
-                    cur.execute(query, row)
-            except psycopg.DataError as exc:
-                raw, encoding = encode_body(body)
-                row.update(
-                    message=None,
-                    raw_body=raw,
-                    raw_encoding=encoding,
-                    headers=_unstorable(row["headers"]),
-                    attempts=_unstorable(row["attempts"]),
-                    error=f"{row['error']} (stored as raw text: {exc.sqlstate} {str(exc).splitlines()[0]})",
-                )
-                for column in ("message_type", "routing_key", "error", "reason", "raw_body"):
-                    if isinstance(row[column], str):
-                        row[column] = row[column].replace("\x00", "\ufffd")
-                cur.execute(query, row)
-            inserted += cur.rowcount
+            inserted += _insert(cur, schema, letter, key, body)
     return inserted
+
+
+def _insert(cur: psycopg.Cursor[Any], schema: str, letter: DeadLetter, key: str, body: bytes) -> int:
+    refusals: list[str] = []
+    for row in _rows(letter, key, body, refusals):
+        try:
+            with cur.connection.transaction():  # one statement each: rowcount tells duplicates apart
+                cur.execute(insert_sql(schema, list(row)), row)
+            return cur.rowcount
+        except psycopg.Error as exc:
+            if cur.connection.broken or cur.connection.closed:
+                raise
+            refusals.append(f"{exc.sqlstate} {_first_line(exc)}")
+    raise DeadLetterUnstorable(
+        f"PostgreSQL refused even the minimal dead-letter row for a delivery of {len(body)} bytes "
+        f"(sha256 {hashlib.sha256(body).hexdigest()}): {'; '.join(refusals)}. The delivery stays in "
+        "the dead_letter queue; check the txbox.dead_letters table (migrations applied? privileges? disk?)"
+    )
+
+
+def _rows(letter: DeadLetter, key: str, body: bytes, refusals: list[str]) -> Iterator[dict[str, Any]]:
+    """The forms a letter is stored in, each simpler than the one before (``refusals`` says why)."""
+    row = {**letter.row(), "delivery_key": key}
+    yield row
+    stored = stored_body(body)
+    yield {
+        **row,
+        "message": None,
+        "raw_body": stored.text,
+        "raw_encoding": stored.encoding,
+        "headers": _unstorable(row["headers"]),
+        "attempts": _unstorable(row["attempts"]),
+        "error": f"{clean_text(row['error'], ERROR_LIMIT)} (stored as raw text: {refusals[-1]})",
+        **{c: clean_text(row[c], 1000) for c in ("message_type", "routing_key", "reason")},
+    }
+    facts = {"length": len(body), "sha256": hashlib.sha256(body).hexdigest(), "refused": refusals}
+    yield {
+        **row,
+        "message_id": None,
+        "reason": INTERNAL_ERROR,
+        "error": "PostgreSQL refused the dead letter: " + "; ".join(refusals).encode("ascii", "replace").decode(),
+        "fingerprint": fingerprint(None, INTERNAL_ERROR, "refused dead letter"),
+        "message_type": None,
+        "routing_key": None,
+        "message": None,
+        "raw_body": None,
+        "raw_encoding": None,
+        "headers": json.dumps({BODY_FACTS: facts}, ensure_ascii=True).replace("\\u0000", "?"),
+        "attempts": "{}",
+    }
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _unstorable(json_text: str) -> str:
