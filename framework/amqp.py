@@ -3,14 +3,51 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+import struct
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pika
+import pika.data
 import pika.exceptions
 
 from framework.errors import BrokerUnavailable, ConfigurationError
 from framework.settings import mask_url
+
+TABLE_DEPTH_LIMIT = 32
+"""Header tables and arrays nested deeper than this are decoded as :data:`TOO_DEEP_FIELD`."""
+TOO_DEEP_FIELD = f"<AMQP field nested deeper than {TABLE_DEPTH_LIMIT} levels, not decoded>"
+_depth = threading.local()
+
+
+def _bounded(decode_value: Callable[[bytes, int], tuple[object, int]]) -> Callable[[bytes, int], tuple[object, int]]:
+    """pika's field decoder with a depth limit.
+
+    pika decodes header tables recursively: a table nested a few hundred levels deep
+    (a 128 KiB frame holds thousands) raises RecursionError inside pika, which drops the
+    connection; the broker redelivers the same message and every consumer fails on it
+    forever. Past the limit a table (``F``) or array (``A``) is skipped by its length
+    prefix and decoded as a marker string, so the delivery arrives and can be judged.
+    """
+
+    def decode(encoded: bytes, offset: int) -> tuple[object, int]:
+        depth = getattr(_depth, "n", 0)
+        if depth >= TABLE_DEPTH_LIMIT and encoded[offset : offset + 1] in (b"F", b"A"):
+            size = struct.unpack_from(">I", encoded, offset + 1)[0]
+            return TOO_DEEP_FIELD, offset + 5 + size
+        _depth.n = depth + 1
+        try:
+            return decode_value(encoded, offset)
+        finally:
+            _depth.n = depth
+
+    decode.bounded = True  # type: ignore[attr-defined]
+    return decode
+
+
+if not getattr(pika.data.decode_value, "bounded", False):  # every decoder looks it up in pika.data
+    pika.data.decode_value = _bounded(pika.data.decode_value)
 
 
 def parameters(amqp_url: str, *, name: str = "txbox", heartbeat: int = 30) -> pika.URLParameters:
