@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import random
+import re
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -105,3 +109,100 @@ def test_numbers_never_split_a_group(prefix: str, a: int, b: int) -> None:
 def test_a_long_number_is_a_number_not_a_uuid() -> None:
     assert normalize_error(f"value {10**31} !") == "value <n> !"
     assert normalize_error(f"id {uuid.uuid4().hex} and {uuid.uuid4()}") == "id <uuid> and <uuid>"
+
+
+# Inputs crafted against the patterns: a word boundary at every character, runs that almost
+# match, and the classic shapes of catastrophic backtracking for each pattern.
+ADVERSARIAL = {
+    "dotted words (e-mail local part)": "a." * (1 << 19),
+    "dashed letters (mixed id)": "a-" * (1 << 19),
+    "dashed digits (mixed id)": "1-" * (1 << 19),
+    "e-mails without a domain": "a.a@" * (1 << 18),
+    "domain labels without an end": "a@" + "a-." * (1 << 18),
+    "almost hex": ("a" * 100 + "g ") * 10_000,
+    "digits": "1" * (1 << 20),
+    "0x": "0x" * (1 << 19),
+    "quotes": "'a" * (1 << 19),
+    "open quote": '"' + "a" * (1 << 20),
+    "key values": "=(" * (1 << 19),
+    "timestamps": "2020-01-01T" * 95_000,
+    "uuid-ish": ("1" * 31 + " ") * 32_768,
+    "pg names": 'constraint "' * 87_000,
+    "numbers": "1." * (1 << 19),
+    "exponents": "1e" * (1 << 19),
+    "whitespace": " \t" * (1 << 19),
+}
+
+# Each pattern against the inputs crafted for it (names as in framework.dead_letters).
+TARGETS = {
+    "_EMAIL": ["dotted words (e-mail local part)", "e-mails without a domain", "domain labels without an end"],
+    "_MIXED_ID": ["dashed letters (mixed id)", "dashed digits (mixed id)", "almost hex"],
+    "_UUID": ["uuid-ish", "digits", "almost hex"],
+    "_HEX": ["almost hex", "0x", "digits"],
+    "_TIMESTAMP": ["timestamps", "digits"],
+    "_QUOTED": ["quotes", "open quote"],
+    "_KEY_VALUE": ["key values"],
+    "_PG_NAME": ["pg names"],
+    "_NUMBER": ["numbers", "exponents", "digits"],
+    "_SPACE": ["whitespace"],
+}
+
+_JUDGE = """
+import sys
+from framework import dead_letters
+from tests.unit.test_fingerprint import ADVERSARIAL, TARGETS
+if sys.argv[1] == "patterns":  # each pattern on its own, without the scan limit: shows it is linear
+    for name, cases in TARGETS.items():
+        for case in cases:
+            getattr(dead_letters, name).sub("", ADVERSARIAL[case][: 256 * 1024])
+            print(name, case, flush=True)
+else:
+    for case, text in ADVERSARIAL.items():
+        print(case, dead_letters.fingerprint("T", "E", text), len(dead_letters.normalize_error(text)), flush=True)
+"""
+
+
+def _judge(what: str) -> list[str]:
+    # A subprocess, so a hang fails at the guard (naming the last input done), never hangs the suite.
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _JUDGE, what],
+            cwd=Path(__file__).parents[2],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"hung after: {exc.stdout!r}") from None
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_judging_1_mib_adversarial_errors_completes() -> None:
+    lines = _judge("errors")
+    assert len(lines) == len(ADVERSARIAL)
+    for line in lines:
+        *_, fp, length = line.split()
+        assert len(fp) == 16 and int(length) <= 500
+
+
+def test_every_pattern_is_linear() -> None:
+    """256 KiB each: a quadratic pattern needs ~10^10 steps here (minutes), a linear one well under a second."""
+    assert len(_judge("patterns")) == sum(map(len, TARGETS.values()))
+
+
+def test_every_pattern_has_adversarial_inputs() -> None:
+    from framework import dead_letters
+
+    patterns = {n for n, v in vars(dead_letters).items() if isinstance(v, re.Pattern)}
+    assert patterns == set(TARGETS)
+
+
+def test_sender_text_cannot_forge_the_internal_marker() -> None:
+    text = 'constraint "a" and \x00PGNAME\x00 twice \x00PGNAME\x00'
+    assert normalize_error(text).startswith('constraint "a" and')
+
+
+def test_lone_surrogates_and_nul_are_fingerprinted() -> None:
+    assert len(fingerprint("T\ud800", "E\x00", "bad \udfff text \x00")) == 16
