@@ -185,7 +185,9 @@ class DeadLetter:
         facts: dict[str, Any] = {"error": f"{type(exc).__name__} while building the dead letter"}
         if isinstance(self.raw_body, bytes | bytearray):
             facts.update(length=len(self.raw_body), sha256=hashlib.sha256(self.raw_body).hexdigest())
-        error = f"could not build the dead letter ({_ascii(self.reason, 200)}): {_ascii(exc, 2000)}"
+        error = (
+            f"could not build the dead letter ({_ascii(self.reason, 200)}): {type(exc).__name__}: {_ascii(exc, 2000)}"
+        )
         return {
             "message_id": _uuid_or_none(self.message_id),
             "source": self.source if self.source in ("broker", "inbox", "outbox") else "broker",
