@@ -1,8 +1,10 @@
-"""The dead-letter record every part writes when it gives up on a message (DESIGN §4).
+"""The dead-letter record every part writes when it gives up on a message.
 
 Receiver rejections, worker and publisher abandons and the broker's dead_letter queue
 all end as one row of ``txbox.dead_letters`` built here, in the same transaction that
 abandons the message, so a message is never both pending and dead, nor lost between.
+Building a row never raises and always yields what PostgreSQL stores, and a body is
+kept as a bounded prefix with its length and sha256 (docs/architecture.md, "Dead letters").
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ spelled differently, ``0.00001`` for ``1e-05``: the same number, and jsonb store
 numbers, not their spelling). orjson writes NaN and ±Infinity as ``null`` and refuses
 integers beyond 64 bits, non-string keys and deep nesting, so any output holding
 ``null`` and any refusal is written again by :mod:`json` (compact, UTF-8 as is).
+
+Neither is total: :func:`dumps` raises ``RecursionError`` on nesting near Python's
+recursion limit (orjson refuses more than 1024 levels, :mod:`json` recurses), and
+writes what ``jsonb`` refuses (``\\u0000``, lone surrogates) as given. Writers of
+hostile input (dead letters) pass it through :func:`framework.dead_letters.to_storable`
+first, which is total.
 """
 
 from __future__ import annotations

@@ -368,6 +368,10 @@ class Collector(Daemon):
                 except (DatabaseUnavailable, psycopg.OperationalError) as exc:
                     if reconnect.failed("database", exc):
                         break
+                except Exception as exc:  # a bug must not end the collector: what it took is not acked
+                    self.log.exception("collector session failed; starting a new one")
+                    if reconnect.failed("collector", exc):
+                        break
             self.state("stopped", f"{self.collected} dead letters collected")
         finally:
             self.finished.set()
