@@ -41,6 +41,23 @@ def test_collector_process_drains_and_stops_on_sigterm(service: Service, databas
                 f"not json {i}".encode(),
                 pika.BasicProperties(headers={names.HEADER_DEAD_REASON: "retries_exhausted"}),
             )
+        # One no decoder, parser or column takes as it is: the process stores it and goes on.
+        nested: dict[str, object] = {}
+        inner = nested
+        for _ in range(10_000):
+            inner["t"] = {}
+            inner = inner["t"]  # type: ignore[assignment]
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(50_000)  # pika encodes recursively: only the publisher needs it
+        try:
+            channel.basic_publish(
+                names.DEAD_LETTER_EXCHANGE,
+                names.dead_letter_routing_key("order-service"),
+                b'{"payload": "\\u0000", "d": ' + b"[" * 900 + b"]" * 900 + b"}" + b"x" * (1 << 20),
+                pika.BasicProperties(type="T\x00", headers={"x-death": "forged", "deep": nested}),
+            )
+        finally:
+            sys.setrecursionlimit(limit)
         connection.close()
 
         def stored() -> int:
@@ -51,6 +68,16 @@ def test_collector_process_drains_and_stops_on_sigterm(service: Service, databas
                 return row[0] if row else 0
 
         support.wait_until(lambda: stored() == 20, timeout=60, message="20 dead letters stored")
+
+        def hostile() -> int:
+            with psycopg.connect(conninfo(database_url)) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM txbox.dead_letters WHERE reason = 'broker_unknown'"
+                    " AND length(raw_body) <= 65536 AND (headers->'x-txbox-body'->>'truncated')::boolean"
+                ).fetchone()
+                return row[0] if row else 0
+
+        support.wait_until(lambda: hostile() == 1, timeout=60, message="the hostile delivery stored, bounded")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -59,4 +86,4 @@ def test_collector_process_drains_and_stops_on_sigterm(service: Service, databas
             proc.kill()
             raise
     assert proc.returncode == 0, err
-    assert "collecting: from order-service:dead_letter" in err and "stopped: 20 dead letters collected" in err
+    assert "collecting: from order-service:dead_letter" in err and "stopped: 21 dead letters collected" in err

@@ -82,3 +82,53 @@ def test_secrets_are_masked_at_any_depth() -> None:
         "message": {"auth_token": "•••• (masked, 9 chars)", "payload": {"n": 1}},
         "headers": [{"Authorization": "•••• (masked, 1 chars)"}],
     }
+
+
+class _Exploding(pika.BasicProperties):  # type: ignore[misc]
+    """Properties whose every read fails: judging them cannot succeed."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name in ("headers", "__class__"):
+            return object.__getattribute__(self, name)
+        raise RuntimeError(f"cannot read {name}")
+
+
+def test_a_delivery_that_cannot_be_judged_is_an_internal_error_letter_with_its_body() -> None:
+    props = _Exploding(headers={"x": b"\x00"})
+    letter, key = letter_from_delivery(props, b"the body", "rk")
+    assert letter.reason == "internal_error" and letter.raw_body == b"the body" and "cannot read" in letter.error
+    assert letter.row()["reason"] == "internal_error"
+    assert letter_from_delivery(props, b"the body", "rk")[1] == key  # a redelivery is recognised
+
+
+def test_malformed_x_death_and_forged_reasons_are_judged_not_trusted() -> None:
+    headers = {
+        "x-death": [{"count": "3", "reason": b"rejected", "queue": 5, "routing-keys": "not a list"}, "junk"],
+        names.HEADER_DEAD_REASON: "x" * 65,
+    }
+    letter, _ = letter_from_delivery(pika.BasicProperties(headers=headers, type=b"\xffT"), b"{}", "rk")
+    assert letter.reason == "broker_rejected" and letter.attempts["deaths"] == 0
+    assert letter.routing_key == "rk" and letter.message_type == "\ufffdT"
+    assert letter.headers[names.HEADER_DEAD_REASON] == "x" * 65
+
+
+def test_amqp_tables_and_arrays_nested_past_the_limit_decode_as_a_marker() -> None:
+    import sys
+
+    from framework import amqp
+
+    deep: dict[str, object] = {}
+    inner = deep
+    for i in range(5_000):
+        inner["k"] = [{}] if i % 2 else {}
+        inner = inner["k"][0] if i % 2 else inner["k"]  # type: ignore[index]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(50_000)  # pika encodes recursively: only the encoding needs it
+    try:
+        encoded = pika.BasicProperties(headers={"d": deep, "after": "kept"}).encode()
+    finally:
+        sys.setrecursionlimit(limit)
+    decoded = pika.BasicProperties()
+    decoded.decode(b"".join(encoded) if isinstance(encoded, list) else encoded)
+    assert decoded.headers["after"] == "kept"
+    assert amqp.TOO_DEEP_FIELD in repr(decoded.headers["d"])
