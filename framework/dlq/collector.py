@@ -178,7 +178,7 @@ def _letter_from_delivery(
         else "published to the dead_letter exchange without x-death facts"
     )
     if names.HEADER_DEAD_REASON not in headers and headers.get(names.HEADER_FINAL_ATTEMPT):
-        # Receivers before 2026-11-23 rejected their flagged final try (docs/architecture.md)
+        # Receivers before 2026-11-23 rejected their flagged final try
         # without our headers; today's publish the copy with HEADER_DEAD_REASON set.
         reason = RETRIES_EXHAUSTED
         error = (
