@@ -146,6 +146,13 @@ def _guard(declare_call: Any, settings: Settings) -> None:
             names.dead_letter_queue(settings.service),
         ):
             hint = f", or set TXBOX_QUEUE_TYPE={current.strip(chr(39))} to keep the existing queue"
+        if name in {names.mosaic_delay_queue(s) for s in names.DELAY_SECONDS}:
+            hint = (
+                ". It is shared with Mosaic services, which declare it with only x-message-ttl, "
+                "x-dead-letter-exchange=retry and x-queue-type=quorum (a txbox release before Mosaic "
+                "compatibility declared more); txbox's own retries wait in "
+                f"{names.delay_queue(int(name.removeprefix('delay:').removesuffix('s')))!r}"
+            )
         raise TopologyMismatch(
             f"{what} {name!r} already exists with {arg}={current}, txbox needs {arg}={wanted}. "
             f"Fix: drain and delete it (rabbitmqctl delete_queue {name!r}) so txbox can declare it{hint}."

@@ -255,3 +255,23 @@ def test_unreachable_broker_is_a_clear_error(settings: Settings) -> None:
     done = run_cli(bad)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "RabbitMQ" in done.stderr
+
+
+def test_a_delay_queue_of_the_previous_release_fails_with_the_fix(settings: Settings) -> None:
+    """The first release declared `delay:10s` with at-least-once arguments Mosaic does not give it."""
+    conn = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    conn.channel().queue_declare(
+        "delay:10s",
+        durable=True,
+        arguments={
+            **MOSAIC_DELAY_ARGUMENTS[10],
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        },
+    )
+    conn.close()
+    with pytest.raises(TopologyMismatch) as info:
+        topology.declare(settings, load_registry(CONTRACTS))
+    text = str(info.value)
+    assert "'delay:10s'" in text and "rabbitmqctl delete_queue 'delay:10s'" in text
+    assert "shared with Mosaic services" in text and "'delay:10s:at-least-once'" in text
