@@ -286,3 +286,15 @@ def test_contracts_check_explains_the_routing_rule(capsys: pytest.CaptureFixture
     assert "0 error(s), 0 warning(s)" in out
     assert txbox(["contracts", "check", "--strict", "--contracts-dir", str(FIXTURES / "old-style")]) == 1
     assert "travels as 'shop-service.shop-service.cart.open'" in capsys.readouterr().out
+
+
+def test_a_handler_named_after_an_alias_is_told_the_one_type() -> None:
+    from framework import CommandHandler, Service
+
+    class ExampleCreateCommand(CommandHandler):
+        message_type = "ExampleCreateCommand"
+
+    service = Service(name="ax-service-example", database_url="postgresql://x/y", contracts_dir=FIXTURES / "seed003")
+    service.register(ExampleCreateCommand())
+    text = "\n".join(str(p) for p in service.problems())
+    assert "an alias of 'CreateExample'" in text and "set message_type = 'CreateExample'" in text
