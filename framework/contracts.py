@@ -58,6 +58,7 @@ _IRREGULAR_PAST = frozenset(
 # Nouns of an outcome that Mosaic names events with (`EntityPublishSuccess`).
 _OUTCOME_NOUNS = frozenset({"Success", "Failure", "Error", "Result"})
 _CONTRACT_SUFFIXES = (".yml", ".yaml", ".json")
+_MAX_ROUTING_KEY_BYTES = 255  # AMQP 0-9-1 shortstr
 
 
 def _is_past_tense(message_type: str) -> bool:
@@ -307,6 +308,9 @@ class _Loader:
                     "'_' or '-' separated by '.'",
                 )
                 continue
+            if len(names.wire_routing_key(service, channel).encode()) > _MAX_ROUTING_KEY_BYTES:
+                self.problem(where, f"`<service id>.<channel>` is longer than AMQP's {_MAX_ROUTING_KEY_BYTES} bytes")
+                continue
             if channel.split(".")[0] in (service, service.replace("-", "_")):
                 self.problem(
                     where,
@@ -386,7 +390,10 @@ class _Loader:
         generated = names.mosaic_message_type(title) if isinstance(title, str) else ""
         from_key = names.pascal_case(key) if key else ""
         explicit = msg.get("name")
-        message_type = str(explicit) if isinstance(explicit, str) and explicit else generated or from_key
+        if explicit is not None and not (isinstance(explicit, str) and explicit):
+            self.problem(f"{where}.name", f"{explicit!r} is not a message type: give a PascalCase name or none")
+            return None
+        message_type = explicit or generated or from_key
         if not message_type:
             self.problem(where, "an inline message needs a `name` or a payload schema with a `title`")
             return None

@@ -298,3 +298,21 @@ def test_a_handler_named_after_an_alias_is_told_the_one_type() -> None:
     service.register(ExampleCreateCommand())
     text = "\n".join(str(p) for p in service.problems())
     assert "an alias of 'CreateExample'" in text and "set message_type = 'CreateExample'" in text
+
+
+def test_a_bad_name_or_an_overlong_routing_key_is_an_error(tmp_path: Path) -> None:
+    def channel(name: object) -> dict[str, object]:
+        return {"publish": {"message": {"name": name, "tags": [{"name": "aggregate-type:t"}], "payload": {}}}}
+
+    doc = {
+        "asyncapi": "2.0.0",
+        "x-service-id": "things",
+        "info": {"title": "Things", "version": "1"},
+        "channels": {"thing.make": channel(["Make"]), "thing." + "x" * 250: channel("MakeLong")},
+    }
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    reg = load_registry(tmp_path, strict=False)
+    text = "\n".join(str(p) for p in reg.errors)
+    assert "['Make'] is not a message type" in text
+    assert "longer than AMQP's 255 bytes" in text
+    assert not reg.messages
