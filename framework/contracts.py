@@ -1,13 +1,22 @@
-"""AsyncAPI 2.x + JSON Schema (draft-07) contracts: loader, registry and lint (DESIGN §3).
+"""AsyncAPI 2.x (YAML or JSON) + JSON Schema (draft-07) contracts: loader, registry and lint.
 
-Conventions, as in seed 003:
+The conventions are Mosaic's own, so one contract means the same to a txbox service and
+to a service built with Mosaic's libraries (docs/architecture.md, "Mosaic compatibility"):
 
-- ``info.x-service-id`` names the service, else ``info.title`` in lower-kebab-case.
-- A channel name is a routing key. ``publish`` on a channel declares a **command** the
-  service accepts; ``subscribe`` declares an **event** the service emits.
-- Events a service consumes from other services are listed as routing keys (topic
-  patterns allowed) under the top-level ``x-subscribes`` list of its own contract.
-- A message's type is its ``name``, else its component key in PascalCase.
+- ``x-service-id`` names the service, at the document's top level (where Mosaic's tools
+  read it) or under ``info``; else ``info.title`` in lower-kebab-case.
+- A channel name is the ``entity.action`` part of a routing key. ``publish`` on a channel
+  declares a **command** the service accepts, ``subscribe`` an **event** it emits; on the
+  wire both travel with routing key ``<service id>.<channel>`` (the consumer's id for a
+  command, the producer's for an event), as Mosaic's message bus sends them.
+- Events a service consumes from other services are listed by their wire routing keys
+  (``<producer id>.<channel>``, topic patterns allowed) under the top-level
+  ``x-subscribes`` list of its own contract.
+- A message's type is its ``name``; else the name Mosaic's code generator gives (the
+  payload schema's ``title`` in PascalCase without its trailing Command/Event word); else
+  its component key in PascalCase. The component key's PascalCase (seed envelopes use it)
+  and the generator's name are accepted as aliases of that type when no other message
+  claims them: a received alias is stored under the message's one type.
 - ``tags: [{name: "aggregate-type:<x>"}]`` gives the aggregate type.
 
 The registry is built once per process; each payload schema is compiled into one
@@ -46,10 +55,22 @@ _IRREGULAR_PAST = frozenset(
 )
 
 
+# Nouns of an outcome that Mosaic names events with (`EntityPublishSuccess`).
+_OUTCOME_NOUNS = frozenset({"Success", "Failure", "Error", "Result"})
+_CONTRACT_SUFFIXES = (".yml", ".yaml", ".json")
+_MAX_ROUTING_KEY_BYTES = 255  # AMQP 0-9-1 shortstr
+
+
 def _is_past_tense(message_type: str) -> bool:
     """Heuristic for the naming lint: does a word of the PascalCase name read as past tense?"""
     words = re.findall(r"[A-Z][a-z0-9]*", message_type)
     return any((w.endswith("ed") and not w.endswith("eed")) or w in _IRREGULAR_PAST for w in words)
+
+
+def _reads_as_event(message_type: str) -> bool:
+    """Past tense, or ends with the noun of an outcome."""
+    words = re.findall(r"[A-Z][a-z0-9]*", message_type)
+    return _is_past_tense(message_type) or bool(words and words[-1] in _OUTCOME_NOUNS)
 
 
 @dataclass(frozen=True)
@@ -58,12 +79,13 @@ class MessageSpec:
 
     message_type: str
     kind: Kind
-    routing_key: str
+    routing_key: str  # on the wire: `<service>.<channel>`
     service: str  # the owner: the consumer of a command, the producer of an event
     aggregate_type: str
     schema: dict[str, Any] = field(repr=False, compare=False)
     source: str = field(compare=False)  # file and JSON path, for messages to people
     validator: Draft7Validator = field(repr=False, compare=False)
+    channel: str = field(default="", compare=False)  # the contract's `entity.action`
 
     @cached_property
     def _fast(self) -> Any:
@@ -115,15 +137,19 @@ class Registry:
     services: dict[str, ServiceContract] = field(default_factory=dict)
     messages: dict[str, MessageSpec] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # alias → message type
+    # alias → message types that would answer to it; settled by _settle_aliases
+    alias_claims: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def get(self, message_type: str) -> MessageSpec:
-        try:
-            return self.messages[message_type]
-        except KeyError:
+        """The spec of ``message_type`` or of the type it is an alias of."""
+        spec = self.messages.get(message_type) or self.messages.get(self.aliases.get(message_type, ""))
+        if spec is None:
             raise UnknownMessageType(
                 f"unknown message type {message_type!r}: no contract declares it "
                 f"(known: {', '.join(sorted(self.messages)) or 'none'})"
-            ) from None
+            )
+        return spec
 
     def service(self, service: str) -> ServiceContract:
         try:
@@ -131,7 +157,7 @@ class Registry:
         except KeyError:
             raise ContractError(
                 f"no contract for service {service!r} (found: {', '.join(sorted(self.services)) or 'none'}); "
-                f"add one with `info.x-service-id: {service}` to the contracts folder"
+                f"add one with `x-service-id: {service}` to the contracts folder"
             ) from None
 
     def binding_keys(self, service: str) -> list[tuple[str, str]]:
@@ -180,7 +206,9 @@ def _topic(pattern: list[str], words: list[str]) -> bool:
 
 
 def load_registry(contracts_dir: Path | str, *, strict: bool = True) -> Registry:
-    """Load every ``*.yml``/``*.yaml`` AsyncAPI file under ``contracts_dir``.
+    """Load every AsyncAPI document (``*.yml``, ``*.yaml``, ``*.json``) under ``contracts_dir``.
+
+    A JSON file that is not an AsyncAPI document is a payload schema and is skipped here.
 
     With ``strict`` a contract with errors raises ContractError listing them all;
     otherwise the problems are collected in ``registry.problems`` (the lint uses this).
@@ -192,10 +220,11 @@ def load_registry(contracts_dir: Path | str, *, strict: bool = True) -> Registry
             f"contracts folder {str(directory)!r} does not exist; set TXBOX_CONTRACTS_DIR "
             "(example: TXBOX_CONTRACTS_DIR=contracts)"
         )
-    files = sorted(p for p in directory.rglob("*") if p.suffix in (".yml", ".yaml"))
+    files = sorted(p for p in directory.rglob("*") if p.suffix in _CONTRACT_SUFFIXES and p.is_file())
     for path in files:
         _Loader(path, directory, registry).load()
     _lint_cross_file(registry)
+    _settle_aliases(registry)
     if strict and registry.errors:
         raise ContractError("contracts do not load:\n" + "\n".join(f"  - {p}" for p in registry.errors))
     return registry
@@ -211,27 +240,57 @@ class _Loader:
     def problem(self, where: str, message: str, severity: str = "error") -> None:
         self.registry.problems.append(Problem(severity, f"{self.label}: {where}" if where else self.label, message))
 
-    def load(self) -> None:
+    def read(self) -> dict[str, Any] | None:
+        """The AsyncAPI document in the file, or None (a problem is recorded if it is one)."""
+        is_json = self.path.suffix == ".json"
         try:
-            doc = yaml.safe_load(self.path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            self.problem("", f"cannot read YAML: {exc}")
-            return
+            text = self.path.read_text(encoding="utf-8")
+            doc = json.loads(text) if is_json else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            if is_json:  # most JSON files are payload schemas; a contract that uses one reports it
+                self.problem("", f"not valid JSON, ignored: {exc}", "warning")
+            else:
+                self.problem("", f"cannot read YAML: {exc}")
+            return None
         if not isinstance(doc, dict) or "asyncapi" not in doc:
-            self.problem("", "not an AsyncAPI document (no `asyncapi` field)")
-            return
+            if not is_json:
+                self.problem("", "not an AsyncAPI document (no `asyncapi` field)")
+            return None
         if not str(doc["asyncapi"]).startswith("2."):
             self.problem("asyncapi", f"AsyncAPI {doc['asyncapi']} is not supported; use 2.x")
-            return
-        info = doc.get("info") or {}
-        service = info.get("x-service-id") or names.kebab_case(str(info.get("title", "")))
+            return None
+        return doc
+
+    def service_id(self, doc: dict[str, Any]) -> str | None:
+        """`x-service-id` at the top level or under `info` (they must agree), else the title."""
+        info: dict[str, Any] = doc["info"] if isinstance(doc.get("info"), dict) else {}
+        top, nested = doc.get("x-service-id"), info.get("x-service-id")
+        if top and nested and top != nested:
+            self.problem("x-service-id", f"{top!r} differs from info.x-service-id {nested!r}; keep one")
+            return None
+        service = str(top or nested or names.kebab_case(str(info.get("title", ""))))
         if not service:
-            self.problem("info", "needs `x-service-id` or `title` to name the service")
-            return
-        if service in self.registry.services:
+            self.problem("info", "needs `x-service-id` or `info.title` to name the service")
+            return None
+        if not names.valid_service_id(service):
             self.problem(
-                "info.x-service-id", f"service {service!r} is also defined in {self.registry.services[service].path}"
+                "x-service-id",
+                f"{service!r} is not a service id: lower-case letters, digits, '-' or '_' "
+                "(it is the first word of every routing key of the service)",
             )
+            return None
+        if service in self.registry.services:
+            other = self.registry.services[service].path
+            self.problem("x-service-id", f"service {service!r} is also defined in {other}")
+            return None
+        return service
+
+    def load(self) -> None:
+        doc = self.read()
+        if doc is None:
+            return
+        service = self.service_id(doc)
+        if service is None:
             return
         contract = ServiceContract(service=service, path=self.path)
         self.registry.services[service] = contract
@@ -244,9 +303,21 @@ class _Loader:
             channel = str(channel)
             if not _ROUTING_KEY.match(channel):
                 self.problem(
-                    where, "a channel name is a routing key: words of letters, digits, '_' or '-' separated by '.'"
+                    where,
+                    "a channel name is the `entity.action` part of a routing key: words of letters, digits, "
+                    "'_' or '-' separated by '.'",
                 )
                 continue
+            if len(names.wire_routing_key(service, channel).encode()) > _MAX_ROUTING_KEY_BYTES:
+                self.problem(where, f"`<service id>.<channel>` is longer than AMQP's {_MAX_ROUTING_KEY_BYTES} bytes")
+                continue
+            if channel.split(".")[0] in (service, service.replace("-", "_")):
+                self.problem(
+                    where,
+                    f"channel names are `entity.action`: the service id goes in front on the wire, so this "
+                    f"one travels as {names.wire_routing_key(service, channel)!r}; drop the leading {service!r}",
+                    "warning",
+                )
             operations: tuple[tuple[str, Kind], ...] = (("publish", "command"), ("subscribe", "event"))
             for op, kind in operations:
                 if op in item:
@@ -300,10 +371,6 @@ class _Loader:
     def _spec(
         self, msg: dict[str, Any], key: str | None, where: str, channel: str, kind: Kind, service: str
     ) -> MessageSpec | None:
-        message_type = msg.get("name") or (names.pascal_case(key) if key else None)
-        if not message_type:
-            self.problem(where, "an inline message needs a `name` (its message type)")
-            return None
         aggregate = None
         for tag in msg.get("tags") or []:
             name = str((tag or {}).get("name", ""))
@@ -319,31 +386,35 @@ class _Loader:
         if schema is None:
             return None
         schema_doc, validator = schema
-        parts = channel.split(".")
-        if len(parts) != 3 or parts[0] not in (service, service.replace("-", "_")):
-            role = "consumer" if kind == "command" else "producer"
-            self.problem(
-                f"channels.{channel}",
-                f"routing key does not follow `<{role}-service>.<aggregate>.<{kind}>` "
-                f"(expected it to start with {service!r})",
-                "warning",
-            )
-        is_past = _is_past_tense(message_type)
-        if kind == "event" and not is_past:
+        title = schema_doc.get("title")
+        generated = names.mosaic_message_type(title) if isinstance(title, str) else ""
+        from_key = names.pascal_case(key) if key else ""
+        explicit = msg.get("name")
+        if explicit is not None and not (isinstance(explicit, str) and explicit):
+            self.problem(f"{where}.name", f"{explicit!r} is not a message type: give a PascalCase name or none")
+            return None
+        message_type = explicit or generated or from_key
+        if not message_type:
+            self.problem(where, "an inline message needs a `name` or a payload schema with a `title`")
+            return None
+        for alias in {generated, from_key} - {"", message_type}:
+            self.registry.alias_claims.setdefault(alias, []).append(message_type)
+        if kind == "event" and not _reads_as_event(message_type):
             self.problem(
                 where, f"event {message_type!r} should be named in the past tense (e.g. OrderPlaced)", "warning"
             )
-        if kind == "command" and is_past:
+        if kind == "command" and _is_past_tense(message_type):
             self.problem(where, f"command {message_type!r} should be named imperatively (e.g. PlaceOrder)", "warning")
         return MessageSpec(
             message_type=message_type,
             kind=kind,
-            routing_key=channel,
+            routing_key=names.wire_routing_key(service, channel),
             service=service,
             aggregate_type=aggregate,
             schema=schema_doc,
             source=f"{self.label}: {where}",
             validator=validator,
+            channel=channel,
         )
 
     def _schema(self, payload: Any, where: str) -> tuple[dict[str, Any], Draft7Validator] | None:
@@ -458,3 +529,14 @@ def _lint_cross_file(registry: Registry) -> None:
                         f"{service} subscribes to {pattern!r} but no loaded contract emits a matching event",
                     )
                 )
+
+
+def _settle_aliases(registry: Registry) -> None:
+    """Keep an alias only when exactly one message claims it and no message is named so.
+
+    An ambiguous alias (two messages share one payload schema, so one generated name) is
+    dropped rather than guessed: a message sent under it is an unknown type, as before.
+    """
+    for alias, claimants in registry.alias_claims.items():
+        if alias not in registry.messages and len(set(claimants)) == 1 and claimants[0] in registry.messages:
+            registry.aliases[alias] = claimants[0]

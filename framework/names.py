@@ -1,6 +1,6 @@
 """Every name txbox uses on the broker and in the database, derived in one place.
 
-Exchange and queue names are fixed by DESIGN §5 and interoperate with Mosaic services,
+Exchange and queue names are a fixed public surface and interoperate with Mosaic services,
 so they must not be spelled anywhere else.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-# Exchanges (DESIGN §5, fixed).
+# Exchanges (fixed: shared with Mosaic services).
 COMMAND_EXCHANGE = "command"
 EVENT_EXCHANGE = "event"
 DELAY_EXCHANGE = "delay"
@@ -16,7 +16,10 @@ RETRY_EXCHANGE = "retry"
 DEAD_LETTER_EXCHANGE = "dead_letter"
 EXCHANGES = (COMMAND_EXCHANGE, EVENT_EXCHANGE, DELAY_EXCHANGE, RETRY_EXCHANGE, DEAD_LETTER_EXCHANGE)
 
-# Broker-level retry delays: queue `delay:<n>s`, bound to `delay` with `delay.<n>s`.
+# Broker-level retry delays. Mosaic's libraries declare the shared queues `delay:10s` and
+# `delay:30s` (bound to `delay` with `delay.10s`/`delay.30s`) with at-most-once
+# dead-lettering; txbox parks its own retries in queues of its own beside them, which
+# dead-letter at least once (docs/architecture.md, "Mosaic compatibility").
 DELAY_SECONDS = (10, 30)
 
 # Headers txbox adds to AMQP messages.
@@ -29,7 +32,7 @@ HEADER_DEAD_ERROR = "x-txbox-error"
 HEADER_SEGMENT = "x-txbox-segment"
 HEADER_CONCURRENCY = "x-txbox-concurrency"
 
-# Tables of the framework (DESIGN §4, fixed); they live in the configured schema.
+# Tables of the framework (fixed names); they live in the configured schema.
 OUTBOX = "outbox"
 INBOX = "inbox"
 REDELIVERIES = "redeliveries"
@@ -68,11 +71,36 @@ def retry_routing_key(service: str, original_routing_key: str) -> str:
 
 
 def delay_queue(seconds: int) -> str:
-    return f"delay:{seconds}s"
+    """The queue txbox parks a delayed retry in: `delay:<n>s:at-least-once`.
+
+    Not Mosaic's `delay:<n>s`: a queue's arguments are fixed at declaration and Mosaic
+    declares that one without at-least-once dead-lettering, which txbox needs.
+    """
+    return f"{mosaic_delay_queue(seconds)}:at-least-once"
 
 
 def delay_routing_key(seconds: int) -> str:
+    """Routing key (on `delay`) of :func:`delay_queue`: `delay.<n>s.at-least-once`."""
+    return f"{mosaic_delay_routing_key(seconds)}.at-least-once"
+
+
+def mosaic_delay_queue(seconds: int) -> str:
+    """Mosaic's shared delay queue `delay:<n>s` (declared exactly as Mosaic does)."""
+    return f"delay:{seconds}s"
+
+
+def mosaic_delay_routing_key(seconds: int) -> str:
     return f"delay.{seconds}s"
+
+
+def wire_routing_key(owner: str, channel: str) -> str:
+    """The routing key of a message on the wire, as Mosaic's message bus builds it.
+
+    ``owner`` is the id of the service whose contract declares the channel: the consumer
+    of a command, the producer of an event (`ax-service-example` + `example.create` →
+    `ax-service-example.example.create`).
+    """
+    return f"{owner}.{channel}"
 
 
 def notify_channel(schema: str, table: str) -> str:
@@ -94,11 +122,24 @@ def valid_schema(value: str) -> bool:
 
 
 def kebab_case(title: str) -> str:
-    """`Example Service` → `example-service` (AsyncAPI `info.title` fallback, DESIGN §3)."""
+    """`Example Service` → `example-service` (AsyncAPI `info.title` fallback)."""
     words = re.findall(r"[A-Za-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", title))
     return "-".join(w.lower() for w in words)
 
 
 def pascal_case(key: str) -> str:
-    """`example-create-command` → `ExampleCreateCommand` (message type fallback, DESIGN §3)."""
+    """`example-create-command` → `ExampleCreateCommand` (the alias of a message type)."""
     return "".join(part[:1].upper() + part[1:] for part in re.split(r"[-_.\s]+", key) if part)
+
+
+_KIND_SUFFIX = re.compile(r"(?<=.)(Command|Event)$")
+
+
+def mosaic_message_type(schema_title: str) -> str:
+    """The message type Mosaic's code generator derives from a payload schema's ``title``.
+
+    PascalCase of the title without its trailing command/event word:
+    `create_widget_command` → `CreateWidget`, `entity_publish_failed_event` →
+    `EntityPublishFailed`. Empty when the title has no word.
+    """
+    return _KIND_SUFFIX.sub("", pascal_case(schema_title))

@@ -129,9 +129,15 @@ class Service:
             handler = claimants[0]
             spec = registry.messages.get(message_type)
             if spec is None:
+                one_type = registry.aliases.get(message_type)
                 problems.append(
                     Problem(
-                        "error", handler.name, f"handles unknown message type {message_type!r}: no contract declares it"
+                        "error",
+                        handler.name,
+                        f"handles {message_type!r}, an alias of {one_type!r} (messages are stored and handled under "
+                        f"that type): set message_type = {one_type!r}"
+                        if one_type
+                        else f"handles unknown message type {message_type!r}: no contract declares it",
                     )
                 )
                 continue

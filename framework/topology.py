@@ -1,9 +1,13 @@
-"""Declare the RabbitMQ topology of DESIGN §5 from the contracts, idempotently.
+"""Declare the RabbitMQ topology from the contracts, idempotently.
 
 Exchanges ``command``/``event``/``delay``/``retry``/``dead_letter`` (topic, durable); the
 service's inbox queue with its dead-letter arguments and bindings; its dead-letter
-queue; the shared ``delay:<n>s`` queues whose expired messages go to ``retry``
-(quorum, dead-lettering at least once: :func:`delay_queue`).
+queue; Mosaic's shared ``delay:<n>s`` queues, declared with exactly the arguments
+Mosaic's libraries give them (:func:`mosaic_delay_queue`), and txbox's own
+``delay:<n>s:at-least-once`` queues that its delayed retries wait in (:func:`delay_queue`).
+Every declaration matches what a Mosaic service declares for the same name, so a txbox
+service and a Mosaic service start on one vhost in either order (docs/architecture.md,
+"Mosaic compatibility").
 """
 
 from __future__ import annotations
@@ -50,8 +54,28 @@ def plan(settings: Settings, registry: Registry) -> Topology:
         {"x-queue-type": settings.queue_type},
         [(names.DEAD_LETTER_EXCHANGE, names.dead_letter_routing_key(service))],
     )
+    shared = [mosaic_delay_queue(s) for s in names.DELAY_SECONDS]
     delays = [delay_queue(s) for s in names.DELAY_SECONDS]
-    return Topology(names.EXCHANGES, [inbox, dead, *delays])
+    return Topology(names.EXCHANGES, [inbox, dead, *shared, *delays])
+
+
+def mosaic_delay_queue(seconds: int) -> QueueSpec:
+    """Mosaic's shared ``delay:<n>s``, with exactly the arguments Mosaic's message bus gives it.
+
+    RabbitMQ refuses a second declaration with other arguments (406 inequivalent arg), so
+    any argument added here would stop either the Mosaic service or txbox from starting,
+    whichever comes second. txbox does not park its own retries here: this queue
+    dead-letters at most once (see :func:`delay_queue`).
+    """
+    return QueueSpec(
+        names.mosaic_delay_queue(seconds),
+        {
+            "x-message-ttl": seconds * 1000,
+            "x-dead-letter-exchange": names.RETRY_EXCHANGE,
+            "x-queue-type": "quorum",
+        },
+        [(names.DELAY_EXCHANGE, names.mosaic_delay_routing_key(seconds))],
+    )
 
 
 def delay_queue(seconds: int) -> QueueSpec:
@@ -63,8 +87,9 @@ def delay_queue(seconds: int) -> QueueSpec:
     deliveries that way when RabbitMQ restarted while they waited (on restart, expired
     messages went to an inbox queue whose leader was not elected yet, and were dropped).
     At-least-once dead-lettering keeps each message until the target queue confirmed it,
-    and needs ``reject-publish`` overflow. The queues are shared by every service, so they
-    must be declared with the same arguments by all of them.
+    and needs ``reject-publish`` overflow. Mosaic's ``delay:<n>s`` cannot carry those
+    arguments (Mosaic declares it without them), hence a queue of txbox's own beside it,
+    shared by every txbox service on the vhost and declared alike by all of them.
     """
     return QueueSpec(
         names.delay_queue(seconds),
@@ -121,6 +146,13 @@ def _guard(declare_call: Any, settings: Settings) -> None:
             names.dead_letter_queue(settings.service),
         ):
             hint = f", or set TXBOX_QUEUE_TYPE={current.strip(chr(39))} to keep the existing queue"
+        if name in {names.mosaic_delay_queue(s) for s in names.DELAY_SECONDS}:
+            hint = (
+                ". It is shared with Mosaic services, which declare it with only x-message-ttl, "
+                "x-dead-letter-exchange=retry and x-queue-type=quorum (a txbox release before Mosaic "
+                "compatibility declared more); txbox's own retries wait in "
+                f"{names.delay_queue(int(name.removeprefix('delay:').removesuffix('s')))!r}"
+            )
         raise TopologyMismatch(
             f"{what} {name!r} already exists with {arg}={current}, txbox needs {arg}={wanted}. "
             f"Fix: drain and delete it (rabbitmqctl delete_queue {name!r}) so txbox can declare it{hint}."

@@ -103,4 +103,21 @@ java_ok || apt_install openjdk-17-jre-headless
 [ -f "$JDBC_JAR" ] || apt_install libpostgresql-jdbc-java
 [ -x /usr/bin/chromium ] || apt_install chromium
 
-say "ready: PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ 127.0.0.1:5672 (management :15672), $(java -version 2>&1 | head -n 1), $JDBC_JAR"
+# --- Node.js + the Mosaic test peer (tests/interop) ---------------------------------
+# The interoperability test runs a service built with Mosaic's own npm libraries beside a
+# txbox service. Node comes from Debian (nodejs, npm); the peer's packages from npm,
+# exactly as locked in its package-lock.json. Node stays out of the Python package.
+PEER=tests/interop/peer
+node_ok() { command -v node >/dev/null && command -v npm >/dev/null \
+  && node -e 'process.exit(Number(process.versions.node.split(".")[0]) < 18 ? 1 : 0)'; }
+node_ok || apt_install nodejs npm
+node_ok || die "Node.js >= 18 with npm is needed for the Mosaic interoperability test (found: $(node --version 2>&1 || echo none))"
+peer_stamp=$PEER/node_modules/.txbox-installed
+if [ ! -f "$peer_stamp" ] || [ $PEER/package-lock.json -nt "$peer_stamp" ]; then
+  say "installing the Mosaic test peer's npm packages ($PEER)"
+  (cd $PEER && npm ci --no-audit --no-fund --loglevel=error) \
+    || die "npm ci failed in $PEER: check that the npm registry is reachable (npm ping), then run this again"
+  touch "$peer_stamp"
+fi
+
+say "ready: PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ 127.0.0.1:5672 (management :15672), $(java -version 2>&1 | head -n 1), $JDBC_JAR, Node $(node --version)"

@@ -48,14 +48,14 @@ from framework.settings import Settings
 SERVICE = "bench-e2e"
 CONTRACT = """\
 asyncapi: 2.0.0
+x-service-id: bench-e2e
 info:
   title: Bench Service
   version: '1.0.0'
-  x-service-id: bench-e2e
 x-subscribes:
   - bench-e2e.ping.ponged
 channels:
-  'bench-e2e.ping.send':
+  'ping.send':
     bindings:
       amqp:
         queue:
@@ -63,7 +63,7 @@ channels:
     publish:
       message:
         $ref: '#/components/messages/ping'
-  'bench-e2e.ping.ponged':
+  'ping.ponged':
     subscribe:
       message:
         $ref: '#/components/messages/ponged'

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "migrate": ("framework.cli.migrate", "apply the framework's migrations (--sql prints them)"),
     "topology": ("framework.cli.topology", "declare exchanges, queues and bindings"),
     "check": ("framework.cli.check", "assembly validation and contracts lint"),
+    "contracts": ("framework.cli.check", "contracts check: lint the folder and show each message's routing"),
     "publisher": ("framework.cli.publisher", "run the outbox publisher daemon"),
     "receiver": ("framework.cli.receiver", "run the inbox receiver daemon"),
     "worker": ("framework.cli.worker", "run the inbox worker daemon"),

@@ -1,4 +1,5 @@
-"""`txbox check`: assembly validation (with --app) and the contracts lint."""
+"""`txbox check` (assembly validation with --app, else the contracts lint) and
+`txbox contracts check` (the lint, with the routing of every message as it goes on the wire)."""
 
 from __future__ import annotations
 
@@ -6,28 +7,77 @@ import argparse
 import os
 from pathlib import Path
 
+from framework import names
 from framework.cli.common import add_service_options, load_service
-from framework.contracts import load_registry
+from framework.contracts import Registry, load_registry, topic_matches
+from framework.errors import Problem
+
+ROUTING_RULE = (
+    "routing (Mosaic's rule): a command goes to exchange `command` with routing key "
+    "`<consumer service id>.<channel>`, an event to exchange `event` with "
+    "`<producer service id>.<channel>`; a contract's channel names are `entity.action`, its "
+    "service id is `x-service-id`, and a service receives another service's events by listing "
+    "their keys, `<producer service id>.<channel>`, under `x-subscribes`."
+)
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
+    if name == "contracts":
+        parser.add_argument("action", choices=("check",), help="check: lint the folder and show the routing")
     parser.add_argument("--strict", action="store_true", help="warnings fail the check too")
     add_service_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.app or os.environ.get("TXBOX_SERVICE") or args.service:
+    if args.command != "contracts" and (args.app or os.environ.get("TXBOX_SERVICE") or args.service):
         service = load_service(args)
         problems = service.problems()
         subject = f"service {service.name} ({len(service.handlers)} handlers)"
     else:
         # No service named: lint the whole contracts folder.
         folder = args.contracts_dir or Path(os.environ.get("TXBOX_CONTRACTS_DIR", "contracts"))
-        problems = load_registry(folder, strict=False).problems
+        registry = load_registry(folder, strict=False)
+        problems = registry.problems
         subject = f"contracts in {folder}"
+        print(routing_report(registry))
+    return report(problems, subject, strict=args.strict)
+
+
+def report(problems: list[Problem], subject: str, *, strict: bool) -> int:
     for p in problems:
         print(p)
     errors = sum(p.severity == "error" for p in problems)
     warnings = len(problems) - errors
     print(f"{subject}: {errors} error(s), {warnings} warning(s)")
-    return 1 if errors or (args.strict and warnings) else 0
+    return 1 if errors or (strict and warnings) else 0
+
+
+def routing_report(registry: Registry) -> str:
+    """Every message of every service with the exchange and routing key it travels with."""
+    aliases: dict[str, list[str]] = {}
+    for alias, message_type in registry.aliases.items():
+        aliases.setdefault(message_type, []).append(alias)
+    lines = [ROUTING_RULE]
+    for service, contract in sorted(registry.services.items()):
+        lines.append(f"  {service} (queue {names.inbox_queue(service)}):")
+        for spec in [*contract.commands, *contract.events]:
+            also = (
+                f" (also accepted as {', '.join(sorted(aliases[spec.message_type]))})"
+                if spec.message_type in aliases
+                else ""
+            )
+            verb = "accepts" if spec.kind == "command" else "emits"
+            lines.append(
+                f"    {verb} {spec.kind} {spec.message_type}{also}: "
+                f"{names.exchange_for(spec.kind)} / {spec.routing_key}"
+            )
+        for pattern in contract.subscribes:
+            matched = sorted(
+                s.message_type
+                for s in registry.messages.values()
+                if s.kind == "event" and topic_matches(pattern, s.routing_key)
+            )
+            lines.append(
+                f"    subscribes: {names.EVENT_EXCHANGE} / {pattern} → {', '.join(matched) or 'no loaded event'}"
+            )
+    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""`txbox topology`: declare exchanges, queues and bindings (DESIGN §5)."""
+"""`txbox topology`: declare exchanges, queues and bindings (shared with Mosaic services: see `framework.topology`)."""
 
 from __future__ import annotations
 

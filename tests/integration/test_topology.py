@@ -1,4 +1,4 @@
-"""`txbox topology` against the real broker: every exchange, queue, argument and binding of DESIGN §5."""
+"""`txbox topology` against the real broker: every exchange, queue, argument and binding, beside Mosaic's."""
 
 from __future__ import annotations
 
@@ -50,7 +50,41 @@ def expected_bindings(service: str, queue_type: str) -> set[tuple[str, str, str]
         ("dead_letter", f"{service}:dead_letter", f"{service}.dead_letter"),
         ("delay", "delay:10s", "delay.10s"),
         ("delay", "delay:30s", "delay.30s"),
+        ("delay", "delay:10s:at-least-once", "delay.10s.at-least-once"),
+        ("delay", "delay:30s:at-least-once", "delay.30s.at-least-once"),
     }
+
+
+# What Mosaic's message bus (@axinom/mosaic-message-bus 0.33) declares for the same names,
+# read from its rascal configuration: shared delay queues with exactly these arguments,
+# the inbox queue of a service it sends commands to, and topic exchanges with defaults.
+MOSAIC_DELAY_ARGUMENTS = {10: {"x-message-ttl": 10_000, "x-dead-letter-exchange": "retry", "x-queue-type": "quorum"}}
+MOSAIC_DELAY_ARGUMENTS[30] = {**MOSAIC_DELAY_ARGUMENTS[10], "x-message-ttl": 30_000}
+
+
+def declare_as_mosaic(amqp_url: str, *, sends_commands_to: str) -> None:
+    """Raw declarations, as a Mosaic service starting on the vhost makes them."""
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        ch = conn.channel()
+        for exchange in ("command", "event", "delay", "retry", "dead_letter"):
+            ch.exchange_declare(exchange, exchange_type="topic", durable=True)
+        for seconds, arguments in MOSAIC_DELAY_ARGUMENTS.items():
+            ch.queue_declare(f"delay:{seconds}s", durable=True, arguments=arguments)
+            ch.queue_bind(f"delay:{seconds}s", "delay", routing_key=f"delay.{seconds}s")
+        for service in ("mosaic-peer", sends_commands_to):
+            ch.queue_declare(
+                f"{service}:inbox",
+                durable=True,
+                arguments={
+                    "x-dead-letter-exchange": "dead_letter",
+                    "x-dead-letter-routing-key": f"{service}.dead_letter",
+                    "x-queue-type": "quorum",
+                },
+            )
+        ch.queue_declare("mosaic-peer:dead_letter", durable=True, arguments={"x-queue-type": "quorum"})
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
@@ -69,7 +103,14 @@ def test_declares_exactly_design_section_5_and_twice_is_a_no_op(
     for e in exchanges.values():
         assert (e["type"], e["durable"], e["auto_delete"]) == ("topic", True, False), e["name"]
 
-    assert set(queues) == {"order-service:inbox", "order-service:dead_letter", "delay:10s", "delay:30s"}
+    assert set(queues) == {
+        "order-service:inbox",
+        "order-service:dead_letter",
+        "delay:10s",
+        "delay:30s",
+        "delay:10s:at-least-once",
+        "delay:30s:at-least-once",
+    }
     for q in queues.values():
         assert q["durable"] and not q["auto_delete"] and not q["exclusive"], q["name"]
     inbox = queues["order-service:inbox"]["arguments"]
@@ -81,14 +122,17 @@ def test_declares_exactly_design_section_5_and_twice_is_a_no_op(
     assert queues["order-service:inbox"]["type"] == queue_type
     assert queues["order-service:dead_letter"]["arguments"] == {"x-queue-type": queue_type}
     for seconds in (10, 30):
-        assert queues[f"delay:{seconds}s"]["arguments"] == {
+        # Mosaic's shared queue, exactly as Mosaic declares it ...
+        assert queues[f"delay:{seconds}s"]["arguments"] == MOSAIC_DELAY_ARGUMENTS[seconds]
+        # ... and txbox's own, where its delayed retries wait: dead-lettered at least once.
+        assert queues[f"delay:{seconds}s:at-least-once"]["arguments"] == {
             "x-queue-type": "quorum",
             "x-message-ttl": seconds * 1000,
             "x-dead-letter-exchange": "retry",
             "x-dead-letter-strategy": "at-least-once",
             "x-overflow": "reject-publish",
         }
-        assert queues[f"delay:{seconds}s"]["type"] == "quorum"
+        assert queues[f"delay:{seconds}s"]["type"] == queues[f"delay:{seconds}s:at-least-once"]["type"] == "quorum"
     assert bindings == expected_bindings("order-service", queue_type)
 
 
@@ -118,10 +162,30 @@ def test_declared_topology_routes_as_designed(settings: Settings) -> None:
         ch.basic_publish("event", "inventory-service.stock.reserved", b"{}", mandatory=True)
         ch.basic_publish("retry", "order-service:inbox.order-service.order.place", b"{}", mandatory=True)
         ch.basic_publish("dead_letter", "order-service.dead_letter", b"{}", mandatory=True)
+        # A delayed retry as the receiver publishes it: into txbox's own delay queue only.
+        retry = pika.BasicProperties(headers={"CC": ["order-service:inbox.order-service.order.place"]})
+        ch.basic_publish("delay", names.delay_routing_key(10), b"{}", retry, mandatory=True)
         assert ch.queue_declare("order-service:inbox", passive=True).method.message_count == 3
         assert ch.queue_declare("order-service:dead_letter", passive=True).method.message_count == 1
+        assert ch.queue_declare("delay:10s:at-least-once", passive=True).method.message_count == 1
+        assert ch.queue_declare("delay:10s", passive=True).method.message_count == 0
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("mosaic_first", [True, False])
+def test_a_mosaic_service_and_txbox_start_in_either_order(settings: Settings, vhost: str, mosaic_first: bool) -> None:
+    """Either side second: no 406 PRECONDITION_FAILED, and the shared queues keep Mosaic's arguments."""
+    if mosaic_first:
+        declare_as_mosaic(settings.amqp_url, sends_commands_to="order-service")
+    topology.declare(settings, load_registry(CONTRACTS))
+    declare_as_mosaic(settings.amqp_url, sends_commands_to="order-service")  # a Mosaic (re)start after txbox
+    done = run_cli(settings)  # and `txbox topology` again, over everything
+    assert done.returncode == 0, done.stderr
+    _, queues, bindings = broker_state(vhost)
+    for seconds in (10, 30):
+        assert queues[f"delay:{seconds}s"]["arguments"] == MOSAIC_DELAY_ARGUMENTS[seconds]
+    assert expected_bindings("order-service", "quorum") <= bindings
 
 
 def run_cli(settings: Settings, *args: str, queue_type: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -191,3 +255,23 @@ def test_unreachable_broker_is_a_clear_error(settings: Settings) -> None:
     done = run_cli(bad)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "RabbitMQ" in done.stderr
+
+
+def test_a_delay_queue_of_the_previous_release_fails_with_the_fix(settings: Settings) -> None:
+    """The first release declared `delay:10s` with at-least-once arguments Mosaic does not give it."""
+    conn = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    conn.channel().queue_declare(
+        "delay:10s",
+        durable=True,
+        arguments={
+            **MOSAIC_DELAY_ARGUMENTS[10],
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        },
+    )
+    conn.close()
+    with pytest.raises(TopologyMismatch) as info:
+        topology.declare(settings, load_registry(CONTRACTS))
+    text = str(info.value)
+    assert "'delay:10s'" in text and "rabbitmqctl delete_queue 'delay:10s'" in text
+    assert "shared with Mosaic services" in text and "'delay:10s:at-least-once'" in text

@@ -37,7 +37,7 @@ def test_check_warnings_fail_only_when_strict(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TXBOX_SERVICE", raising=False)
-    folder = str(ROOT / "tests/fixtures/seed003")
+    folder = str(ROOT / "tests/fixtures/old-style")
     assert txbox(["check", "--contracts-dir", folder]) == 0
     assert txbox(["check", "--contracts-dir", folder, "--strict"]) == 1
     assert "warning" in capsys.readouterr().out

@@ -1,0 +1,199 @@
+'use strict';
+/**
+ * `mosaic-peer`: a Mosaic service built as Mosaic's documentation and media template
+ * build one, with Mosaic's own libraries: `@axinom/mosaic-message-bus` (rascal on
+ * RabbitMQ) and `@axinom/mosaic-transactional-inbox-outbox` (pg-transactional-outbox on
+ * PostgreSQL). txbox's interoperability test (tests/interop/test_mosaic_peer.py) runs it
+ * beside a txbox service on one vhost.
+ *
+ * - accepts `CreateGadget` (command, its own contract): stores a gadget and publishes
+ *   `GadgetCreated` through its outbox, in the inbox handler's transaction;
+ * - sends `CreateWidget` to the txbox service `widget-service` at start (PEER_SEND_WIDGET)
+ *   through its outbox, and records every `WidgetCreated` event it receives.
+ *
+ * Its messaging settings come from the contracts (messaging-settings.js, Mosaic's code
+ * generator rules). PEER_FAIL_FIRST names a message type whose first delivery the inbox
+ * writer refuses, so that delivery goes round Mosaic's delay/retry path.
+ *
+ * Environment: PEER_CONTRACTS (folder), PEER_DATABASE_URL (its own database),
+ * PEER_AMQP_URL, PEER_SEND_WIDGET, PEER_FAIL_FIRST, LOG_LEVEL.
+ */
+const { Pool } = require('pg');
+const { Logger, ShutdownActionsMiddleware } = require('@axinom/mosaic-service-common');
+const { setupMessagingBroker } = require('@axinom/mosaic-message-bus');
+const {
+  RabbitMqInboxWriter,
+  RascalTransactionalConfigBuilder,
+  TransactionalInboxMessageHandler,
+  TransactionalLogMapper,
+  setupInboxStorage,
+  setupOutboxStorage,
+  setupPollingOutboxListener,
+} = require('@axinom/mosaic-transactional-inbox-outbox');
+const { DatabaseSetup, initializePollingMessageListener } = require('pg-transactional-outbox');
+const { loadContracts } = require('./messaging-settings');
+
+const SERVICE_ID = 'mosaic-peer';
+const SCHEMA = 'app_private';
+const env = (name, fallback) => {
+  const value = process.env[name] ?? fallback;
+  if (value === undefined) throw new Error(`${name} is not set`);
+  return value;
+};
+
+const logLevel = env('LOG_LEVEL', 'INFO');
+const logger = new Logger({ context: SERVICE_ID, config: { logLevel, serviceId: SERVICE_ID, isDev: false } });
+const dbConfig = { connectionString: env('PEER_DATABASE_URL') };
+
+/** The outbox and inbox tables and polling functions, created by the library's own SQL. */
+const setupDatabase = async (pool) => {
+  const database = (await pool.query('SELECT current_database() AS name')).rows[0].name;
+  const exists = (await pool.query(`SELECT to_regclass('${SCHEMA}.inbox') AS t`)).rows[0].t;
+  if (!exists) {
+    for (const kind of ['outbox', 'inbox']) {
+      const cfg = {
+        outboxOrInbox: kind,
+        database,
+        schema: SCHEMA,
+        table: kind,
+        listenerRole: 'postgres',
+        nextMessagesName: `next_${kind}_messages`,
+      };
+      await pool.query(DatabaseSetup.dropAndCreateTable(cfg));
+      await pool.query(DatabaseSetup.createPollingFunction(cfg));
+      await pool.query(DatabaseSetup.setupPollingIndexes(cfg));
+    }
+  }
+  // Business tables: one row per handled message, so a message applied twice shows twice.
+  await pool.query(`
+    CREATE TABLE IF NOT EXISTS gadgets (n serial PRIMARY KEY, message_id uuid NOT NULL, gadget_id text NOT NULL, name text NOT NULL);
+    CREATE TABLE IF NOT EXISTS widget_events (n serial PRIMARY KEY, message_id uuid NOT NULL, widget_id text NOT NULL, name text NOT NULL);
+    CREATE TABLE IF NOT EXISTS widget_requests (n serial PRIMARY KEY, widget_id text NOT NULL, name text NOT NULL);
+  `);
+};
+
+const listenerConfig = (kind) => ({
+  outboxOrInbox: kind,
+  dbListenerConfig: dbConfig,
+  settings: {
+    dbSchema: SCHEMA,
+    dbTable: kind,
+    enableMaxAttemptsProtection: kind === 'inbox',
+    enablePoisonousMessageProtection: kind === 'inbox',
+    nextMessagesFunctionSchema: SCHEMA,
+    nextMessagesFunctionName: `next_${kind}_messages`,
+    nextMessagesPollingIntervalInMs: 100,
+    messageCleanupIntervalInMs: 0,
+  },
+});
+
+const main = async () => {
+  const contracts = loadContracts(env('PEER_CONTRACTS'));
+  const own = contracts[SERVICE_ID];
+  const widgets = contracts['widget-service'];
+  const pool = new Pool(dbConfig);
+  await setupDatabase(pool);
+
+  const shutdownActions = new ShutdownActionsMiddleware(logger);
+  shutdownActions.push(() => pool.end());
+  const storeOutboxMessage = setupOutboxStorage(listenerConfig('outbox'), logger, { logLevel });
+  const storeInboxMessage = setupInboxStorage(listenerConfig('inbox'), logger, { logLevel });
+
+  const failFirst = process.env.PEER_FAIL_FIRST;
+  const refused = new Set();
+  const inboxWriter = new RabbitMqInboxWriter(storeInboxMessage, pool, logger, {
+    customMessagePreProcessor: (message) => {
+      if (message.messagingSettings.messageType === failFirst && !refused.has(message.messageId)) {
+        refused.add(message.messageId);
+        throw new Error(`injected: the first delivery of ${failFirst} goes round the delay/retry path`);
+      }
+    },
+  });
+
+  const amqp = new URL(env('PEER_AMQP_URL'));
+  const config = {
+    serviceId: SERVICE_ID,
+    isDev: false,
+    rmqProtocol: 'amqp',
+    rmqHost: amqp.hostname,
+    rmqPort: Number(amqp.port || 5672),
+    rmqUser: decodeURIComponent(amqp.username),
+    rmqPassword: decodeURIComponent(amqp.password),
+    rmqVHost: decodeURIComponent(amqp.pathname.slice(1)) || '/',
+    rmqVHostAssert: false,
+  };
+  const builders = [
+    new RascalTransactionalConfigBuilder(own.CreateGadget, config).subscribeForCommand(() => inboxWriter),
+    new RascalTransactionalConfigBuilder(own.GadgetCreated, config).publishEvent(),
+    new RascalTransactionalConfigBuilder(widgets.CreateWidget, config).sendCommand(),
+    new RascalTransactionalConfigBuilder(widgets.WidgetCreated, config).subscribeForEvent(() => inboxWriter),
+  ];
+  const broker = await setupMessagingBroker({ config, builders, logger, shutdownActions });
+
+  class CreateGadgetHandler extends TransactionalInboxMessageHandler {
+    constructor() {
+      super(own.CreateGadget, logger, {});
+    }
+    async handleMessage(message, client) {
+      const gadgetId = message.aggregateId;
+      await client.query('INSERT INTO gadgets (message_id, gadget_id, name) VALUES ($1, $2, $3)', [
+        message.id,
+        gadgetId,
+        message.payload.name,
+      ]);
+      await storeOutboxMessage(gadgetId, own.GadgetCreated, { gadget_id: gadgetId, name: message.payload.name }, client, {
+        envelopeOverrides: { message_context: message.metadata.messageContext },
+      });
+    }
+  }
+  class WidgetCreatedHandler extends TransactionalInboxMessageHandler {
+    constructor() {
+      super(widgets.WidgetCreated, logger, {});
+    }
+    async handleMessage(message, client) {
+      await client.query('INSERT INTO widget_events (message_id, widget_id, name) VALUES ($1, $2, $3)', [
+        message.id,
+        message.payload.widget_id,
+        message.payload.name,
+      ]);
+    }
+  }
+  const transactionalLogger = new TransactionalLogMapper(logger, logLevel);
+  const [stopInbox] = initializePollingMessageListener(
+    listenerConfig('inbox'),
+    [new CreateGadgetHandler(), new WidgetCreatedHandler()],
+    transactionalLogger,
+  );
+  const stopOutbox = setupPollingOutboxListener(listenerConfig('outbox'), broker, logger, { logLevel });
+  shutdownActions.push(stopInbox);
+  shutdownActions.push(stopOutbox);
+
+  const widgetName = process.env.PEER_SEND_WIDGET;
+  if (widgetName) {
+    const client = await pool.connect();
+    try {
+      await client.query('BEGIN');
+      const widgetId = `widget-${widgetName}`;
+      await client.query('INSERT INTO widget_requests (widget_id, name) VALUES ($1, $2)', [widgetId, widgetName]);
+      await storeOutboxMessage(widgetId, widgets.CreateWidget, { name: widgetName }, client, {
+        envelopeOverrides: { message_context: { requested_by: SERVICE_ID } },
+      });
+      await client.query('COMMIT');
+    } catch (error) {
+      await client.query('ROLLBACK');
+      throw error;
+    } finally {
+      client.release();
+    }
+  }
+  console.log(`${SERVICE_ID} ready`);
+};
+
+process.on('unhandledRejection', (error) => {
+  console.error(`${SERVICE_ID} failed:`, error);
+  process.exit(1);
+});
+main().catch((error) => {
+  console.error(`${SERVICE_ID} failed to start:`, error);
+  process.exit(1);
+});
