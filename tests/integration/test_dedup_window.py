@@ -7,6 +7,7 @@ handler ran.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,49 @@ def test_the_dedup_window_is_validated_at_start(
     assert "TXBOX_DEDUP_WINDOW" in err and "Example: TXBOX_DEDUP_WINDOW=7d" in err
     assert scalar(database_url, "SELECT count(*) FROM txbox.inbox") == 0
     assert not list(tmp_path.iterdir())
+
+
+def test_the_archive_keeps_ids_inside_the_window_deletes_the_rest_and_archives_each_row_once(
+    database_url: str, tmp_path: Path
+) -> None:
+    import pyarrow.dataset as ds
+
+    from framework.analytics.archive import Archiver
+
+    ages = {"inside": "1 day", "outside": "10 days", "abandoned": "2 days"}
+    ids = {}
+    for name, age in ages.items():
+        done = "abandoned_at" if name == "abandoned" else "processed_at"
+        ids[name] = str(
+            scalar(
+                database_url,
+                f"""INSERT INTO txbox.inbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload,
+                       metadata, segment, message_timestamp, queue, created_at, {done}, last_error)
+                    VALUES (gen_random_uuid(), 'PlaceOrder', 'order', %(name)s, 'command', 'order-service.order.place',
+                       jsonb_build_object('quantity', 1, 'customer', %(name)s::text), '{{"auth_token": "t"}}', %(name)s,
+                       now(), 'order-service:inbox', now() - %(age)s::interval, now() - %(age)s::interval, 'boom')
+                    RETURNING id""",
+                {"name": name, "age": age},
+            )
+        )
+
+    def archive() -> Any:
+        return Archiver(database_url=database_url, service="order-service", root=tmp_path, batch_size=2).run(
+            timedelta(0)
+        )
+
+    first, second = archive(), archive()
+
+    rows = dict(query(database_url, "SELECT id::text, archived_at IS NOT NULL FROM txbox.inbox"))
+    assert rows == {ids["inside"]: True, ids["abandoned"]: True}
+    stripped = query(
+        database_url,
+        "SELECT payload, message_context, metadata ? 'auth_token', last_error, metadata ->> 'payload_sha256' "
+        "FROM txbox.inbox",
+    )
+    assert all(r[0] == {} and r[1] == {} and r[2] is False and r[3] is None and len(r[4]) == 64 for r in stripped)
+    files = ds.dataset(tmp_path / "order-service" / "inbox", format="parquet", partitioning="hive").to_table()
+    archived = dict(zip(files["id"].to_pylist(), files["payload"].to_pylist(), strict=True))
+    assert sorted(archived) == sorted(ids.values()), "each row archived once, with its content"
+    assert all('"customer"' in p for p in archived.values())
+    assert (first.tombstoned, first.deleted["inbox"], second.batches, second.purged) == (2, 1, 0, 0)
