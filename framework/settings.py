@@ -189,3 +189,23 @@ def _mask(url: str) -> str:
 
 
 mask_url = _mask
+
+
+@dataclass(frozen=True, kw_only=True)
+class DedupSettings:
+    """How long the inbox remembers a finished message's id (framework/dedup.py)."""
+
+    dedup_window: Seconds = setting(
+        "TXBOX_DEDUP_WINDOW",
+        "7d",
+        default=Seconds(7 * 86400),
+        help="a duplicate (or replay) of a message finished within this window is never applied again; "
+        "txbox archive keeps the ids it needs for that long",
+    )
+
+    def __post_init__(self) -> None:
+        if self.dedup_window <= 0:
+            raise ConfigurationError(
+                f"TXBOX_DEDUP_WINDOW={self.dedup_window:g}s must be positive: a duplicate can arrive days "
+                "later (broker redelivery, a replay). Example: TXBOX_DEDUP_WINDOW=7d"
+            )

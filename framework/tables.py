@@ -23,6 +23,7 @@ from sqlalchemy import (
     SmallInteger,
     Table,
     Text,
+    func,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
@@ -105,6 +106,8 @@ inbox = Table(
     Column("received_at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
     Column("queue", Text, nullable=False),
     Column("redelivered", Boolean, nullable=False, server_default=text("false")),
+    # Set when `txbox archive` stripped the row to a tombstone kept for dedup (migration 0007).
+    Column("archived_at", DateTime(timezone=True)),
     *_constraints(names.INBOX),
     comment="Transactional inbox: deliveries stored once by message id, processed by the worker.",
 )
@@ -184,6 +187,12 @@ Index(
     dead_letters.c.fingerprint,
     dead_letters.c.died_at,
     postgresql_where=text("replayed_at IS NULL AND discarded_at IS NULL"),
+)
+# Migration 0007: tombstones by the time their dedup window starts (framework/dedup.py).
+Index(
+    "inbox_tombstone_idx",
+    func.coalesce(inbox.c.processed_at, inbox.c.abandoned_at),
+    postgresql_where=text("archived_at IS NOT NULL"),
 )
 for _t in (inbox, outbox):
     Index(f"{_t.name}_abandoned_idx", _t.c.abandoned_at, postgresql_where=text("abandoned_at IS NOT NULL"))

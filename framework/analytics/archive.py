@@ -22,7 +22,11 @@ Crash safety — one manifest per batch, states ``pending → written → done``
    exact id set match the manifest), then renamed into place (``os.replace``, atomic per
    file) and checked again → ``written``;
 3. only then ``DELETE ... WHERE id = ANY(<manifest ids>)`` (and still processed or
-   abandoned) → ``done``.
+   abandoned) → ``done``. Inbox rows go through :func:`framework.dedup.forget` instead:
+   a row finished within ``TXBOX_DEDUP_WINDOW`` is not deleted but stripped to a
+   tombstone that keeps its id, so a late duplicate or a replay is still recognized.
+   A tombstone is never archived again; the run ends by deleting the tombstones whose
+   window has passed (so any ``--older-than`` is safe, the window decides what is kept).
 
 A rerun first finishes every unfinished manifest: a ``pending`` batch drops its staged
 and already-renamed files (file names carry the batch id, so they are exactly known) and
@@ -47,7 +51,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Boolean, DateTime, Integer, SmallInteger, Table
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
-from framework import names, tables
+from framework import dedup, names, tables
 from framework.db import connect, database_errors
 from framework.errors import TxboxError
 
@@ -55,7 +59,11 @@ log = logging.getLogger("txbox.archive")
 
 PARTITION_COLUMNS = ("message_type",)  # in the path; `day` is derived from created_at
 DONE_STATES = ("done",)
-ARCHIVED = "(processed_at IS NOT NULL OR abandoned_at IS NOT NULL)"
+ARCHIVED = dedup.FINISHED
+# Tombstones (inbox rows kept for dedup) are archived already and stay out of the files.
+NOT_ARCHIVED = {names.OUTBOX: "TRUE", names.INBOX: "archived_at IS NULL"}
+NOT_IN_FILES = ("archived_at",)  # always null in an archived row: the Parquet layout stays as it was
+DEFAULT_DEDUP_WINDOW = timedelta(days=7)
 Checkpoint = Callable[[str], None]
 
 
@@ -85,13 +93,23 @@ class Manifest:
 class ArchiveResult:
     archived: dict[str, int] = field(default_factory=dict)  # table → rows written
     deleted: dict[str, int] = field(default_factory=dict)
+    tombstoned: int = 0  # inbox rows archived but kept as ids for dedup
+    purged: int = 0  # tombstones deleted once their dedup window passed
     batches: int = 0
     recovered: int = 0
 
     def summary(self, service: str, root: Path) -> str:
         parts = [f"{t}: {self.archived.get(t, 0)} archived, {self.deleted.get(t, 0)} deleted" for t in _tables()]
+        parts[-1] += (
+            f", {self.tombstoned} kept as ids for dedup (TXBOX_DEDUP_WINDOW), {self.purged} expired ids deleted"
+        )
         extra = f"; finished {self.recovered} interrupted batch(es)" if self.recovered else ""
         return f"txbox archive {service} → {root}: " + "; ".join(parts) + f" ({self.batches} batch(es){extra})"
+
+    def add(self, table: str, archived: int, removed: dedup.Forgotten) -> None:
+        self.archived[table] = self.archived.get(table, 0) + archived
+        self.deleted[table] = self.deleted.get(table, 0) + removed.deleted
+        self.tombstoned += removed.tombstoned
 
 
 def _tables() -> tuple[str, str]:
@@ -105,9 +123,13 @@ def _table(name: str) -> Table:
 def _select_list(table: Table) -> str:
     """Every column; uuid and jsonb as text so Parquet holds plain strings."""
     cols = []
-    for c in table.columns:
+    for c in _file_columns(table):
         cols.append(f"{c.name}::text AS {c.name}" if isinstance(c.type, UUID | JSONB) else c.name)
     return ", ".join(cols)
+
+
+def _file_columns(table: Table) -> list[Any]:
+    return [c for c in table.columns if c.name not in NOT_IN_FILES]
 
 
 def arrow_schema(table: Table) -> Any:
@@ -115,7 +137,7 @@ def arrow_schema(table: Table) -> Any:
     import pyarrow as pa
 
     fields = []
-    for c in table.columns:
+    for c in _file_columns(table):
         if c.name in PARTITION_COLUMNS:
             continue
         t = c.type
@@ -144,6 +166,7 @@ class Archiver:
         root: Path,
         schema: str = "txbox",
         batch_size: int = 50000,
+        dedup_window: timedelta = DEFAULT_DEDUP_WINDOW,
         checkpoint: Checkpoint = _noop,
     ) -> None:
         self.url = database_url
@@ -151,6 +174,7 @@ class Archiver:
         self.root = root
         self.schema = schema
         self.batch_size = batch_size
+        self.dedup_window = dedup_window
         self.checkpoint = checkpoint
         self.manifests = root / "_manifests" / service
 
@@ -184,12 +208,30 @@ class Archiver:
         with database_errors("archive: cannot read"), connect(self.url, autocommit=True, row_factory=dict_row) as conn:
             return list(conn.execute(sql, params).fetchall())
 
-    def _delete(self, m: Manifest) -> int:
-        sql = f"DELETE FROM {names.qualified(self.schema, m.table)} WHERE id = ANY(%(ids)s::uuid[]) AND {ARCHIVED}"
+    def _delete(self, m: Manifest) -> dedup.Forgotten:
+        """Delete the batch's rows; inbox rows through the dedup memory (kept as tombstones in the window)."""
         with database_errors("archive: cannot delete"), connect(self.url) as conn:
-            count = conn.execute(sql, {"ids": m.ids}).rowcount
+            if m.table == names.INBOX:
+                removed = dedup.forget(conn.cursor(), self.schema, m.ids, self.dedup_window)
+            else:
+                table = names.qualified(self.schema, m.table)
+                sql = f"DELETE FROM {table} WHERE id = ANY(%(ids)s::uuid[]) AND {ARCHIVED}"
+                removed = dedup.Forgotten(deleted=conn.execute(sql, {"ids": m.ids}).rowcount)
             conn.commit()
-        return count
+        return removed
+
+    def _purge_expired(self) -> int:
+        """Delete the tombstones whose dedup window has passed, one batch per transaction."""
+        total = 0
+        while True:
+            with database_errors("archive: cannot delete expired dedup ids"), connect(self.url) as conn:
+                cur = conn.cursor()
+                ids = dedup.expired_tombstones(cur, self.schema, self.dedup_window, self.batch_size)
+                removed = dedup.forget(cur, self.schema, ids, self.dedup_window)
+                conn.commit()
+            total += removed.deleted
+            if len(ids) < self.batch_size or removed.deleted == 0:
+                return total
 
     # --- files -------------------------------------------------------------------------
     def _write(self, m: Manifest, rows: list[dict[str, Any]]) -> None:
@@ -247,8 +289,8 @@ class Archiver:
             path.unlink()
 
     # --- batches -----------------------------------------------------------------------
-    def _finish(self, m: Manifest, rows: list[dict[str, Any]] | None = None) -> int:
-        """Drive one batch to ``done``; returns the rows deleted."""
+    def _finish(self, m: Manifest, rows: list[dict[str, Any]] | None = None) -> dedup.Forgotten:
+        """Drive one batch to ``done``; returns the rows deleted (and kept as tombstones)."""
         if m.state == "pending":
             self._drop_files(m)
             if rows is None:
@@ -261,40 +303,48 @@ class Archiver:
             m.state = "written"
             self._save(m)
             self.checkpoint("written")
-        deleted = self._delete(m)
+        removed = self._delete(m)
         self.checkpoint("deleted")
-        m.deleted = deleted if m.deleted is None else m.deleted + deleted
+        done = removed.deleted + removed.tombstoned
+        m.deleted = done if m.deleted is None else m.deleted + done
         m.state = "done"
         self._save(m)
-        if deleted != len(m.ids):
+        if done != len(m.ids):
             log.warning(
-                "archive batch %s: deleted %d of %d rows (the others were already deleted by an interrupted "
+                "archive batch %s: removed %d of %d rows (the others were already removed by an interrupted "
                 "run, or changed state since: their archived copy is the older version)",
                 m.batch_id,
-                deleted,
+                done,
                 len(m.ids),
             )
-        return deleted
+        return removed
 
     def run(self, older_than: timedelta, now: datetime | None = None) -> ArchiveResult:
         result = ArchiveResult()
         for m in self.unfinished():
             log.info("finishing interrupted archive batch %s (%s)", m.batch_id, m.state)
-            deleted = self._finish(m)
+            removed = self._finish(m)
             result.recovered += 1
-            result.archived[m.table] = result.archived.get(m.table, 0) + m.rows
-            result.deleted[m.table] = result.deleted.get(m.table, 0) + deleted
+            result.add(m.table, m.rows, removed)
         cutoff = (now or datetime.now(UTC)) - older_than
         for table in _tables():
+            after: dict[str, Any] = {}
             while True:
+                # Keyset paging: tombstones stay in the created_at range, never scanned twice.
                 rows = self._fetch(
                     table,
-                    f"created_at < %(cutoff)s AND {ARCHIVED}",
-                    {"cutoff": cutoff},
+                    f"created_at < %(cutoff)s AND {ARCHIVED} AND {NOT_ARCHIVED[table]}"
+                    + (
+                        " AND created_at >= %(after_at)s AND (created_at, id::text) > (%(after_at)s, %(after_id)s)"
+                        if after
+                        else ""
+                    ),
+                    {"cutoff": cutoff, **after},
                     f"LIMIT {int(self.batch_size)}",
                 )
                 if not rows:
                     break
+                after = {"after_at": rows[-1]["created_at"], "after_id": rows[-1]["id"]}
                 stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
                 m = Manifest(
                     batch_id=f"{table}-{stamp}-{uuid.uuid4().hex[:8]}",
@@ -305,12 +355,12 @@ class Archiver:
                 )
                 self._save(m)
                 self.checkpoint("manifest")
-                deleted = self._finish(m, rows)
+                removed = self._finish(m, rows)
                 result.batches += 1
-                result.archived[table] = result.archived.get(table, 0) + m.rows
-                result.deleted[table] = result.deleted.get(table, 0) + deleted
-                if len(rows) < self.batch_size or deleted == 0:
-                    break  # deleted == 0: rows that keep changing state; leave them for the next run
+                result.add(table, m.rows, removed)
+                if len(rows) < self.batch_size or removed.deleted + removed.tombstoned == 0:
+                    break  # nothing removed: rows that keep changing state; leave them for the next run
+        result.purged = self._purge_expired()
         return result
 
 

@@ -13,11 +13,16 @@ from pathlib import Path
 from framework.analytics.settings import ArchiveSettings
 from framework.cli.common import add_service_options, settings_only
 from framework.errors import ConfigurationError
-from framework.settings import load, parse_duration
+from framework.settings import DedupSettings, load, parse_duration
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("--older-than", required=True, help="archive rows created before now - DURATION (e.g. 7d)")
+    parser.add_argument(
+        "--older-than",
+        required=True,
+        help="archive rows created before now - DURATION (e.g. 7d); inbox ids finished within "
+        "TXBOX_DEDUP_WINDOW stay in the inbox for dedup",
+    )
     parser.add_argument("--to", required=True, type=Path, help="archive root folder (Parquet, Hive layout)")
     parser.add_argument("--batch-size", type=int, help="rows per batch (TXBOX_ARCHIVE_BATCH_SIZE, default 50000)")
     add_service_options(parser)
@@ -33,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     opts = load(ArchiveSettings, None, batch_size=args.batch_size)
     if opts.batch_size <= 0:
         raise ConfigurationError("--batch-size must be positive (example: 50000)")
+    window = load(DedupSettings).dedup_window
     settings = settings_only(args)
     archiver = Archiver(
         database_url=settings.database_url,
@@ -40,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         root=args.to,
         schema=settings.schema,
         batch_size=opts.batch_size,
+        dedup_window=timedelta(seconds=window),
     )
     result = archiver.run(timedelta(seconds=older))
     print(result.summary(settings.service, args.to), flush=True)

@@ -21,6 +21,22 @@ Replay semantics (each covered by tests/integration/test_dlq_replay.py):
 * A message already processed (or published) is never reset: the letter is marked
   resolved instead, so replaying twice cannot apply the business effect twice (the
   inbox also dedupes by ``message_id``).
+* ``txbox archive`` keeps an archived inbox row as a tombstone (its id, type, aggregate
+  and payload digest) for ``TXBOX_DEDUP_WINDOW`` (framework/dedup.py): a processed
+  tombstone counts as processed above; an abandoned one is filled in again from the
+  letter's envelope, then reset. The archive also resolves the letters of the processed
+  messages it removes, so a replay after the window is "already resolved", not a rerun.
+* **id conflict**: when the inbox holds the letter's ``message_id`` with other content
+  (type, aggregate or payload; tombstones compare by payload digest), the replay is
+  refused (``id-conflict``) and the letter stays open — replaying would either drop the
+  letter's content as a duplicate or run it in place of what was received. The sender
+  must send that content under a new ``message_id``; then discard the letter.
+
+Discard: an open letter is closed. A letter already replayed whose message has not run
+yet is *taken back*: its row (inbox; outbox while not handed to the broker) is abandoned
+again in the discarding transaction, so it does not run. If the message is being
+processed or sent at that moment, or was processed already, the discard is refused (the
+letter resolves by itself once processed).
 
 Resolution: :func:`resolve_replayed` is one set-based UPDATE over the replayed, still
 unresolved letters (a small partial index) joined to ``inbox``/``outbox.processed_at``;
@@ -42,12 +58,13 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from framework import names
-from framework.contracts import Registry
-from framework.envelope import message_from_dict
+from framework import dedup, names
+from framework.contracts import MessageSpec, Registry
+from framework.envelope import Message, message_from_dict
 from framework.errors import TxboxError
 from framework.outbox import Outbox, default_segment, json_params
 from framework.outbox import insert_sql as outbox_insert_sql
+from framework.tables import pending_by_id
 
 CHUNK = 500
 
@@ -160,14 +177,16 @@ def _replay_into(
     """Reset (or write) the message's row in ``table``; ``resend``: an outbox row that
     was published already is published again (a broker letter never reached the inbox)."""
     lid, mid = letter["id"], letter["message_id"]
-    row = _x(
-        conn,
-        sql.SQL(
-            "SELECT started_attempts, finished_attempts, last_error, processed_at, abandoned_at "
-            "FROM {t} WHERE id = %(id)s FOR UPDATE"
-        ).format(t=_t(schema, table)),
-        {"id": mid},
-    ).fetchone()
+    row = _current_row(conn, schema, letter, table)
+    if row is not None and row["same"] is False:
+        return Outcome(
+            lid,
+            "id-conflict",
+            f"the {table} holds message {mid} with other content (type, aggregate or payload): replaying would "
+            "drop this letter's content as a duplicate or run it in place of what was received. Send that "
+            "content under a new message_id, then discard this letter",
+            False,
+        )
     if row is None:
         _insert_from_envelope(conn, schema, registry, service, letter, table)
         action, detail = f"{table}-insert", f"written to {table} as {mid}" + (" to be sent again" if resend else "")
@@ -186,6 +205,8 @@ def _replay_into(
     elif row["abandoned_at"] is None and row["processed_at"] is None:
         action, detail = f"{table}-pending", f"{table} row {mid} is already pending"
     else:
+        if row["archived_at"] is not None:  # a tombstone: only the id is left, the letter has the rest
+            _restore_from_envelope(conn, schema, registry, service, letter)
         _x(
             conn,
             sql.SQL(
@@ -205,18 +226,57 @@ def _replay_into(
         "last_error": row["last_error"] if row else None,
         "abandoned_at": row["abandoned_at"].isoformat() if row and row["abandoned_at"] else None,
     }
+    _note(conn, schema, lid, history, "replayed_at", "replay_count = replay_count + 1")
+    return Outcome(lid, action, detail)
+
+
+def _note(conn: psycopg.Connection[Any], schema: str, lid: int, entry: dict[str, Any], stamp: str, more: str) -> None:
+    """Set the letter's ``stamp`` column to now and append ``entry`` (timed as ``stamp``) to its history."""
     _x(
         conn,
         sql.SQL(
-            """UPDATE {t} SET replayed_at = clock_timestamp(), replay_count = replay_count + 1,
+            """UPDATE {t} SET {stamp} = clock_timestamp(), {more},
                    attempts = jsonb_set(attempts, '{{history}}',
                        coalesce(attempts -> 'history', '[]'::jsonb)
-                       || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('replayed_at', clock_timestamp())))
+                       || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object({key}, clock_timestamp())))
                WHERE id = %(id)s"""
-        ).format(t=_t(schema, names.DEAD_LETTERS)),
-        {"entry": Jsonb(history), "id": lid},
+        ).format(
+            t=_t(schema, names.DEAD_LETTERS), stamp=sql.Identifier(stamp), more=sql.SQL(more), key=sql.Literal(stamp)
+        ),
+        {"entry": Jsonb(entry), "id": lid},
     )
-    return Outcome(lid, action, detail)
+
+
+def _current_row(
+    conn: psycopg.Connection[Any], schema: str, letter: dict[str, Any], table: str
+) -> dict[str, Any] | None:
+    """The message's row in ``table``, locked, with ``same``: whether it holds the letter's
+    content (inbox only; None when there is nothing to compare)."""
+    envelope = letter["message"]
+    keys = ("message_type", "aggregate_type", "aggregate_id", "payload")
+    comparable = (
+        table == names.INBOX
+        and isinstance(envelope, dict)
+        and all(isinstance(envelope.get(k), str) for k in keys[:3])
+        and "payload" in envelope
+    )
+    same: sql.Composable = sql.SQL("NULL::boolean")
+    params: dict[str, Any] = {"id": letter["message_id"]}
+    if comparable:
+        params.update({k: envelope[k] for k in keys[:3]}, payload=Jsonb(envelope["payload"]))
+        text = {k: sql.SQL("{}::text").format(sql.Placeholder(k)) for k in keys[:3]}
+        same = dedup.same_content(
+            "r", text["message_type"], text["aggregate_type"], text["aggregate_id"], sql.Placeholder("payload")
+        )
+    archived = "r.archived_at" if table == names.INBOX else "NULL::timestamptz"
+    return _x(
+        conn,
+        sql.SQL(
+            "SELECT started_attempts, finished_attempts, last_error, processed_at, abandoned_at, "
+            "{archived} AS archived_at, {same} AS same FROM {t} r WHERE id = %(id)s FOR UPDATE"
+        ).format(archived=sql.SQL(archived), same=same, t=_t(schema, table)),
+        params,
+    ).fetchone()
 
 
 def _insert_from_envelope(
@@ -227,6 +287,49 @@ def _insert_from_envelope(
     letter: dict[str, Any],
     table: str,
 ) -> None:
+    message, spec = _validated(registry, letter)
+    if table == names.OUTBOX:
+        row = Outbox(cast(Any, None), registry).build(
+            spec,
+            aggregate_id=message.aggregate_id,
+            payload=message.payload,
+            message_context=message.message_context,
+            message_id=message.message_id,
+            message_version=message.message_version,
+            auth_token=message.auth_token,
+        )
+        _x(conn, outbox_insert_sql(schema), json_params(row))
+        return
+    _x(
+        conn,
+        sql.SQL(
+            """INSERT INTO {t} (id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key,
+                   payload, message_context, metadata, segment, message_timestamp, queue, redelivered)
+               VALUES (%(id)s, %(message_type)s, %(aggregate_type)s, %(aggregate_id)s, %(message_version)s, %(kind)s,
+                   %(routing_key)s, %(payload)s, %(message_context)s, %(metadata)s, %(segment)s, %(timestamp)s,
+                   %(queue)s, false)"""
+        ).format(t=_t(schema, table)),
+        _inbox_values(registry, service, letter, message, spec),
+    )
+
+
+def _restore_from_envelope(
+    conn: psycopg.Connection[Any], schema: str, registry: Registry, service: str, letter: dict[str, Any]
+) -> None:
+    """Fill a tombstone in again from the letter (its id, type and aggregate already match)."""
+    message, spec = _validated(registry, letter)
+    _x(
+        conn,
+        sql.SQL(
+            """UPDATE {t} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
+                   archived_at = NULL WHERE id = %(id)s"""
+        ).format(t=_t(schema, names.INBOX)),
+        _inbox_values(registry, service, letter, message, spec),
+    )
+
+
+def _validated(registry: Registry, letter: dict[str, Any]) -> tuple[Message, MessageSpec]:
+    """The letter's envelope, parsed and checked against the current contracts."""
     envelope = letter["message"]
     if not isinstance(envelope, dict):
         raise ReplayRefused("the letter holds no JSON envelope (raw body only): fix the sender and discard it")
@@ -240,77 +343,130 @@ def _insert_from_envelope(
         raise ReplayRefused(
             f"envelope message_id {message.message_id} differs from the letter's {letter['message_id']}"
         )
-    if table == names.OUTBOX:
-        row = Outbox(cast(Any, None), registry).build(
-            spec,
-            aggregate_id=message.aggregate_id,
-            payload=message.payload,
-            message_context=message.message_context,
-            message_id=message.message_id,
-            message_version=message.message_version,
-            auth_token=message.auth_token,
-        )
-        _x(conn, outbox_insert_sql(schema), json_params(row))
-        return
+    return message, spec
+
+
+def _inbox_values(
+    registry: Registry, service: str, letter: dict[str, Any], message: Message, spec: MessageSpec
+) -> dict[str, Any]:
     _ensure_received(registry, service, spec.message_type)
     metadata: dict[str, Any] = {"replayed_from_dead_letter": letter["id"]}
     if message.auth_token is not None:
         metadata["auth_token"] = message.auth_token
-    _x(
-        conn,
-        sql.SQL(
-            """INSERT INTO {t} (id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key,
-                   payload, message_context, metadata, segment, message_timestamp, queue, redelivered)
-               VALUES (%(id)s, %(message_type)s, %(aggregate_type)s, %(aggregate_id)s, %(message_version)s, %(kind)s,
-                   %(routing_key)s, %(payload)s, %(message_context)s, %(metadata)s, %(segment)s, %(timestamp)s,
-                   %(queue)s, false)"""
-        ).format(t=_t(schema, table)),
-        {
-            "id": message.message_id,
-            "message_type": message.message_type,
-            "aggregate_type": message.aggregate_type,
-            "aggregate_id": message.aggregate_id,
-            "message_version": message.message_version,
-            "kind": spec.kind,
-            "routing_key": letter["routing_key"] or spec.routing_key,
-            "payload": json.dumps(message.payload),
-            "message_context": json.dumps(message.message_context),
-            "metadata": json.dumps(metadata),
-            "segment": default_segment(message.aggregate_type, message.aggregate_id),
-            "timestamp": message.timestamp,
-            "queue": names.inbox_queue(service),
-        },
-    )
+    return {
+        "id": message.message_id,
+        "message_type": message.message_type,
+        "aggregate_type": message.aggregate_type,
+        "aggregate_id": message.aggregate_id,
+        "message_version": message.message_version,
+        "kind": spec.kind,
+        "routing_key": letter["routing_key"] or spec.routing_key,
+        "payload": json.dumps(message.payload),
+        "message_context": json.dumps(message.message_context),
+        "metadata": json.dumps(metadata),
+        "segment": default_segment(message.aggregate_type, message.aggregate_id),
+        "timestamp": message.timestamp,
+        "queue": names.inbox_queue(service),
+    }
 
 
 def discard(conn: psycopg.Connection[Any], schema: str, ids: Sequence[int], *, dry_run: bool = False) -> list[Outcome]:
-    """Close letters nobody will replay (kept for the record, hidden from the open list)."""
+    """Close letters nobody will replay (kept for the record, hidden from the open list).
+
+    A replayed letter whose message has not run yet is taken back (see the module's
+    docstring); one whose message is running or ran is refused.
+    """
     outcomes: list[Outcome] = []
     for chunk in _chunks(ids):
         with conn.transaction(force_rollback=dry_run):
-            done = {
-                r["id"]
-                for r in _x(
-                    conn,
-                    sql.SQL(
-                        """UPDATE {t} SET discarded_at = clock_timestamp()
-                           WHERE id = ANY(%(ids)s) AND discarded_at IS NULL AND resolved_at IS NULL RETURNING id"""
-                    ).format(t=_t(schema, names.DEAD_LETTERS)),
-                    {"ids": chunk},
-                ).fetchall()
-            }
-            outcomes += [
-                Outcome(i, "discarded", "discarded")
-                if i in done
-                else Outcome(i, "skipped", "missing, resolved or already discarded", False)
-                for i in chunk
-            ]
+            letters = _x(
+                conn,
+                sql.SQL("SELECT * FROM {t} WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE").format(
+                    t=_t(schema, names.DEAD_LETTERS)
+                ),
+                {"ids": chunk},
+            ).fetchall()
+            by_id = {row["id"]: row for row in letters}
+            for i in chunk:
+                letter = by_id.get(i)
+                outcomes.append(
+                    _discard_one(conn, schema, letter)
+                    if letter
+                    else Outcome(i, "skipped", "missing, resolved or already discarded", False)
+                )
     return outcomes
 
 
-def resolve_replayed(conn: psycopg.Connection[Any], schema: str) -> int:
+def _discard_one(conn: psycopg.Connection[Any], schema: str, letter: dict[str, Any]) -> Outcome:
+    lid = letter["id"]
+    if letter["discarded_at"] is not None or letter["resolved_at"] is not None:
+        return Outcome(lid, "skipped", "missing, resolved or already discarded", False)
+    if letter["replayed_at"] is None:
+        _x(
+            conn,
+            sql.SQL("UPDATE {t} SET discarded_at = clock_timestamp() WHERE id = %(id)s").format(
+                t=_t(schema, names.DEAD_LETTERS)
+            ),
+            {"id": lid},
+        )
+        return Outcome(lid, "discarded", "discarded")
+    table = _take_back(conn, schema, letter)
+    if table is not None:
+        _note(
+            conn,
+            schema,
+            lid,
+            {"action": "replay-taken-back", "table": table},
+            "discarded_at",
+            "replay_count = replay_count",
+        )
+        return Outcome(lid, "discarded", f"replay taken back: the {table} row is abandoned again and will not run")
+    done = resolve_replayed(conn, schema, ids=[lid])
+    if done:
+        return Outcome(
+            lid, "refused", "its replay was processed already (now marked resolved): nothing to take back", False
+        )
+    return Outcome(
+        lid,
+        "refused",
+        "its replay is being processed or sent right now and cannot be taken back; "
+        "it resolves by itself once processed",
+        False,
+    )
+
+
+def _take_back(conn: psycopg.Connection[Any], schema: str, letter: dict[str, Any]) -> str | None:
+    """Abandon again the row a replay made due, if it has not started; returns its table.
+
+    An inbox row not locked by a worker can be taken back even while claimed: the
+    worker's fence (pending and same ``started_attempts``) then leaves it alone. An
+    outbox row only while no publisher claimed it: a publish cannot be recalled.
+    """
+    where = {
+        names.INBOX: pending_by_id(),
+        names.OUTBOX: f"{pending_by_id()} AND started_attempts <= finished_attempts",
+    }
+    tables = {"inbox": [names.INBOX], "outbox": [names.OUTBOX], "broker": [names.OUTBOX, names.INBOX]}
+    for table in tables[letter["source"]]:
+        row = _x(
+            conn,
+            sql.SQL(
+                """UPDATE {t} SET abandoned_at = clock_timestamp(), locked_until = clock_timestamp(),
+                       last_error = %(why)s
+                   WHERE id = (SELECT id FROM {t} WHERE id = %(id)s AND {where} FOR UPDATE SKIP LOCKED)
+                   RETURNING id"""
+            ).format(t=_t(schema, table), where=sql.SQL(where[table])),
+            {"id": letter["message_id"], "why": f"replay taken back: dead letter {letter['id']} discarded"},
+        ).fetchone()
+        if row is not None:
+            return table
+    return None
+
+
+def resolve_replayed(conn: psycopg.Connection[Any], schema: str, *, ids: Sequence[int] | None = None) -> int:
     """Mark replayed letters whose message has since been processed (inbox) or published
-    (outbox) as resolved. Touches only the ``dead_letters_unresolved_idx`` rows."""
+    (outbox) as resolved. Touches only the ``dead_letters_unresolved_idx`` rows (and only
+    the letters ``ids`` when given)."""
     total = 0
     for table, sources in ((names.INBOX, ["inbox", "broker"]), (names.OUTBOX, ["outbox"])):
         cur = _x(
@@ -318,9 +474,10 @@ def resolve_replayed(conn: psycopg.Connection[Any], schema: str) -> int:
             sql.SQL(
                 """UPDATE {dl} d SET resolved_at = m.processed_at FROM {m} m
                    WHERE d.replayed_at IS NOT NULL AND d.resolved_at IS NULL AND d.discarded_at IS NULL
-                     AND d.source = ANY(%(sources)s) AND m.id = d.message_id AND m.processed_at IS NOT NULL"""
+                     AND d.source = ANY(%(sources)s) AND m.id = d.message_id AND m.processed_at IS NOT NULL
+                     AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))"""
             ).format(dl=_t(schema, names.DEAD_LETTERS), m=_t(schema, table)),
-            {"sources": sources},
+            {"sources": sources, "ids": None if ids is None else list(ids)},
         )
         total += cur.rowcount
     return total

@@ -189,8 +189,11 @@ def test_history_keeps_archived_rows_visible_to_analyze(
     seed(order_url, inventory_url, registry)
     sources = [Source(ORDER, order_url), Source(INVENTORY, inventory_url)]
     before = run_once(spark, sources=sources, registry=registry, settings=SETTINGS)
-    # Archive the subscriber only: its delivered messages vanish from its inbox and look lost.
-    Archiver(database_url=inventory_url, service=INVENTORY, root=tmp_path).run(timedelta(minutes=45))
+    # Archive the subscriber only, with a dedup window short enough that no tombstone is
+    # kept: its delivered messages vanish from its inbox and look lost.
+    Archiver(database_url=inventory_url, service=INVENTORY, root=tmp_path, dedup_window=timedelta(seconds=1)).run(
+        timedelta(minutes=45)
+    )
     assert len(remaining(inventory_url, "inbox")) == 2  # the expired lease and the late one (~30 min old)
     without = run_once(spark, sources=sources, registry=registry, settings=SETTINGS)
     assert without.lost > before.lost

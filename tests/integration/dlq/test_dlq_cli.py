@@ -63,6 +63,12 @@ def test_list_show_replay_discard(database_url: str, conn: Any, capsys: pytest.C
     assert main(dlq(database_url, "list", "--status", "discarded", "--json")) == 0
     assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines() if x.startswith("{")] == [c]
 
+    # A replayed letter whose message has not run yet: discarding it takes the replay back.
+    assert main(dlq(database_url, "discard", str(a))) == 0
+    assert f"{a}: discarded: replay taken back" in capsys.readouterr().out
+    pending = "SELECT count(*) AS n FROM txbox.inbox WHERE id = %s AND abandoned_at IS NULL"
+    assert conn.execute(pending, (m.message_id,)).fetchone()["n"] == 0
+
 
 def test_filters_are_bound_parameters(database_url: str, conn: Any, capsys: pytest.CaptureFixture[str]) -> None:
     seed.abandoned(conn, "inbox", seed.envelope())

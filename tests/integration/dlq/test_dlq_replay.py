@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from framework.contracts import Registry
 from framework.dlq import queries, replay
@@ -112,9 +113,9 @@ def test_broker_letter_of_a_message_the_inbox_has_follows_the_inbox(conn: Any, r
     conn.execute(
         """INSERT INTO txbox.inbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload,
                segment, message_timestamp, queue, processed_at)
-           VALUES (%s, 'PlaceOrder', 'order', %s, 'command', 'order-service.order.place', '{}', 'x', now(),
+           VALUES (%s, 'PlaceOrder', 'order', %s, 'command', 'order-service.order.place', %s, 'x', now(),
                'order-service:inbox', now())""",
-        (m.message_id, m.aggregate_id),
+        (m.message_id, m.aggregate_id, Jsonb(m.payload)),
     )
     [outcome] = replay.replay(conn, S, registry, SERVICE, [lid])
     assert outcome.action == "already-processed"
