@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from psycopg import sql
 
-from framework import names
+from framework import names, redaction
 
 Source = Literal["broker", "inbox", "outbox"]
 
@@ -102,6 +102,9 @@ class DeadLetter:
     headers: dict[str, Any] = field(default_factory=dict)
     attempts: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        redaction.scrub_letter(self)  # no auth_token at rest (docs/architecture.md, "Secrets")
+
     def row(self) -> dict[str, Any]:
         raw, encoding = encode_body(self.raw_body) if self.raw_body is not None else (None, None)
         return {
@@ -145,7 +148,8 @@ def _storable(value: Any) -> Any:
 
 
 def encode_body(body: bytes) -> tuple[str, str]:
-    """Raw body for storage: text when it is UTF-8 without NUL, else base64."""
+    """Raw body for storage, secrets redacted: text when it is UTF-8 without NUL, else base64."""
+    body = redaction.redact_bytes(body)
     try:
         text = body.decode("utf-8")
         if "\x00" not in text:
