@@ -219,8 +219,9 @@ def scrub_tree(value: Any, secrets: list[str], keys: tuple[str, ...]) -> Any:
 
 
 def scrub_letter(letter: Any) -> None:
-    """Make a dead letter storable: ``auth_token`` dropped from its message, headers,
-    attempts and error text redacted, bare copies of the token removed from them.
+    """Make a dead letter storable: ``auth_token`` dropped from its message (also where a
+    string of it spells ``auth_token: ...``); headers, attempts and error text redacted
+    for every sensitive key; bare copies of the token removed from all of them.
 
     ``letter`` is a :class:`framework.dead_letters.DeadLetter` (not imported: it imports
     this module). Its raw body is redacted when encoded for storage
@@ -231,7 +232,8 @@ def scrub_letter(letter: Any) -> None:
     if letter.raw_body is not None:
         secrets += tokens_in_text(letter.raw_body)
     if letter.message is not None:
-        letter.message = drop_key(letter.message)
+        # Only the token goes: the payload's other keys are the message (a replay needs them).
+        letter.message = scrub_tree(drop_key(letter.message), secrets, (AUTH_TOKEN,))
     letter.headers = scrub_tree(letter.headers, secrets, keys)
     letter.attempts = scrub_tree(letter.attempts, secrets, keys)
     letter.error = scrub_values(redact_text(letter.error, keys), secrets)
