@@ -134,3 +134,18 @@ def test_terminal_output_escapes_control_characters() -> None:
     text = "a\x1b[2Jb\rc\x07d\u202eevil\x9b31m\nnext\tcol é"
     out = printable(text)
     assert out == "a\\x1b[2Jb\\x0dc\\x07d\\u202eevil\\x9b31m\nnext\tcol é"
+
+
+def test_a_bad_list_fails_every_command_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from framework.cli import main
+
+    monkeypatch.setenv("TXBOX_SENSITIVE_KEYS", "token,bad word")
+    redaction.sensitive_keys.cache_clear()
+    try:
+        assert main(["dlq", "show", "1"]) == 2
+        assert "TXBOX_SENSITIVE_KEYS" in capsys.readouterr().err
+    finally:
+        monkeypatch.delenv("TXBOX_SENSITIVE_KEYS")
+        redaction.sensitive_keys.cache_clear()
