@@ -10,8 +10,8 @@ Two jobs, one list (``TXBOX_SENSITIVE_KEYS``, see :class:`framework.settings.Red
   token is never at rest where it is no longer needed. The envelope's payload is kept as
   it is (a replay needs it); only views mask its other sensitive keys.
 
-A key is sensitive when its lower-case name, with ``-`` read as ``_``, contains one of the
-listed words: ``token`` covers ``auth_token``, ``x-auth-token`` and ``access_token``.
+A key is sensitive when its lower-case name, ``-`` and ``_`` ignored, contains one of the
+listed words: ``token`` covers ``auth_token``, ``x-auth-token`` and ``accessToken``.
 
 **Text that is not JSON** (raw bodies of rejected messages, error texts) is scanned for
 ``<key><sep><value>`` where ``<key>`` contains a listed word, ``<sep>`` is ``:`` or ``=``
@@ -53,10 +53,15 @@ def _norm(key: Any) -> str:
     return str(key).lower().replace("-", "_")
 
 
+def _squeeze(text: str) -> str:
+    return text.lower().replace("-", "").replace("_", "")
+
+
 @functools.lru_cache(maxsize=4096)
 def _is_sensitive(key: str, words: tuple[str, ...]) -> bool:
-    low = _norm(key)
-    return any(w in low for w in words)
+    # Separators ignored on both sides: `api_key` also matches `apiKey`, `X-API-KEY`.
+    low = _squeeze(key)
+    return any(_squeeze(w) in low for w in words)
 
 
 def is_sensitive(key: Any, words: Iterable[str] | None = None) -> bool:

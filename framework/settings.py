@@ -201,7 +201,7 @@ DEFAULT_SENSITIVE_KEYS = (
 class RedactionSettings:
     """Which keys hold secrets: masked in every view, redacted in stored raw bodies (framework.redaction).
 
-    A key matches when its lower-case name (``-`` read as ``_``) contains a listed word.
+    A key matches when its lower-case name (``-`` and ``_`` ignored) contains a listed word.
     The list replaces the defaults; ``auth_token`` is always on it.
     """
 

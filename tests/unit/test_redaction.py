@@ -117,6 +117,7 @@ def test_the_list_is_configurable_and_always_holds_auth_token() -> None:
     settings = load(RedactionSettings, {"TXBOX_SENSITIVE_KEYS": "ssn, Pin-Code"})
     assert settings.keys == ("auth_token", "pin_code", "ssn")
     assert redaction.is_sensitive("X-PIN-CODE", settings.keys) and not redaction.is_sensitive("password", settings.keys)
+    assert redaction.is_sensitive("pinCode", settings.keys) and redaction.is_sensitive("authToken", WORDS)
     assert set(load(RedactionSettings, {}).keys) >= {
         "auth_token",
         "token",
