@@ -49,6 +49,7 @@ from framework.dashboard.security import (
 from framework.dlq import queries, replay
 from framework.dlq.present import masked
 from framework.errors import ConfigurationError, TxboxError
+from framework.redaction import redact_text
 from framework.settings import Seconds, setting
 
 HERE = Path(__file__).parent
@@ -509,7 +510,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     def login_page(request: Request, code: int = 200, *, error: str = "", nxt: str = "/") -> Response:
         """The form, with a double-submit CSRF token: the same random value in a cookie and a field."""
         token = request.cookies.get(LOGIN_COOKIE, "")
-        if len(token) != 43:
+        if len(token) != len(secrets.token_urlsafe(32)):  # keep a browser's (other tabs' forms stay valid)
             token = secrets.token_urlsafe(32)
         response = render(request, "login.html", code, title="Log in", error=error, next=nxt, login_csrf=token)
         response.set_cookie(LOGIN_COOKIE, token, max_age=3600, **auth.cookie_options(request))
@@ -639,7 +640,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         return await _in_thread(lambda: error_response(request, exc.status, exc.message))
 
     async def on_txbox_error(request: Request, exc: Exception) -> Response:
-        return await _in_thread(lambda: error_response(request, 503, str(masked(str(exc)))))
+        return await _in_thread(lambda: error_response(request, 503, redact_text(str(exc))))
 
     async def on_crash(request: Request, exc: Exception) -> Response:
         """A bug: no detail (it could quote data), the security headers all the same (this
