@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from psycopg import sql
 
-from framework import jsoncodec, names
+from framework import jsoncodec, names, redaction
 
 Source = Literal["broker", "inbox", "outbox"]
 
@@ -132,6 +132,9 @@ class DeadLetter:
     raw_body: bytes | None = None  # the delivery as received, when it was not a valid envelope
     headers: dict[str, Any] = field(default_factory=dict)
     attempts: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        redaction.scrub_letter(self)  # no auth_token at rest (docs/architecture.md, "Secrets")
 
     def row(self) -> dict[str, Any]:
         """The row's column values (``insert_sql``'s parameters); never raises.
@@ -251,7 +254,8 @@ def stored_body(body: bytes) -> StoredBody:
     changed in every stored body (redacting secrets, say) belongs here.
     """
     body = bytes(body)
-    kept = _utf8_prefix(body, BODY_LIMIT)
+    # Redacted before the cut, so a secret that straddles the limit leaves no prefix of itself.
+    kept = _utf8_prefix(redaction.redact_bytes(body), BODY_LIMIT)
     text, encoding = encode_body(kept)
     facts = {
         "length": len(body),
@@ -379,7 +383,8 @@ def _uuid_or_none(value: Any) -> uuid.UUID | None:
 
 
 def encode_body(body: bytes) -> tuple[str, str]:
-    """Raw body for storage: text when it is UTF-8 without NUL, else base64."""
+    """Raw body for storage, secrets redacted: text when it is UTF-8 without NUL, else base64."""
+    body = redaction.redact_bytes(body)
     try:
         text = body.decode("utf-8")
         if "\x00" not in text:

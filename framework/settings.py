@@ -209,3 +209,41 @@ class DedupSettings:
                 f"TXBOX_DEDUP_WINDOW={self.dedup_window:g}s must be positive: a duplicate can arrive days "
                 "later (broker redelivery, a replay). Example: TXBOX_DEDUP_WINDOW=7d"
             )
+
+
+DEFAULT_SENSITIVE_KEYS = (
+    "auth_token,token,password,passwd,secret,api_key,apikey,authorization,cookie,credential,private_key,"
+    "signature,session_key"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RedactionSettings:
+    """Which keys hold secrets: masked in every view, redacted in stored raw bodies (framework.redaction).
+
+    A key matches when its lower-case name (``-`` and ``_`` ignored) contains a listed word.
+    The list replaces the defaults; ``auth_token`` is always on it.
+    """
+
+    sensitive_keys: str = setting(
+        "TXBOX_SENSITIVE_KEYS",
+        "token,password,secret,api_key,authorization,cookie,ssn",
+        default=DEFAULT_SENSITIVE_KEYS,
+        help="comma-separated words; a key containing one of them is masked",
+    )
+
+    def __post_init__(self) -> None:
+        bad = [w for w in self.sensitive_keys.split(",") if w.strip() and not _SENSITIVE_WORD.fullmatch(w.strip())]
+        if bad:
+            raise ConfigurationError(
+                f"TXBOX_SENSITIVE_KEYS has {', '.join(map(repr, bad))}: each word must be 2 to 64 letters, digits, "
+                "'_' or '-'. Example: TXBOX_SENSITIVE_KEYS=token,password,secret,api_key,authorization,cookie"
+            )
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        words = {w.strip().lower().replace("-", "_") for w in self.sensitive_keys.split(",") if w.strip()}
+        return tuple(sorted(words | {"auth_token"}))
+
+
+_SENSITIVE_WORD = re.compile(r"[A-Za-z0-9_-]{2,64}")

@@ -124,7 +124,9 @@ def _select_list(table: Table) -> str:
     """Every column; uuid and jsonb as text so Parquet holds plain strings."""
     cols = []
     for c in _file_columns(table):
-        cols.append(f"{c.name}::text AS {c.name}" if isinstance(c.type, UUID | JSONB) else c.name)
+        # Archives never hold an auth_token (docs/architecture.md, "Secrets").
+        name = f"({c.name} - 'auth_token')" if c.name == "metadata" else c.name
+        cols.append(f"{name}::text AS {c.name}" if isinstance(c.type, UUID | JSONB) else c.name)
     return ", ".join(cols)
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from framework import redaction
 from framework.errors import TxboxError
 
 # name → (module, one-line help). The fixed names of DESIGN §8 first.
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ns.verbose:
         logging.getLogger("pika").setLevel(logging.WARNING)  # pika narrates every socket event
     try:
+        redaction.sensitive_keys()  # a bad TXBOX_SENSITIVE_KEYS fails at start, not at the first dead letter
         result: int = module.run(ns)
         return result
     except TxboxError as exc:

@@ -1,4 +1,8 @@
-"""`txbox dashboard`: the dead-letter and health dashboard (web), 127.0.0.1 by default."""
+"""`txbox dashboard`: the dead-letter and health dashboard (web), 127.0.0.1 by default.
+
+Without TXBOX_DASHBOARD_TOKEN it binds loopback only and says at start that anyone on
+this host can read every message; with one, viewing needs it too (framework.dashboard.security).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from framework.errors import ConfigurationError
 from framework.settings import load
 
 if TYPE_CHECKING:
-    from framework.dashboard.app import Source
+    from framework.dashboard.app import DashboardSettings, Source
 
 log = logging.getLogger("txbox.dashboard")
 
@@ -34,7 +38,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "--view-requires-token",
         action="store_true",
         default=None,
-        help="require TXBOX_DASHBOARD_TOKEN to view pages too (TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN)",
+        help="require TXBOX_DASHBOARD_TOKEN to view pages too (TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN; "
+        "the default when a token is set)",
     )
 
 
@@ -66,13 +71,38 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from framework.dashboard.app import DashboardSettings, create_app
+    from framework.dashboard.server import config
 
     settings = load(
         DashboardSettings, None, host=args.host, port=args.port, view_requires_token=args.view_requires_token
     )
     app = create_app(sources_of(args), settings)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.token:
-        log.warning("binding %s without TXBOX_DASHBOARD_TOKEN: anyone who reaches it can read messages", settings.host)
+    for line in warnings(settings):
+        log.warning("%s", line)
     print(f"txbox dashboard on http://{settings.host}:{settings.port}/", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    uvicorn.Server(
+        config(
+            app,
+            settings.host,
+            settings.port,
+            max_connections=settings.max_connections,
+            header_timeout=float(settings.header_timeout),
+        )
+    ).run()
     return 0
+
+
+def warnings(settings: DashboardSettings) -> list[str]:
+    """What the operator must know at start about who can read the dashboard."""
+    if not settings.token:
+        return [
+            f"no TXBOX_DASHBOARD_TOKEN: anyone on this host can read every message through "
+            f"http://{settings.host}:{settings.port}/ (bound to loopback only; replay and discard are disabled). "
+            "Set TXBOX_DASHBOARD_TOKEN=$(openssl rand -hex 24) to require a login."
+        ]
+    if not settings.views_need_token:
+        return [
+            "TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN=false: anyone who reaches "
+            f"{settings.host}:{settings.port} can read every message without the token"
+        ]
+    return []

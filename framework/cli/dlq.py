@@ -9,8 +9,13 @@ from typing import Any
 
 from framework.cli.common import add_service_options, load_service
 from framework.dlq import queries, replay
-from framework.dlq.present import masked
+from framework.dlq.present import masked, printable
 from framework.errors import ConfigurationError
+
+
+def _print(text: str) -> None:
+    """Every line this command prints: secrets masked already, control characters escaped."""
+    print(printable(text))
 
 
 def when(text: str) -> datetime:
@@ -109,25 +114,25 @@ def run(args: argparse.Namespace) -> int:
             outcomes = replay.discard(conn, schema, ids, dry_run=args.dry_run)
     if args.json:
         for o in outcomes:
-            print(json.dumps({**o.as_dict(), "dry_run": args.dry_run}))
+            _print(json.dumps({**o.as_dict(), "dry_run": args.dry_run}))
     else:
         for o in outcomes:
-            print(f"{o.id}: {o.action}: {o.detail}")
+            _print(f"{o.id}: {o.action}: {o.detail}")
         ok = sum(o.ok for o in outcomes)
         verb = "would " + args.action if args.dry_run else args.action + "ed"
-        print(f"{verb}: {ok} of {len(outcomes)}" + (" (dry run: nothing changed)" if args.dry_run else ""))
+        _print(f"{verb}: {ok} of {len(outcomes)}" + (" (dry run: nothing changed)" if args.dry_run else ""))
     return 0 if all(o.ok for o in outcomes) else 1
 
 
 def _list(conn: Any, schema: str, args: argparse.Namespace) -> int:
     filters = _selected(args, args.status)
     if args.groups:
-        rows = queries.groups(conn, schema, filters, limit=args.limit)
+        rows = masked(queries.groups(conn, schema, filters, limit=args.limit))
         if args.json:
             for r in rows:
-                print(json.dumps(r, default=str))
+                _print(json.dumps(r, default=str))
             return 0
-        print(
+        _print(
             _table(
                 [
                     [
@@ -144,13 +149,13 @@ def _list(conn: Any, schema: str, args: argparse.Namespace) -> int:
             )
         )
         return 0
-    rows = queries.list_letters(conn, schema, filters, limit=args.limit, offset=args.offset)
+    rows = masked(queries.list_letters(conn, schema, filters, limit=args.limit, offset=args.offset))
     if args.json:
         for r in rows:
-            print(json.dumps(r, default=str))
+            _print(json.dumps(r, default=str))
         return 0
     total = queries.count_letters(conn, schema, filters)
-    print(
+    _print(
         _table(
             [
                 [
@@ -167,7 +172,7 @@ def _list(conn: Any, schema: str, args: argparse.Namespace) -> int:
             ["ID", "DIED (UTC)", "SOURCE", "REASON", "TYPE", "STATUS", "ERROR"],
         )
     )
-    print(f"({len(rows)} of {total} {filters.status} dead letters)")
+    _print(f"({len(rows)} of {total} {filters.status} dead letters)")
     return 0
 
 
@@ -177,22 +182,22 @@ def _show(conn: Any, schema: str, args: argparse.Namespace) -> int:
         raise ConfigurationError(f"no dead letter with id {args.id}")
     row = masked(row)
     if args.json:
-        print(json.dumps(row, default=str, indent=2))
+        _print(json.dumps(row, default=str, indent=2))
         return 0
     for key in ("id", "status", "message_id", "message_type", "source", "reason", "fingerprint", "routing_key"):
-        print(f"{key:13} {row[key] if row[key] is not None else '-'}")
+        _print(f"{key:13} {row[key] if row[key] is not None else '-'}")
     for key in ("died_at", "replayed_at", "resolved_at", "discarded_at"):
-        print(f"{key:13} {_fmt_time(row[key])}")
-    print(f"{'replay_count':13} {row['replay_count']}")
-    print("\nerror:")
+        _print(f"{key:13} {_fmt_time(row[key])}")
+    _print(f"{'replay_count':13} {row['replay_count']}")
+    _print("\nerror:")
     for line in (row["error"] or "-").splitlines():
-        print(f"  {line}")
+        _print(f"  {line}")
     if row["message"] is not None:
-        print("\nmessage:\n" + json.dumps(row["message"], indent=2, ensure_ascii=False))
+        _print("\nmessage:\n" + json.dumps(row["message"], indent=2, ensure_ascii=False))
     else:
-        print(f"\nraw body ({row['raw_encoding']}):\n{row['raw_body']}")
-    print("\nheaders:\n" + json.dumps(row["headers"], indent=2, default=str))
-    print("\nattempts:\n" + json.dumps(row["attempts"], indent=2, default=str))
+        _print(f"\nraw body ({row['raw_encoding']}):\n{row['raw_body']}")
+    _print("\nheaders:\n" + json.dumps(row["headers"], indent=2, default=str))
+    _print("\nattempts:\n" + json.dumps(row["attempts"], indent=2, default=str))
     if row["current"]:
-        print("\ncurrent row:\n" + json.dumps(row["current"], indent=2, default=str))
+        _print("\ncurrent row:\n" + json.dumps(row["current"], indent=2, default=str))
     return 0

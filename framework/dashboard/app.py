@@ -3,14 +3,18 @@
 Endpoints are plain (sync) functions: Starlette runs them in its thread pool, each
 borrowing a pooled psycopg connection of the source's engine. Every filter reaches SQL
 as a bound parameter (framework.dlq.queries); every value reaches HTML through Jinja2's
-autoescaping; secrets are masked before they reach a template (framework.dlq.present).
+autoescaping; secrets are masked before they reach a template or the JSON API
+(framework.redaction). GET requests only read: the resolve sweep is the collector's,
+and the confirmation pages preview from reads, not from a rolled-back dry run.
+Who may do what, and the protections around every request: framework.dashboard.security.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hmac
 import json
 import math
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,19 +28,29 @@ import jinja2
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from framework.contracts import Registry, load_registry
 from framework.dashboard import charts
-from framework.dashboard.security import COOKIE, Auth
+from framework.dashboard.security import (
+    COOKIE,
+    LOGIN_COOKIE,
+    LOOPBACK_HOSTS,
+    MIN_TOKEN_LENGTH,
+    SECURITY_HEADERS,
+    Auth,
+    Shield,
+    client_of,
+)
 from framework.dlq import queries, replay
 from framework.dlq.present import masked
 from framework.errors import ConfigurationError, TxboxError
-from framework.settings import setting
+from framework.redaction import redact_text
+from framework.settings import Seconds, setting
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -50,22 +64,83 @@ class DashboardSettings:
 
     token: str | None = setting(
         "TXBOX_DASHBOARD_TOKEN",
-        "s3cr3t-long-random-string",
+        "0b5c9e1f4a7d2c8e6b3f9a1d",
         default=None,
-        help="secret for replay/discard (and viewing, if required); unset: read-only dashboard",
+        help=f"secret (at least {MIN_TOKEN_LENGTH} characters) for viewing, replay and discard; "
+        "unset: read-only dashboard on loopback only",
     )
-    view_requires_token: bool = setting(
-        "TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN", "true", default=False, help="require the token to view pages too"
+    view_requires_token: bool | None = setting(
+        "TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN",
+        "true",
+        default=None,
+        help="require the token to view pages and /api/* (default: true when a token is set)",
     )
     host: str = setting("TXBOX_DASHBOARD_HOST", "127.0.0.1", default="127.0.0.1", help="address to bind")
     port: int = setting("TXBOX_DASHBOARD_PORT", "8470", default=8470, help="port to bind")
+    allowed_hosts: str = setting(
+        "TXBOX_DASHBOARD_ALLOWED_HOSTS",
+        "dlq.example.com,10.0.0.5",
+        default="",
+        help="Host header names accepted besides loopback and --host (comma-separated; '*' for any)",
+    )
+    secure_cookies: bool = setting(
+        "TXBOX_DASHBOARD_SECURE_COOKIES",
+        "true",
+        default=False,
+        help="mark cookies Secure (automatic when the request came over TLS)",
+    )
+    session_ttl: Seconds = setting(
+        "TXBOX_DASHBOARD_SESSION_TTL", "8h", default=Seconds(8 * 3600), help="a login session expires after this"
+    )
+    max_body_bytes: int = setting(
+        "TXBOX_DASHBOARD_MAX_BODY_BYTES", "65536", default=65536, help="larger request bodies are refused (413)"
+    )
+    max_connections: int = setting(
+        "TXBOX_DASHBOARD_MAX_CONNECTIONS", "64", default=64, help="concurrent connections; more get 503"
+    )
+    header_timeout: Seconds = setting(
+        "TXBOX_DASHBOARD_HEADER_TIMEOUT",
+        "10s",
+        default=Seconds(10),
+        help="a connection must send a request's headers within this",
+    )
 
     def __post_init__(self) -> None:
+        if self.token is not None and len(self.token) < MIN_TOKEN_LENGTH:
+            raise ConfigurationError(
+                f"TXBOX_DASHBOARD_TOKEN is {len(self.token)} characters: it must have at least {MIN_TOKEN_LENGTH}. "
+                "Example: TXBOX_DASHBOARD_TOKEN=$(openssl rand -hex 24)"
+            )
         if self.view_requires_token and not self.token:
             raise ConfigurationError(
                 "TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN=true needs TXBOX_DASHBOARD_TOKEN. "
                 "Example: TXBOX_DASHBOARD_TOKEN=$(openssl rand -hex 24)"
             )
+        if not self.token and self.host not in LOOPBACK_HOSTS:
+            raise ConfigurationError(
+                f"TXBOX_DASHBOARD_HOST={self.host}: without TXBOX_DASHBOARD_TOKEN the dashboard binds loopback only "
+                "(anyone who reaches it could read every message). Set a token, e.g. "
+                "TXBOX_DASHBOARD_TOKEN=$(openssl rand -hex 24), or bind TXBOX_DASHBOARD_HOST=127.0.0.1"
+            )
+        for name in ("max_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"TXBOX_DASHBOARD_{name.upper()} must be at least 1")
+        if self.session_ttl <= 0 or self.header_timeout <= 0:
+            raise ConfigurationError(
+                "TXBOX_DASHBOARD_SESSION_TTL and TXBOX_DASHBOARD_HEADER_TIMEOUT must be positive durations, "
+                "e.g. 8h, 10s"
+            )
+
+    @property
+    def views_need_token(self) -> bool:
+        return bool(self.token) if self.view_requires_token is None else self.view_requires_token
+
+    @property
+    def hosts(self) -> list[str]:
+        """Host header names the dashboard answers (anything else: 400, against DNS rebinding)."""
+        extra = [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
+        bound = [] if self.host in ("0.0.0.0", "::", "") else [self.host]
+        return [*LOOPBACK_HOSTS, *bound, *extra]
 
 
 class Source:
@@ -126,7 +201,12 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         raise ConfigurationError("the dashboard needs at least one source (TXBOX_* environment or --source name=url)")
     settings = settings or DashboardSettings()
     by_name = {s.name: s for s in sources}
-    auth = Auth(settings.token, settings.view_requires_token)
+    auth = Auth(
+        settings.token,
+        settings.views_need_token,
+        session_ttl=float(settings.session_ttl),
+        secure_cookies=settings.secure_cookies,
+    )
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(HERE / "templates"),
         autoescape=True,
@@ -207,13 +287,12 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         for s in sources:
             try:
                 with queries.connection(s.engine) as conn:
-                    _resolve(conn, s.schema)
                     cards.append(
                         {
                             "name": s.name,
                             "stats": queries.overview(conn, s.schema),
                             "timeline": queries.timeline(conn, s.schema, window),
-                            "groups": queries.groups(conn, s.schema, queries.Filters(), limit=5),
+                            "groups": masked(queries.groups(conn, s.schema, queries.Filters(), limit=5)),
                             "analytics": analytics_of(s, conn),
                             "error": None,
                         }
@@ -240,7 +319,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         out = []
         for s in wanted:
             with queries.connection(s.engine) as conn:
-                out += [{"service": s.name, **g} for g in queries.groups(conn, s.schema, filters, limit=100)]
+                out += [{"service": s.name, **g} for g in masked(queries.groups(conn, s.schema, filters, limit=100))]
         out.sort(key=lambda g: (-g["count"], g["service"]))
         return out
 
@@ -249,7 +328,6 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         filters = filters_from(request)
         page = page_of(request)
         with queries.connection(s.engine) as conn:
-            _resolve(conn, s.schema)
             total = queries.count_letters(conn, s.schema, filters)
             rows = queries.list_letters(conn, s.schema, filters, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
             choices = {c: cached_choices(conn, s, c) for c in ("message_type", "reason")}
@@ -259,7 +337,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             "page": page,
             "pages": max(1, math.ceil(total / PAGE_SIZE)),
             "total": total,
-            "rows": rows,
+            "rows": masked(rows),
             "choices": choices,
         }
 
@@ -278,7 +356,6 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     def letter_data(name: str, letter_id: int) -> tuple[Source, dict[str, Any]]:
         s = source(name)
         with queries.connection(s.engine) as conn:
-            _resolve(conn, s.schema)
             row = queries.get_letter(conn, s.schema, letter_id)
         if row is None:
             raise HttpError(404, f"no dead letter {letter_id} in {s.name}")
@@ -363,8 +440,10 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         return await _in_thread(lambda: _confirm_letter_page(request, name, letter_id, action))
 
     def _confirm_letter_page(request: Request, name: str, letter_id: int, action: str) -> Response:
+        if action not in ACTIONS:
+            raise HttpError(404, f"unknown action {action!r}")
         s, row = letter_data(name, letter_id)
-        preview = act(s, action, [letter_id], dry_run=True)
+        preview = [row]
         return render(
             request,
             "confirm.html",
@@ -397,9 +476,12 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         return await _in_thread(lambda: _confirm_group_page(request, name, fp, action))
 
     def _confirm_group_page(request: Request, name: str, fp: str, action: str) -> Response:
+        if action not in ACTIONS:
+            raise HttpError(404, f"unknown action {action!r}")
         s = source(name)
         ids = group_ids(s, fp)
-        preview = act(s, action, ids[:20], dry_run=True)
+        with queries.connection(s.engine) as conn:
+            preview = masked(queries.list_letters(conn, s.schema, queries.Filters(fingerprint=fp), limit=20, offset=0))
         return render(
             request,
             "confirm.html",
@@ -425,24 +507,50 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             303,
         )
 
+    def login_page(request: Request, code: int = 200, *, error: str = "", nxt: str = "/") -> Response:
+        """The form, with a double-submit CSRF token: the same random value in a cookie and a field."""
+        token = request.cookies.get(LOGIN_COOKIE, "")
+        if len(token) != len(secrets.token_urlsafe(32)):  # keep a browser's (other tabs' forms stay valid)
+            token = secrets.token_urlsafe(32)
+        response = render(request, "login.html", code, title="Log in", error=error, next=nxt, login_csrf=token)
+        response.set_cookie(LOGIN_COOKIE, token, max_age=3600, **auth.cookie_options(request))
+        return response
+
     async def login(request: Request) -> Response:
         if request.method == "GET":
-            return render(request, "login.html", title="Log in", error="", next=request.query_params.get("next", "/"))
+            return await _in_thread(lambda: login_page(request, nxt=_local(request.query_params.get("next", "/"))))
         form = await request.form()
-        nxt = str(form.get("next", "/"))
-        # Only a path of this site: "//host" and "/\\host" would leave it.
-        nxt = nxt if nxt.startswith("/") and not nxt.startswith(("//", "/\\")) else "/"
-        if not auth.enabled:
-            return render(
-                request, "login.html", 403, title="Log in", error="no TXBOX_DASHBOARD_TOKEN is configured", next=nxt
+        nxt = _local(str(form.get("next", "/")))
+        client = client_of(request)
+        wait = auth.throttle.retry_after(client)
+        if wait > 0:
+            response = login_page(
+                request, 429, error=f"too many failed logins: try again in {math.ceil(wait)} s", nxt=nxt
             )
+            response.headers["Retry-After"] = str(math.ceil(wait))
+            return response
+        expected = request.cookies.get(LOGIN_COOKIE, "")
+        if not expected or not hmac.compare_digest(str(form.get("csrf", "")).encode(), expected.encode()):
+            return login_page(request, 403, error="the form is stale: log in again", nxt=nxt)
+        if not auth.enabled:
+            return login_page(request, 403, error="no TXBOX_DASHBOARD_TOKEN is configured", nxt=nxt)
         if not auth.check_token(str(form.get("token", ""))):
-            return render(request, "login.html", 401, title="Log in", error="wrong token", next=nxt)
+            auth.throttle.failed(client)
+            return login_page(request, 401, error="wrong token", nxt=nxt)
+        auth.throttle.succeeded(client)
+        auth.sessions.revoke(request.cookies.get(COOKIE, ""))
         response = RedirectResponse(nxt, 303)
-        response.set_cookie(COOKIE, auth.session_value(), httponly=True, samesite="strict", path="/")
+        response.set_cookie(
+            COOKIE, auth.sessions.create(), max_age=int(settings.session_ttl), **auth.cookie_options(request)
+        )
+        response.delete_cookie(LOGIN_COOKIE, path="/")
         return response
 
     async def logout(request: Request) -> Response:
+        form = await request.form()
+        if not auth.csrf_ok(request, str(form.get("csrf", ""))):
+            raise HttpError(403, "the logout form's CSRF token is missing or stale: reload the page and try again")
+        auth.sessions.revoke(request.cookies.get(COOKIE, ""))
         response = RedirectResponse("/", 303)
         response.delete_cookie(COOKIE, path="/")
         return response
@@ -489,28 +597,24 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             return JSONResponse({"error": message}, status_code=status)
         return render(request, "error.html", status, title=f"Error {status}", status=status, message=message)
 
-    class Guard(BaseHTTPMiddleware):
-        """View permission and the security headers on every response."""
+    class ViewGuard:
+        """Viewing needs the token (when so configured): pages redirect to the login, the API says 401."""
 
-        async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
-            path = request.url.path
+        def __init__(self, app: ASGIApp) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            path = scope.get("path", "")
             open_path = path in ("/login", "/healthz") or path.startswith("/static/")
-            if not open_path and not auth.may_view(request):
+            if scope["type"] == "http" and not open_path and not auth.may_view(Request(scope)):
+                response: Response
                 if path.startswith("/api/"):
-                    response: Response = JSONResponse({"error": "send Authorization: Bearer <token>"}, status_code=401)
+                    response = JSONResponse({"error": "send Authorization: Bearer <token>"}, status_code=401)
                 else:
                     response = RedirectResponse("/login?" + urlencode({"next": path}), 303)
-            else:
-                response = await call_next(request)
-            response.headers["Content-Security-Policy"] = (
-                "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
-                "frame-ancestors 'none'; base-uri 'none'"
-            )
-            response.headers["X-Content-Type-Options"] = "nosniff"
-            response.headers["Referrer-Policy"] = "same-origin"
-            response.headers["X-Frame-Options"] = "DENY"
-            response.headers.setdefault("Cache-Control", "no-store")
-            return response
+                await response(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
 
     routes = [
         Route("/", overview_page),
@@ -536,12 +640,20 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         return await _in_thread(lambda: error_response(request, exc.status, exc.message))
 
     async def on_txbox_error(request: Request, exc: Exception) -> Response:
-        return await _in_thread(lambda: error_response(request, 503, str(exc)))
+        return await _in_thread(lambda: error_response(request, 503, redact_text(str(exc))))
+
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        """A bug: no detail (it could quote data), the security headers all the same (this
+        response is made outside the middleware, by Starlette's outermost layer)."""
+        return PlainTextResponse("internal error: see the dashboard's log", 500, headers=dict(SECURITY_HEADERS))
 
     return Starlette(
         routes=routes,
-        middleware=[Middleware(Guard)],
-        exception_handlers={HttpError: on_http_error, TxboxError: on_txbox_error},
+        middleware=[
+            Middleware(Shield, allowed_hosts=settings.hosts, max_body_bytes=settings.max_body_bytes),
+            Middleware(ViewGuard),
+        ],
+        exception_handlers={HttpError: on_http_error, TxboxError: on_txbox_error, Exception: on_crash},
     )
 
 
@@ -551,10 +663,6 @@ async def _in_thread(fn: Callable[[], Response]) -> Response:
     return await run_in_threadpool(fn)
 
 
-def _resolve(conn: Any, schema: str) -> None:
-    """Resolve replayed letters whose message got processed (cheap: a small partial index);
-    harmless if the dashboard's role may not write — the collector does it as well."""
-    import psycopg
-
-    with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
-        replay.resolve_replayed(conn, schema)
+def _local(path: str) -> str:
+    """Only a path of this site: "//host" and "/\\host" would leave it."""
+    return path if path.startswith("/") and not path.startswith(("//", "/\\")) else "/"

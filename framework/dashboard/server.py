@@ -1,15 +1,96 @@
-"""Run the dashboard inside this process on a background thread (benchmarks and tests)."""
+"""How the dashboard is served: uvicorn with limits, for `txbox dashboard`, benchmarks and tests.
+
+Limits (docs/architecture.md, "Secrets"): at most ``max_connections`` concurrent
+connections (more get 503), request headers within ``header_timeout`` of connecting or
+of the previous response (uvicorn has no such timer: a client trickling headers would
+hold a connection forever), headers of at most 16 KiB, idle keep-alive closed after 5 s.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+MAX_HEADER_BYTES = 16 * 1024
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """h11 with a deadline for a request's headers: armed at connect and after each response."""
+
+    header_timeout = 10.0  # set per server by :func:`protocol_with`
+    _header_timer: asyncio.TimerHandle | None = None
+    _waiting_for: Any = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._waiting_for = self.cycle
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _disarm(self) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        if self.cycle is self._waiting_for and not self.transport.is_closing():
+            self.transport.close()  # no complete request in time: a slow or idle client
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not self._waiting_for:
+            self._disarm()  # headers complete: the request runs
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete:
+            self._disarm()
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def protocol_with(header_timeout: float) -> type[HeaderTimeoutProtocol]:
+    return type("DashboardProtocol", (HeaderTimeoutProtocol,), {"header_timeout": float(header_timeout)})
+
+
+def config(
+    app: Starlette,
+    host: str,
+    port: int,
+    *,
+    max_connections: int = 64,
+    header_timeout: float = 10.0,
+    **extra: Any,
+) -> uvicorn.Config:
+    """The one uvicorn configuration of the dashboard (the command and :func:`serving` share it)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol_with(header_timeout),
+        limit_concurrency=max_connections,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_keep_alive=5,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        **extra,
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,10 +101,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextmanager
-def serving(app: Starlette, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
+def serving(
+    app: Starlette,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    *,
+    max_connections: int = 64,
+    header_timeout: float = 10.0,
+) -> Iterator[str]:
     """Yields the base URL once the server accepts connections; stops it on exit."""
     port = port or free_port(host)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    server = uvicorn.Server(config(app, host, port, max_connections=max_connections, header_timeout=header_timeout))
     thread = threading.Thread(target=server.run, name="txbox-dashboard", daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

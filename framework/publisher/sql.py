@@ -170,7 +170,7 @@ PROBE_AT_MOST = 32
 
 def mark_published(schema: str) -> sql.Composed:
     """Params: ids (uuid[]), probe (bool). Only rows still pending: a row another publisher
-    finished stays as is.
+    finished stays as is. The row's auth_token is dropped: published, it is no longer needed.
 
     Returns one boolean: with ``probe``, does a marked sequential row have a pending
     successor in its lane, which the mark has just made a head? Only then is a claim
@@ -189,7 +189,8 @@ def mark_published(schema: str) -> sql.Composed:
         f"""
 WITH marked AS (
     UPDATE {{outbox}} t
-    SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, last_error = NULL
+    SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, last_error = NULL,
+        metadata = t.metadata - 'auth_token'
     WHERE t.id = ANY(%(ids)s::uuid[]) AND {pending_by_id("t")}
     RETURNING %(probe)s AND t.concurrency = 'sequential' AND EXISTS (
         SELECT 1 FROM {{outbox}} p
@@ -215,11 +216,12 @@ WHERE id = %(id)s::uuid AND {pending}
 
 
 def abandon(schema: str) -> sql.Composed:
-    """Params: id, error. The last failed attempt: give up (a dead letter is written beside)."""
+    """Params: id, error. The last failed attempt: give up (a dead letter is written beside); drop the auth_token."""
     return sql.SQL(
         """
 UPDATE {outbox}
-SET finished_attempts = finished_attempts + 1, abandoned_at = clock_timestamp(), last_error = %(error)s
+SET finished_attempts = finished_attempts + 1, abandoned_at = clock_timestamp(), last_error = %(error)s,
+    metadata = metadata - 'auth_token'
 WHERE id = %(id)s::uuid AND {pending}
 """
     ).format(outbox=_outbox(schema), pending=_PENDING_BY_ID)

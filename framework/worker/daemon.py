@@ -538,12 +538,22 @@ class Worker(Daemon):
         if failed:
             cur.executemany(
                 q.mark_failed(self.schema),
-                [{"id": c.id, "delay": c.delay, "error": _clip(f"{c.error_type}: {c.error}")} for c in failed],
+                [
+                    {
+                        "id": c.id,
+                        "delay": c.delay,
+                        "error": _clip(f"{c.error_type}: {c.error}"),
+                        "auth_token": c.metadata.get("auth_token"),
+                    }
+                    for c in failed
+                ],
             )
         abandoned = [c for c in batch if c.outcome == "abandoned"]
         released = [c for c in batch if c.outcome == "released"]
         if released:
-            cur.execute(q.unclaim(self.schema), ([c.id for c in released],))
+            cur.execute(
+                q.unclaim(self.schema), ([c.id for c in released], [c.metadata.get("auth_token") for c in released])
+            )
         if abandoned:
             cur.executemany(
                 q.mark_abandoned(self.schema),

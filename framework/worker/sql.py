@@ -91,6 +91,12 @@ _FENCE = f"""t.ctid = ANY(ARRAY(
     AND {pending_by_id("t")}"""
 
 
+# The presumption drops the message's auth_token (no longer needed once processed: no
+# token at rest, docs/architecture.md "Secrets"); a run that did not succeed gets it back
+# from the claimed row (param: the token or NULL) for its next run.
+_TOKEN_BACK = "jsonb_strip_nulls(jsonb_build_object('auth_token', %s::text))"
+
+
 def presume_processed(schema: str) -> sql.Composed:
     """First statement of the processing transaction: mark our claims processed, lock them.
 
@@ -107,7 +113,7 @@ def presume_processed(schema: str) -> sql.Composed:
     """
     return sql.SQL(
         "UPDATE {inbox} t SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, "
-        "locked_until = clock_timestamp() "
+        "locked_until = clock_timestamp(), metadata = t.metadata - 'auth_token' "
         f"WHERE {_FENCE} "
         "RETURNING t.id, t.concurrency = 'sequential' AND EXISTS ("
         "SELECT 1 FROM {inbox} p WHERE p.segment = t.segment AND p.concurrency = 'sequential' "
@@ -119,7 +125,8 @@ def mark_failed(schema: str) -> sql.Composed:
     """Undo the presumption for a failed run: due again after the backoff (the run counted)."""
     return sql.SQL(
         "UPDATE {inbox} SET processed_at = NULL, "
-        "locked_until = clock_timestamp() + make_interval(secs => %(delay)s), last_error = %(error)s "
+        "locked_until = clock_timestamp() + make_interval(secs => %(delay)s), last_error = %(error)s, "
+        f"metadata = metadata || {_TOKEN_BACK % '%(auth_token)s'} "
         "WHERE id = %(id)s"
     ).format(inbox=sql.Identifier(schema, names.INBOX))
 
@@ -136,8 +143,10 @@ def mark_abandoned(schema: str) -> sql.Composed:
 def unclaim(schema: str) -> sql.Composed:
     """Undo the presumption *and* the claim of messages that were never run (lease too short)."""
     return sql.SQL(
-        "UPDATE {inbox} SET processed_at = NULL, finished_attempts = finished_attempts - 1, "
-        "started_attempts = started_attempts - 1, locked_until = clock_timestamp() WHERE id = ANY(%s::uuid[])"
+        "UPDATE {inbox} t SET processed_at = NULL, finished_attempts = t.finished_attempts - 1, "
+        "started_attempts = t.started_attempts - 1, locked_until = clock_timestamp(), "
+        f"metadata = t.metadata || {_TOKEN_BACK % 'c.token'} "
+        "FROM unnest(%s::uuid[], %s::text[]) AS c(id, token) WHERE t.id = c.id"
     ).format(inbox=sql.Identifier(schema, names.INBOX))
 
 

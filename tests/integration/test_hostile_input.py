@@ -27,6 +27,7 @@ from framework.dead_letters import decode_body
 from framework.envelope import parse_message
 from framework.receiver import Receiver, ReceiverConfig
 from framework.receiver.intake import NOT_ACCEPTED, UNSTORABLE
+from framework.redaction import redact_bytes
 from framework.service import Service
 from tests import support
 from tests.apps.helpers import place_order, query, running
@@ -242,7 +243,9 @@ def test_every_delivery_is_stored_valid_or_dead_lettered(
         else:
             reason, raw, encoding, _ = rejected[tag][0]
             assert reason in KNOWN_REASONS, reason
-            assert decode_body(raw, encoding) == body, "the dead letter must keep the raw body as received"
+            assert decode_body(raw, encoding) == redact_bytes(body), (
+                "the dead letter must keep the raw body as received"
+            )
 
 
 def _has_non_finite(value: Any) -> bool:

@@ -37,7 +37,7 @@ def test_a_bad_source_names_the_fix(spec: str) -> None:
 
 def test_defaults_bind_loopback_and_need_a_source() -> None:
     settings = load(DashboardSettings, {})
-    assert (settings.host, settings.port, settings.token, settings.view_requires_token) == (
+    assert (settings.host, settings.port, settings.token, settings.views_need_token) == (
         "127.0.0.1",
         8470,
         None,
@@ -47,3 +47,47 @@ def test_defaults_bind_loopback_and_need_a_source() -> None:
         create_app([], settings)
     with pytest.raises(ConfigurationError, match="TXBOX_DASHBOARD_TOKEN"):
         load(DashboardSettings, {"TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN": "true"})
+
+
+TOKEN = "0123456789abcdef"  # exactly the minimum length
+
+
+def test_a_token_makes_viewing_need_it_unless_told_otherwise() -> None:
+    assert load(DashboardSettings, {"TXBOX_DASHBOARD_TOKEN": TOKEN}).views_need_token
+    relaxed = {"TXBOX_DASHBOARD_TOKEN": TOKEN, "TXBOX_DASHBOARD_VIEW_REQUIRES_TOKEN": "false"}
+    assert not load(DashboardSettings, relaxed).views_need_token
+
+
+def test_a_short_token_is_refused_at_start() -> None:
+    with pytest.raises(ConfigurationError, match="at least 16") as exc:
+        load(DashboardSettings, {"TXBOX_DASHBOARD_TOKEN": TOKEN[:-1]})
+    assert TOKEN[:-1] not in str(exc.value)  # the error names the length, never the secret
+
+
+def test_without_a_token_only_loopback_may_be_bound() -> None:
+    with pytest.raises(ConfigurationError, match="loopback only"):
+        load(DashboardSettings, {"TXBOX_DASHBOARD_HOST": "0.0.0.0"})
+    with pytest.raises(ConfigurationError, match="loopback only"):
+        cli.run(_args("--host", "0.0.0.0", "--source", "order-service=postgresql://postgres@127.0.0.1/orders"))
+    settings = load(DashboardSettings, {"TXBOX_DASHBOARD_HOST": "0.0.0.0", "TXBOX_DASHBOARD_TOKEN": TOKEN})
+    assert settings.hosts == ["127.0.0.1", "localhost", "::1"]  # a wildcard bind adds no name
+
+
+def test_start_says_who_can_read_without_a_token() -> None:
+    [line] = cli.warnings(load(DashboardSettings, {}))
+    assert "anyone on this host can read every message" in line
+    assert cli.warnings(load(DashboardSettings, {"TXBOX_DASHBOARD_TOKEN": TOKEN})) == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("TXBOX_DASHBOARD_SESSION_TTL", "0s"),
+        ("TXBOX_DASHBOARD_HEADER_TIMEOUT", "0"),
+        ("TXBOX_DASHBOARD_MAX_BODY_BYTES", "0"),
+        ("TXBOX_DASHBOARD_MAX_CONNECTIONS", "0"),
+    ],
+)
+def test_limits_must_be_positive(variable: str, value: str) -> None:
+    with pytest.raises(ConfigurationError, match=variable):
+        load(DashboardSettings, {variable: value})
