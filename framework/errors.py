@@ -111,3 +111,8 @@ class RetryableError(HandlerOutcome):
 
 class PermanentError(HandlerOutcome):
     """REJECTED: roll back and abandon at once; the message goes to the dead letters."""
+
+
+class HandlerMisuse(RetryableError):
+    """A handler ended, closed or broke the worker's transaction, or returned an awaitable:
+    a failure of its message (retried, then abandoned), never of the worker."""
