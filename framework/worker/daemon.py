@@ -93,7 +93,7 @@ class _Rerun(Exception):
     """A handler failed (or the final flush did) in an optimistic pass: roll back, run again."""
 
     def __init__(self, claimed: Claimed | None, exc: BaseException, *, gone: bool = False) -> None:
-        super().__init__(str(exc))
+        super().__init__(type(exc).__name__)  # not str(exc): a handler's exception may fail to print
         self.claimed = claimed
         self.exc = exc
         self.gone = gone  # the handler ended the transaction: a careful pass cannot contain it

@@ -187,3 +187,82 @@ def test_a_handler_returning_an_awaitable_is_a_failure_not_processed(service: Se
     assert state["processed_at"] is None and state["abandoned_at"] is not None
     assert "async def" in state["last_error"]
     assert ran == []
+
+
+# Stored by an older version, or by hand: values the worker cannot turn into a Message.
+UNREADABLE = {
+    "payload nested 5000 deep": "UPDATE txbox.inbox SET payload = (repeat('[', 5000) || repeat(']', 5000))::jsonb",
+    "timestamp after year 9999": "UPDATE txbox.inbox SET message_timestamp = '12000-01-01T00:00:00Z'",
+    "timestamp infinity": "UPDATE txbox.inbox SET message_timestamp = 'infinity'",
+    "metadata an array": "UPDATE txbox.inbox SET metadata = '[1, 2]'",
+    "context a string": "UPDATE txbox.inbox SET message_context = '\"x\"'",
+}
+
+
+@pytest.mark.parametrize("stored", list(UNREADABLE))
+def test_a_row_that_cannot_be_decoded_is_dead_lettered_and_the_rest_go_on(
+    service: Service, business: str, stored: str
+) -> None:
+    handler = service.register(Recorder())
+    good = [place_order(aggregate_id=f"g{i}") for i in range(4)]
+    bad = place_order(aggregate_id="bad")
+    store_in_inbox(service, [*good[:2], bad, *good[2:]])
+    query(business, UNREADABLE[stored] + " WHERE id = %s", (bad["message_id"],))
+    with running(worker(service, batch_size=10)):  # a crash re-raises here
+        support.wait_until(lambda: done(business) == 5, 30, message="every row settled")
+    assert all(row(business, m)["processed_at"] is not None for m in good)
+    state = row(business, bad)
+    assert state["abandoned_at"] is not None and (state["started"], state["finished"]) == (1, 1)
+    assert bad["message_id"] not in {c[0] for c in handler.calls}
+    [(message_id, source, reason, error, body)] = letters(business)
+    assert (str(message_id), source, reason) == (bad["message_id"], "inbox", "internal_error")
+    assert "cannot be read" in error and body is None
+    raw = scalar(business, "SELECT raw_body FROM txbox.dead_letters")
+    assert bad["message_id"] in raw, "the stored columns are kept, as text, in the dead letter"
+
+
+class _BrokenWorker(Worker):
+    """A worker with a bug that strikes one message whenever it settles a failure."""
+
+    def _classify(self, claimed: Any, exc: BaseException) -> None:
+        if claimed.message.aggregate_id == "bad":
+            raise KeyError("a bug in the worker")
+        super()._classify(claimed, exc)
+
+
+def test_the_worker_failing_on_a_message_dead_letters_it_as_internal_error(service: Service, business: str) -> None:
+    def fail_bad(message: Message, session: Session, outbox: Outbox) -> None:
+        if message.aggregate_id == "bad":
+            raise ValueError("the handler fails")
+
+    service.register(Recorder(fail_bad))
+    good = [place_order(aggregate_id=f"g{i}") for i in range(4)]
+    bad = place_order(aggregate_id="bad")
+    store_in_inbox(service, [*good[:2], bad, *good[2:]])
+    w = _BrokenWorker(service, worker(service).config)
+    with running(w):  # a crash re-raises here
+        support.wait_until(lambda: done(business) == 5, 30, message="every row settled")
+    assert all(row(business, m)["processed_at"] is not None for m in good)
+    assert dict(query(business, "SELECT id::text, count(*) FROM seen GROUP BY id")) == {
+        m["message_id"]: 1 for m in good
+    }
+    [(message_id, _source, reason, error, body)] = letters(business)
+    assert (str(message_id), reason) == (bad["message_id"], "internal_error")
+    assert "KeyError" in error and body["payload"] == bad["payload"]
+
+
+def test_a_handler_exception_whose_text_fails_is_still_its_message_failure(service: Service, business: str) -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text for you")
+
+    def fail(message: Message, session: Session, outbox: Outbox) -> None:
+        raise Unprintable()
+
+    service.register(Recorder(fail))
+    message = place_order()
+    store_in_inbox(service, [message])
+    with running(worker(service, max_attempts=1)):
+        support.wait_until(lambda: done(business) == 1, 20, message="abandoned")
+    [(_id, _source, reason, error, _body)] = letters(business)
+    assert reason == "max_attempts" and "Unprintable" in error
