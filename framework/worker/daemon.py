@@ -551,7 +551,9 @@ class Worker(Daemon):
         inside a transaction of its own (which the next batch must not inherit)."""
         self._guard_ready = False  # the pass that created it may be the one rolled back
         try:
-            transaction.rollback()  # also clears a transaction whose commit failed
+            current = None if conn.closed else conn.get_transaction()
+            if current is not None and current is transaction:
+                current.rollback()  # also clears a transaction whose commit failed
             if conn.closed or self._raw(conn).info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 self._drop_processing_connection()
         except Exception as exc:
@@ -634,7 +636,8 @@ class Worker(Daemon):
                 # database error, which may be an earlier handler's row (flushed by this
                 # one's query) or a transaction an earlier handler left aborted: then the
                 # whole batch runs carefully, so nobody is blamed for another's error.
-                blame = not _is_database_error(exc) and not _aborted(raw)
+                # (A timeout aborts the transaction itself, by cancelling the statement.)
+                blame = isinstance(exc, HandlerTimeout) or not (_is_database_error(exc) or _aborted(raw))
                 raise _Rerun(claimed if blame else None, exc) from exc
             session.rollback()  # rolls back the joined savepoint
             if savepoint.is_active:
