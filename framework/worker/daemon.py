@@ -30,6 +30,14 @@ with nothing claimed ahead beside it, and once ``started - finished`` reached th
 threshold before this claim it is abandoned without running. Claiming suspects alone
 keeps a batch mate of the killer from being blamed for its crashes.
 
+Handlers that commit, roll back, close or break the batch transaction fail their own
+message and never the batch mates' work: a session that refuses those calls, a commit
+guard PostgreSQL enforces, and a batch mark the driver tracks for free tell the worker
+(framework/worker/guard.py). A release after a crash leaves out the claim whose handler
+was running, so it counts toward poison. Rows the worker cannot decode, and batches it
+fails on itself, end as dead letters (``internal_error``), never as a crash that would
+repeat on restart (docs/architecture.md, "Worker: handlers that misbehave").
+
 Timeout: handlers run in the worker's thread (they need its transaction); a watchdog
 interrupts an overdue one (statement cancel + an exception raised in the thread) and
 ends the process if it still runs at the end of its lease (framework/worker/timeout.py).
