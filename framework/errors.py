@@ -116,3 +116,8 @@ class PermanentError(HandlerOutcome):
 class DeadLetterUnstorable(DatabaseUnavailable):
     """PostgreSQL refused even the minimal row of a dead letter: the database is at fault,
     so the delivery is not acknowledged and is tried again once the database is fixed."""
+
+
+class HandlerMisuse(RetryableError):
+    """A handler ended, closed or broke the worker's transaction, or returned an awaitable:
+    a failure of its message (retried, then abandoned), never of the worker."""

@@ -4,10 +4,15 @@ A handler runs inside the worker's transaction that marks its inbox row processe
 whatever it writes through ``session`` and ``outbox`` commits exactly once with that
 mark, or not at all. Raise RetryableError (or anything else) to retry later,
 PermanentError to abandon at once.
+
+``handle`` must be a plain function for now: the worker does not await coroutines, so
+``Service.check()`` and the worker refuse an ``async def handle`` rather than mark its
+message processed with its effects never run.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -45,3 +50,15 @@ class EventHandler(Handler):
     """Handles an event this service subscribes to (its contract lists it in `x-subscribes`)."""
 
     kind = "event"
+
+
+ASYNC_HANDLE_FIX = (
+    "`handle` is a coroutine function (async def), which the worker does not await yet: its message "
+    "would be marked processed without its effects. Define it as a plain "
+    "`def handle(self, message, session, outbox)`"
+)
+
+
+def is_coroutine_handler(handler: Handler) -> bool:
+    """``handler.handle`` is ``async def`` (or another coroutine function): the worker refuses it."""
+    return inspect.iscoroutinefunction(handler.handle)

@@ -30,6 +30,14 @@ with nothing claimed ahead beside it, and once ``started - finished`` reached th
 threshold before this claim it is abandoned without running. Claiming suspects alone
 keeps a batch mate of the killer from being blamed for its crashes.
 
+Handlers that commit, roll back, close or break the batch transaction fail their own
+message and never the batch mates' work: a session that refuses those calls, a commit
+guard PostgreSQL enforces, and a batch mark the driver tracks for free tell the worker
+(framework/worker/guard.py). A release after a crash leaves out the claim whose handler
+was running, so it counts toward poison. Rows the worker cannot decode, and batches it
+fails on itself, end as dead letters (``internal_error``), never as a crash that would
+repeat on restart (docs/architecture.md, "Worker: handlers that misbehave").
+
 Timeout: handlers run in the worker's thread (they need its transaction); a watchdog
 interrupts an overdue one (statement cancel + an exception raised in the thread) and
 ends the process if it still runs at the end of its lease (framework/worker/timeout.py).
@@ -38,6 +46,7 @@ ends the process if it still runs at the end of its lease (framework/worker/time
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import traceback
 import uuid
@@ -50,23 +59,27 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy import Connection
-from sqlalchemy.orm import Session
 
-from framework import db, names
+from framework import db, jsoncodec, names
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import Message
-from framework.errors import PermanentError
+from framework.errors import AssemblyError, HandlerMisuse, PermanentError, Problem
+from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
 from framework.outbox import Outbox, OutboxRow, json_params
 from framework.outbox import insert_sql as outbox_insert_sql
 from framework.service import Service
-from framework.worker import metrics
+from framework.worker import decode, guard, metrics
 from framework.worker import sql as q
 from framework.worker.config import GRACE, LEASE_MARGIN, MIN_RUN, WorkerConfig
+from framework.worker.decode import Undecodable
 from framework.worker.timeout import HandlerTimeout, Watchdog
 
 NO_HANDLER = "no_handler"  # a message type this process has no handler for
+# Last resort: the worker itself failed on the row (it cannot decode it, or settling it
+# failed for a reason no handler raised). Dead-lettered so the worker goes on.
+INTERNAL_ERROR = dl.INTERNAL_ERROR
 SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker left behind
 ANALYZE_INTERVAL = 30.0  # seconds at least between two ANALYZEs of the inbox by one worker
 
@@ -76,16 +89,22 @@ class _Conflict(Exception):
 
 
 class _Split(Exception):
-    """The commit refused the batch for a reason no single handler raised: run each alone."""
+    """The commit refused the batch for a reason no single handler raised, or a handler
+    ended the transaction of a careful pass: run each alone."""
+
+    def __init__(self, known: dict[uuid.UUID, BaseException] | None = None) -> None:
+        super().__init__()
+        self.known = known or {}
 
 
 class _Rerun(Exception):
     """A handler failed (or the final flush did) in an optimistic pass: roll back, run again."""
 
-    def __init__(self, claimed: Claimed | None, exc: BaseException) -> None:
-        super().__init__(str(exc))
+    def __init__(self, claimed: Claimed | None, exc: BaseException, *, gone: bool = False) -> None:
+        super().__init__(type(exc).__name__)  # not str(exc): a handler's exception may fail to print
         self.claimed = claimed
         self.exc = exc
+        self.gone = gone  # the handler ended the transaction: a careful pass cannot contain it
 
 
 @dataclass
@@ -107,6 +126,9 @@ class Claimed:
     delay: float = 0.0
     finished_delta: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    crashed: bool = False  # its handler was running when the batch broke off: never released
+    undecodable: str = ""  # why the stored row could not be read; it is dead-lettered unrun
+    raw: dict[str, str] | None = None  # the stored columns as text, for the dead letter of such a row
 
     @property
     def unfinished_before(self) -> int:
@@ -130,6 +152,7 @@ class Worker(Daemon):
         self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
         self._presume = q.presume_processed(self.schema)
         self._insert_outbox = outbox_insert_sql(self.schema)
+        self._create_guard, self._arm_guard, self._disarm = guard.create_guard(), guard.arm(), guard.disarm()
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
         self._listen: psycopg.Connection[Any] | None = None
@@ -143,10 +166,12 @@ class Worker(Daemon):
         self._last_suspect_check = 0.0
         self._freed = False  # the last batch made rows due that no NOTIFY will announce
         self._more = False  # claim again at once, not at the next NOTIFY (see run_once)
+        self._guard_ready = False  # the processing connection has its commit guard table
 
     # --- the loop -----------------------------------------------------------------
 
     def run(self) -> None:
+        self.refuse_async_handlers()
         self._watchdog = Watchdog()
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-claim")
         reconnect = Reconnect(self)
@@ -172,6 +197,16 @@ class Worker(Daemon):
             self._watchdog.close()
             self._drop_connections()
             self.state("stopped")
+
+    def refuse_async_handlers(self) -> None:
+        """Fail at start on an ``async def handle``: run, it would be marked processed unawaited."""
+        problems = [
+            Problem("error", handler.name, ASYNC_HANDLE_FIX)
+            for handler in self.service.handlers.values()
+            if is_coroutine_handler(handler)
+        ]
+        if problems:
+            raise AssemblyError(problems)
 
     def run_once(self) -> int:
         """One batch: claimed now (suspects first) or ahead during the previous one; processed."""
@@ -282,11 +317,35 @@ class Worker(Daemon):
             self._claim_conn = db.connect(
                 self.settings.database_url, synchronous_commit=False, application_name="txbox-worker-claim"
             )
+            decode.register(self._claim_conn)  # one row that does not decode must not fail the claim
         return self._claim_conn
 
     def _claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:
+        try:
+            return self._decode(row, claimed_at)
+        except Exception as exc:  # last resort: this row is dead-lettered, the batch goes on
+            return self._unreadable(row, claimed_at, _describe(exc))
+
+    def _decode(self, row: Sequence[Any], claimed_at: float) -> Claimed:
         (id_, message_type, aggregate_type, aggregate_id, version, routing_key, payload, context, metadata,
          timestamp, started, finished, *_rest) = row  # fmt: skip
+        bad = [
+            f"{name}: {value.error}"
+            for name, value in (
+                ("payload", payload),
+                ("message_context", context),
+                ("metadata", metadata),
+                ("message_timestamp", timestamp),
+            )
+            if isinstance(value, Undecodable)
+        ]
+        bad += [
+            f"{name} is a JSON {type(value).__name__}, not an object"
+            for name, value in (("message_context", context), ("metadata", metadata))
+            if value is not None and not isinstance(value, dict)
+        ]
+        if bad:
+            return self._unreadable(row, claimed_at, "; ".join(bad))
         handler = self.service.handler_for(message_type)
         max_attempts = (handler.max_attempts if handler else None) or self.config.max_attempts
         message = Message(
@@ -314,23 +373,54 @@ class Worker(Daemon):
             claimed_at=claimed_at,
         )
 
+    def _unreadable(self, row: Sequence[Any], claimed_at: float, why: str) -> Claimed:
+        """A claimed row the worker cannot turn into a Message: abandoned unrun, its columns kept as text."""
+        id_, message_type, aggregate_type, aggregate_id, version, routing_key = row[:6]
+        started, finished = row[10], row[11]
+        message = Message(
+            message_id=id_,
+            message_type=str(message_type),
+            aggregate_type=str(aggregate_type),
+            aggregate_id=str(aggregate_id),
+            payload={},
+            message_version=str(version),
+            attempt=finished + 1,
+            max_attempts=self.config.max_attempts,
+            routing_key=routing_key,
+        )
+        raw = {name: _as_text(value) for name, value in zip(_STORED_COLUMNS, row, strict=False)}
+        return Claimed(
+            id=id_,
+            message_type=str(message_type),
+            routing_key=str(routing_key),
+            started=started,
+            finished=finished,
+            metadata={},
+            message=message,
+            claimed_at=claimed_at,
+            undecodable=why,
+            raw=raw,
+        )
+
     # --- process ------------------------------------------------------------------
 
-    def _process(self, batch: list[Claimed]) -> int:
+    def _process(self, batch: list[Claimed], known: dict[uuid.UUID, BaseException] | None = None) -> int:
         if not batch:
             return 0
         for attempt in range(self.config.conflict_retries + 1):
             for claimed in batch:
                 claimed.outcome = ""
             try:
-                self._run_batch(batch)
+                self._run_batch(batch, dict(known or {}))
                 break
-            except _Split:
-                return sum(self._process([claimed]) for claimed in batch)
+            except _Split as split:
+                return sum(self._process([c], _only(split.known, c)) for c in batch)
             except Exception as exc:
                 if not (isinstance(exc, _Conflict) or db.is_transient_conflict(exc)):
-                    self._release_quietly(batch)
-                    raise
+                    if db.is_infrastructure_error(exc):
+                        self._release_quietly(batch)
+                        raise
+                    return self._last_resort(batch, exc)
                 metrics.CONFLICTS.labels(**self._labels).inc()
                 if attempt == self.config.conflict_retries:
                     self._release(batch)
@@ -344,30 +434,63 @@ class Worker(Daemon):
         self._count(batch)
         return len(batch)
 
-    def _run_batch(self, batch: list[Claimed]) -> None:
+    def _last_resort(self, batch: list[Claimed], exc: Exception) -> int:
+        """The worker failed on the batch for a reason no handler outcome explains (a bug, a
+        value it cannot store): each message alone, and one that fails so alone is
+        dead-lettered as ``internal_error``. Never a crash, which would repeat on restart."""
+        self.log.error("the worker failed on a batch of %d: %s", len(batch), _describe(exc))
+        self._drop_processing_connection()  # its state is unknown
+        if len(batch) > 1:
+            return sum(self._process([claimed]) for claimed in batch)
+        [claimed] = batch
+        error = f"the worker failed on this message ({type(exc).__name__}): {_describe(exc)}"
+        self._abandon(claimed, INTERNAL_ERROR, error, error_type=type(exc).__name__)
+        try:
+            self._settle_alone(claimed, bare=False)
+        except Exception as again:
+            if db.is_infrastructure_error(again):
+                raise
+            # Even its dead letter cannot be stored as it is: one with the id and the error only.
+            self._drop_processing_connection()
+            self._settle_alone(claimed, bare=True)
+        self._count(batch)
+        return 1
+
+    def _settle_alone(self, claimed: Claimed, *, bare: bool) -> None:
+        conn = self._connection()
+        with conn.begin():
+            cur = self._raw(conn).cursor()
+            cur.execute(self._presume, {"ids": [claimed.id], "started": [claimed.started]})
+            if not cur.fetchall():
+                claimed.outcome = "lost"  # claimed again by another worker after our lease
+                return
+            self._settle(cur, [claimed], bare=bare)
+
+    def _run_batch(self, batch: list[Claimed], known: dict[uuid.UUID, BaseException]) -> None:
         """Run the batch in one transaction: optimistically first, carefully on trouble.
 
         Optimistic: no savepoints, and ORM writes of all handlers go out in one flush at
         the end (SQLAlchemy batches them) — a few round trips per *batch*. When a handler
         raises, the transaction is rolled back and the batch runs again without it (its
-        outcome is already known, so it does not run twice); from the second failure on,
+        outcome is already known, so it does not run twice); from the third failure on,
         or when the final flush fails and nobody can say whose row broke it, the batch
-        runs carefully: a SAVEPOINT per message. Either way nothing a handler wrote
-        survives unless its row is marked processed in the same commit.
+        runs carefully: a SAVEPOINT per message. A handler that ends the transaction of
+        a careful pass (nothing contains that) sends every message to a transaction of
+        its own. Either way nothing a handler wrote survives unless its row is marked
+        processed in the same commit. So one claim runs a healthy handler at most five
+        times: three optimistic passes, one careful, one alone.
         """
-        known: dict[uuid.UUID, BaseException] = {}  # failures seen in a rolled-back pass
         careful = False
         while True:
             try:
                 self._pass(batch, known, careful)
                 return
             except _Rerun as rerun:
-                if rerun.claimed is not None and not careful and len(known) < 2:
+                if rerun.claimed is not None:
                     known[rerun.claimed.id] = rerun.exc
-                else:
-                    if rerun.claimed is not None:
-                        known[rerun.claimed.id] = rerun.exc
-                    careful = True
+                if rerun.gone and careful and len(batch) > 1:
+                    raise _Split(known) from rerun.exc
+                careful = careful or rerun.claimed is None or len(known) > 2
             except Exception as exc:
                 if not _is_database_error(exc) or db.is_infrastructure_error(exc) or db.is_transient_conflict(exc):
                     raise
@@ -375,7 +498,7 @@ class Worker(Daemon):
                 # row broke it cannot be told, so each message gets a transaction of its
                 # own, and alone, the refusal is its message's failure.
                 if len(batch) > 1:
-                    raise _Split() from exc
+                    raise _Split(known) from exc
                 if batch[0].id in known:
                     raise  # even settling it without running fails: not the message's doing
                 known[batch[0].id] = exc
@@ -383,13 +506,15 @@ class Worker(Daemon):
     def _pass(self, batch: list[Claimed], known: dict[uuid.UUID, BaseException], careful: bool) -> None:
         conn = self._connection()
         raw = self._raw(conn)
-        with conn.begin():
+        transaction = conn.begin()
+        try:
             cur = raw.cursor()
+            self._arm(cur)
             cur.execute(self._presume, {"ids": [c.id for c in batch], "started": [c.started for c in batch]})
             presumed = cur.fetchall()
             ours = {row[0] for row in presumed}
             self._freed = self._freed or any(row[1] for row in presumed)
-            session = Session(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
+            session = guard.HandlerSession(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
             # Optimistic pass: handlers' outbox rows are inserted together at the end
             # (one pipelined round trip); careful pass: at once, inside each savepoint.
             outbox_rows: list[OutboxRow] | None = None if careful else []
@@ -398,10 +523,12 @@ class Worker(Daemon):
                     claimed.outcome = ""
                     if claimed.id not in ours:
                         claimed.outcome = "lost"  # claimed again by another worker after our lease
+                    elif claimed.undecodable:
+                        self._abandon(claimed, INTERNAL_ERROR, f"the stored row cannot be read: {claimed.undecodable}")
                     elif claimed.id in known:
                         self._classify(claimed, known[claimed.id])
                     else:
-                        self._run_one(claimed, conn, session, raw, outbox_rows)
+                        self._run_one(claimed, conn, session, transaction, outbox_rows)
                 if outbox_rows is not None:
                     try:
                         if outbox_rows:
@@ -413,13 +540,40 @@ class Worker(Daemon):
             finally:
                 session.close()
             self._settle(cur, batch)
+            cur.execute(self._disarm)
+            transaction.commit()
+        except BaseException:
+            self._abort(conn, transaction)
+            raise
+        self._guard_ready = True
+
+    def _arm(self, cur: psycopg.Cursor[Any]) -> None:
+        """The batch's first statements: the commit guard's table if this connection may lack it,
+        then the guard and the batch mark (framework/worker/guard.py)."""
+        if not self._guard_ready:
+            cur.execute(self._create_guard)
+        cur.execute(self._arm_guard)
+
+    def _abort(self, conn: Connection, transaction: Any) -> None:
+        """Roll a failed pass back; drop the connection if a handler left it unusable or
+        inside a transaction of its own (which the next batch must not inherit)."""
+        self._guard_ready = False  # the pass that created it may be the one rolled back
+        try:
+            current = None if conn.closed else conn.get_transaction()
+            if current is not None and current is transaction:
+                current.rollback()  # also clears a transaction whose commit failed
+            if conn.closed or self._raw(conn).info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                self._drop_processing_connection()
+        except Exception as exc:
+            self.log.debug("rolling back a failed pass failed: %r", exc)
+            self._drop_processing_connection()
 
     def _run_one(
         self,
         claimed: Claimed,
         conn: Connection,
-        session: Session,
-        raw: psycopg.Connection[Any],
+        session: guard.HandlerSession,
+        transaction: Any,
         outbox_rows: list[OutboxRow] | None,
     ) -> None:
         """Run one handler; ``outbox_rows`` collects its outbox rows (optimistic pass), or,
@@ -449,6 +603,7 @@ class Worker(Daemon):
             claimed.outcome = "released"  # too little lease left to start it: someone runs it later
             return
         timeout, hard = deadlines
+        raw = self._raw(conn)
         savepoint = conn.begin_nested() if careful else None
         started = time.perf_counter()
         assert self._watchdog is not None
@@ -457,7 +612,13 @@ class Worker(Daemon):
                 outbox = Outbox(
                     session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
                 )
-                handler.handle(message, session, outbox)
+                with session.handler_running():
+                    # Typed None, but a handler may still hand back a coroutine.
+                    result: object = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
+                _refuse_awaitable(result)
+                found = guard.misuse(session, conn, raw, transaction, savepoint)
+                if found is not None:
+                    raise HandlerMisuse(found[0])
                 if careful:
                     session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
             if savepoint is not None:
@@ -466,13 +627,26 @@ class Worker(Daemon):
         except BaseException as exc:
             if self._watchdog.fired or isinstance(exc, HandlerTimeout):
                 exc = HandlerTimeout(f"{handler.name} ran longer than its timeout of {timeout:g}s")
+            found = guard.misuse(session, conn, raw, transaction, savepoint)
+            # SQLAlchemy itself rolls the transaction back when an autoflush fails, which
+            # in an optimistic pass may be an earlier handler's row: not this one's doing.
+            blamed = savepoint is not None or not _is_database_error(exc) or guard.refused_commit(exc)
+            if found is not None and found[1] and blamed:
+                # The transaction is gone (committed nothing: the guard refuses a COMMIT):
+                # this message failed, and the batch must run again without it.
+                raise _Rerun(claimed, HandlerMisuse(found[0]), gone=True) from exc
+            # Releasing the batch must not undo this run's claim: if it brought the process
+            # or its connection down, the next claim has to count it toward poison.
+            claimed.crashed = not isinstance(exc, Exception) or db.is_infrastructure_error(exc)
             self._reraise_infrastructure(exc)
             if savepoint is None:
                 # Optimistic pass: roll back and run again without it — unless it is a
                 # database error, which may be an earlier handler's row (flushed by this
                 # one's query) or a transaction an earlier handler left aborted: then the
                 # whole batch runs carefully, so nobody is blamed for another's error.
-                raise _Rerun(None if _is_database_error(exc) else claimed, exc) from exc
+                # (A timeout aborts the transaction itself, by cancelling the statement.)
+                blame = isinstance(exc, HandlerTimeout) or not (_is_database_error(exc) or _aborted(raw))
+                raise _Rerun(claimed if blame else None, exc) from exc
             session.rollback()  # rolls back the joined savepoint
             if savepoint.is_active:
                 savepoint.rollback()
@@ -531,7 +705,7 @@ class Worker(Daemon):
         claimed.error_type = error_type or reason
         claimed.finished_delta = finished_delta
 
-    def _settle(self, cur: psycopg.Cursor[Any], batch: Sequence[Claimed]) -> None:
+    def _settle(self, cur: psycopg.Cursor[Any], batch: Sequence[Claimed], *, bare: bool = False) -> None:
         """Write every outcome of the batch in the processing transaction."""
         # Processed rows are already marked (presume_processed); correct the others.
         failed = [c for c in batch if c.outcome == "failed"]
@@ -562,10 +736,20 @@ class Worker(Daemon):
                     for c in abandoned
                 ],
             )
-            cur.executemany(dl.insert_sql(self.schema), [self._dead_letter(c).row() for c in abandoned])
+            cur.executemany(dl.insert_sql(self.schema), [self._dead_letter(c, bare=bare).row() for c in abandoned])
 
-    def _dead_letter(self, claimed: Claimed) -> dl.DeadLetter:
-        properties = claimed.metadata.get("properties") or {}
+    def _dead_letter(self, claimed: Claimed, *, bare: bool = False) -> dl.DeadLetter:
+        """The dead letter of an abandoned claim; ``bare``: only what cannot fail to store."""
+        if bare:
+            return dl.DeadLetter(
+                source="inbox",
+                reason=claimed.reason,
+                error=claimed.error,
+                error_type=claimed.error_type,
+                message_id=claimed.id,
+            )
+        properties = claimed.metadata.get("properties")
+        headers = properties.get("headers") if isinstance(properties, dict) else None
         return dl.DeadLetter(
             source="inbox",
             reason=claimed.reason,
@@ -574,8 +758,9 @@ class Worker(Daemon):
             message_id=claimed.id,
             message_type=claimed.message_type,
             routing_key=claimed.routing_key,
-            message=claimed.message.to_dict(),
-            headers=properties.get("headers") or {},
+            message=claimed.message.to_dict() if claimed.raw is None else None,
+            raw_body=jsoncodec.dumps(claimed.raw).encode() if claimed.raw is not None else None,
+            headers=headers if isinstance(headers, dict) else {},
             attempts={
                 "started": claimed.started,
                 "finished": claimed.finished + claimed.finished_delta,
@@ -604,6 +789,8 @@ class Worker(Daemon):
 
     def _release_quietly(self, batch: Sequence[Claimed]) -> None:
         ahead = self._take_ahead()  # given back with the batch, on the new connection
+        # Not the claim whose handler was running: its run counts (toward poison).
+        batch = [c for c in batch if not c.crashed]
         try:
             self._drop_connections()
             self._release([*batch, *ahead])
@@ -616,7 +803,17 @@ class Worker(Daemon):
     def _connection(self) -> Connection:
         if self._conn is None or self._conn.closed or self._conn.invalidated:
             self._conn = self.service.engine.connect()
+            self._guard_ready = False
         return self._conn
+
+    def _drop_processing_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.invalidate()
+                self._conn.close()
+            except Exception as exc:
+                self.log.debug("closing the connection failed: %r", exc)
+            self._conn = None
 
     @staticmethod
     def _raw(conn: Connection) -> psycopg.Connection[Any]:
@@ -635,13 +832,7 @@ class Worker(Daemon):
         # waited forever on the socket's number, which the next connection reused (a
         # chaos run's worker hung so after a pg_terminate_backend in mid-batch).
         self._give_back_ahead()
-        if self._conn is not None:
-            try:
-                self._conn.invalidate()
-                self._conn.close()
-            except Exception as exc:
-                self.log.debug("closing the connection failed: %r", exc)
-            self._conn = None
+        self._drop_processing_connection()
         if self._claim_conn is not None:
             with contextlib.suppress(psycopg.Error):
                 self._claim_conn.close()
@@ -687,12 +878,52 @@ def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -
     return min(timeout, hard - GRACE), hard
 
 
+# The claim's first columns, named for the dead letter of a row that cannot be read.
+_STORED_COLUMNS = (
+    "id", "message_type", "aggregate_type", "aggregate_id", "message_version", "routing_key", "payload",
+    "message_context", "metadata", "message_timestamp",
+)  # fmt: skip
+
+
+def _as_text(value: Any) -> str:
+    """A claimed column as text for a dead letter, whatever it holds."""
+    if isinstance(value, Undecodable):
+        return value.text
+    if isinstance(value, str):
+        return value
+    try:
+        return jsoncodec.dumps(value, default=str)
+    except Exception:  # nested past the encoder's limit, or worse: its type at least
+        return f"<{type(value).__name__} that cannot be written as JSON>"
+
+
+def _only(known: dict[uuid.UUID, BaseException], claimed: Claimed) -> dict[uuid.UUID, BaseException] | None:
+    return {claimed.id: known[claimed.id]} if claimed.id in known else None
+
+
+def _aborted(raw: psycopg.Connection[Any]) -> bool:
+    """The transaction is aborted: a statement failed, maybe an earlier handler's flushed row."""
+    return not raw.closed and raw.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+
+
+def _refuse_awaitable(result: object) -> None:
+    """A handler whose ``handle`` returned an awaitable did nothing yet: its message fails."""
+    if inspect.isawaitable(result):
+        close = getattr(result, "close", None)
+        if callable(close):
+            close()  # no "never awaited" warning; nothing of it ran
+        raise HandlerMisuse(ASYNC_HANDLE_FIX)
+
+
 def _is_database_error(exc: BaseException) -> bool:
     return isinstance(exc, sa.exc.DBAPIError | psycopg.Error)
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    try:
+        text = str(exc).strip() or type(exc).__name__
+    except Exception:  # a handler's exception whose __str__ fails is still its message's failure
+        text = type(exc).__name__
     tb = traceback.extract_tb(exc.__traceback__)
     where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
     return text + where

@@ -110,3 +110,18 @@ def test_handler_without_message_type_is_named() -> None:
 
     text = errors_of(orders(PlaceOrder(), StockReserved(), StockRejected(), Forgot()))
     assert "Forgot" in text and "does not set `message_type`" in text
+
+
+def test_an_async_handle_is_refused_with_the_fix() -> None:
+    """The worker does not await coroutines yet: run, it would mark the message processed
+    with none of its effects. ``check()`` refuses it, naming the handler and the fix."""
+
+    class AsyncPlaceOrder(CommandHandler):
+        message_type = "PlaceOrder"
+
+        async def handle(self, message: Any, session: Any, outbox: Any) -> None:  # type: ignore[override]
+            pass
+
+    text = errors_of(orders(AsyncPlaceOrder(), StockReserved(), StockRejected()))
+    assert "AsyncPlaceOrder" in text and "async def" in text
+    assert "def handle(self, message, session, outbox)" in text

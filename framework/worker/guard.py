@@ -1,0 +1,157 @@
+"""What keeps a handler from ending the worker's transaction (docs/architecture.md, "Worker: handlers
+that misbehave").
+
+A handler's writes commit with its message's ``processed_at`` in the worker's batch
+transaction. A handler that commits, rolls back or closes that transaction would break
+the pairing: a COMMIT would make the batch's processed marks durable before the batch
+mates after it ran (their work lost), a ROLLBACK would take the marks away while later
+writes commit in a new transaction (their work applied twice). Three layers stop it:
+
+- :class:`HandlerSession` refuses ``commit()``, ``rollback()`` and ``close()`` while a
+  handler runs, before anything reaches PostgreSQL;
+- the *commit guard*: every batch transaction inserts two equal keys into a temporary
+  table whose unique constraint is checked at COMMIT, and deletes them just before its
+  own COMMIT. A COMMIT from anywhere else (SQL, the driver) fails there and rolls the
+  whole transaction back: nothing of the batch becomes durable half-done;
+- the *batch mark*: the batch sets ``application_name`` for its transaction only
+  (``SET LOCAL``). PostgreSQL reports every change of that setting to the client, so
+  when the transaction ends by any means the driver learns it without a round trip,
+  even if the handler went on in a new transaction.
+
+:func:`misuse` reads those facts after each handler run, without a round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+from sqlalchemy import Connection, NestedTransaction, Transaction
+from sqlalchemy.orm import Session
+
+from framework.errors import HandlerMisuse
+
+# The transaction's application_name while a batch runs; the session's own name differs.
+BATCH_MARK = "txbox-worker (batch)"
+GUARD_TABLE = "txbox_worker_commit_guard"
+# Named in the error a refused COMMIT raises, so the handler's author sees why.
+GUARD_CONSTRAINT = "txbox_handlers_must_not_commit"
+
+FIX = (
+    "the worker commits a handler's writes together with its message's processed mark. "
+    "Do not commit, roll back or close the session or its connection in a handler: "
+    "raise an exception to fail the message (RetryableError, PermanentError), "
+    "use `with session.begin_nested():` to undo part of the work"
+)
+
+
+class HandlerSession(Session):
+    """The ``Session`` a handler gets: ``commit()``, ``rollback()`` and ``close()`` are refused
+    while the handler runs (they raise :class:`HandlerMisuse`, and the run fails even if
+    the handler catches it). The worker calls them between runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.txbox_running = False
+        self.txbox_refused = ""
+
+    @contextmanager
+    def handler_running(self) -> Iterator[None]:
+        self.txbox_running, self.txbox_refused = True, ""
+        try:
+            yield
+        finally:
+            self.txbox_running = False
+
+    def _refuse(self, what: str) -> None:
+        if self.txbox_running:
+            self.txbox_refused = f"the handler called session.{what}(): {FIX}"
+            raise HandlerMisuse(self.txbox_refused)
+
+    def commit(self) -> None:
+        self._refuse("commit")
+        super().commit()
+
+    def rollback(self) -> None:
+        self._refuse("rollback")
+        super().rollback()
+
+    def close(self) -> None:
+        self._refuse("close")
+        super().close()
+
+
+def misuse(
+    session: HandlerSession,
+    conn: Connection,
+    raw: psycopg.Connection[Any],
+    transaction: Transaction,
+    savepoint: NestedTransaction | None,
+) -> tuple[str, bool] | None:
+    """What the handler just did to the batch transaction, if anything: (why, whether the
+    transaction is gone). Gone: every write of the batch so far is lost or doomed."""
+    if raw.broken:
+        return None  # the server went away: not the handler's doing (the worker reconnects)
+    if conn.closed or conn.invalidated or raw.closed:
+        return f"the handler closed the worker's database connection: {FIX}", True
+    aborted = raw.info.transaction_status == TransactionStatus.INERROR
+    # An error outside any savepoint reverts the batch mark at once (PostgreSQL undoes
+    # the transaction's settings when it aborts it, not at the ROLLBACK), so the mark
+    # speaks only when the transaction is not aborted, or inside the worker's savepoint.
+    if (not aborted or savepoint is not None) and (
+        raw.info.parameter_status("application_name") != BATCH_MARK or not transaction.is_active
+    ):
+        return f"the handler ended the worker's transaction (a COMMIT or ROLLBACK): {FIX}", True
+    if session.txbox_refused:
+        return session.txbox_refused, False
+    if aborted:
+        return (
+            "the handler left the transaction aborted (a statement failed and the handler went on); "
+            "let the error propagate, or run the statement inside `with session.begin_nested():`",
+            False,
+        )
+    if session.in_nested_transaction() or conn.get_nested_transaction() is not savepoint:
+        return (
+            "the handler left a savepoint open (session.begin_nested() not committed or rolled back); "
+            "use `with session.begin_nested():` so it always ends",
+            False,
+        )
+    return None
+
+
+def create_guard() -> sql.Composed:
+    """The commit guard's table, once per connection (temporary: it vanishes with the session)."""
+    return sql.SQL(
+        "CREATE TEMP TABLE IF NOT EXISTS {table} (k int, CONSTRAINT {constraint} UNIQUE (k) "
+        "DEFERRABLE INITIALLY DEFERRED) ON COMMIT DELETE ROWS"
+    ).format(table=sql.Identifier(GUARD_TABLE), constraint=sql.Identifier(GUARD_CONSTRAINT))
+
+
+def arm() -> sql.Composed:
+    """First statement of a batch: the batch mark, and two equal keys that a COMMIT refuses."""
+    return sql.SQL(
+        "INSERT INTO pg_temp.{table} SELECT 1 FROM (SELECT set_config('application_name', {mark}, true)) m, "
+        "(VALUES (1), (2)) v"
+    ).format(table=sql.Identifier(GUARD_TABLE), mark=sql.Literal(BATCH_MARK))
+
+
+def disarm() -> sql.Composed:
+    """Last statement before the worker's own COMMIT."""
+    return sql.SQL("DELETE FROM pg_temp.{table}").format(table=sql.Identifier(GUARD_TABLE))
+
+
+def refused_commit(exc: BaseException) -> bool:
+    """``exc`` is the commit guard refusing a COMMIT the handler sent."""
+    current: BaseException | None = exc
+    for _ in range(5):  # the driver's error, maybe wrapped by SQLAlchemy or by the handler
+        if current is None:
+            return False
+        diag = getattr(current, "diag", None)
+        if diag is not None and getattr(diag, "constraint_name", None) == GUARD_CONSTRAINT:
+            return True
+        current = getattr(current, "orig", None) or current.__cause__
+    return False
