@@ -376,7 +376,7 @@ def test_the_nastiest_deliveries_end_in_a_defined_outcome_and_the_receiver_goes_
             message="the message behind them to be stored",
         )
     stored, rejected = _outcomes(database_url, tags)
-    for tag, (name, body, _props, was_redelivered, expected) in zip(tags, cases, strict=True):
+    for tag, (name, body, _props, _redelivered, expected) in zip(tags, cases, strict=True):
         outcomes = stored.get(tag, []) + rejected.get(tag, [])
         assert len(outcomes) == 1, f"{name}: ended {len(outcomes)} times"
         if expected == "stored":
