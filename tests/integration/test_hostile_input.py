@@ -26,7 +26,7 @@ from framework import dead_letters, envelope, names, topology
 from framework.dead_letters import decode_body
 from framework.envelope import parse_message
 from framework.receiver import Receiver, ReceiverConfig
-from framework.receiver.intake import NOT_ACCEPTED, UNSTORABLE
+from framework.receiver.intake import NOT_ACCEPTED, UNSTORABLE, WRONG_ROUTE
 from framework.service import Service
 from tests import support
 from tests.apps.helpers import place_order, publish, query, running, scalar
@@ -46,6 +46,7 @@ KNOWN_REASONS = {
     dead_letters.WRONG_CONTENT_TYPE,
     NOT_ACCEPTED,
     UNSTORABLE,
+    WRONG_ROUTE,  # a type sent on another type's routing key
 }
 ROUTING_KEYS = ("order-service.order.place", "inventory-service.stock.reserved", "inventory-service.stock.rejected")
 EXCHANGE_OF = {ROUTING_KEYS[0]: "command", ROUTING_KEYS[1]: "event", ROUTING_KEYS[2]: "event"}
