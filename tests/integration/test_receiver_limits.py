@@ -152,3 +152,43 @@ def test_body_bytes_held_unacked_are_bounded_while_the_database_is_slow(
         blocker.close()
     largest = max(len(b) for b in bodies)
     assert receiver.peak_held_bytes < limit + 2 * largest, receiver.peak_held_bytes
+
+
+def test_a_failure_of_our_own_while_settling_dead_letters_the_group_as_internal_error(
+    service: Service, database_url: str, amqp_url: str, monkeypatch: Any
+) -> None:
+    """A bug in the write path (here: the batch INSERT raises something unforeseen, once) must not stop the receiver."""
+    from framework.receiver import daemon as receiver_daemon
+
+    topology.declare(service.settings, service.registry)
+    real = receiver_daemon.store.insert_rows
+    calls = {"n": 0}
+
+    def flaky(cur: Any, schema: str, rows: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug of ours")
+        return real(cur, schema, rows)
+
+    monkeypatch.setattr(receiver_daemon.store, "insert_rows", flaky)
+    monkeypatch.setattr(receiver_daemon.Receiver, "_store_carefully", _raise_runtime_error)
+    victim = place_order(aggregate_id="victim")
+    after = place_order(aggregate_id="after")
+    with running(Receiver(service, ReceiverConfig(prefetch=10, batch_size=1))):
+        publish(amqp_url, [json.dumps(victim).encode()])
+        support.wait_until(
+            lambda: scalar(database_url, "SELECT count(*) FROM txbox.dead_letters"), 30, message="the letter"
+        )
+        publish(amqp_url, [json.dumps(after).encode()])
+        support.wait_until(
+            lambda: scalar(database_url, "SELECT count(*) FROM txbox.inbox"), 30, message="the next one stored"
+        )
+    [(reason, raw, error)] = query(database_url, "SELECT reason, raw_body, error FROM txbox.dead_letters")
+    assert reason == "internal_error" and "a bug of ours" in error
+    assert json.loads(raw) == victim
+    assert [str(r[0]) for r in query(database_url, "SELECT id FROM txbox.inbox")] == [after["message_id"]]
+    assert queue_depth(amqp_url, names.inbox_queue(service.name)) == 0
+
+
+def _raise_runtime_error(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a bug of ours, again")
