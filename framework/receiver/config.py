@@ -75,7 +75,7 @@ class ReceiverConfig:
         "TXBOX_RECEIVER_TRUSTED_USERS",
         "txbox-relay,txbox-receiver",
         default="",
-        help="RabbitMQ users whose x-txbox-* headers count (comma-separated; empty: the receiver's own user)",
+        help="RabbitMQ users whose x-txbox-* headers count, besides the receiver's own (comma-separated)",
     )
 
     def __post_init__(self) -> None:
@@ -102,9 +102,13 @@ class ReceiverConfig:
             )
 
     def trusted(self, own_user: str) -> frozenset[str]:
-        """Broker users whose control headers count: the configured ones, else our own."""
-        users = frozenset(u.strip() for u in self.trusted_users.split(",") if u.strip())
-        return users or frozenset({own_user})
+        """Broker users whose control headers count: the configured ones and always our own.
+
+        Our own, because the attempt headers of our retry chain must count: without them
+        a delivery would go round the delay queues for as long as the database is down.
+        """
+        users = {u.strip() for u in self.trusted_users.split(",") if u.strip()}
+        return frozenset(users | {own_user}) - {""}
 
     @property
     def schedule(self) -> tuple[int, ...]:

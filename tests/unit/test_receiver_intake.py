@@ -278,3 +278,9 @@ def test_json_text_of_amqp_values_is_what_the_json_module_writes() -> None:
     }
     expected = json.dumps(values, separators=(",", ":"), ensure_ascii=False, default=_json_default)
     assert json.dumps(json.loads(json_text(values))) == json.dumps(json.loads(expected))  # NaN != NaN
+
+
+def test_trusted_users_always_include_the_receivers_own() -> None:
+    assert ReceiverConfig().trusted("guest") == {"guest"}
+    assert ReceiverConfig(trusted_users=" relay , other,").trusted("guest") == {"relay", "other", "guest"}
+    assert ReceiverConfig().trusted("") == frozenset()
