@@ -447,7 +447,7 @@ class Receiver(Daemon):
         """
         self.log.error("settling %d deliveries failed (%r): dead-lettering them as %s", len(group), exc, INTERNAL_ERROR)
         schema = self.settings.schema
-        for delivery in group:
+        for index, delivery in enumerate(group):
             letter = self.intake.last_resort(delivery, exc)
             try:
                 conn = self._connection()
@@ -459,8 +459,10 @@ class Receiver(Daemon):
                 conn.commit()
             except Exception as failure:
                 if db.is_infrastructure_error(failure):
+                    # The database went away: the rest wait in the delay chain, untried.
                     self._database_down(failure)
-                    self._retry_later([delivery], channel, publish_channel)
+                    self._retry_later(group[index:], channel, publish_channel)
+                    return
                 else:
                     self._drop_db()
                     self._give_up(delivery, INTERNAL_ERROR, letter.error, channel, publish_channel)
