@@ -104,6 +104,8 @@ class Receiver(Daemon):
         self._buffered = 0
         self._writing = 0
         self.peak_held_bytes = 0
+        # Deliveries still to take one at a time after a lost connection (see _consume).
+        self._careful = 0
 
     # --- the loop -----------------------------------------------------------------
 
@@ -114,6 +116,7 @@ class Receiver(Daemon):
                 try:
                     self._consume(reconnect)
                 except BrokerUnavailable as exc:
+                    self._careful = self.config.prefetch
                     if reconnect.failed("RabbitMQ", exc):
                         break
         finally:
@@ -129,12 +132,19 @@ class Receiver(Daemon):
                 self._declare_extra_delays(channel)
                 publish_channel = connection.channel()
                 publish_channel.confirm_delivery()
-                channel.basic_qos(prefetch_count=self.config.prefetch)
+                careful = self._careful > 0
+                channel.basic_qos(prefetch_count=1 if careful else self.config.prefetch)
                 self._warn_if_not_alone(channel)
                 tag = channel.basic_consume(self.queue, self._on_delivery)
                 reconnect.succeeded()
                 self.state("consuming", self.queue)
-                self._loop(connection, channel, publish_channel)
+                self._loop(connection, channel, publish_channel, careful=careful)
+                if careful and not self.stopping:
+                    # The deliveries held when the connection was lost are settled: full speed.
+                    channel.basic_cancel(tag)
+                    channel.basic_qos(prefetch_count=self.config.prefetch)
+                    tag = channel.basic_consume(self.queue, self._on_delivery)
+                    self._loop(connection, channel, publish_channel, careful=False)
                 # Undispatched deliveries are nacked (requeued) by pika on cancel.
                 channel.basic_cancel(tag)
         finally:
@@ -155,8 +165,13 @@ class Receiver(Daemon):
                 self.queue,
             )
 
-    def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any) -> None:
+    def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any, *, careful: bool) -> None:
         """Consume and settle until stopped; batch N is written while batch N+1 is collected.
+
+        ``careful`` (prefetch 1), after a lost connection, until ``prefetch`` deliveries
+        are settled: a delivery that kills the connection itself (one pika cannot even
+        decode) then comes back alone, so RabbitMQ's delivery limit (docs/architecture.md,
+        "Receiver intake") counts it, not the innocent deliveries prefetched beside it.
 
         The write runs on one database thread; everything pika does (acks, the delay
         chain) stays on this thread, which waits for batch N's commit before acking it and
@@ -165,7 +180,7 @@ class Receiver(Daemon):
         pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-receiver-db")
         inflight: tuple[list[Delivery], Future[None]] | None = None
         try:
-            while not self.stopping:
+            while not self.stopping and not (careful and self._careful <= 0):
                 self._fill(connection, busy=inflight[1] if inflight is not None else None)
                 if not self._buffer:
                     if inflight is not None:
@@ -210,6 +225,7 @@ class Receiver(Daemon):
             self._retry_later(batch, channel, publish_channel)
             return
         self._writing = 0
+        self._careful -= len(batch)
         self.state("consuming", self.queue)
         channel.basic_ack(batch[-1].delivery_tag, multiple=True)
 
@@ -275,6 +291,7 @@ class Receiver(Daemon):
             self._database_down(exc)
             self._retry_later(group, channel, publish_channel)
             return
+        self._careful -= len(group)
         self.state("consuming", self.queue)
         channel.basic_ack(group[-1].delivery_tag, multiple=True)
 

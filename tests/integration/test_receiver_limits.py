@@ -65,26 +65,29 @@ def _publish_deep_headers(amqp_url: str, body: bytes, depth: int) -> None:
 def test_a_delivery_no_client_can_decode_reaches_the_dead_letter_queue_by_the_delivery_limit(
     service: Service, database_url: str, amqp_url: str
 ) -> None:
+    """Prefetched beside it, the innocent deliveries are stored, not dead-lettered with it."""
     topology.declare(service.settings, service.registry)
-    poison = place_order()
-    _publish_deep_headers(amqp_url, json.dumps(poison).encode(), 2_000)
-    behind = [place_order(aggregate_id=str(n)) for n in range(5)]
-    publish(amqp_url, [json.dumps(m).encode() for m in behind])
+    before = [place_order(aggregate_id=f"b{n}") for n in range(5)]
+    after = [place_order(aggregate_id=f"a{n}") for n in range(5)]
+    publish(amqp_url, [json.dumps(m).encode() for m in before])
+    _publish_deep_headers(amqp_url, json.dumps(place_order()).encode(), 2_000)
+    publish(amqp_url, [json.dumps(m).encode() for m in after])
     dead_queue = names.dead_letter_queue(service.name)
-    with running(Receiver(service, ReceiverConfig(prefetch=1, batch_size=1))):
+    with running(Receiver(service, ReceiverConfig(prefetch=100, batch_size=50))):
         support.wait_until(
             lambda: queue_depth(amqp_url, dead_queue) == 1,
             120,
             message="RabbitMQ to dead-letter the undecodable delivery after its delivery limit",
         )
         support.wait_until(
-            lambda: scalar(database_url, "SELECT count(*) FROM txbox.inbox") == len(behind),
+            lambda: scalar(database_url, "SELECT count(*) FROM txbox.inbox") == 10,
             60,
-            message="the messages behind it to be stored",
+            message="the messages around it to be stored",
         )
     stored = {str(r[0]) for r in query(database_url, "SELECT id FROM txbox.inbox")}
-    assert stored == {m["message_id"] for m in behind}
+    assert stored == {m["message_id"] for m in before + after}
     assert queue_depth(amqp_url, names.inbox_queue(service.name)) == 0
+    assert queue_depth(amqp_url, dead_queue) == 1, "only the undecodable delivery is dead-lettered"
 
 
 def test_an_inbox_queue_declared_without_the_limit_keeps_working(
