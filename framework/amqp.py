@@ -65,6 +65,20 @@ def parameters(amqp_url: str, *, name: str = "txbox", heartbeat: int = 30) -> pi
     return params
 
 
+def username(amqp_url: str) -> str:
+    """The broker user an AMQP URL logs in as with a password, else "".
+
+    A message we publish carries it as ``user_id``, which RabbitMQ checks against the
+    publishing connection's user: receivers trust our control headers on that basis.
+    Not for EXTERNAL (certificate) logins, whose user the URL does not name: a wrong
+    ``user_id`` would make RabbitMQ close the channel.
+    """
+    credentials = parameters(amqp_url.split(",", maxsplit=1)[0].strip()).credentials
+    if isinstance(credentials, pika.PlainCredentials):
+        return str(credentials.username)
+    return ""
+
+
 def connect(amqp_url: str, *, name: str = "txbox") -> pika.BlockingConnection:
     """A blocking connection; failures become BrokerUnavailable with the URL (masked)."""
     try:

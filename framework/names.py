@@ -31,6 +31,8 @@ HEADER_DEAD_ERROR = "x-txbox-error"
 # Ordering lane chosen by the sender (default: aggregate_type:aggregate_id, sequential).
 HEADER_SEGMENT = "x-txbox-segment"
 HEADER_CONCURRENCY = "x-txbox-concurrency"
+# The outbox row's priority (a smallint; the AMQP priority property holds only 0-255).
+HEADER_PRIORITY = "x-txbox-priority"
 
 # Tables of the framework (fixed names); they live in the configured schema.
 OUTBOX = "outbox"

@@ -12,6 +12,8 @@ service and a Mosaic service start on one vhost in either order (docs/architectu
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,18 @@ from framework import amqp, names
 from framework.contracts import Registry
 from framework.errors import TopologyMismatch
 from framework.settings import Settings
+
+log = logging.getLogger("txbox.topology")
+
+# The inbox queue's last net (quorum queues only): RabbitMQ dead-letters a message it has
+# delivered this many times without an ack — to ``<service>:dead_letter``, through the
+# queue's dead-letter arguments — even when no receiver survives reading it (say, header
+# tables nested deeper than the client library can decode). Well above the receiver's
+# own redelivery counter (TXBOX_RECEIVER_REDELIVERY_LIMIT), which normally acts first:
+# RabbitMQ also counts the returns of messages that were merely prefetched when a
+# receiver stopped. docs/architecture.md, "Receiver intake", says why it is an argument.
+DELIVERY_LIMIT_ARG = "x-delivery-limit"
+INBOX_DELIVERY_LIMIT = 20
 
 
 @dataclass(frozen=True)
@@ -40,13 +54,16 @@ class Topology:
 def plan(settings: Settings, registry: Registry) -> Topology:
     """What the service needs on the broker (pure: a test compares the broker against it)."""
     service = settings.service
+    inbox_arguments: dict[str, Any] = {
+        "x-queue-type": settings.queue_type,
+        "x-dead-letter-exchange": names.DEAD_LETTER_EXCHANGE,
+        "x-dead-letter-routing-key": names.dead_letter_routing_key(service),
+    }
+    if settings.queue_type == "quorum":
+        inbox_arguments[DELIVERY_LIMIT_ARG] = INBOX_DELIVERY_LIMIT
     inbox = QueueSpec(
         names.inbox_queue(service),
-        {
-            "x-queue-type": settings.queue_type,
-            "x-dead-letter-exchange": names.DEAD_LETTER_EXCHANGE,
-            "x-dead-letter-routing-key": names.dead_letter_routing_key(service),
-        },
+        inbox_arguments,
         [*registry.binding_keys(service), (names.RETRY_EXCHANGE, names.retry_binding(service))],
     )
     dead = QueueSpec(
@@ -106,9 +123,47 @@ def delay_queue(seconds: int) -> QueueSpec:
 
 def declare_queue(channel: Any, queue: QueueSpec, settings: Settings) -> None:
     """Declare ``queue`` and its bindings; a queue with other arguments raises TopologyMismatch."""
-    _guard(lambda: channel.queue_declare(queue.name, durable=True, arguments=queue.arguments), settings)
+    arguments = queue.arguments
+    if DELIVERY_LIMIT_ARG in arguments:
+        arguments = _existing_delivery_limit(channel, queue)
+    _guard(lambda: channel.queue_declare(queue.name, durable=True, arguments=arguments), settings)
     for exchange, key in queue.bindings:
         channel.queue_bind(queue.name, exchange, routing_key=key)
+
+
+def _existing_delivery_limit(channel: Any, queue: QueueSpec) -> dict[str, Any]:
+    """``queue``'s arguments with the delivery limit the queue already has, if it exists with another.
+
+    RabbitMQ refuses (406) to redeclare a queue with a changed argument, so an inbox queue
+    declared before the limit existed keeps running without it (or with the operator's
+    value): the declaration is tried on a throwaway channel first, and the warning says
+    how to add the limit to the existing queue with a policy.
+    """
+    probe = channel.connection.channel()
+    try:
+        probe.queue_declare(queue.name, durable=True, arguments=queue.arguments)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        found = amqp.explain_precondition(exc.reply_text) if exc.reply_code == 406 else None
+        if found is None or found[2] != DELIVERY_LIMIT_ARG:
+            return queue.arguments  # the real declaration reports the mismatch
+        current = re.search(r"'(-?\d+)'", found[4])
+        arguments = {k: v for k, v in queue.arguments.items() if k != DELIVERY_LIMIT_ARG}
+        if current is not None:
+            arguments[DELIVERY_LIMIT_ARG] = int(current.group(1))
+        else:
+            log.warning(
+                "queue %r was declared without %s=%d: a message no receiver can read stays in it for ever. "
+                "Fix: rabbitmqctl set_policy --apply-to queues txbox-inbox-limit '^%s$' '{\"delivery-limit\": %d}'",
+                queue.name,
+                DELIVERY_LIMIT_ARG,
+                INBOX_DELIVERY_LIMIT,
+                re.escape(queue.name),
+                INBOX_DELIVERY_LIMIT,
+            )
+        return arguments
+    if probe.is_open:
+        probe.close()
+    return queue.arguments
 
 
 def declare(settings: Settings, registry: Registry, channel: Any | None = None) -> Topology:

@@ -37,13 +37,14 @@ import pika
 import psycopg
 from prometheus_client import Counter, Gauge
 
-from framework import db, names, topology
+from framework import amqp, db, names, topology
 from framework.backoff import backoff_seconds
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import MAX_ATTEMPTS, DeadLetter, insert_sql
 from framework.envelope import CONTENT_TYPE
 from framework.errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, PublishError
+from framework.outbox import default_segment
 from framework.publisher import confirms
 from framework.publisher import sql as named
 from framework.publisher.confirms import Outgoing, Publisher
@@ -134,6 +135,8 @@ class Claimed(NamedTuple):
     epoch: int  # created_at in whole seconds (the AMQP timestamp property)
     started_attempts: int
     finished_attempts: int
+    segment: str = ""  # "" or the default lane (aggregate_type:aggregate_id): no header
+    concurrency: str = "sequential"
 
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -169,16 +172,43 @@ def envelope_body(row: Claimed) -> bytes:
     return "".join(parts).encode()
 
 
-def outgoing(row: Claimed) -> Outgoing:
-    """The AMQP message of a row: persistent, mandatory, properties mirroring the envelope."""
-    headers = {names.HEADER_CORRELATION_ID: row.correlation_id} if row.correlation_id else None
+def lane_headers(row: Claimed) -> dict[str, Any]:
+    """The ordering lane the sender chose, for the receiving service's inbox row.
+
+    Only what differs from the receiver's defaults is sent (the usual message, one lane
+    per aggregate at priority 0, carries none of it). The priority travels as a header
+    because the row's is a smallint and the AMQP property holds 0-255 only; receivers
+    honour these headers from trusted broker users only (the ``user_id`` property).
+    """
+    headers: dict[str, Any] = {}
+    if row.segment and row.segment != default_segment(row.aggregate_type, row.aggregate_id):
+        headers[names.HEADER_SEGMENT] = row.segment
+    if row.concurrency == "parallel":
+        headers[names.HEADER_CONCURRENCY] = row.concurrency
+    if row.priority:
+        headers[names.HEADER_PRIORITY] = row.priority
+    return headers
+
+
+def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
+    """The AMQP message of a row: persistent, mandatory, properties mirroring the envelope.
+
+    ``user_id`` (the relay's broker user) lets RabbitMQ vouch for the lane headers. The
+    AMQP ``priority`` mirrors the row's where it fits 0-255 (classic priority queues
+    and other consumers read it; quorum queues ignore it).
+    """
+    headers = lane_headers(row)
+    if row.correlation_id:
+        headers[names.HEADER_CORRELATION_ID] = row.correlation_id
     props = pika.BasicProperties(
         content_type=CONTENT_TYPE,
         delivery_mode=2,
         message_id=row.id,
         type=row.message_type,
         timestamp=row.epoch,
-        headers=headers,
+        headers=headers or None,
+        priority=row.priority if 0 < row.priority <= 255 else None,
+        user_id=user_id or None,
     )
     return Outgoing(names.exchange_for(row.kind), row.routing_key, envelope_body(row), props, True, row)
 
@@ -209,6 +239,7 @@ class Relay(Daemon):
         self.config = config or RelayConfig()
         self.declare_topology = declare_topology
         self.schema = settings.schema
+        self._user = amqp.username(settings.amqp_url)  # our messages' user_id (lane headers: lane_headers)
         self._sql_claim_window = named.claim_window(self.schema)
         self._sql_claim = named.claim(self.schema)
         self._sql_mark = named.mark_published(self.schema)
@@ -356,7 +387,7 @@ class Relay(Daemon):
         if not rows:
             return 0
         claimed = [Claimed(*r) for r in rows]  # in claim order: priority, then creation
-        items = [outgoing(r) for r in claimed]
+        items = [outgoing(r, self._user) for r in claimed]
         for item in items:
             item.on_done = self._done
         try:

@@ -65,6 +65,18 @@ class ReceiverConfig:
     db_connect_timeout: int = setting(
         "TXBOX_RECEIVER_DB_CONNECT_TIMEOUT", "3", default=3, help="seconds to wait for PostgreSQL"
     )
+    max_unacked_bytes: int = setting(
+        "TXBOX_RECEIVER_MAX_UNACKED_BYTES",
+        "67108864",
+        default=64 * 1024 * 1024,
+        help="bodies held unacked at most, in bytes: beyond it the receiver stops reading from RabbitMQ",
+    )
+    trusted_users: str = setting(
+        "TXBOX_RECEIVER_TRUSTED_USERS",
+        "txbox-relay,txbox-receiver",
+        default="",
+        help="RabbitMQ users whose x-txbox-* headers count, besides the receiver's own (comma-separated)",
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -79,6 +91,7 @@ class ReceiverConfig:
             ("TXBOX_RECEIVER_BATCH_SIZE", self.batch_size, 1),
             ("TXBOX_RECEIVER_MAX_BODY_BYTES", self.max_body_bytes, 1),
             ("TXBOX_RECEIVER_REDELIVERY_LIMIT", self.redelivery_limit, 0),
+            ("TXBOX_RECEIVER_MAX_UNACKED_BYTES", self.max_unacked_bytes, 1),
         ):
             if value < minimum:
                 raise ConfigurationError(f"{name}={value} must be ≥ {minimum}")
@@ -87,6 +100,15 @@ class ReceiverConfig:
                 f"TXBOX_RECEIVER_BATCH_SIZE={self.batch_size} exceeds TXBOX_RECEIVER_PREFETCH={self.prefetch}: "
                 "a batch could never fill. Example: TXBOX_RECEIVER_BATCH_SIZE=500 TXBOX_RECEIVER_PREFETCH=1000"
             )
+
+    def trusted(self, own_user: str) -> frozenset[str]:
+        """Broker users whose control headers count: the configured ones and always our own.
+
+        Our own, because the attempt headers of our retry chain must count: without them
+        a delivery would go round the delay queues for as long as the database is down.
+        """
+        users = {u.strip() for u in self.trusted_users.split(",") if u.strip()}
+        return frozenset(users | {own_user}) - {""}
 
     @property
     def schedule(self) -> tuple[int, ...]:

@@ -36,7 +36,15 @@ from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
 from framework.receiver import metrics, store
 from framework.receiver.config import ReceiverConfig
-from framework.receiver.intake import UNSTORABLE, Delivery, InboxRow, Intake
+from framework.receiver.intake import (
+    CONTROL_HEADERS,
+    ID_CONFLICT,
+    INTERNAL_ERROR,
+    UNSTORABLE,
+    Delivery,
+    InboxRow,
+    Intake,
+)
 from framework.service import Service
 
 _REPUBLISHED_PROPERTIES = (
@@ -68,7 +76,7 @@ def _nothing() -> None:
 @dataclass
 class _Prepared:
     pairs: list[tuple[Delivery, InboxRow]]
-    letters: list[dl.DeadLetter]
+    letters: list[tuple[Delivery, dl.DeadLetter]]
     settled_keys: list[str]
 
 
@@ -88,6 +96,16 @@ class Receiver(Daemon):
         self._db: psycopg.Connection[Any] | None = None
         self._buffer: list[Delivery] = []
         self._labels = {"service": self.settings.service}
+        self._user = amqp.username(self.settings.amqp_url)
+        self._trusted = self.config.trusted(self._user)
+        # Bytes of the bodies held unacked: collected (``_buffered``) and being written
+        # (``_writing``). Past ``max_unacked_bytes`` the loop stops reading from the
+        # socket, so RabbitMQ's sends back up into TCP instead of into our memory.
+        self._buffered = 0
+        self._writing = 0
+        self.peak_held_bytes = 0
+        # Deliveries still to take one at a time after a lost connection (see _consume).
+        self._careful = 0
 
     # --- the loop -----------------------------------------------------------------
 
@@ -98,6 +116,7 @@ class Receiver(Daemon):
                 try:
                     self._consume(reconnect)
                 except BrokerUnavailable as exc:
+                    self._careful = self.config.prefetch
                     if reconnect.failed("RabbitMQ", exc):
                         break
         finally:
@@ -113,16 +132,24 @@ class Receiver(Daemon):
                 self._declare_extra_delays(channel)
                 publish_channel = connection.channel()
                 publish_channel.confirm_delivery()
-                channel.basic_qos(prefetch_count=self.config.prefetch)
+                careful = self._careful > 0
+                channel.basic_qos(prefetch_count=1 if careful else self.config.prefetch)
                 self._warn_if_not_alone(channel)
                 tag = channel.basic_consume(self.queue, self._on_delivery)
                 reconnect.succeeded()
                 self.state("consuming", self.queue)
-                self._loop(connection, channel, publish_channel)
+                self._loop(connection, channel, publish_channel, careful=careful)
+                if careful and not self.stopping:
+                    # The deliveries held when the connection was lost are settled: full speed.
+                    channel.basic_cancel(tag)
+                    channel.basic_qos(prefetch_count=self.config.prefetch)
+                    tag = channel.basic_consume(self.queue, self._on_delivery)
+                    self._loop(connection, channel, publish_channel, careful=False)
                 # Undispatched deliveries are nacked (requeued) by pika on cancel.
                 channel.basic_cancel(tag)
         finally:
             self._buffer = []  # unacked: the broker requeues them when the channel closes
+            self._buffered = self._writing = 0
             if connection.is_open:
                 with contextlib.suppress(pika.exceptions.AMQPError):
                     connection.close()
@@ -138,8 +165,13 @@ class Receiver(Daemon):
                 self.queue,
             )
 
-    def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any) -> None:
+    def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any, *, careful: bool) -> None:
         """Consume and settle until stopped; batch N is written while batch N+1 is collected.
+
+        ``careful`` (prefetch 1), after a lost connection, until ``prefetch`` deliveries
+        are settled: a delivery that kills the connection itself (one pika cannot even
+        decode) then comes back alone, so RabbitMQ's delivery limit (docs/architecture.md,
+        "Receiver intake") counts it, not the innocent deliveries prefetched beside it.
 
         The write runs on one database thread; everything pika does (acks, the delay
         chain) stays on this thread, which waits for batch N's commit before acking it and
@@ -148,7 +180,7 @@ class Receiver(Daemon):
         pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-receiver-db")
         inflight: tuple[list[Delivery], Future[None]] | None = None
         try:
-            while not self.stopping:
+            while not self.stopping and not (careful and self._careful <= 0):
                 self._fill(connection, busy=inflight[1] if inflight is not None else None)
                 if not self._buffer:
                     if inflight is not None:
@@ -156,6 +188,7 @@ class Receiver(Daemon):
                         inflight = None
                     continue
                 batch, self._buffer = self._buffer, []
+                batch_bytes, self._buffered = self._buffered, 0
                 metrics.RECEIVED.labels(**self._labels).inc(len(batch))
                 if any(d.redelivered for d in batch):
                     if inflight is not None:
@@ -163,12 +196,15 @@ class Receiver(Daemon):
                         inflight = None
                     # Someone died holding these: take them one by one so the one that
                     # kills us is the only one whose counter climbs.
+                    self._writing = batch_bytes
                     for delivery in batch:
                         self._settle_group([delivery], channel, publish_channel)
+                    self._writing = 0
                     continue
                 prepared = self._admit(batch, {})
                 if inflight is not None:
                     self._finish(inflight, channel, publish_channel)
+                self._writing = batch_bytes
                 inflight = (batch, pool.submit(self._write, prepared))
                 inflight[1].add_done_callback(functools.partial(_wake, connection))
             if inflight is not None:
@@ -181,11 +217,15 @@ class Receiver(Daemon):
         try:
             future.result()
         except Exception as exc:
+            self._writing = 0
             if not db.is_infrastructure_error(exc):
-                raise
+                self._rescue(batch, exc, channel, publish_channel)
+                return
             self._database_down(exc)
             self._retry_later(batch, channel, publish_channel)
             return
+        self._writing = 0
+        self._careful -= len(batch)
         self.state("consuming", self.queue)
         channel.basic_ack(batch[-1].delivery_tag, multiple=True)
 
@@ -194,7 +234,19 @@ class Receiver(Daemon):
         self.state("database unavailable", f"{exc}".strip().splitlines()[0] if str(exc) else type(exc).__name__)
 
     def _on_delivery(self, channel: Any, method: Any, props: Any, body: bytes) -> None:
-        self._buffer.append(Delivery.from_pika(method, props, body))
+        self._buffer.append(Delivery.from_pika(method, props, body, self._trusted))
+        self._buffered += len(body)
+        held = self._buffered + self._writing
+        if held > self.peak_held_bytes:
+            self.peak_held_bytes = held
+            metrics.PEAK_HELD_BYTES.labels(**self._labels).set(held)
+
+    def _full(self) -> bool:
+        """Holding as many deliveries, or body bytes, as allowed unacked: read no more for now."""
+        return (
+            len(self._buffer) >= self.config.batch_size
+            or self._buffered + self._writing >= self.config.max_unacked_bytes
+        )
 
     def _fill(self, connection: pika.BlockingConnection, busy: Future[None] | None) -> None:
         """Collect deliveries until a full batch, a free database, ``batch_wait`` after the first, or a stop.
@@ -206,7 +258,7 @@ class Receiver(Daemon):
         on the end of the write (:func:`_wake`), so the write's ack is never late.
         """
         deadline: float | None = None
-        while len(self._buffer) < self.config.batch_size and not self.stopping:
+        while not self._full() and not self.stopping:
             if deadline is None:
                 connection.process_data_events(time_limit=_IDLE_WAIT)
                 if not self._buffer:
@@ -234,10 +286,12 @@ class Receiver(Daemon):
             self._store(group, forced)
         except Exception as exc:
             if not db.is_infrastructure_error(exc):
-                raise
+                self._rescue(group, exc, channel, publish_channel)
+                return
             self._database_down(exc)
             self._retry_later(group, channel, publish_channel)
             return
+        self._careful -= len(group)
         self.state("consuming", self.queue)
         channel.basic_ack(group[-1].delivery_tag, multiple=True)
 
@@ -258,19 +312,23 @@ class Receiver(Daemon):
         for delivery in redelivered:
             count = counts[delivery.delivery_tag]
             if count > self.config.redelivery_limit:
-                data: Any = None
-                try:
-                    data = decode_json(delivery.body)
-                except Exception:  # whatever it is, it is dead: keep the raw body only
-                    data = None
-                forced[delivery.delivery_tag] = self.intake.reject(
-                    delivery,
-                    dl.REDELIVERY_LIMIT,
-                    f"redelivered {count} times (limit {self.config.redelivery_limit}): "
-                    "the receiver died holding it each time",
-                    data=data,
-                )
+                forced[delivery.delivery_tag] = self._redelivery_letter(delivery, count)
         return forced
+
+    def _redelivery_letter(self, delivery: Delivery, count: int) -> dl.DeadLetter:
+        error = (
+            f"redelivered {count} times (limit {self.config.redelivery_limit}): the receiver died holding it each time"
+        )
+        try:
+            data: Any = decode_json(delivery.body)
+        except Exception:  # whatever it is, it is dead: keep the raw body only
+            data = None
+        try:
+            return self.intake.reject(delivery, dl.REDELIVERY_LIMIT, error, data=data)
+        except Exception:
+            letter = self.intake.last_resort(delivery, error)
+            letter.reason = letter.error_type = dl.REDELIVERY_LIMIT
+            return letter
 
     def _store(self, group: Sequence[Delivery], forced: dict[int, dl.DeadLetter]) -> None:
         self._write(self._admit(group, forced))
@@ -278,52 +336,80 @@ class Receiver(Daemon):
     def _admit(self, group: Sequence[Delivery], forced: dict[int, dl.DeadLetter]) -> _Prepared:
         """Parse and validate (CPU only, no database): rows to store and dead letters."""
         pairs: list[tuple[Delivery, InboxRow]] = []
-        letters: list[dl.DeadLetter] = []
+        letters: list[tuple[Delivery, dl.DeadLetter]] = []
         for delivery in group:
             outcome = forced.get(delivery.delivery_tag) or self.intake.admit(delivery)
             if isinstance(outcome, InboxRow):
                 pairs.append((delivery, outcome))
             else:
-                letters.append(outcome)
+                letters.append((delivery, outcome))
         return _Prepared(pairs, letters, [d.counter_key for d in group if d.redelivered])
 
     def _write(self, prepared: _Prepared) -> None:
-        """One statement for the rows, the dead letters, the counters; one commit."""
-        pairs, letters, settled_keys = prepared.pairs, prepared.letters, prepared.settled_keys
+        """One statement for the rows, one for the dead letters, one for the counters; one commit.
+
+        A message id that was already stored is compared with what is stored only then
+        (one more statement, for those ids alone): a true duplicate is quiet, a different
+        message under that id is an ``id_conflict`` letter.
+        """
+        pairs, settled_keys = prepared.pairs, prepared.settled_keys
         rows = [row for _, row in pairs]
         schema = self.settings.schema
         conn = self._connection()
         try:
             with conn.cursor() as cur:
                 new = store.insert_rows(cur, schema, rows)
-                store.insert_dead_letters(cur, schema, letters)
+                letters = prepared.letters + self._conflicts(cur, pairs, new)
+                store.insert_dead_letters(cur, schema, [letter for _, letter in letters])
                 store.forget_redeliveries(cur, schema, self.queue, settled_keys)
             conn.commit()
-        except psycopg.Error as exc:
+        except Exception as exc:  # psycopg's, or a dead letter that cannot be built
             conn.rollback()
             if db.is_infrastructure_error(exc):
                 raise
             # Something in the data (e.g. \u0000 inside a JSON string, which jsonb
             # refuses): find the culprits one savepoint at a time.
-            new, letters = self._store_carefully(conn, pairs, letters, settled_keys)
-        self._count(rows, new, letters)
+            new, letters = self._store_carefully(conn, prepared)
+        self._count(rows, new, [letter for _, letter in letters])
+
+    def _conflicts(
+        self, cur: psycopg.Cursor[Any], pairs: Sequence[tuple[Delivery, InboxRow]], new: set[Any]
+    ) -> list[tuple[Delivery, dl.DeadLetter]]:
+        """``id_conflict`` letters for the rows whose id the inbox holds with other content."""
+        rows = [row for _, row in pairs]
+        letters = []
+        for index, stored in store.conflicting(cur, self.settings.schema, rows, new):
+            delivery, row = pairs[index]
+            try:
+                data: Any = decode_json(delivery.body)
+            except Exception:
+                data = None
+            letter = self.intake.reject(
+                delivery,
+                ID_CONFLICT,
+                f"message id {row.id} is already in the inbox with other content ({stored}): "
+                "a different message reusing an id is not a duplicate",
+                data=data,
+            )
+            letter.message_id, letter.message_type = row.id, row.message_type
+            letters.append((delivery, letter))
+        return letters
 
     def _store_carefully(
-        self,
-        conn: psycopg.Connection[Any],
-        pairs: Sequence[tuple[Delivery, InboxRow]],
-        letters: list[dl.DeadLetter],
-        settled_keys: Sequence[str],
-    ) -> tuple[set[Any], list[dl.DeadLetter]]:
+        self, conn: psycopg.Connection[Any], prepared: _Prepared
+    ) -> tuple[set[Any], list[tuple[Delivery, dl.DeadLetter]]]:
+        """Each row, then each dead letter, in a savepoint of its own: one bad item cannot fail the rest."""
         schema = self.settings.schema
         new: set[Any] = set()
-        letters = list(letters)
+        letters = list(prepared.letters)
+        kept: list[tuple[Delivery, InboxRow]] = []
         with conn.cursor() as cur:
-            for delivery, row in pairs:
+            for delivery, row in prepared.pairs:
                 try:
                     with conn.transaction():
                         new |= store.insert_rows(cur, schema, [row])
-                except psycopg.Error as exc:
+                    kept.append((delivery, row))
+                except Exception as exc:
                     if db.is_infrastructure_error(exc):
                         raise
                     letter = self.intake.reject(
@@ -333,20 +419,73 @@ class Receiver(Daemon):
                         error_type=type(exc).__name__,
                     )
                     letter.message_id, letter.message_type = row.id, row.message_type
-                    letters.append(letter)
-            store.insert_dead_letters(cur, schema, letters)
-            store.forget_redeliveries(cur, schema, self.queue, settled_keys)
+                    letters.append((delivery, letter))
+            letters += self._conflicts(cur, kept, new)
+            letters = [(delivery, self._insert_letter(conn, cur, delivery, letter)) for delivery, letter in letters]
+            store.forget_redeliveries(cur, schema, self.queue, prepared.settled_keys)
         conn.commit()
         return new, letters
 
+    def _insert_letter(
+        self, conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any], delivery: Delivery, letter: dl.DeadLetter
+    ) -> dl.DeadLetter:
+        """Store ``letter``; if it cannot be, an ``internal_error`` letter of the raw delivery instead."""
+        try:
+            with conn.transaction():
+                store.insert_dead_letters(cur, self.settings.schema, [letter])
+            return letter
+        except Exception as exc:
+            if db.is_infrastructure_error(exc):
+                raise
+            fallback = self.intake.last_resort(delivery, f"the {letter.reason} dead letter could not be stored: {exc}")
+            with conn.transaction():
+                store.insert_dead_letters(cur, self.settings.schema, [fallback])
+            return fallback
+
     def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
         metrics.STORED.labels(**self._labels).inc(len(new))
-        if len(rows) > len(new):
-            metrics.DUPLICATES.labels(**self._labels).inc(len(rows) - len(new))
+        conflicts = sum(1 for letter in letters if letter.reason == ID_CONFLICT)
+        if len(rows) > len(new) + conflicts:
+            metrics.DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)
+        if conflicts:
+            metrics.ID_CONFLICTS.labels(**self._labels).inc(conflicts)
         for letter in letters:
             metrics.REJECTED.labels(reason=letter.reason, **self._labels).inc()
             if letter.reason != UNSTORABLE:
                 self.log.warning("rejected a delivery (%s): %s", letter.reason, letter.error[:300])
+
+    # --- last resort: the settling itself failed ----------------------------------------
+
+    def _rescue(self, group: Sequence[Delivery], exc: BaseException, channel: Any, publish_channel: Any) -> None:
+        """A bug of ours failed a whole group: dead-letter each delivery as ``internal_error`` and go on.
+
+        Each one in a transaction of its own, from the raw delivery alone; if even that
+        fails, a copy goes to ``<service>:dead_letter`` (the collector stores it).
+        """
+        self.log.error("settling %d deliveries failed (%r): dead-lettering them as %s", len(group), exc, INTERNAL_ERROR)
+        schema = self.settings.schema
+        for index, delivery in enumerate(group):
+            letter = self.intake.last_resort(delivery, exc)
+            try:
+                conn = self._connection()
+                conn.rollback()
+                with conn.cursor() as cur:
+                    store.insert_dead_letters(cur, schema, [letter])
+                    if delivery.redelivered:
+                        store.forget_redeliveries(cur, schema, self.queue, [delivery.counter_key])
+                conn.commit()
+            except Exception as failure:
+                if db.is_infrastructure_error(failure):
+                    # The database went away: the rest wait in the delay chain, untried.
+                    self._database_down(failure)
+                    self._retry_later(group[index:], channel, publish_channel)
+                    return
+                else:
+                    self._drop_db()
+                    self._give_up(delivery, INTERNAL_ERROR, letter.error, channel, publish_channel)
+                continue
+            metrics.REJECTED.labels(reason=INTERNAL_ERROR, **self._labels).inc()
+            channel.basic_ack(delivery.delivery_tag)
 
     # --- PostgreSQL down: the delay/retry chain of DESIGN §5 ---------------------------
 
@@ -361,41 +500,65 @@ class Receiver(Daemon):
         """
         service = self.settings.service
         for delivery in group:
-            headers = dict(delivery.headers)
             if delivery.final_attempt:
-                headers[names.HEADER_DEAD_REASON] = dl.RETRIES_EXHAUSTED
-                headers[names.HEADER_DEAD_ERROR] = (
+                self._give_up(
+                    delivery,
+                    dl.RETRIES_EXHAUSTED,
                     f"the receiver could not store it through the whole delay/retry chain "
-                    f"(attempt {delivery.attempt}): the database stayed unavailable"
+                    f"(attempt {delivery.attempt}): the database stayed unavailable",
+                    channel,
+                    publish_channel,
                 )
-                exchange, key, done = (
-                    names.DEAD_LETTER_EXCHANGE,
-                    names.dead_letter_routing_key(service),
-                    metrics.GAVE_UP,
-                )
-            else:
-                retries_done = delivery.attempt - 1
-                final = retries_done >= len(self._schedule)
-                delay = self._schedule[min(retries_done, len(self._schedule) - 1)]
-                headers[names.HEADER_ATTEMPT] = delivery.attempt + 1
-                if final:
-                    headers[names.HEADER_FINAL_ATTEMPT] = True
-                headers["CC"] = [names.retry_routing_key(service, delivery.original_routing_key(service))]
-                exchange, key, done = names.DELAY_EXCHANGE, names.delay_routing_key(delay), metrics.DELAYED
-            props = pika.BasicProperties(
-                delivery_mode=2,
-                headers=headers,
-                **{k: delivery.properties[k] for k in _REPUBLISHED_PROPERTIES if k in delivery.properties},
-            )
-            try:
-                publish_channel.basic_publish(exchange, key, delivery.body, props, mandatory=True)
-            except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
-                # No queue took the copy: keep the delivery in the inbox queue rather than lose it.
-                self.log.error("%s refused a copy (%r): requeueing the delivery", exchange, exc)
-                channel.basic_nack(delivery.delivery_tag, requeue=True)
                 continue
-            channel.basic_ack(delivery.delivery_tag)
-            done.labels(**self._labels).inc()
+            headers = self._copied_headers(delivery)
+            retries_done = delivery.attempt - 1
+            final = retries_done >= len(self._schedule)
+            delay = self._schedule[min(retries_done, len(self._schedule) - 1)]
+            headers[names.HEADER_ATTEMPT] = delivery.attempt + 1
+            if final:
+                headers[names.HEADER_FINAL_ATTEMPT] = True
+            headers["CC"] = [names.retry_routing_key(service, delivery.original_routing_key(service))]
+            if self._publish_copy(
+                delivery, names.DELAY_EXCHANGE, names.delay_routing_key(delay), headers, channel, publish_channel
+            ):
+                metrics.DELAYED.labels(**self._labels).inc()
+
+    def _give_up(self, delivery: Delivery, reason: str, error: str, channel: Any, publish_channel: Any) -> None:
+        """A confirmed copy to ``<service>:dead_letter`` with our reason headers, then the ack."""
+        headers = self._copied_headers(delivery)
+        headers[names.HEADER_DEAD_REASON] = reason
+        headers[names.HEADER_DEAD_ERROR] = error
+        key = names.dead_letter_routing_key(self.settings.service)
+        if self._publish_copy(delivery, names.DEAD_LETTER_EXCHANGE, key, headers, channel, publish_channel):
+            metrics.GAVE_UP.labels(**self._labels).inc()
+
+    def _copied_headers(self, delivery: Delivery) -> dict[str, Any]:
+        """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go."""
+        headers = dict(delivery.headers)
+        if not delivery.trusted:
+            for name in CONTROL_HEADERS:
+                headers.pop(name, None)
+        return headers
+
+    def _publish_copy(
+        self, delivery: Delivery, exchange: str, key: str, headers: dict[str, Any], channel: Any, publish_channel: Any
+    ) -> bool:
+        """Publish a copy with a confirm, then ack the delivery; if no queue takes it, requeue the delivery."""
+        props = pika.BasicProperties(
+            delivery_mode=2,
+            headers=headers,
+            user_id=self._user,
+            **{k: delivery.properties[k] for k in _REPUBLISHED_PROPERTIES if k in delivery.properties},
+        )
+        try:
+            publish_channel.basic_publish(exchange, key, delivery.body, props, mandatory=True)
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+            # No queue took the copy: keep the delivery in the inbox queue rather than lose it.
+            self.log.error("%s refused a copy (%r): requeueing the delivery", exchange, exc)
+            channel.basic_nack(delivery.delivery_tag, requeue=True)
+            return False
+        channel.basic_ack(delivery.delivery_tag)
+        return True
 
     # --- PostgreSQL connection ----------------------------------------------------
 

@@ -17,13 +17,30 @@ from typing import Any
 
 from framework import dead_letters as dl
 from framework import jsoncodec, names
-from framework.contracts import Registry
+from framework.contracts import MessageSpec, Registry
 from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
 
 NOT_ACCEPTED = "not_accepted"  # a known type this service neither accepts nor subscribes to
 UNSTORABLE = "unstorable"  # PostgreSQL refused the row for a reason of the data (e.g. \u0000 in JSON)
+ID_CONFLICT = "id_conflict"  # the inbox holds this message id with other content (docs/architecture.md)
+WRONG_ROUTE = "wrong_route"  # the message came by another route than its contract gives it
+INTERNAL_ERROR = "internal_error"  # last resort: the receiver failed on it; what could be kept is kept
+
+# Control headers only our own daemons may set (honoured from trusted broker users only).
+CONTROL_HEADERS = (
+    names.HEADER_SEGMENT,
+    names.HEADER_CONCURRENCY,
+    names.HEADER_PRIORITY,
+    names.HEADER_ATTEMPT,
+    names.HEADER_FINAL_ATTEMPT,
+    names.HEADER_DEAD_REASON,
+    names.HEADER_DEAD_ERROR,
+)
+MAX_SEGMENT_CHARS = 1024  # a longer lane name would not fit the inbox's segment index
+MAX_HEADER_DEPTH = 16  # deeper header tables are kept as a marker string (docs/architecture.md)
+_MAX_KEY_CHARS = 200  # a redelivery counter key is the message id, or a digest
 
 _PROPERTY_NAMES = (
     "content_type",
@@ -52,10 +69,18 @@ class Delivery:
     routing_key: str = ""
     properties: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, Any] = field(default_factory=dict)
+    # Published by a trusted broker user (RabbitMQ checked the ``user_id`` property
+    # against the publishing connection's user): its control headers count.
+    trusted: bool = False
+    # Came from the broker (:meth:`from_pika`): its route is checked. Rows built in
+    # process from an envelope (tests, benchmarks, tools) have no route to check.
+    wire: bool = False
 
     @classmethod
-    def from_pika(cls, method: Any, props: Any, body: bytes) -> Delivery:
+    def from_pika(cls, method: Any, props: Any, body: bytes, trusted_users: frozenset[str] = frozenset()) -> Delivery:
         properties = {name: getattr(props, name, None) for name in _PROPERTY_NAMES}
+        headers = props.headers if isinstance(props.headers, dict) else {}
+        user_id = properties.get("user_id")
         return cls(
             delivery_tag=method.delivery_tag,
             body=body,
@@ -63,35 +88,86 @@ class Delivery:
             exchange=method.exchange or "",
             routing_key=method.routing_key or "",
             properties={k: v for k, v in properties.items() if v is not None},
-            headers=dict(props.headers or {}),
+            headers=dict(headers),
+            trusted=isinstance(user_id, str) and user_id in trusted_users,
+            wire=True,
         )
 
     @property
     def counter_key(self) -> str:
-        """Key of the redelivery counter, known without parsing the body (parsing may be what crashes)."""
+        """Key of the redelivery counter, known without parsing the body (parsing may be what crashes).
+
+        The canonical form of a UUID ``message_id``; anything else (absent, NUL,
+        overlong, not a UUID, not even text) becomes a digest of that property and the
+        body, so the key is always storable and the same on every redelivery.
+        """
         message_id = self.properties.get("message_id")
-        if isinstance(message_id, str) and message_id:
-            return message_id
-        return "sha1:" + hashlib.sha1(self.body).hexdigest()
+        if isinstance(message_id, str) and len(message_id) <= _MAX_KEY_CHARS:
+            with contextlib.suppress(ValueError):
+                return str(uuid.UUID(message_id))
+        digest = hashlib.sha1(repr(message_id).encode("utf-8", "backslashreplace"))
+        digest.update(b"\x00")
+        digest.update(self.body)
+        return "sha1:" + digest.hexdigest()
+
+    @property
+    def via_retry(self) -> bool:
+        """Came back through our own delay/retry chain (only then do attempt headers count)."""
+        return self.trusted and self.exchange == names.RETRY_EXCHANGE
+
+    def control(self, name: str) -> Any:
+        """A control header's value when the sender may set it, else None."""
+        return self.headers.get(name) if self.trusted else None
 
     @property
     def attempt(self) -> int:
         """Broker-level attempt (1 = first delivery; the delay/retry chain adds one per lap)."""
-        value = self.headers.get(names.HEADER_ATTEMPT)
-        return value if isinstance(value, int) and value >= 1 else 1
+        value = self.headers.get(names.HEADER_ATTEMPT) if self.via_retry else None
+        return value if type(value) is int and 1 <= value <= 1_000_000 else 1
 
     @property
     def final_attempt(self) -> bool:
-        return bool(self.headers.get(names.HEADER_FINAL_ATTEMPT))
+        return self.via_retry and self.headers.get(names.HEADER_FINAL_ATTEMPT) is True
+
+    def lane(self, default: str) -> tuple[str, str, int]:
+        """(segment, concurrency, priority) the sender asked for; malformed or untrusted values are ignored."""
+        segment = self.control(names.HEADER_SEGMENT)
+        if not (isinstance(segment, str) and 0 < len(segment) <= MAX_SEGMENT_CHARS and _storable_text(segment)):
+            segment = default
+        concurrency = self.control(names.HEADER_CONCURRENCY)
+        if concurrency not in ("sequential", "parallel"):
+            concurrency = "sequential"
+        priority = self.control(names.HEADER_PRIORITY)
+        if not (type(priority) is int and -32768 <= priority <= 32767):
+            # The AMQP property is standard (0-255, any sender may set it, as Mosaic's may).
+            priority = self.properties.get("priority")
+            priority = priority if type(priority) is int and 0 <= priority <= 255 else 0
+        return segment, concurrency, priority
 
     def original_routing_key(self, service: str) -> str:
         """Routing key the sender used, also for a delivery that came back through `retry`."""
-        prefix = names.inbox_queue(service) + "."
-        return self.routing_key.removeprefix(prefix)
+        key = self.retry_key(service)
+        return self.routing_key if key is None else key
+
+    def retry_key(self, service: str) -> str | None:
+        """The original routing key of a delivery that came through ``retry``, else None.
+
+        The copy parked in a delay queue was published with key ``delay.<n>s`` and CC
+        ``<service>:inbox.<original key>``; dead-lettered into ``retry``, it arrives with
+        the first as its routing key and the second still in its CC header.
+        """
+        if self.exchange != names.RETRY_EXCHANGE:
+            return None
+        prefix = names.retry_routing_key(service, "")
+        cc = self.headers.get("CC")
+        for key in [self.routing_key, *(cc if isinstance(cc, list) else [])]:
+            if isinstance(key, str) and key.startswith(prefix):
+                return key[len(prefix) :]
+        return None
 
     def metadata(self, auth_token: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "properties": {**self.properties, "headers": self.headers},
+            "properties": {**self.properties, "headers": clip_depth(self.headers, MAX_HEADER_DEPTH)},
             "fields": {
                 "exchange": self.exchange,
                 "routing_key": self.routing_key,
@@ -124,6 +200,35 @@ class InboxRow:
     message_timestamp: datetime
     queue: str
     redelivered: bool
+
+
+def _storable_text(text: str) -> bool:
+    """Text PostgreSQL stores as is: no NUL, no lone surrogate."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def clip_depth(value: Any, limit: int) -> Any:
+    """``value`` with containers nested deeper than ``limit`` replaced by a marker string.
+
+    AMQP header tables can nest as deep as a frame allows; every later step (JSON text,
+    jsonb, the dead letter) would have to recurse that deep. The recursion here stops
+    at ``limit``. Shallow values (the usual headers) come back as they are.
+    """
+    if limit <= 0:
+        return "<nested too deep>" if isinstance(value, dict | list | tuple) else value
+    if isinstance(value, dict):
+        if not any(isinstance(v, dict | list | tuple) for v in value.values()):
+            return value
+        return {k: clip_depth(v, limit - 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clip_depth(v, limit - 1) for v in value]
+    return value
 
 
 def _metadata_text(metadata: dict[str, Any]) -> str:
@@ -186,12 +291,56 @@ class Intake:
             routing_key=delivery.original_routing_key(self.service),
             message=data if isinstance(data, dict) else None,
             raw_body=delivery.body,
-            headers=json.loads(json_text(delivery.headers)),
+            headers=json.loads(json_text(clip_depth(delivery.headers, MAX_HEADER_DEPTH))),
             attempts={"broker_attempt": delivery.attempt, "redelivered": delivery.redelivered},
         )
 
+    def last_resort(self, delivery: Delivery, error: BaseException | str) -> dl.DeadLetter:
+        """An ``internal_error`` letter from the raw delivery alone: nothing here can fail on the input."""
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        return dl.DeadLetter(
+            source="broker",
+            reason=INTERNAL_ERROR,
+            error=text.encode("ascii", "backslashreplace").decode("ascii")[:2000],
+            error_type=INTERNAL_ERROR if isinstance(error, str) else type(error).__name__,
+            routing_key=delivery.routing_key.encode("ascii", "backslashreplace").decode("ascii")[:255],
+            raw_body=delivery.body,
+            attempts={"redelivered": delivery.redelivered},
+        )
+
     def admit(self, delivery: Delivery) -> InboxRow | dl.DeadLetter:
-        """The row to store, or the dead letter saying why not."""
+        """The row to store, or the dead letter saying why not; never raises (last resort: ``internal_error``)."""
+        try:
+            return self._admit(delivery)
+        except Exception as exc:  # a bug of ours on input nobody foresaw: the input must not stop us
+            try:
+                return self.reject(
+                    delivery, INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__
+                )
+            except Exception:
+                return self.last_resort(delivery, exc)
+
+    def wrong_route(self, delivery: Delivery, spec: MessageSpec) -> str | None:
+        """Why the route a delivery came by is not the one its contract gives it, or None.
+
+        A delivery that came back through our own retry chain carries its original
+        routing key (:meth:`Delivery.retry_key`); the exchange it was first sent to is then
+        no longer known, the key still is.
+        """
+        expected = names.exchange_for(spec.kind)
+        if delivery.exchange == names.RETRY_EXCHANGE:
+            key = delivery.retry_key(self.service)
+            if key == spec.routing_key:
+                return None
+            return f"{spec.message_type} came back through the retry chain with key {key!r}, not {spec.routing_key!r}"
+        if delivery.exchange == expected and delivery.routing_key == spec.routing_key:
+            return None
+        return (
+            f"{spec.message_type} is a {spec.kind} routed by exchange {expected!r} with key {spec.routing_key!r}; "
+            f"it came through {delivery.exchange!r} with key {delivery.routing_key!r}"
+        )
+
+    def _admit(self, delivery: Delivery) -> InboxRow | dl.DeadLetter:
         size = len(delivery.body)
         if size > self.max_body_bytes:
             return self.reject(
@@ -217,18 +366,14 @@ class Intake:
                 f"{self.service} neither accepts nor subscribes to {spec.message_type} ({spec.routing_key})",
                 data=data,
             )
+        route_error = self.wrong_route(delivery, spec) if delivery.wire else None
+        if route_error is not None:
+            return self.reject(delivery, WRONG_ROUTE, route_error, data=data)
         try:
             spec.validate(message.payload)
         except PayloadValidationError as exc:
             return self.reject(delivery, dl.SCHEMA_INVALID, str(exc), data=data)
-        segment = delivery.headers.get(names.HEADER_SEGMENT)
-        if not isinstance(segment, str) or not segment:
-            segment = default_segment(message.aggregate_type, message.aggregate_id)
-        concurrency = delivery.headers.get(names.HEADER_CONCURRENCY)
-        if concurrency not in ("sequential", "parallel"):
-            concurrency = "sequential"
-        priority = delivery.properties.get("priority")
-        priority = max(-32768, min(32767, priority)) if isinstance(priority, int) else 0
+        segment, concurrency, priority = delivery.lane(default_segment(message.aggregate_type, message.aggregate_id))
         return InboxRow(
             id=message.message_id,
             message_type=spec.message_type,

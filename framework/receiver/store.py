@@ -66,6 +66,55 @@ def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow])
     return {row[0] for row in cur.fetchall()}
 
 
+# What makes two messages with one id the same message (docs/architecture.md, "Receiver
+# intake"): type, aggregate and payload, the payload compared as jsonb (key order and
+# number spelling do not matter). Context, timestamp, version, token and headers may
+# differ between two sends of one message and are not compared.
+_CONFLICTS = """SELECT u.n, concat_ws(', ',
+        CASE WHEN i.message_type IS DISTINCT FROM u.message_type THEN 'message_type' END,
+        CASE WHEN i.aggregate_type IS DISTINCT FROM u.aggregate_type THEN 'aggregate_type' END,
+        CASE WHEN i.aggregate_id IS DISTINCT FROM u.aggregate_id THEN 'aggregate_id' END,
+        CASE WHEN i.payload IS DISTINCT FROM u.payload::jsonb THEN 'payload' END)
+    FROM unnest(%s::int[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
+        AS u(n, id, message_type, aggregate_type, aggregate_id, payload)
+    JOIN {table} i ON i.id = u.id
+    WHERE i.message_type IS DISTINCT FROM u.message_type OR i.aggregate_type IS DISTINCT FROM u.aggregate_type
+       OR i.aggregate_id IS DISTINCT FROM u.aggregate_id OR i.payload IS DISTINCT FROM u.payload::jsonb
+    ORDER BY u.n"""
+
+
+def conflicting(
+    cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow], new: set[uuid.UUID]
+) -> list[tuple[int, str]]:
+    """(index in ``rows``, fields that differ) of rows whose id is stored with other content.
+
+    Only rows that did not insert are looked at (the first of several rows with one id
+    in ``rows`` is the one that did): with no duplicate in a batch, no statement at all.
+    """
+    inserted: set[uuid.UUID] = set()
+    candidates: list[int] = []
+    for index, row in enumerate(rows):
+        if row.id in new and row.id not in inserted:
+            inserted.add(row.id)
+        else:
+            candidates.append(index)
+    if not candidates:
+        return []
+    picked = [rows[i] for i in candidates]
+    cur.execute(
+        sql.SQL(_CONFLICTS).format(table=sql.Identifier(schema, names.INBOX)),
+        (
+            candidates,
+            [r.id for r in picked],
+            [r.message_type for r in picked],
+            [r.aggregate_type for r in picked],
+            [r.aggregate_id for r in picked],
+            [r.payload for r in picked],
+        ),
+    )
+    return [(int(n), str(fields)) for n, fields in cur.fetchall()]
+
+
 def count_redelivery(cur: psycopg.Cursor[Any], schema: str, queue: str, key: str) -> int:
     """Add one to the message's redelivery counter and return the new count."""
     cur.execute(

@@ -22,15 +22,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from framework import dead_letters, envelope, topology
+from framework import dead_letters, envelope, names, topology
 from framework.dead_letters import decode_body
 from framework.envelope import parse_message
 from framework.receiver import Receiver, ReceiverConfig
-from framework.receiver.intake import NOT_ACCEPTED, UNSTORABLE
+from framework.receiver.intake import NOT_ACCEPTED, UNSTORABLE, WRONG_ROUTE
 from framework.redaction import redact_bytes
 from framework.service import Service
 from tests import support
-from tests.apps.helpers import place_order, query, running
+from tests.apps.helpers import place_order, publish, query, running, scalar
 
 TAG = "x-hostile-case"
 KNOWN_REASONS = {
@@ -47,6 +47,7 @@ KNOWN_REASONS = {
     dead_letters.WRONG_CONTENT_TYPE,
     NOT_ACCEPTED,
     UNSTORABLE,
+    WRONG_ROUTE,  # a type sent on another type's routing key
 }
 ROUTING_KEYS = ("order-service.order.place", "inventory-service.stock.reserved", "inventory-service.stock.rejected")
 EXCHANGE_OF = {ROUTING_KEYS[0]: "command", ROUTING_KEYS[1]: "event", ROUTING_KEYS[2]: "event"}
@@ -256,3 +257,146 @@ def _has_non_finite(value: Any) -> bool:
     if isinstance(value, list):
         return any(_has_non_finite(v) for v in value)
     return False
+
+
+# --- the nastiest cases, one by one, some of them redelivered ---------------------------------
+
+
+def _nested(depth: int, leaf: str = "1") -> str:
+    """JSON text nested ``depth`` objects deep (built as text: json.dumps would hit the recursion limit)."""
+    return '{"a":' * depth + leaf + "}" * depth
+
+
+def _with_json(field: str, text: str) -> bytes:
+    """A valid PlaceOrder whose ``field`` (envelope or payload field) is the JSON ``text``."""
+    data = place_order()
+    if field in data["payload"]:
+        data["payload"][field] = "HOLE"
+    else:
+        data[field] = "HOLE"
+    return json.dumps(data).replace('"HOLE"', text).encode()
+
+
+def _deep_table(depth: int) -> dict[str, Any]:
+    table: dict[str, Any] = {"bottom": 1}
+    for _ in range(depth):
+        table = {"t": table}
+    return table
+
+
+NUL_PROPERTIES = {
+    "type": "Place\x00Order",
+    "correlation_id": "c\x00",
+    "app_id": "\x00app",
+    "reply_to": "r\x00",
+    "content_encoding": "utf\x008",
+    "cluster_id": "\x00",
+}
+WRONG_HEADERS = {
+    "x-death": "not a list",
+    "x-first-death-reason": 42,
+    names.HEADER_ATTEMPT: "many",
+    names.HEADER_FINAL_ATTEMPT: "yes",
+    names.HEADER_SEGMENT: b"\xff\x00",
+    names.HEADER_CONCURRENCY: {"parallel": True},
+    names.HEADER_PRIORITY: 10**12,
+    names.HEADER_DEAD_REASON: ["x"],
+    "nul\x00key": "nul\x00value",
+}
+
+# (name, body, properties, redelivered, expected outcome: "stored" or a dead-letter reason)
+NASTY: list[tuple[str, bytes, dict[str, Any], bool, str]] = [
+    ("NUL message_id, redelivered", _valid(), {"message_id": "a\x00b"}, True, "stored"),
+    ("overlong non-UUID message_id, redelivered", _valid(), {"message_id": "m" * 255}, True, "stored"),
+    ("NUL in every property, redelivered", _valid(), {**NUL_PROPERTIES, "message_id": "\x00"}, True, "stored"),
+    ("NUL in every property", _valid(), NUL_PROPERTIES, False, "stored"),
+    ("wrong-typed headers, redelivered", _valid(), {"headers": WRONG_HEADERS}, True, "stored"),
+    ("headers nested 300 deep", _valid(), {"headers": {"deep": _deep_table(300)}}, False, "stored"),
+    ("context nested 990 deep", _with_json("message_context", _nested(990)), {}, False, envelope.TOO_DEEP),
+    ("payload field nested 990 deep", _with_json("customer", _nested(990)), {}, False, envelope.TOO_DEEP),
+    ("context nested 990 deep, redelivered", _with_json("message_context", _nested(990)), {}, True, "too_deep"),
+    ("context nested 150 deep", _with_json("message_context", _nested(150)), {}, False, "stored"),
+    ("auth_token nested 500 deep", _with_json("auth_token", _nested(500)), {}, False, envelope.TOO_DEEP),
+    ("arrays 5000 deep", b"[" * 5000 + b"]" * 5000, {}, True, envelope.TOO_DEEP),
+    ("NUL in a payload string", _valid(customer="nul\x00"), {}, False, UNSTORABLE),
+]
+
+
+def _publish_nasty(amqp_url: str, cases: list[tuple[str, bytes, dict[str, Any], bool, str]]) -> list[str]:
+    tags = []
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        for _name, body, props, _redelivered, _expected in cases:
+            tag = uuid.uuid4().hex
+            tags.append(tag)
+            extra = {k: v for k, v in props.items() if k != "headers"}
+            properties = pika.BasicProperties(
+                content_type="application/json",
+                delivery_mode=2,
+                headers={**props.get("headers", {}), TAG: tag},
+                **extra,
+            )
+            channel.basic_publish("command", ROUTING_KEYS[0], body, properties, mandatory=True)
+    finally:
+        connection.close()
+    return tags
+
+
+def _take_without_ack(amqp_url: str, queue: str, count: int) -> None:
+    """Hold ``count`` deliveries, then drop the connection: RabbitMQ redelivers them flagged redelivered."""
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    channel = connection.channel()
+    for _ in range(count):
+        method, _props, _body = channel.basic_get(queue, auto_ack=False)
+        assert method is not None
+    connection.close()
+
+
+def test_the_nastiest_deliveries_end_in_a_defined_outcome_and_the_receiver_goes_on(
+    service: Service, database_url: str, amqp_url: str
+) -> None:
+    topology.declare(service.settings, service.registry)
+    queue = names.inbox_queue(service.name)
+    redelivered = [case for case in NASTY if case[3]]
+    first = [case for case in NASTY if not case[3]]
+    tags = _publish_nasty(amqp_url, redelivered)
+    _take_without_ack(amqp_url, queue, len(redelivered))
+    tags += _publish_nasty(amqp_url, first)
+    cases = redelivered + first
+    with running(Receiver(service, ReceiverConfig(prefetch=100, batch_size=20))):
+        support.wait_until(
+            lambda: all(t in s or t in r for s, r in [_outcomes(database_url, tags)] for t in tags),
+            30,
+            message="every nasty delivery stored or dead-lettered",
+        )
+        # The receiver is still alive and well: a plain message behind them is stored.
+        tail = place_order()
+        publish(amqp_url, [json.dumps(tail).encode()])
+        support.wait_until(
+            lambda: scalar(database_url, "SELECT count(*) FROM txbox.inbox WHERE id = %s", (tail["message_id"],)),
+            30,
+            message="the message behind them to be stored",
+        )
+    stored, rejected = _outcomes(database_url, tags)
+    for tag, (name, body, _props, _redelivered, expected) in zip(tags, cases, strict=True):
+        outcomes = stored.get(tag, []) + rejected.get(tag, [])
+        assert len(outcomes) == 1, f"{name}: ended {len(outcomes)} times"
+        if expected == "stored":
+            assert tag in stored, f"{name}: dead-lettered as {rejected.get(tag)}"
+        else:
+            assert tag in rejected, f"{name}: stored"
+            reason, raw, encoding, _ = rejected[tag][0]
+            assert reason == expected, f"{name}: {reason}"
+            assert decode_body(raw, encoding) == body
+    assert scalar(database_url, "SELECT count(*) FROM txbox.redeliveries") == 0, "settled counters are dropped"
+    segments = {
+        r[0]
+        for r in query(
+            database_url,
+            "SELECT segment FROM txbox.inbox WHERE metadata->'properties'->'headers'->>%s = ANY(%s)",
+            (TAG, tags),
+        )
+    }
+    assert segments == {"order:42"}, "untrusted or malformed lane headers are ignored"

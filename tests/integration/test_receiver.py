@@ -42,7 +42,10 @@ def test_stores_valid_deliveries_with_delivery_facts_and_acks_them(
     headers = {names.HEADER_SEGMENT: "custom-lane", "x-correlation-id": "c-1"}
     props = [
         pika.BasicProperties(content_type="application/json", delivery_mode=2, message_id=first["message_id"]),
-        pika.BasicProperties(content_type="application/json", delivery_mode=2, headers=headers, priority=3),
+        # user_id "guest" (the receiver's own broker user, checked by RabbitMQ): its lane headers count.
+        pika.BasicProperties(
+            content_type="application/json", delivery_mode=2, headers=headers, priority=3, user_id="guest"
+        ),
     ]
     publish(amqp_url, [encode(first), encode(second)], properties=props)
     with running(Receiver(service, config())):
