@@ -134,7 +134,17 @@ class DeadLetter:
     attempts: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        redaction.scrub_letter(self)  # no auth_token at rest (docs/architecture.md, "Secrets")
+        # Made storable first (bounded depth: the scrub recurses), then no auth_token at
+        # rest (docs/architecture.md, "Secrets"). Should the scrub fail all the same, the
+        # parsed copies go rather than a secret: the raw body is redacted when encoded.
+        try:
+            self.message = None if self.message is None else to_storable(self.message)
+            self.headers = to_storable(self.headers)
+            self.attempts = to_storable(self.attempts)
+            redaction.scrub_letter(self)
+        except Exception as exc:  # the last resort: building a dead letter never raises
+            self.message, self.headers, self.attempts = None, {}, {}
+            self.error = f"{self.reason}: the letter could not be scrubbed of secrets ({type(exc).__name__})"
 
     def row(self) -> dict[str, Any]:
         """The row's column values (``insert_sql``'s parameters); never raises.

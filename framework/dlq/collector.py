@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import re
+import sys
 import threading
 import time
 import uuid
@@ -188,7 +189,9 @@ def _letter_from_delivery(
 
     envelope: dict[str, Any] | None = None
     try:
-        decoded = decode_json(body)
+        # No depth bound of the receiver's here: whatever the parser takes keeps its id
+        # and type, and the letter cuts the depth it stores (to_storable).
+        decoded = decode_json(body, max_depth=sys.maxsize)
         if isinstance(decoded, dict):
             envelope = decoded
     except EnvelopeError:

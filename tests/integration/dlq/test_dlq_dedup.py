@@ -106,7 +106,7 @@ def test_an_archived_abandoned_message_is_filled_in_from_its_letter_on_replay(
     row = _row(conn, m.message_id)
     assert row is not None
     assert row["archived_at"] is None and row["payload"] == m.payload and row["message_context"] == m.message_context
-    assert row["metadata"]["auth_token"] == m.auth_token
+    assert "auth_token" not in row["metadata"]  # a dead letter never stores the token (framework.redaction)
     assert row["abandoned_at"] is None and row["processed_at"] is None
 
 
