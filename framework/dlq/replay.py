@@ -94,6 +94,14 @@ def _t(schema: str, table: str) -> sql.Identifier:
     return sql.Identifier(schema, table)
 
 
+def _lock_letters(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> list[dict[str, Any]]:
+    """The letters of ``ids``, locked for this transaction, in id order (no deadlock between two operators)."""
+    query = sql.SQL("SELECT * FROM {t} WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE").format(
+        t=_t(schema, names.DEAD_LETTERS)
+    )
+    return _x(conn, query, {"ids": ids}).fetchall()
+
+
 def _chunks(ids: Sequence[int]) -> list[list[int]]:
     return [list(ids[i : i + CHUNK]) for i in range(0, len(ids), CHUNK)]
 
@@ -114,13 +122,7 @@ def replay(
     outcomes: list[Outcome] = []
     for chunk in _chunks(ids):
         with conn.transaction(force_rollback=dry_run):
-            letters = _x(
-                conn,
-                sql.SQL("SELECT * FROM {t} WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE").format(
-                    t=_t(schema, names.DEAD_LETTERS)
-                ),
-                {"ids": chunk},
-            ).fetchall()
+            letters = _lock_letters(conn, schema, chunk)
             found = {row["id"] for row in letters}
             outcomes += [Outcome(i, "missing", "no dead letter with this id", False) for i in chunk if i not in found]
             for letter in letters:
@@ -379,13 +381,7 @@ def discard(conn: psycopg.Connection[Any], schema: str, ids: Sequence[int], *, d
     outcomes: list[Outcome] = []
     for chunk in _chunks(ids):
         with conn.transaction(force_rollback=dry_run):
-            letters = _x(
-                conn,
-                sql.SQL("SELECT * FROM {t} WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE").format(
-                    t=_t(schema, names.DEAD_LETTERS)
-                ),
-                {"ids": chunk},
-            ).fetchall()
+            letters = _lock_letters(conn, schema, chunk)
             by_id = {row["id"]: row for row in letters}
             for i in chunk:
                 letter = by_id.get(i)
