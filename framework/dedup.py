@@ -16,17 +16,17 @@ metadata and error it costs about a hundred bytes per id.
 A tombstone keeps type and aggregate, and the SHA-256 of its payload's canonical jsonb
 text in ``metadata ->> 'payload_sha256'``: :func:`same_content` tells a true duplicate
 (quiet) from an id reused for other content (``id_conflict``) for live rows and
-tombstones alike. Payloads equal as jsonb but spelled differently as numbers (``1`` and
+tombstones alike; the receiver's conflict check and the replay both use it.
+Payloads equal as jsonb but spelled differently as numbers (``1`` and
 ``1.0``) compare equal on a live row and unequal on a tombstone.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -57,74 +57,15 @@ def same_content(
     """
     r = sql.Identifier(row)
     return sql.SQL(
-        "({r}.message_type = {mt} AND {r}.aggregate_type = {at} AND {r}.aggregate_id = {ai} AND "
-        "CASE WHEN {r}.archived_at IS NULL THEN {r}.payload = {p} "
-        "ELSE {r}.metadata ->> {key} = {digest} END)"
-    ).format(
-        r=r,
-        mt=message_type,
-        at=aggregate_type,
-        ai=aggregate_id,
-        p=payload,
-        key=sql.Literal(DIGEST_KEY),
-        digest=payload_digest(payload),
-    )
+        "({r}.message_type = {mt} AND {r}.aggregate_type = {at} AND {r}.aggregate_id = {ai} AND {p})"
+    ).format(r=r, mt=message_type, at=aggregate_type, ai=aggregate_id, p=same_payload(row, payload))
 
 
-class Content(Protocol):
-    """What identifies a message's content (the receiver's ``InboxRow`` has these)."""
-
-    @property
-    def id(self) -> uuid.UUID: ...
-    @property
-    def message_type(self) -> str: ...
-    @property
-    def aggregate_type(self) -> str: ...
-    @property
-    def aggregate_id(self) -> str: ...
-    @property
-    def payload(self) -> str: ...  # JSON text
-
-
-def conflicting_ids_sql(schema: str) -> sql.Composed:
-    """Of the given messages, the ids the inbox already holds (live or tombstone) with other content.
-
-    Parameters: ``ids`` uuid[], ``types``, ``aggregate_types``, ``aggregate_ids``,
-    ``payloads`` (JSON text) text[]. One index probe per id that is already stored.
-    """
+def same_payload(row: str, payload: sql.Composable) -> sql.Composed:
+    """SQL predicate: inbox row ``row`` holds this payload (a jsonb expression), live or tombstone."""
     return sql.SQL(
-        "SELECT u.id FROM unnest(%(ids)s::uuid[], %(types)s::text[], %(aggregate_types)s::text[], "
-        "%(aggregate_ids)s::text[], %(payloads)s::text[]) "
-        "AS u(id, message_type, aggregate_type, aggregate_id, payload) "
-        "JOIN {inbox} i ON i.id = u.id WHERE NOT {same}"
-    ).format(
-        inbox=sql.Identifier(schema, names.INBOX),
-        same=same_content(
-            "i",
-            sql.SQL("u.message_type"),
-            sql.SQL("u.aggregate_type"),
-            sql.SQL("u.aggregate_id"),
-            sql.SQL("u.payload::jsonb"),
-        ),
-    )
-
-
-def conflicting_ids(cur: psycopg.Cursor[Any], schema: str, messages: Sequence[Content]) -> set[uuid.UUID]:
-    """The ids among ``messages`` stored with different content: these are ``id_conflict``,
-    the others that were not inserted are true duplicates."""
-    if not messages:
-        return set()
-    cur.execute(
-        conflicting_ids_sql(schema),
-        {
-            "ids": [m.id for m in messages],
-            "types": [m.message_type for m in messages],
-            "aggregate_types": [m.aggregate_type for m in messages],
-            "aggregate_ids": [m.aggregate_id for m in messages],
-            "payloads": [m.payload for m in messages],
-        },
-    )
-    return {row[0] if isinstance(row, tuple) else row["id"] for row in cur.fetchall()}
+        "CASE WHEN {r}.archived_at IS NULL THEN {r}.payload = {p} ELSE {r}.metadata ->> {key} = {digest} END"
+    ).format(r=sql.Identifier(row), p=payload, key=sql.Literal(DIGEST_KEY), digest=payload_digest(payload))
 
 
 @dataclass(frozen=True)

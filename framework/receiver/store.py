@@ -15,7 +15,7 @@ import psycopg
 from psycopg import sql
 
 from framework import dead_letters as dl
-from framework import names
+from framework import dedup, names
 from framework.receiver.intake import InboxRow
 
 _COLUMNS: tuple[tuple[str, str], ...] = (
@@ -68,19 +68,26 @@ def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow])
 
 # What makes two messages with one id the same message (docs/architecture.md, "Receiver
 # intake"): type, aggregate and payload, the payload compared as jsonb (key order and
-# number spelling do not matter). Context, timestamp, version, token and headers may
-# differ between two sends of one message and are not compared.
-_CONFLICTS = """SELECT u.n, concat_ws(', ',
-        CASE WHEN i.message_type IS DISTINCT FROM u.message_type THEN 'message_type' END,
-        CASE WHEN i.aggregate_type IS DISTINCT FROM u.aggregate_type THEN 'aggregate_type' END,
-        CASE WHEN i.aggregate_id IS DISTINCT FROM u.aggregate_id THEN 'aggregate_id' END,
-        CASE WHEN i.payload IS DISTINCT FROM u.payload::jsonb THEN 'payload' END)
-    FROM unnest(%s::int[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
-        AS u(n, id, message_type, aggregate_type, aggregate_id, payload)
-    JOIN {table} i ON i.id = u.id
-    WHERE i.message_type IS DISTINCT FROM u.message_type OR i.aggregate_type IS DISTINCT FROM u.aggregate_type
-       OR i.aggregate_id IS DISTINCT FROM u.aggregate_id OR i.payload IS DISTINCT FROM u.payload::jsonb
-    ORDER BY u.n"""
+# number spelling do not matter), or by its digest where the archive left a tombstone
+# (framework.dedup). Context, timestamp, version, token and headers may differ between
+# two sends of one message and are not compared.
+def _conflicts_sql(schema: str) -> sql.Composed:
+    u = {c: sql.SQL("u." + c) for c in ("message_type", "aggregate_type", "aggregate_id")}
+    payload = sql.SQL("u.payload::jsonb")
+    return sql.SQL(
+        "SELECT u.n, concat_ws(', ', "
+        "CASE WHEN i.message_type IS DISTINCT FROM u.message_type THEN 'message_type' END, "
+        "CASE WHEN i.aggregate_type IS DISTINCT FROM u.aggregate_type THEN 'aggregate_type' END, "
+        "CASE WHEN i.aggregate_id IS DISTINCT FROM u.aggregate_id THEN 'aggregate_id' END, "
+        "CASE WHEN NOT coalesce({same_payload}, false) THEN 'payload' END) "
+        "FROM unnest(%s::int[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[]) "
+        "AS u(n, id, message_type, aggregate_type, aggregate_id, payload) "
+        "JOIN {table} i ON i.id = u.id WHERE NOT coalesce({same}, false) ORDER BY u.n"
+    ).format(
+        table=sql.Identifier(schema, names.INBOX),
+        same_payload=dedup.same_payload("i", payload),
+        same=dedup.same_content("i", u["message_type"], u["aggregate_type"], u["aggregate_id"], payload),
+    )
 
 
 def conflicting(
@@ -102,7 +109,7 @@ def conflicting(
         return []
     picked = [rows[i] for i in candidates]
     cur.execute(
-        sql.SQL(_CONFLICTS).format(table=sql.Identifier(schema, names.INBOX)),
+        _conflicts_sql(schema),
         (
             candidates,
             [r.id for r in picked],

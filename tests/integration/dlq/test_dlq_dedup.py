@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import psycopg.rows
 from psycopg.types.json import Jsonb
 
-from framework import dedup
 from framework.analytics.archive import Archiver
 from framework.contracts import Registry
 from framework.db import conninfo
 from framework.dlq import replay
+from framework.receiver import store
 from tests.integration.dlq import seed
 
 S = seed.SCHEMA
@@ -138,7 +139,7 @@ def test_replaying_a_letter_whose_id_the_inbox_holds_with_other_content_is_an_id
     assert duplicate.action == "already-processed"
 
 
-def test_conflicting_ids_tells_a_duplicate_from_a_reused_id_live_and_archived(
+def test_the_receivers_conflict_check_tells_a_duplicate_from_a_reused_id_live_and_archived(
     conn: Any, database_url: str, tmp_path: Path
 ) -> None:
     live, archived = seed.envelope(), seed.envelope()
@@ -157,24 +158,23 @@ def test_conflicting_ids_tells_a_duplicate_from_a_reused_id_live_and_archived(
             payload = dict(reversed(list(change.get("payload", m.payload).items())))
             self.payload = json.dumps(payload, indent=1)
 
-    with conn.cursor() as cur:
-        found = dedup.conflicting_ids(
-            cur,
-            S,
-            [
-                Row(live),
-                Row(archived),
-                Row(live, payload={**live.payload, "quantity": 9}),
-                Row(archived, aggregate_id="elsewhere"),
-                Row(seed.envelope()),  # not stored at all
-            ],
-        )
-    assert found == {live.message_id, archived.message_id}
-    with conn.cursor() as cur:
-        assert dedup.conflicting_ids(cur, S, [Row(live), Row(archived)]) == set()
-        assert dedup.conflicting_ids(cur, S, [Row(archived, payload={**archived.payload, "sku": "X"})]) == {
-            archived.message_id
-        }
+    def conflicts(rows: list[Any]) -> dict[Any, str]:
+        """What the receiver finds: id → the fields that differ (store.conflicting, as in a batch)."""
+        with conn.cursor(row_factory=psycopg.rows.tuple_row) as cur:
+            return {rows[i].id: fields for i, fields in store.conflicting(cur, S, rows, set())}
+
+    found = conflicts(
+        [
+            Row(live),
+            Row(archived),
+            Row(live, payload={**live.payload, "quantity": 9}),
+            Row(archived, aggregate_id="elsewhere"),
+            Row(seed.envelope()),  # not stored at all
+        ]
+    )
+    assert found == {live.message_id: "payload", archived.message_id: "aggregate_id"}
+    assert conflicts([Row(live), Row(archived)]) == {}
+    assert conflicts([Row(archived, payload={**archived.payload, "sku": "X"})]) == {archived.message_id: "payload"}
 
 
 def test_discarding_a_replayed_letter_takes_the_replay_back(conn: Any, registry: Registry) -> None:
