@@ -88,9 +88,7 @@ class Advisories:
 
 def _renamed(vuln: dict[str, Any], name: str) -> dict[str, Any]:
     affected = [
-        {**a, "package": {**a["package"], "name": name}}
-        if canonicalize_name(a["package"]["name"]) == name
-        else a
+        {**a, "package": {**a["package"], "name": name}} if canonicalize_name(a["package"]["name"]) == name else a
         for a in vuln["affected"]
     ]
     return {**vuln, "affected": affected}
