@@ -296,7 +296,9 @@ def _judge_group(members: list[Case], rows: list[Any], letters_of: dict[str, lis
     """One message id: stored exactly once; copies with the stored content quiet, others id_conflict."""
     if len(rows) != 1:
         return [
-            Finding("receiver", f"a valid message stored {len(rows)} times (want 1)", describe(c))
+            Finding(
+                "receiver", f"a valid message stored {len(rows)} times (want 1){_reasons(letters_of, c)}", describe(c)
+            )
             for c in members
             if c.expect == "valid"
         ]
@@ -317,6 +319,11 @@ def _judge_group(members: list[Case], rows: list[Any], letters_of: dict[str, lis
                 Finding("receiver", f"same id, other content: {symptom}; want one id_conflict", describe(case))
             )
     return findings
+
+
+def _reasons(letters_of: dict[str, list[Any]], case: Case) -> str:
+    reasons = sorted({str(letter[2]) for letter in letters_of.get(case.tag, [])})
+    return f", dead-lettered as {', '.join(reasons)}" if reasons else ""
 
 
 def _trace(cases: list[Case], letters: list[tuple[Any, ...]]) -> tuple[dict[str, list[Any]], list[Any]]:
