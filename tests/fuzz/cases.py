@@ -155,7 +155,7 @@ def header_tables(draw: st.DrawFn) -> dict[str, Any]:
     shape = draw(st.sampled_from(("plain", "plain", "deep", "wide", "large", "txbox")))
     if shape == "deep":
         headers["deep"] = deep_table(
-            draw(st.sampled_from((20, 100, 400, 1500))), draw(st.sampled_from(("object", "list")))
+            draw(st.sampled_from((20, 100, 480, 520, 1500))), draw(st.sampled_from(("object", "list")))
         )
     elif shape == "wide":
         headers.update({f"k{i}": i for i in range(draw(st.sampled_from((200, 1000))))})
@@ -266,13 +266,18 @@ def hostile_bodies(draw: st.DrawFn) -> tuple[bytes, str, str]:
     kind = draw(
         st.sampled_from(
             ("bytes", "json", "wrong_type", "missing", "nul", "deep_payload", "deep_context", "deep_body",
-             "oversized", "truncated", "surrogate", "nan", "unknown_type", "not_accepted", "bad_schema", "empty")
+             "oversized", "truncated", "surrogate", "nan", "unknown_type", "not_accepted", "bad_schema", "empty",
+             "encoding")
         )
     )  # fmt: skip
     message_id = uuid.uuid4()
     data = envelope(message_id)
     if kind == "bytes":
         return draw(st.binary(max_size=200)), "random bytes", "hostile"
+    if kind == "encoding":  # the right envelope in another encoding, or behind a byte order mark
+        text = json.dumps(data, ensure_ascii=False)
+        codec = draw(st.sampled_from(("utf-16", "utf-32", "utf-8-sig")))
+        return text.encode(codec), f"envelope in {codec}", "hostile"
     if kind == "empty":
         return draw(st.sampled_from((b"", b" ", b"\n\t"))), "empty body", "hostile"
     if kind == "json":
