@@ -233,7 +233,7 @@ class Fuzzer:
             (TAG, ids, TAG, tags),
         )
         letters = self._query(
-            "SELECT id, headers->>%s, reason, raw_body, raw_encoding, message::text, source "
+            "SELECT id, headers->>%s, reason, raw_body, raw_encoding, message::text, headers::text "
             "FROM txbox.dead_letters WHERE died_at >= %s AND coalesce(raw_body, '') NOT LIKE 'sentinel %%'",
             (TAG, since),
         )
@@ -327,14 +327,23 @@ def _reasons(letters_of: dict[str, list[Any]], case: Case) -> str:
 
 
 def _trace(cases: list[Case], letters: list[tuple[Any, ...]]) -> tuple[dict[str, list[Any]], list[Any]]:
-    """Dead letters per case tag: by the tag header, else by the body they kept."""
+    """Dead letters per case tag: by the tag header, else the tag anywhere in the headers, else the body.
+
+    A daemon may keep the headers in another shape (the collector wraps headers jsonb
+    refused as one string), so the tag, 32 random hex digits, is also looked for in
+    their text; only then by the body, among cases no letter was traced to yet.
+    """
     by_tag: dict[str, list[Any]] = {}
     known = {c.tag for c in cases}
     untraced = []
-    for letter in letters:
+    for letter in sorted(letters, key=lambda row: row[1] not in known):  # tagged first
         tag = letter[1]
         if tag not in known:
-            tag = next((c.tag for c in cases if _body_kept(c, letter) is None), None)
+            tag = next((c.tag for c in cases if c.tag in (letter[6] or "")), None)
+        if tag is None:
+            candidates = [c for c in cases if _body_kept(c, letter) is None]
+            tag = next((c.tag for c in candidates if c.tag not in by_tag), None)
+            tag = tag or (candidates[0].tag if candidates else None)
         if tag is None:
             untraced.append(letter)
         else:
