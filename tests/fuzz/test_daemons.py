@@ -43,6 +43,8 @@ ROUND_TIMEOUT = float(os.environ.get("TXBOX_FUZZ_ROUND_TIMEOUT", "15"))
 @pytest.fixture
 def fuzzer(service: Service, database_url: str, amqp_url: str, vhost: str, tmp_path: Path) -> Iterator[Fuzzer]:
     logs = Path(os.environ.get("TXBOX_FUZZ_LOG_DIR") or tmp_path / "logs")
+    for stale in [*logs.glob("*.log"), logs / "findings.txt"]:  # a kept directory holds one run only
+        stale.unlink(missing_ok=True)
     fuzz = Fuzzer(service, database_url, amqp_url, vhost, logs, ROUND_TIMEOUT)
     fuzz.start()
     try:
