@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench fuzz
 
 setup:
 	bash scripts/setup.sh
@@ -9,6 +9,17 @@ demo: setup
 
 test: setup
 	bash scripts/test.sh
+
+# The daemon-level fuzz run, longer than the budget of `make test`:
+#   make fuzz SEED=7 EXAMPLES=300 BATCH=40   (logs of the daemons in FUZZ_LOGS)
+SEED ?= 1
+EXAMPLES ?= 200
+BATCH ?= 40
+FUZZ_TIMEOUT ?= 7200
+FUZZ_LOGS ?= artifacts/fuzz-logs
+fuzz: setup
+	TXBOX_FUZZ_SEED=$(SEED) TXBOX_FUZZ_EXAMPLES=$(EXAMPLES) TXBOX_FUZZ_BATCH=$(BATCH) TXBOX_FUZZ_LOG_DIR=$(FUZZ_LOGS) \
+		.venv/bin/pytest -p no:cacheprovider --timeout=$(FUZZ_TIMEOUT) tests/fuzz
 
 lint:
 	.venv/bin/ruff check framework tests migrations examples && .venv/bin/mypy

@@ -46,7 +46,9 @@ fi
 stamp=.venv/.txbox-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   say "installing txbox and its dependencies into .venv"
-  .venv/bin/pip install -q --upgrade pip
+  # The setuptools a new venv gets from ensurepip is old enough to have known holes
+  # (CVE-2022-40897, CVE-2024-6345, CVE-2025-47273); the audit of `make test` would stop on it.
+  .venv/bin/pip install -q --upgrade pip "setuptools>=78.1.1"
   .venv/bin/pip install -q -e ".[spark,dashboard,dev]"
   touch "$stamp"
 fi
