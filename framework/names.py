@@ -54,6 +54,9 @@ def inbox_queue(service: str) -> str:
     return f"{service}:inbox"
 
 
+INBOX_QUEUE_PATTERN = "^[^:]+:inbox$"  # every service's inbox queue (a policy's pattern)
+
+
 def dead_letter_queue(service: str) -> str:
     return f"{service}:dead_letter"
 

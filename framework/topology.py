@@ -13,7 +13,6 @@ service and a Mosaic service start on one vhost in either order (docs/architectu
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,15 +26,23 @@ from framework.settings import Settings
 
 log = logging.getLogger("txbox.topology")
 
-# The inbox queue's last net (quorum queues only): RabbitMQ dead-letters a message it has
-# delivered this many times without an ack — to ``<service>:dead_letter``, through the
-# queue's dead-letter arguments — even when no receiver survives reading it (say, header
-# tables nested deeper than the client library can decode). Well above the receiver's
-# own redelivery counter (TXBOX_RECEIVER_REDELIVERY_LIMIT), which normally acts first:
-# RabbitMQ also counts the returns of messages that were merely prefetched when a
-# receiver stopped. docs/architecture.md, "Receiver intake", says why it is an argument.
-DELIVERY_LIMIT_ARG = "x-delivery-limit"
+# The inbox queue's last net is RabbitMQ's delivery limit (quorum queues): a message
+# delivered that many times without an ack is dead-lettered to ``<service>:dead_letter``
+# even when no receiver survives reading it. It is set by a policy, never as a queue
+# argument: Mosaic's libraries declare ``<service>:inbox`` of a service they send commands
+# to with exactly the dead-letter arguments and the queue type, and RabbitMQ refuses (406)
+# a declaration whose arguments differ, so an argument here would stop whichever side
+# starts second. RabbitMQ 4 gives quorum queues a delivery limit of 20 by default.
+# docs/architecture.md, "Receiver intake".
 INBOX_DELIVERY_LIMIT = 20
+
+
+def delivery_limit_policy(vhost: str = "/") -> str:
+    """The command an operator runs once per vhost to give every inbox queue the limit."""
+    return (
+        f"rabbitmqctl set_policy -p {vhost} --apply-to queues txbox-inbox-limit "
+        f"'{names.INBOX_QUEUE_PATTERN}' '{{\"delivery-limit\": {INBOX_DELIVERY_LIMIT}}}'"
+    )
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,6 @@ def plan(settings: Settings, registry: Registry) -> Topology:
         "x-dead-letter-exchange": names.DEAD_LETTER_EXCHANGE,
         "x-dead-letter-routing-key": names.dead_letter_routing_key(service),
     }
-    if settings.queue_type == "quorum":
-        inbox_arguments[DELIVERY_LIMIT_ARG] = INBOX_DELIVERY_LIMIT
     inbox = QueueSpec(
         names.inbox_queue(service),
         inbox_arguments,
@@ -123,47 +128,9 @@ def delay_queue(seconds: int) -> QueueSpec:
 
 def declare_queue(channel: Any, queue: QueueSpec, settings: Settings) -> None:
     """Declare ``queue`` and its bindings; a queue with other arguments raises TopologyMismatch."""
-    arguments = queue.arguments
-    if DELIVERY_LIMIT_ARG in arguments:
-        arguments = _existing_delivery_limit(channel, queue)
-    _guard(lambda: channel.queue_declare(queue.name, durable=True, arguments=arguments), settings)
+    _guard(lambda: channel.queue_declare(queue.name, durable=True, arguments=queue.arguments), settings)
     for exchange, key in queue.bindings:
         channel.queue_bind(queue.name, exchange, routing_key=key)
-
-
-def _existing_delivery_limit(channel: Any, queue: QueueSpec) -> dict[str, Any]:
-    """``queue``'s arguments with the delivery limit the queue already has, if it exists with another.
-
-    RabbitMQ refuses (406) to redeclare a queue with a changed argument, so an inbox queue
-    declared before the limit existed keeps running without it (or with the operator's
-    value): the declaration is tried on a throwaway channel first, and the warning says
-    how to add the limit to the existing queue with a policy.
-    """
-    probe = channel.connection.channel()
-    try:
-        probe.queue_declare(queue.name, durable=True, arguments=queue.arguments)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        found = amqp.explain_precondition(exc.reply_text) if exc.reply_code == 406 else None
-        if found is None or found[2] != DELIVERY_LIMIT_ARG:
-            return queue.arguments  # the real declaration reports the mismatch
-        current = re.search(r"'(-?\d+)'", found[4])
-        arguments = {k: v for k, v in queue.arguments.items() if k != DELIVERY_LIMIT_ARG}
-        if current is not None:
-            arguments[DELIVERY_LIMIT_ARG] = int(current.group(1))
-        else:
-            log.warning(
-                "queue %r was declared without %s=%d: a message no receiver can read stays in it for ever. "
-                "Fix: rabbitmqctl set_policy --apply-to queues txbox-inbox-limit '^%s$' '{\"delivery-limit\": %d}'",
-                queue.name,
-                DELIVERY_LIMIT_ARG,
-                INBOX_DELIVERY_LIMIT,
-                re.escape(queue.name),
-                INBOX_DELIVERY_LIMIT,
-            )
-        return arguments
-    if probe.is_open:
-        probe.close()
-    return queue.arguments
 
 
 def declare(settings: Settings, registry: Registry, channel: Any | None = None) -> Topology:

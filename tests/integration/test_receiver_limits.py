@@ -1,11 +1,10 @@
 """The receiver's last nets and bounds, against the real broker and database.
 
-- A delivery the client library itself cannot decode (header tables nested deeper than
-  pika's recursion allows) kills every connection that receives it; RabbitMQ's delivery
-  limit on the inbox queue dead-letters it into ``<service>:dead_letter``, and the
-  receiver, reconnecting each time, stores what is queued behind it.
-- An inbox queue declared before the limit existed keeps working (RabbitMQ refuses to
-  change a queue argument on redeclaration).
+- Header tables nested deeper than pika's own decoder recursion are decoded (framework.amqp
+  bounds it), so the delivery is judged and what is queued around it is stored.
+- With the documented delivery-limit policy, a message no receiver ever acks is
+  dead-lettered by RabbitMQ into ``<service>:dead_letter`` (the inbox queue's own
+  dead-letter arguments route it there).
 - Body bytes held unacked are bounded, whatever the prefetch count allows.
 """
 
@@ -24,6 +23,7 @@ from framework.db import conninfo
 from framework.receiver import Delivery, Intake, Receiver, ReceiverConfig
 from framework.receiver.intake import InboxRow
 from framework.receiver.store import insert_rows
+from framework.redaction import redact_bytes
 from framework.service import Service
 from tests import support
 from tests.apps.helpers import place_order, publish, query, queue_depth, running, scalar
@@ -62,49 +62,48 @@ def _publish_deep_headers(amqp_url: str, body: bytes, depth: int) -> None:
     assert not failure, failure
 
 
-def test_a_delivery_no_client_can_decode_reaches_the_dead_letter_queue_by_the_delivery_limit(
+def test_header_tables_deeper_than_pika_decodes_are_judged_and_the_rest_is_stored(
     service: Service, database_url: str, amqp_url: str
 ) -> None:
-    """Prefetched beside it, the innocent deliveries are stored, not dead-lettered with it."""
+    """Prefetched beside it, the innocent deliveries are stored; the deep one ends in a defined outcome."""
     topology.declare(service.settings, service.registry)
     before = [place_order(aggregate_id=f"b{n}") for n in range(5)]
     after = [place_order(aggregate_id=f"a{n}") for n in range(5)]
+    deep = place_order()
     publish(amqp_url, [json.dumps(m).encode() for m in before])
-    _publish_deep_headers(amqp_url, json.dumps(place_order()).encode(), 2_000)
+    _publish_deep_headers(amqp_url, json.dumps(deep).encode(), 2_000)
     publish(amqp_url, [json.dumps(m).encode() for m in after])
-    dead_queue = names.dead_letter_queue(service.name)
+    ids = "SELECT id::text FROM txbox.inbox UNION ALL SELECT message_id::text FROM txbox.dead_letters"
     with running(Receiver(service, ReceiverConfig(prefetch=100, batch_size=50))):
-        support.wait_until(
-            lambda: queue_depth(amqp_url, dead_queue) == 1,
-            120,
-            message="RabbitMQ to dead-letter the undecodable delivery after its delivery limit",
-        )
-        support.wait_until(
-            lambda: scalar(database_url, "SELECT count(*) FROM txbox.inbox") == 10,
-            60,
-            message="the messages around it to be stored",
-        )
-    stored = {str(r[0]) for r in query(database_url, "SELECT id FROM txbox.inbox")}
-    assert stored == {m["message_id"] for m in before + after}
+        support.wait_until(lambda: len(query(database_url, ids)) == 11, 60, message="every delivery settled")
+    assert sorted(r[0] for r in query(database_url, ids)) == sorted(m["message_id"] for m in (*before, deep, *after))
     assert queue_depth(amqp_url, names.inbox_queue(service.name)) == 0
-    assert queue_depth(amqp_url, dead_queue) == 1, "only the undecodable delivery is dead-lettered"
 
 
-def test_an_inbox_queue_declared_without_the_limit_keeps_working(
-    service: Service, database_url: str, amqp_url: str
-) -> None:
-    plan = topology.plan(service.settings, service.registry)
-    inbox = next(q for q in plan.queues if q.name == names.inbox_queue(service.name))
-    assert inbox.arguments[topology.DELIVERY_LIMIT_ARG] == topology.INBOX_DELIVERY_LIMIT
+def test_the_delivery_limit_policy_dead_letters_what_no_receiver_acks(service: Service, amqp_url: str) -> None:
+    topology.declare(service.settings, service.registry)
+    vhost = pika.URLParameters(amqp_url).virtual_host
+    policy = {"pattern": names.INBOX_QUEUE_PATTERN, "definition": {"delivery-limit": 2}, "apply-to": "queues"}
+    support.mgmt("PUT", f"/policies/{support.vhost_path(vhost)}/txbox-inbox-limit", policy)
+    inbox = names.inbox_queue(service.name)
+    support.wait_until(
+        lambda: support.queue_info(vhost, inbox).get("effective_policy_definition"), 30, message="policy applied"
+    )
+    publish(amqp_url, [json.dumps(place_order()).encode()])
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
-    old = {k: v for k, v in inbox.arguments.items() if k != topology.DELIVERY_LIMIT_ARG}
-    connection.channel().queue_declare(inbox.name, durable=True, arguments=old)
-    connection.close()
-    topology.declare(service.settings, service.registry)  # no 406: the queue is kept as it is
-    message = place_order()
-    with running(Receiver(service, ReceiverConfig(prefetch=10, batch_size=5))):
-        publish(amqp_url, [json.dumps(message).encode()])
-        support.wait_until(lambda: scalar(database_url, "SELECT count(*) FROM txbox.inbox") == 1, 30, message="stored")
+    try:
+        channel = connection.channel()
+        for _ in range(10):  # a receiver that dies holding it, again and again
+            method, _, _ = channel.basic_get(inbox)
+            if method is None:
+                break
+            channel.basic_nack(method.delivery_tag, requeue=True)
+    finally:
+        connection.close()
+    support.wait_until(
+        lambda: queue_depth(amqp_url, names.dead_letter_queue(service.name)) == 1, 30, message="dead-lettered"
+    )
+    assert queue_depth(amqp_url, inbox) == 0
 
 
 def test_body_bytes_held_unacked_are_bounded_while_the_database_is_slow(
@@ -188,7 +187,7 @@ def test_a_failure_of_our_own_while_settling_dead_letters_the_group_as_internal_
         )
     [(reason, raw, error)] = query(database_url, "SELECT reason, raw_body, error FROM txbox.dead_letters")
     assert reason == "internal_error" and "a bug of ours" in error
-    assert json.loads(raw) == victim
+    assert raw.encode() == redact_bytes(json.dumps(victim).encode())  # as received, but for secrets
     assert [str(r[0]) for r in query(database_url, "SELECT id FROM txbox.inbox")] == [after["message_id"]]
     assert queue_depth(amqp_url, names.inbox_queue(service.name)) == 0
 

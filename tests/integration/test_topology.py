@@ -118,7 +118,6 @@ def test_declares_exactly_design_section_5_and_twice_is_a_no_op(
         "x-queue-type": queue_type,
         "x-dead-letter-exchange": "dead_letter",
         "x-dead-letter-routing-key": "order-service.dead_letter",
-        **({"x-delivery-limit": topology.INBOX_DELIVERY_LIMIT} if queue_type == "quorum" else {}),
     }
     assert queues["order-service:inbox"]["type"] == queue_type
     assert queues["order-service:dead_letter"]["arguments"] == {"x-queue-type": queue_type}
