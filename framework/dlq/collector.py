@@ -228,7 +228,9 @@ def _letter_from_delivery(
         headers=headers,
         attempts=attempts,
     )
-    return letter, _delivery_key(str(message_id or ""), body, [deaths, first_queue, first_reason])
+    # The whole header table and the properties: two deliveries with one body and no
+    # readable x-death (say, malformed in two ways) are two letters, a redelivery one.
+    return letter, _delivery_key(str(message_id or ""), body, headers)
 
 
 def _raw_needed(envelope: dict[str, Any] | None, body: bytes) -> bool:

@@ -38,7 +38,10 @@ ROUTES: dict[str, tuple[str, str]] = {  # route → (exchange, routing key)
     "retry": ("retry", f"{SERVICE}:inbox.{COMMAND_KEY}"),  # as a delayed retry comes back
     "dead_letter": ("dead_letter", f"{SERVICE}.dead_letter"),
 }
-INBOX_ROUTES = ("command", "inbox", "retry")
+# Routes a valid message may take. Straight into the queue is no contract's route: the
+# receiver dead-letters what comes that way as wrong_route (hostile cases use it).
+INBOX_ROUTES = ("command", "retry")
+HOSTILE_ROUTES = ("command", "inbox", "retry")
 EXPECTATIONS = ("valid", "dup_same", "dup_conflict", "hostile", "either", "collected")
 
 
@@ -354,7 +357,7 @@ def hostile_bodies(draw: st.DrawFn) -> tuple[bytes, str, str]:
 def hostile_cases(draw: st.DrawFn) -> Case:
     body, what, expect = draw(hostile_bodies())
     props = draw(plain_properties(hostile=True))
-    return Case(expect, draw(st.sampled_from(INBOX_ROUTES)), body, props, what)
+    return Case(expect, draw(st.sampled_from(HOSTILE_ROUTES)), body, props, what)
 
 
 def _x_death() -> st.SearchStrategy[Any]:
@@ -453,7 +456,7 @@ def landmarks() -> list[list[Case]]:
     deep_960 = with_raw(envelope(uuid.uuid4()), "message_context", '{"deep":' + deep_json(960, "object") + "}")
     third = uuid.uuid4()
     original = Case("valid", "command", dumps(envelope(first)), props(), "valid", first)
-    return [[original, duplicate(original, conflicting=False, route="inbox"),
+    return [[original, duplicate(original, conflicting=False, route="command"),
              duplicate(original, conflicting=True, route="retry")]] + [[case] for case in [
         Case("hostile", "command", dumps(envelope(uuid.uuid4()))[:-5], props(), "truncated envelope"),
         Case("hostile", "inbox", b"\xff\xfe\x00junk", props(), "random bytes"),
@@ -461,9 +464,10 @@ def landmarks() -> list[list[Case]]:
         Case("hostile", "retry", big, props(), "70000+ bytes"),
         Case("either", "command", deep_context, props(), "message_context nested 3000 deep (mixed)"),
         Case("hostile", "command", deep_payload, props(), "payload nested 500 deep (object)"),
-        Case("either", "inbox", deep_960, props(), "message_context nested 960 deep (object)"),
+        Case("either", "command", deep_960, props(), "message_context nested 960 deep (object)"),
         Case("valid", "command", dumps(envelope(third)), props(b=b"\x00"), "valid, a bytes header holding NUL", third),
-        Case("valid", "inbox", dumps(envelope(second)), props(deep=deep_table(1500, "object")),
+        Case("hostile", "inbox", dumps(envelope(uuid.uuid4())), props(), "valid envelope, straight into the queue"),
+        Case("valid", "command", dumps(envelope(second)), props(deep=deep_table(1500, "object")),
              "valid, header table nested 1500 deep", second),
         Case("collected", "dead_letter", b"not json", props(**{"x-death": "not a list"}), "x-death a string"),
         Case("collected", "dead_letter", b"not json", props(**{"x-death": [1, "two"]}), "x-death entries not tables"),
