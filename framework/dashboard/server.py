@@ -20,19 +20,47 @@ import uvicorn
 from starlette.applications import Starlette
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from framework.dashboard.security import SECURITY_HEADERS
+
 MAX_HEADER_BYTES = 16 * 1024
 
 
+def plain_response(status: int, reason: str, text: str) -> bytes:
+    """A whole HTTP/1.1 response, closing, with the security headers every page carries."""
+    body = text.encode("utf-8")
+    headers = {
+        "content-type": "text/plain; charset=utf-8",
+        "content-length": str(len(body)),
+        "connection": "close",
+        "cache-control": "no-store",
+        **SECURITY_HEADERS,
+    }
+    head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return head.encode("latin-1") + b"\r\n" + body
+
+
 class HeaderTimeoutProtocol(H11Protocol):
-    """h11 with a deadline for a request's headers: armed at connect and after each response."""
+    """h11 with a deadline for a request's headers (armed at connect and after each
+    response), a bound on open connections, and the security headers on the answers the
+    protocol gives itself (a malformed request's 400, the connection limit's 503), which
+    never reach the app's middleware."""
 
     header_timeout = 10.0  # set per server by :func:`protocol_with`
+    max_connections = 64
     _header_timer: asyncio.TimerHandle | None = None
     _waiting_for: Any = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.connections) > self.max_connections:  # this one counts already
+            transport.write(plain_response(503, "Service Unavailable", "too many connections: try again later"))
+            transport.close()
+            return
         self._arm()
+
+    def send_400_response(self, msg: str) -> None:
+        self.transport.write(plain_response(400, "Bad Request", msg))
+        self.transport.close()
 
     def _arm(self) -> None:
         self._waiting_for = self.cycle
@@ -64,8 +92,12 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().connection_lost(exc)
 
 
-def protocol_with(header_timeout: float) -> type[HeaderTimeoutProtocol]:
-    return type("DashboardProtocol", (HeaderTimeoutProtocol,), {"header_timeout": float(header_timeout)})
+def protocol_with(header_timeout: float, max_connections: int) -> type[HeaderTimeoutProtocol]:
+    return type(
+        "DashboardProtocol",
+        (HeaderTimeoutProtocol,),
+        {"header_timeout": float(header_timeout), "max_connections": int(max_connections)},
+    )
 
 
 def config(
@@ -82,8 +114,7 @@ def config(
         app,
         host=host,
         port=port,
-        http=protocol_with(header_timeout),
-        limit_concurrency=max_connections,
+        http=protocol_with(header_timeout, max_connections),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_keep_alive=5,
         log_level="warning",

@@ -182,6 +182,9 @@ def test_headers_must_arrive_in_time_and_connections_are_limited(database_url: s
             support.wait_until(
                 lambda: http(base + "/healthz")[0] == 503, timeout=5, message="the connection limit to answer 503"
             )
+            _, headers, _ = http(base + "/healthz")
+            for name, value in SECURITY_HEADERS.items():  # the protocol's own answer, not the app's
+                assert headers[name] == value, name
         finally:
             for s in idle:
                 s.close()
@@ -189,6 +192,10 @@ def test_headers_must_arrive_in_time_and_connections_are_limited(database_url: s
 
 
 def test_error_pages_carry_the_security_headers(secured: str, database_url: str) -> None:
+    status, got = raw_request(secured, "GET", "/", {})  # no Host at all: refused by the protocol, not the app
+    assert status == 400
+    for name, value in SECURITY_HEADERS.items():
+        assert got[name] == value, ("no Host", name)
     for path, headers, expected in (
         ("/nope", BEARER, 404),
         ("/api/letters?page=x", BEARER, 400),
