@@ -60,7 +60,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from framework import db, jsoncodec, names
+from framework import db, jsoncodec, names, redaction
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.daemon import Daemon, Reconnect
@@ -674,7 +674,10 @@ class Worker(Daemon):
             raise exc
 
     def _classify(self, claimed: Claimed, exc: BaseException) -> None:
-        text = _describe(exc)
+        # A handler's error text is logged and stored (last_error, the dead letter): never
+        # with the message's auth_token in it (docs/architecture.md, "Secrets").
+        token = claimed.message.auth_token
+        text = redaction.scrub_values(redaction.redact_text(_describe(exc)), [token] if token else [])
         if isinstance(exc, PermanentError):
             self._abandon(claimed, dl.PERMANENT_ERROR, text, error_type=type(exc).__name__)
             return

@@ -63,3 +63,31 @@ def test_a_retry_runs_with_the_token_and_a_settled_row_keeps_none(service: Servi
         assert "auth_token" not in metadata and metadata["fields"]["delivery_tag"] >= 1  # the rest is kept
     [(letter,)] = query(database_url, "SELECT message FROM txbox.dead_letters")
     assert "auth_token" not in letter and letter["payload"]["quantity"] == 9
+
+
+class Leaks(CommandHandler):
+    """A handler whose error texts carry the token: once bare, once as ``auth_token=...``."""
+
+    message_type = "PlaceOrder"
+
+    def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+        if message.payload["quantity"] == 9:
+            raise PermanentError(f"refused for auth_token={message.auth_token}")
+        raise RetryableError(f"upstream said no to {message.auth_token}")
+
+
+def test_a_handlers_error_text_never_carries_the_token(service: Service, database_url: str, caplog: Any) -> None:
+    service.register(Leaks())
+    retried, rejected = place_order(aggregate_id="1"), place_order(aggregate_id="2", quantity=9)
+    store_in_inbox(service, [retried, rejected])
+    with running(Worker(service, WorkerConfig(**FAST))):  # type: ignore[arg-type]
+        support.wait_until(
+            lambda: scalar(database_url, "SELECT count(*) FROM txbox.inbox WHERE last_error IS NOT NULL") == 2,
+            20,
+            message="both failed once",
+        )
+    errors = [r[0] for r in query(database_url, "SELECT last_error FROM txbox.inbox")]
+    errors += [r[0] for r in query(database_url, "SELECT error FROM txbox.dead_letters")]
+    assert errors and all("upstream said no" in e or "refused for" in e for e in errors[:2])
+    for text in [*errors, caplog.text]:
+        assert "secret-token" not in text
