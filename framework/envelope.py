@@ -1,4 +1,4 @@
-"""The message envelope of DESIGN §2 (the Mosaic format), strict parsing and serialization.
+"""The message envelope (the Mosaic format, docs/architecture.md "The envelope"), strict parsing and serialization.
 
 Parsing never trusts its input: every malformation raises :class:`EnvelopeError` with a
 stable ``reason`` code (used as the dead-letter reason) and the field at fault.
@@ -74,7 +74,7 @@ class Message:
         return replace(self, attempt=attempt, max_attempts=max_attempts)
 
     def to_dict(self) -> dict[str, Any]:
-        """The envelope as JSON-ready dict, in the field order of DESIGN §2."""
+        """The envelope as JSON-ready dict, in the field order of docs/architecture.md, "The envelope"."""
         out: dict[str, Any] = {
             "payload": self.payload,
             "message_context": self.message_context,

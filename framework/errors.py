@@ -5,7 +5,7 @@ boundary, so callers catch one root and branch on types that say what went wrong
 
 Two branches are control flow for handler authors rather than faults of txbox:
 :class:`RetryableError` (settle as FAILED: retry later) and :class:`PermanentError`
-(settle as REJECTED: straight to the dead letters), the outcomes of seed 001.
+(settle as REJECTED: straight to the dead letters), the outcomes of docs/architecture.md, "Outcomes".
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Problem:
 
 
 class AssemblyError(TxboxError):
-    """`Service.check()` found a graph that does not fit (seed 000): fail fast at start."""
+    """`Service.check()` found a graph that does not fit: fail fast at start."""
 
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
@@ -59,7 +59,7 @@ class AssemblyError(TxboxError):
 
 
 class EnvelopeError(TxboxError):
-    """A message body is not a valid envelope (DESIGN §2).
+    """A message body is not a valid envelope.
 
     ``reason`` is a stable code used as the dead-letter reason; ``field`` names the
     envelope field at fault when there is one.

@@ -1,4 +1,4 @@
-"""Handler base classes users subclass (DESIGN §7).
+"""Handler base classes users subclass.
 
 A handler runs inside the worker's transaction that marks its inbox row processed:
 whatever it writes through ``session`` and ``outbox`` commits exactly once with that

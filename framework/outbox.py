@@ -1,4 +1,4 @@
-"""Transactional outbox writes: one row in the caller's own transaction (DESIGN §6, §7).
+"""Transactional outbox writes: one row in the caller's own transaction.
 
 The row commits or rolls back with the business data it belongs to; the publisher
 relays it afterwards. A row written at the top level of a transaction is sent with its
@@ -68,7 +68,7 @@ class Outbox:
     """Writes messages into the outbox within ``session``'s current transaction.
 
     Get one from ``service.outbox(session)``; inside a handler the worker passes one in,
-    which copies the incoming ``message_context`` into everything written (seed 003).
+    which copies the incoming ``message_context`` into everything written.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""`Service`: one service's settings, contracts, handlers and the assembly check (DESIGN §7)."""
+"""`Service`: one service's settings, contracts, handlers and the assembly check."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ class Service:
         return problems
 
     def check(self) -> list[Problem]:
-        """Assembly validation (seed 000): raise AssemblyError naming every misfit.
+        """Assembly validation: raise AssemblyError naming every misfit.
 
         Returns the warnings when nothing is wrong.
         """

@@ -1,4 +1,4 @@
-"""SQLAlchemy metadata of the framework's tables (DESIGN §4).
+"""SQLAlchemy metadata of the framework's tables.
 
 The tables are declared in schema ``txbox``; a service that configures another schema
 gets it through ``schema_translate_map`` (see :func:`translate_map`), so only the
@@ -120,7 +120,7 @@ redeliveries = Table(
     Column("count", Integer, nullable=False, server_default="1"),
     Column("first_seen", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
     Column("last_seen", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
-    comment="Redelivery counter of seed 003: survives a receiver that crashes on a delivery.",
+    comment="Redelivery counter: survives a receiver that crashes on a delivery.",
 )
 
 dead_letters = Table(

@@ -94,7 +94,7 @@ class _Base(DeclarativeBase):
 
 
 class Handled(_Base):
-    """The business row of both handlers. Added the ORM way of DESIGN §7, as the worker
+    """The business row of both handlers. Added through the ORM, as the worker
     bench does: the worker flushes a batch's rows together (one multi-row INSERT), where
     a handler's own ``session.execute(INSERT ...)`` would pay a round trip per message.
     ``handled_at`` is the server's ``clock_timestamp()`` at that flush, just before the

@@ -1,4 +1,4 @@
-"""The output format of `txbox bench` (DESIGN §8)."""
+"""The output format of `txbox bench`."""
 
 from __future__ import annotations
 

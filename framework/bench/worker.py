@@ -48,7 +48,7 @@ class BenchOrder(_Base):
 
 
 class StoreOrder(CommandHandler):
-    """The trivial handler of DESIGN §10: one business row per message, the ORM way of DESIGN §7."""
+    """The trivial handler of the worker bar: one business row per message, added through the ORM."""
 
     message_type = "PlaceOrder"
 

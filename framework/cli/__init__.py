@@ -1,4 +1,4 @@
-"""The `txbox` command (DESIGN §8).
+"""The `txbox` command.
 
 Each sub-command lives in its own module exposing ``configure(parser)`` and
 ``run(args) -> int``; only the chosen one is imported, so `txbox --help` stays fast and
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from framework import redaction
 from framework.errors import TxboxError
 
-# name → (module, one-line help). The fixed names of DESIGN §8 first.
+# name → (module, one-line help). The public command names first.
 COMMANDS: dict[str, tuple[str, str]] = {
     "migrate": ("framework.cli.migrate", "apply the framework's migrations (--sql prints them)"),
     "topology": ("framework.cli.topology", "declare exchanges, queues and bindings"),

@@ -1,4 +1,4 @@
-"""`txbox analyze`: the Spark reconciliation and analytics job (DESIGN §8).
+"""`txbox analyze`: the Spark reconciliation and analytics job.
 
 Sources: ``--source service=url`` (repeatable), ``--sources-file FILE``, else the
 service of ``TXBOX_SERVICE`` / ``TXBOX_DATABASE_URL``. Everything is validated before

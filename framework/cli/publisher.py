@@ -1,4 +1,4 @@
-"""`txbox publisher`: run the outbox relay daemon (DESIGN §6)."""
+"""`txbox publisher`: run the outbox relay daemon."""
 
 from __future__ import annotations
 

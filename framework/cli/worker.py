@@ -22,7 +22,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     service = load_service(args)
-    for warning in service.check():  # assembly validation (seed 000): fail fast naming the misfit
+    for warning in service.check():  # assembly validation: fail fast naming the misfit
         print(f"txbox worker: {warning}")
     config = WorkerConfig.from_env(batch_size=args.batch_size, segment_policy=args.segment_policy)
     metrics.serve(args.metrics_port)

@@ -1,4 +1,4 @@
-"""Dead-letter tooling: the collector, queries, replay and discard (DESIGN §4, §8).
+"""Dead-letter tooling: the collector, queries, replay and discard.
 
 Every message that gave up is one row of ``txbox.dead_letters``. This package reads
 those rows (``queries``), drains the broker's ``<service>:dead_letter`` queue into them

@@ -7,7 +7,7 @@ connection and channel; callers hand messages over through a queue and one
 ``ioloop.add_callback_threadsafe`` wake-up per burst (not per message), because that
 call writes to a pipe.
 
-Completion semantics (seed 004, the Jakarta Messaging async-send rules):
+Completion semantics (the Jakarta Messaging async-send rules, docs/architecture.md "Direct sends"):
 
 - a send completes when the broker confirms it (``basic.ack``), or fails with
   :class:`~framework.errors.PublishError` when it is nacked, returned as unroutable
@@ -170,7 +170,7 @@ class Publisher:
     ) -> Future[None]:
         """Send one persistent message; the Future completes on confirm or fails with PublishError.
 
-        ``callback`` (seed 004's completion listener) is attached before the message is
+        ``callback`` (a completion listener) is attached before the message is
         sent, so it always runs on the I/O thread, in send order. One added later with
         ``add_done_callback`` runs at once, on the caller's thread, if the send has
         completed meanwhile.

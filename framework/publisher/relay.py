@@ -12,7 +12,7 @@ Outcomes of one publish:
 
 - confirmed → published;
 - returned unroutable: a command is a failure (nobody accepts it: likely a missing
-  binding), an event is published (nobody subscribed, seed 003);
+  binding), an event is published (nobody subscribed);
 - nacked / unroutable command / confirm timeout → ``finished_attempts + 1``, backoff via
   ``locked_until``; after ``max_attempts`` abandoned with a dead letter, in one transaction;
 - connection lost / publisher closed → the lease is released at once (no attempt is
@@ -131,7 +131,7 @@ class Claimed(NamedTuple):
     auth_token: str | None
     correlation_id: str | None
     priority: int
-    stamp: str  # created_at as DESIGN §2 formats it (UTC, milliseconds, Z)
+    stamp: str  # created_at as the envelope formats it (UTC, milliseconds, Z)
     epoch: int  # created_at in whole seconds (the AMQP timestamp property)
     started_attempts: int
     finished_attempts: int
@@ -143,10 +143,11 @@ _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def envelope_body(row: Claimed) -> bytes:
-    """The DESIGN §2 envelope, assembled from the row's JSON text without parsing it again.
+    """The envelope, assembled from the row's JSON text without parsing it again.
 
     Payload and context come out of PostgreSQL as JSON text already; splicing them saves
-    a parse and a dump per message on the hot path. Field order is that of DESIGN §2.
+    a parse and a dump per message on the hot path. Field order is the envelope's
+    (docs/architecture.md, "The envelope").
     """
     parts = [
         '{"payload":',

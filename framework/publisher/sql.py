@@ -74,7 +74,7 @@ _PROBE = f"""NOT EXISTS (
 
 # Take the locked rows: the lease and the attempt in one UPDATE, found by ``ctid``, and
 # return them in claim order. Text that the envelope needs verbatim (id, JSON, the
-# timestamp in the DESIGN §2 format) is rendered by PostgreSQL in C rather than
+# timestamp in the envelope's format) is rendered by PostgreSQL in C rather than
 # parsed into Python objects and formatted again per message.
 _TAKE = """, taken AS (
 UPDATE {outbox} t

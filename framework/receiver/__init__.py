@@ -1,4 +1,4 @@
-"""The receiver: `<service>:inbox` → txbox.inbox, exactly once per message id (DESIGN §6)."""
+"""The receiver: `<service>:inbox` → txbox.inbox, exactly once per message id."""
 
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.daemon import Receiver

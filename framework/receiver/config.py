@@ -9,7 +9,7 @@ from framework import names
 from framework.errors import ConfigurationError
 from framework.settings import Seconds, load, parse_duration, setting
 
-DEFAULT_SCHEDULE = "10s*4,30s*4"  # DESIGN §5: 4 x 10 s, 4 x 30 s, then one final try
+DEFAULT_SCHEDULE = "10s*4,30s*4"  # 4 x 10 s, 4 x 30 s, then one final try
 _STEP = re.compile(r"^\s*([0-9.]+\s*(?:ms|s|m|h)?)\s*(?:\*\s*(\d+))?\s*$")
 
 
@@ -54,7 +54,7 @@ class ReceiverConfig:
         "TXBOX_RECEIVER_REDELIVERY_LIMIT",
         "5",
         default=5,
-        help="redeliveries of one message before it is dead-lettered (seed 003)",
+        help="redeliveries of one message before it is dead-lettered",
     )
     retry_schedule: str = setting(
         "TXBOX_RECEIVER_RETRY_SCHEDULE",

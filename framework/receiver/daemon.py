@@ -1,4 +1,4 @@
-"""The receiver daemon: inbox queue → txbox.inbox, acked only after commit (DESIGN §6).
+"""The receiver daemon: inbox queue → txbox.inbox, acked only after commit.
 
 The loop collects deliveries for up to ``batch_size`` messages (waiting up to
 ``batch_wait`` for more only while the previous batch is still being written), parses
@@ -11,7 +11,7 @@ acks the batch with one ``basic_ack(multiple=True)``. Three paths leave the happ
   txbox.redeliveries in its own committed transaction *before* it is touched, and
   handled alone, so one poisonous delivery cannot drag its batch mates to the limit;
 - PostgreSQL unavailable: each delivery is republished to the ``delay`` exchange with
-  its attempt number and acked only once the broker confirmed the copy (DESIGN §5); after
+  its attempt number and acked only once the broker confirmed the copy; after
   the final attempt the copy goes, confirmed the same way, to ``<service>:dead_letter``.
 """
 
@@ -487,7 +487,7 @@ class Receiver(Daemon):
             metrics.REJECTED.labels(reason=INTERNAL_ERROR, **self._labels).inc()
             channel.basic_ack(delivery.delivery_tag)
 
-    # --- PostgreSQL down: the delay/retry chain of DESIGN §5 ---------------------------
+    # --- PostgreSQL down: the delay/retry chain ---------------------------
 
     def _retry_later(self, group: Sequence[Delivery], channel: Any, publish_channel: Any) -> None:
         """Park each delivery in a delay queue, or give it up to ``<service>:dead_letter``.

@@ -1,7 +1,7 @@
 """From a raw delivery to an inbox row or a rejection — pure, so every case is unit-tested.
 
 Every malformation ends as a :class:`~framework.dead_letters.DeadLetter` with a stable
-reason code and the raw body; nothing here raises for bad input (seed 001: REJECTED).
+reason code and the raw body; nothing here raises for bad input (outcome REJECTED).
 """
 
 from __future__ import annotations

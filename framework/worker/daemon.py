@@ -1,4 +1,4 @@
-"""The worker daemon: runs handlers exactly once per inbox row (DESIGN §6, seeds 001/003).
+"""The worker daemon: runs handlers exactly once per inbox row.
 
 One cycle:
 
