@@ -393,8 +393,8 @@ def _uuid_or_none(value: Any) -> uuid.UUID | None:
 
 
 def encode_body(body: bytes) -> tuple[str, str]:
-    """Raw body for storage, secrets redacted: text when it is UTF-8 without NUL, else base64."""
-    body = redaction.redact_bytes(body)
+    """Raw body for storage: text when it is UTF-8 without NUL, else base64 (redacting is
+    :func:`stored_body`'s, before the cut)."""
     try:
         text = body.decode("utf-8")
         if "\x00" not in text:

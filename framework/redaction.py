@@ -230,7 +230,7 @@ def scrub_letter(letter: Any) -> None:
 
     ``letter`` is a :class:`framework.dead_letters.DeadLetter` (not imported: it imports
     this module). Its raw body is redacted when encoded for storage
-    (:func:`framework.dead_letters.encode_body`), which the collector's fallback uses too.
+    (:func:`framework.dead_letters.stored_body`, the one place every writer's body goes through).
     """
     keys = sensitive_keys()
     secrets = found_tokens(letter.message) + found_tokens(letter.headers)
