@@ -26,7 +26,7 @@ NOT_ACCEPTED = "not_accepted"  # a known type this service neither accepts nor s
 UNSTORABLE = "unstorable"  # PostgreSQL refused the row for a reason of the data (e.g. \u0000 in JSON)
 ID_CONFLICT = "id_conflict"  # the inbox holds this message id with other content (docs/architecture.md)
 WRONG_ROUTE = "wrong_route"  # the message came by another route than its contract gives it
-INTERNAL_ERROR = "internal_error"  # last resort: the receiver failed on it; what could be kept is kept
+INTERNAL_ERROR = dl.INTERNAL_ERROR  # last resort: the receiver failed on it; what could be kept is kept
 
 # Control headers only our own daemons may set (honoured from trusted broker users only).
 CONTROL_HEADERS = (
