@@ -120,7 +120,8 @@ redeliveries = Table(
     Column("count", Integer, nullable=False, server_default="1"),
     Column("first_seen", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
     Column("last_seen", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
-    comment="Redelivery counter: survives a receiver that crashes on a delivery.",
+    # The table comment as migration 0001 wrote it (frozen history: the drift test compares it).
+    comment="Redelivery counter of seed 003: survives a receiver that crashes on a delivery.",
 )
 
 dead_letters = Table(
