@@ -8,6 +8,7 @@ with it followed by a colon ("Dedup memory" for "Dedup memory: inbox tombstones 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -30,16 +31,17 @@ def headings() -> list[str]:
 
 
 def citing_files() -> list[Path]:
+    this = Path(__file__).resolve()
     files: list[Path] = []
     for entry in SEARCHED:
         path = ROOT / entry
-        candidates = [path] if path.is_file() else sorted(path.rglob("*"))
-        files += [
-            p
-            for p in candidates
-            if p.is_file() and p.suffix in SUFFIXES and not SKIPPED_PARTS & set(p.parts) and p != Path(__file__)
-        ]
-    return files
+        if path.is_file():
+            files.append(path)
+            continue
+        for folder, subfolders, names in os.walk(path):
+            subfolders[:] = sorted(d for d in subfolders if d not in SKIPPED_PARTS)
+            files += [Path(folder, n) for n in sorted(names) if Path(n).suffix in SUFFIXES]
+    return [f for f in files if f != this]
 
 
 def citations(text: str) -> list[str]:
