@@ -1,4 +1,4 @@
-"""Outbox rows that travel with the caller's COMMIT (issue 2: writing must be cheap).
+"""Outbox rows that travel with the caller's COMMIT (writing must be cheap: docs/architecture.md, "The flow").
 
 A one-row business transaction is a few round trips: BEGIN, its statement and COMMIT.
 An outbox INSERT of its own would be one more, and parsing and planning a wide INSERT

@@ -3,7 +3,7 @@
 Both variants are commit-bound one-row business transactions through a SQLAlchemy
 Session, as a user writes them; the raw limit is the business transaction alone,
 measured in the same run and interleaved in rounds so machine noise hits both alike.
-Bar (issue 2): with the outbox row the rate is at least 1/1.25 = 0.8 of the raw one.
+Bar (README, "Benchmarks"): with the outbox row the rate is at least 1/1.25 = 0.8 of the raw one.
 """
 
 from __future__ import annotations

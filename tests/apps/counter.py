@@ -3,8 +3,9 @@
 Every ``Count`` command adds one to the row of its message id in ``counters``, in the
 worker's transaction: a message applied twice shows as 2, a lost one as a missing row.
 A payload with ``"crash": true`` ends the process inside the handler (``os._exit``), the
-way a segfault or the OOM killer would: the poison case of seed 003. ``"sleep": s`` blocks
-the handler in C for ``s`` seconds (a timeout that cannot interrupt it).
+way a segfault or the OOM killer would: the poison case (docs/architecture.md,
+"Guarantees and how they are kept"). ``"sleep": s`` blocks the handler in C for ``s``
+seconds (a timeout that cannot interrupt it).
 
 Run: ``txbox worker --app tests.apps.counter:service`` with ``TXBOX_DATABASE_URL`` and
 ``TXBOX_AMQP_URL`` set (the contracts folder is this app's own).

@@ -1,4 +1,4 @@
-"""PostgreSQL down: deliveries go round the delay/retry chain of DESIGN §5, nothing is lost.
+"""PostgreSQL down: deliveries go round the delay/retry chain (docs/architecture.md, "The topology"), nothing is lost.
 
 The database is a private cluster this test owns (initdb + pg_ctl on a free port, run as
 the ``postgres`` user), so it can be stopped and started again without disturbing

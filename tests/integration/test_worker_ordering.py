@@ -1,4 +1,7 @@
-"""Ordering (seed 002): sequential segments strictly in order with several workers."""
+"""Ordering: sequential segments strictly in order with several workers.
+
+docs/architecture.md, "Guarantees and how they are kept".
+"""
 
 from __future__ import annotations
 

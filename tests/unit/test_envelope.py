@@ -9,7 +9,7 @@ import pytest
 from framework.envelope import Message, parse_message
 from framework.errors import EnvelopeError
 
-# The example envelope of seed 003 / DESIGN §2, verbatim.
+# The sample envelope of Mosaic's guide (docs/architecture.md, "The envelope"), verbatim.
 SEED_ENVELOPE = """{
 "payload":{"title": "Example Title 1", "count": 3},
 "message_context":{"example_correlation_id": "9b9824d7-5af1-45c2-9f5d-32423f0d6d39"},

@@ -1,4 +1,4 @@
-"""The example services assemble (seed 000) and their models match their migrations."""
+"""The example services assemble and their models match their migrations."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_example_service_assembles(module: str, name: str, handled: set[str]) ->
 
 
 def test_examples_use_only_the_public_api() -> None:
-    """DESIGN §7: a service is what a user writes, so it imports only `framework`'s top level.
+    """A service is what a user writes, so it imports only `framework`'s top level.
 
     (The demo driver and the migration helper around the services are tooling.)
     """

@@ -1,4 +1,7 @@
-"""framework.Publisher, the confirm-tracking publisher for direct sends (seed 004), on a real broker."""
+"""framework.Publisher, the confirm-tracking publisher for direct sends, on a real broker.
+
+docs/architecture.md, "Direct sends".
+"""
 
 from __future__ import annotations
 
