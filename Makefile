@@ -1,13 +1,17 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test lint bench fuzz
+.PHONY: setup setup-test demo test lint bench fuzz
 
+# What the demo needs; `setup-test` adds the test tools, Chromium and the Node test peer.
 setup:
 	bash scripts/setup.sh
+
+setup-test:
+	bash scripts/setup.sh --for-test
 
 demo: setup
 	.venv/bin/txbox demo
 
-test: setup
+test: setup-test
 	bash scripts/test.sh
 
 # The daemon-level fuzz run, longer than the budget of `make test`:
@@ -17,12 +21,12 @@ EXAMPLES ?= 200
 BATCH ?= 40
 FUZZ_TIMEOUT ?= 7200
 FUZZ_LOGS ?= artifacts/fuzz-logs
-fuzz: setup
+fuzz: setup-test
 	TXBOX_FUZZ_SEED=$(SEED) TXBOX_FUZZ_EXAMPLES=$(EXAMPLES) TXBOX_FUZZ_BATCH=$(BATCH) TXBOX_FUZZ_LOG_DIR=$(FUZZ_LOGS) \
 		.venv/bin/pytest -p no:cacheprovider --timeout=$(FUZZ_TIMEOUT) tests/fuzz
 
 lint:
-	.venv/bin/ruff check framework tests migrations examples && .venv/bin/mypy
+	.venv/bin/ruff check framework tests migrations examples tools && .venv/bin/mypy
 
 bench: setup
 	for stage in relay receiver worker e2e latency analyze; do .venv/bin/txbox bench $$stage --json; done

@@ -49,13 +49,15 @@ from sqlalchemy.orm import Session
 
 from examples import migrate
 from framework import Service
-from framework.demo.processes import REPO, ProcessGroup, txbox_command
 from framework.errors import ConfigurationError, TxboxError
+from txbox_tools.processes import ProcessGroup, txbox_command
 
 ORDERS_APP = "examples.orders.app:service"
 INVENTORY_APP = "examples.inventory.app:service"
 DAEMONS = ("publisher", "receiver", "worker")
 DASHBOARD_PORT = 8470
+#: The clone this example lives in (the daemons' cwd, so ``--app examples...`` imports).
+REPO = Path(__file__).resolve().parents[1]
 
 
 class DemoFailed(TxboxError):

@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
-# Make this machine ready for txbox: a virtualenv with txbox and its extras, and the real
-# services it talks to (PostgreSQL, RabbitMQ with its management API, Java 17 and the
-# PostgreSQL JDBC driver for Spark, Chromium for the browser test).
+# Make this machine ready for txbox: a virtualenv with txbox, its extras and its development
+# tools (tools/: `txbox bench|chaos|demo`), and the real services it talks to (PostgreSQL,
+# RabbitMQ with its management API, Java 17 and the PostgreSQL JDBC driver for Spark).
+#
+#   scripts/setup.sh             what `make demo` needs
+#   scripts/setup.sh --for-test  what `make test` needs besides: the test tools (pytest, ruff,
+#                                mypy, Playwright), Chromium for the browser test, Node.js and
+#                                the Mosaic test peer for the interoperability test
 #
 # Idempotent: on a machine that has everything it only checks. Missing services are
 # started if installed, installed with apt when running as root, or else the script
-# stops and prints exactly what to run (DESIGN §9).
+# stops and prints exactly what to run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+FOR_TEST=
+case "${1:-}" in
+  --for-test) FOR_TEST=1 ;;
+  "") ;;
+  *) printf 'usage: scripts/setup.sh [--for-test]\n' >&2; exit 2 ;;
+esac
 
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 die() { printf '\033[31m[setup] %s\033[0m\n' "$*" >&2; exit 1; }
@@ -43,14 +55,25 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
   "$PYTHON" -m venv .venv || { apt_install python3-venv; "$PYTHON" -m venv .venv; }
 fi
+# pip and the build backend narrate (editable-install notes, index notices): their output goes
+# to a log, shown only when pip fails.
+PIP_LOG=.venv/pip.log
+pip_logged() {
+  .venv/bin/pip "$@" >>"$PIP_LOG" 2>&1 || { tail -n 40 "$PIP_LOG" >&2; die "pip $1 failed (whole log: $PIP_LOG)"; }
+}
+extras=spark,dashboard
 stamp=.venv/.txbox-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  say "installing txbox and its dependencies into .venv"
+if [ -n "$FOR_TEST" ]; then extras=$extras,dev; stamp=.venv/.txbox-installed-for-test; fi
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ tools/pyproject.toml -nt "$stamp" ]; then
+  say "installing txbox [$extras] and its development tools into .venv (log: $PIP_LOG)"
+  : >"$PIP_LOG"
   # The setuptools a new venv gets from ensurepip is old enough to have known holes
   # (CVE-2022-40897, CVE-2024-6345, CVE-2025-47273); the audit of `make test` would stop on it.
-  .venv/bin/pip install -q --upgrade pip "setuptools>=78.1.1"
-  .venv/bin/pip install -q -e ".[spark,dashboard,dev]"
+  pip_logged install --upgrade pip "setuptools>=78.1.1"
+  pip_logged install -e ".[$extras]" -e ./tools
   touch "$stamp"
+  # The test set-up installs everything the base one does.
+  [ -z "$FOR_TEST" ] || touch .venv/.txbox-installed
 fi
 
 # --- PostgreSQL --------------------------------------------------------------------
@@ -99,10 +122,18 @@ if ! api_up; then
   fi
 fi
 
-# --- Java 17 + JDBC driver for Spark, Chromium for the browser test ----------------
+# --- Java 17 + JDBC driver for Spark (the demo ends with `txbox analyze`) ------------
 java_ok() { command -v java >/dev/null && java -version 2>&1 | grep -Eq 'version "(1[7-9]|2[0-9])'; }
 java_ok || apt_install openjdk-17-jre-headless
 [ -f "$JDBC_JAR" ] || apt_install libpostgresql-jdbc-java
+
+ready="PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ 127.0.0.1:5672 (management :15672), $(java -version 2>&1 | head -n 1), $JDBC_JAR"
+if [ -z "$FOR_TEST" ]; then
+  say "ready: $ready"
+  exit 0
+fi
+
+# --- for the tests only: Chromium for the browser test -------------------------------
 [ -x /usr/bin/chromium ] || apt_install chromium
 
 # --- Node.js + the Mosaic test peer (tests/interop) ---------------------------------
@@ -122,4 +153,4 @@ if [ ! -f "$peer_stamp" ] || [ $PEER/package-lock.json -nt "$peer_stamp" ]; then
   touch "$peer_stamp"
 fi
 
-say "ready: PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ 127.0.0.1:5672 (management :15672), $(java -version 2>&1 | head -n 1), $JDBC_JAR, Node $(node --version)"
+say "ready for the tests: $ready, Node $(node --version)"

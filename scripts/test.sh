@@ -3,8 +3,8 @@
 # the real PostgreSQL and RabbitMQ that scripts/setup.sh made sure are running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/ruff check framework tests migrations examples
-.venv/bin/ruff format --check framework tests migrations examples
+.venv/bin/ruff check framework tests migrations examples tools
+.venv/bin/ruff format --check framework tests migrations examples tools
 .venv/bin/mypy
 # Known vulnerabilities in the installed set, from the vendored advisory copy (no network).
 .venv/bin/python scripts/audit.py

@@ -3,6 +3,11 @@
 Each sub-command lives in its own module exposing ``configure(parser)`` and
 ``run(args) -> int``; only the chosen one is imported, so `txbox --help` stays fast and
 `txbox migrate` never loads Spark or the web stack.
+
+Other distributions add sub-commands through the entry-point group :data:`COMMAND_GROUP`,
+each entry naming such a module with a one-line ``HELP`` besides; the repository's
+development tools (``bench``, ``chaos``, ``demo``) come that way, so the library's wheel
+holds none of them (docs/architecture.md, "The development tools").
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
+from types import ModuleType
 
 from framework import redaction
 from framework.errors import TxboxError
@@ -32,30 +39,84 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("framework.cli.dashboard", "the dead-letter and health dashboard (web)"),
     "analyze": ("framework.cli.analyze", "the Spark reconciliation and analytics job"),
     "archive": ("framework.cli.archive", "move old processed/abandoned rows to Parquet"),
-    "bench": ("framework.cli.bench", "benchmarks: relay, receiver, worker, e2e, latency, analyze"),
-    "demo": ("framework.cli.demo", "the example saga, end to end, with a summary"),
-    "chaos": ("framework.cli.chaos", "fault-injection run: kills and restarts under load"),
 }
+
+#: The entry-point group of sub-commands from other distributions (name = the command).
+COMMAND_GROUP = "txbox.commands"
+#: The development tools' commands: asked for without the tools installed, they say how to get them.
+TOOL_COMMANDS = ("bench", "chaos", "demo")
+_NO_TOOLS = (
+    "is one of the development tools (distribution txbox-tools, the tools/ folder of the txbox repository), "
+    "which are not installed; in a clone of the repository run `make setup` (or `pip install -e tools`)"
+)
+
+
+def _version() -> str:
+    try:
+        return version("txbox")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from framework import __version__
+
+        return __version__
+
+
+def _added() -> dict[str, EntryPoint]:
+    """The commands other distributions add (a built-in one is never replaced; the first entry wins)."""
+    found: dict[str, EntryPoint] = {}
+    for entry in entry_points(group=COMMAND_GROUP):
+        if entry.name not in COMMANDS:
+            found.setdefault(entry.name, entry)
+    return found
+
+
+def _load(entry: EntryPoint) -> ModuleType | Exception:
+    """The command's module, or why it would not load (returned, not raised: `txbox --help` must still work)."""
+    try:
+        module = entry.load()
+    except Exception as exc:  # whatever a broken distribution raises
+        return exc
+    return module if isinstance(module, ModuleType) else TypeError(f"{entry.value} is not a module")
+
+
+def _describe(module: ModuleType | Exception) -> str:
+    if isinstance(module, Exception):
+        return f"(cannot be loaded: {type(module).__name__}: {module})"
+    return str(getattr(module, "HELP", ""))
 
 
 def _usage() -> str:
-    width = max(map(len, COMMANDS))
-    lines = ["usage: txbox <command> [options]   (txbox <command> --help for its options)", "", "commands:"]
-    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    listed = {name: help_ for name, (_, help_) in COMMANDS.items()}
+    listed |= {name: _describe(_load(entry)) for name, entry in _added().items()}
+    width = max(map(len, listed))
+    lines = ["usage: txbox <command> [options]   (txbox <command> --help for its options; txbox --version)"]
+    lines += ["", "commands:", *(f"  {name.ljust(width)}  {help_}" for name, help_ in listed.items())]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-V"], ["--version"]):
+        print(f"txbox {_version()}")
+        return 0
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
     name = args[0]
-    if name not in COMMANDS:
+    if name in COMMANDS:
+        module, description = importlib.import_module(COMMANDS[name][0]), COMMANDS[name][1]
+    elif entry := _added().get(name):
+        loaded = _load(entry)
+        if isinstance(loaded, Exception):
+            print(f"txbox {name}: error: {_describe(loaded)}; reinstall the distribution that adds it", file=sys.stderr)
+            return 2
+        module, description = loaded, _describe(loaded)
+    elif name in TOOL_COMMANDS:
+        print(f"txbox: {name} {_NO_TOOLS}", file=sys.stderr)
+        return 2
+    else:
         print(f"txbox: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"txbox {name}", description=COMMANDS[name][1])
+    parser = argparse.ArgumentParser(prog=f"txbox {name}", description=description)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     module.configure(parser, name)
     ns = parser.parse_args(args[1:])

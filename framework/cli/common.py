@@ -54,6 +54,8 @@ def import_app(spec: str) -> Service:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(f"--app {spec!r} must be module:attribute. Example: --app examples.orders.app:service")
+    # `--app` names the user's module relative to where txbox runs, as uvicorn's and gunicorn's
+    # do; a console script's sys.path starts at its bin folder, not at the cwd.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

@@ -10,11 +10,11 @@ import psycopg
 import pytest
 
 from framework import names, topology
-from framework.chaos.instances import PrivatePostgres, PrivateRabbit
 from framework.contracts import load_registry
 from framework.settings import Settings
 from tests.conftest import CONTRACTS
 from tests.support import wait_until
+from txbox_tools.chaos.instances import PrivatePostgres, PrivateRabbit
 
 pytestmark = pytest.mark.slow
 

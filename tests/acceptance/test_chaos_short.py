@@ -2,7 +2,7 @@
 
 It runs the real command (`txbox chaos`) as a process, as an operator would, and trusts
 only its exit status and its figures: the command judges the run from the data of both
-services (see framework/chaos/verdict.py). Timings are printed, never asserted.
+services (see tools/txbox_tools/chaos/verdict.py). Timings are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.demo.processes import txbox_command
+from txbox_tools.processes import txbox_command
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from framework.demo.processes import REPO, txbox_command
 from tests import support
+from tests.conftest import ROOT
+from txbox_tools.processes import txbox_command
 
 
 def daemons_of(prefix: str) -> list[int]:
@@ -38,7 +39,7 @@ def test_demo_runs_the_saga_and_every_check_passes(tmp_path: Path) -> None:
             *("--log-dir", str(tmp_path / "logs"), "--no-analyze", "--no-dashboard", "--json"),
         ]
         done = subprocess.run(
-            argv, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240, check=False
+            argv, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240, check=False
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -71,7 +72,7 @@ def test_demo_stopped_midway_stops_every_daemon(tmp_path: Path) -> None:
     ]
     try:
         with log.open("w") as out:
-            demo = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            demo = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         try:
             support.wait_until(lambda: "orders [" in log.read_text(), timeout=120, message="orders flowing")
             assert len(daemons_of(prefix)) >= 6  # the daemons are up

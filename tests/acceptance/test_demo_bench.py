@@ -11,8 +11,9 @@ import subprocess
 
 import pytest
 
-from framework.demo.processes import REPO, txbox_command
 from tests import support
+from tests.conftest import ROOT
+from txbox_tools.processes import txbox_command
 
 COMMON = ("--admin-url", support.PG_ADMIN_URL, "--workers", "1")
 
@@ -20,7 +21,7 @@ COMMON = ("--admin-url", support.PG_ADMIN_URL, "--workers", "1")
 def bench(*args: str, common: tuple[str, ...] = COMMON) -> dict[str, object]:
     done = subprocess.run(
         [*txbox_command(), "bench", *args, "--json", *common],
-        cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])

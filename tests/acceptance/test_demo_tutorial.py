@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psycopg
 
-from framework.demo.processes import ProcessGroup, txbox_command
 from tests import support
+from txbox_tools.processes import ProcessGroup, txbox_command
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

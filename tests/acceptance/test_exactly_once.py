@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from framework import topology
-from framework.demo.processes import Daemon, ProcessGroup
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import publish, query, scalar
+from txbox_tools.processes import Daemon, ProcessGroup
 
 APP = ["--app", "tests.apps.counter:service"]
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from framework import topology
-from framework.demo.processes import ProcessGroup
 from framework.worker.timeout import HARD_EXIT_CODE
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import publish, query, scalar, store_in_inbox
+from txbox_tools.processes import ProcessGroup
 
 APP = ["--app", "tests.apps.counter:service"]
 

@@ -30,9 +30,9 @@ from sqlalchemy.orm import Session
 from examples import demo, migrate
 from examples.demo import load_app
 from framework import Service
-from framework.demo.processes import ProcessGroup
 from framework.envelope import format_timestamp
 from tests import support
+from txbox_tools.processes import ProcessGroup
 
 ORDERS_APP = "examples.orders.app:service"
 INVENTORY_APP = "examples.inventory.app:service"

@@ -29,11 +29,11 @@ import psycopg
 from framework import topology
 from framework.db import conninfo
 from framework.dead_letters import decode_body, stored_body
-from framework.demo.processes import Daemon, ProcessGroup
 from framework.redaction import drop_key
 from framework.service import Service
 from tests import support
 from tests.fuzz.cases import MAX_BODY_BYTES, ROUTES, SERVICE, TAG, Case, describe, dumps, envelope
+from txbox_tools.processes import Daemon, ProcessGroup
 
 INBOX_QUEUE = f"{SERVICE}:inbox"
 DEAD_LETTER_QUEUE = f"{SERVICE}:dead_letter"

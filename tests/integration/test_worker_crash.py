@@ -15,12 +15,12 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from framework import Message, Outbox
-from framework.demo.processes import ProcessGroup
 from framework.service import Service
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import place_order, query, running, scalar, store_in_inbox
 from tests.integration.test_worker import Recorder, done, letters, row, worker
+from txbox_tools.processes import ProcessGroup
 
 LEASE = 4.0  # the shortest lease a worker accepts: suspects come back quickly
 

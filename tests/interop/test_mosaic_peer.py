@@ -38,11 +38,11 @@ import pytest
 from sqlalchemy.orm import Session
 
 from framework import names
-from framework.demo.processes import ProcessGroup
 from framework.service import Service
 from framework.settings import Settings
 from tests import support
 from tests.interop import app as widget_app
+from txbox_tools.processes import ProcessGroup
 
 pytestmark = pytest.mark.acceptance
 

@@ -114,7 +114,7 @@ def test_bench_analyze_smoke(spark: object) -> None:
     """`txbox bench analyze` end to end on a few thousand rows (the figure itself is not judged)."""
     import argparse
 
-    from framework.bench import analyze as bench
+    from txbox_tools.bench import analyze as bench
 
     parser = argparse.ArgumentParser()
     bench.configure(parser)

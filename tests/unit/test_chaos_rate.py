@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from framework.chaos.faults import Fault, Kind
-from framework.chaos.run import SETTLE, Event, _rate_between_faults
+from txbox_tools.chaos.faults import Fault, Kind
+from txbox_tools.chaos.run import SETTLE, Event, _rate_between_faults
 
 
 def steady(start: float, stop: float, rate: float, handled: int, step: float = 0.5) -> list[tuple[float, int]]:

@@ -1,5 +1,6 @@
 import sys
 import types
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,49 @@ def test_missing_setting_fails_at_start_with_the_fix(
     assert txbox(["topology", "--service", "order-service"]) == 2
     err = capsys.readouterr().err
     assert "TXBOX_DATABASE_URL is not set" in err and "Example: TXBOX_DATABASE_URL=postgresql" in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert txbox(["--version"]) == 0
+    import framework
+
+    assert capsys.readouterr().out.strip() == f"txbox {framework.__version__}"  # the metadata's, from pyproject.toml
+
+
+def test_commands_added_through_entry_points(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from framework import cli
+
+    command = types.ModuleType("txbox_test_command")
+    command.HELP = "greet someone"  # type: ignore[attr-defined]
+    command.configure = lambda parser, name: parser.add_argument("--who", default="world")  # type: ignore[attr-defined]
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"hello {args.who}")
+        return 0
+
+    command.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "txbox_test_command", command)
+    added = [
+        EntryPoint("hello", "txbox_test_command", cli.COMMAND_GROUP),
+        EntryPoint("broken", "no_such_module_xyz", cli.COMMAND_GROUP),
+        EntryPoint("migrate", "no_such_module_xyz", cli.COMMAND_GROUP),  # a built-in command is never replaced
+    ]
+    monkeypatch.setattr(cli, "entry_points", lambda group: added if group == cli.COMMAND_GROUP else [])
+
+    assert txbox(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  hello      greet someone" in out
+    assert "  broken     (cannot be loaded: ModuleNotFoundError" in out
+    assert txbox(["hello", "--who", "txbox"]) == 0
+    assert capsys.readouterr().out == "hello txbox\n"
+    assert txbox(["broken"]) == 2
+    assert "reinstall the distribution" in capsys.readouterr().err
+    assert txbox(["migrate", "--sql"]) == 0
+    assert "CREATE TABLE" in capsys.readouterr().out
+    # The development tools, asked for where they are not installed, say how to get them.
+    assert txbox(["bench", "relay"]) == 2
+    assert "make setup" in capsys.readouterr().err

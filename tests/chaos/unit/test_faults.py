@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from framework.chaos.faults import DAEMON_KINDS, Kind, plan
+from txbox_tools.chaos.faults import DAEMON_KINDS, Kind, plan
 
 
 def test_same_seed_same_schedule_other_seed_other_schedule() -> None:

@@ -2,7 +2,7 @@
 
 Exit status: 0 when every check of the verdict holds (and `txbox analyze --fail-on-lost`
 found nothing lost), 1 on any violation, 2 when the run could not be carried out.
-The logic is in :mod:`framework.chaos.run`; it needs a checkout of the repository (the
+The logic is in :mod:`txbox_tools.chaos.run`; it needs a checkout of the repository (the
 example services live in ``examples/``).
 """
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from types import FrameType
 
 from framework.errors import ConfigurationError
+
+HELP = "fault-injection run: kills and restarts under load"
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
@@ -36,12 +38,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.messages < 1 or args.faults < 0 or args.rate <= 0:
         raise ConfigurationError("--messages must be ≥ 1, --faults ≥ 0 and --rate > 0")
-    try:
-        from framework.chaos import run as chaos
-    except ImportError as exc:
-        raise ConfigurationError(
-            f"txbox chaos needs the repository's examples/ folder ({exc}); run it from a clone"
-        ) from None
+    from txbox_tools.chaos import run as chaos  # finds the clone's examples/ (txbox_tools.repository)
+
     options = chaos.ChaosOptions(
         messages=args.messages,
         faults=args.faults,

@@ -21,10 +21,11 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from framework import migrate
-from framework.bench.result import Result
 from framework.db import conninfo, create_engine
 from framework.service import Service
 from framework.settings import Settings
+from txbox_tools import repository
+from txbox_tools.bench.result import Result
 
 ADMIN_URL = os.environ.get("TXBOX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 _business = MetaData()
@@ -35,7 +36,7 @@ PAYLOAD = {"customer": "ada", "sku": "SKU-1", "quantity": 1}
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transactions", type=int, default=4000, help="transactions per variant")
     parser.add_argument("--rounds", type=int, default=8, help="alternations between the variants")
-    parser.add_argument("--contracts-dir", type=Path, default=Path("contracts"))
+    parser.add_argument("--contracts-dir", type=Path, help="(default: the repository's contracts/)")
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -47,7 +48,9 @@ def run(args: argparse.Namespace) -> Result:
     try:
         migrate.upgrade(url)
         service = Service(
-            settings=Settings(service="order-service", database_url=url, contracts_dir=args.contracts_dir)
+            settings=Settings(
+                service="order-service", database_url=url, contracts_dir=args.contracts_dir or repository.contracts()
+            )
         )
         service.registry  # noqa: B018 - load contracts before timing
         engine = create_engine(url, pool_size=1)

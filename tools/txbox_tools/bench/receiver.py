@@ -24,8 +24,6 @@ import psycopg
 from psycopg import sql
 
 from framework import migrate, names, topology
-from framework.bench import instances
-from framework.bench.result import Result
 from framework.db import conninfo
 from framework.envelope import Message
 from framework.errors import TxboxError
@@ -33,8 +31,10 @@ from framework.receiver import Receiver, ReceiverConfig
 from framework.receiver import metrics as receiver_metrics
 from framework.service import Service
 from framework.settings import Settings
+from txbox_tools import repository
+from txbox_tools.bench import instances
+from txbox_tools.bench.result import Result
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "order-service"
 
 
@@ -44,7 +44,7 @@ def add_scratch_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--amqp-host", default="127.0.0.1:5672", help="RabbitMQ host:port (guest/guest)")
     parser.add_argument("--management-url", default="http://127.0.0.1:15672/api", help="RabbitMQ management API")
-    parser.add_argument("--contracts-dir", type=Path, default=ROOT / "contracts")
+    parser.add_argument("--contracts-dir", type=Path, help="(default: the repository's contracts/)")
     parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum")
 
 
@@ -64,7 +64,7 @@ class Scratch:
             service=SERVICE,
             database_url=self.database_url,
             amqp_url=self.amqp_url,
-            contracts_dir=args.contracts_dir,
+            contracts_dir=args.contracts_dir or repository.contracts(),
             queue_type=args.queue_type,
         )
 

@@ -11,20 +11,19 @@ import argparse
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from framework.errors import ConfigurationError
+from txbox_tools import repository
 
-REPO = Path(__file__).resolve().parents[2]
+HELP = "the example saga, end to end, with a summary"
 
 
 def _options() -> Any:
     # Alembic narrates its plugins and every migration step at INFO: noise in a demo.
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    repository.import_examples()
     try:
         from examples import demo
     except ImportError as exc:
@@ -67,9 +66,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         default="txbox_demo",
         help="databases <prefix>_orders and <prefix>_inventory, recreated (default txbox_demo)",
     )
-    parser.add_argument(
-        "--log-dir", type=Path, default=REPO / ".demo" / "logs", help="daemon logs (default .demo/logs)"
-    )
+    parser.add_argument("--log-dir", type=Path, help="daemon logs (default: .demo/logs in the repository)")
     parser.add_argument("--stall-timeout", type=float, default=90.0, help="give up after this many s without progress")
     parser.add_argument("--no-analyze", action="store_true", help="skip `txbox analyze` after the run")
     parser.add_argument("--no-dashboard", action="store_true", help="do not print the dashboard command")
@@ -93,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         orders_db=f"{args.db_prefix}_orders",
         inventory_db=f"{args.db_prefix}_inventory",
         stall_timeout=args.stall_timeout,
-        log_dir=args.log_dir,
+        **({"log_dir": args.log_dir} if args.log_dir else {}),
         analyze=not args.no_analyze,
         dashboard=not args.no_dashboard,
     )

@@ -26,8 +26,9 @@ import psycopg
 from psycopg import sql
 
 from framework import migrate
-from framework.bench.result import Result
 from framework.db import conninfo
+from txbox_tools import repository
+from txbox_tools.bench.result import Result
 
 ADMIN_URL = os.environ.get("TXBOX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 SPAN = timedelta(hours=6)
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> Result:
     from framework.settings import load
 
     n = int(args.rows)
-    contracts = args.contracts_dir or Path(__file__).resolve().parents[2] / "contracts"
+    contracts = args.contracts_dir or repository.contracts()
     registry = load_registry(contracts)
     admin = conninfo(args.admin_url.replace("postgresql://", "postgresql+psycopg://", 1))
     names_ = {s: f"txbox_bench_an_{s.split('-')[0]}_{uuid.uuid4().hex[:6]}" for s in ("order-service", "inventory")}

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from framework import dead_letters
-from framework.chaos.apps import EFFECTS_TABLE, POISON_CUSTOMER
+from txbox_tools.chaos.apps import EFFECTS_TABLE, POISON_CUSTOMER
 
 
 @dataclass

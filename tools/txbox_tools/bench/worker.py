@@ -18,9 +18,6 @@ from psycopg import sql
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from framework import CommandHandler, Message, Outbox, names
-from framework.bench import instances
-from framework.bench.receiver import Scratch, add_scratch_options, envelopes
-from framework.bench.result import Result
 from framework.db import conninfo
 from framework.errors import TxboxError
 from framework.receiver import Delivery, Intake
@@ -30,6 +27,9 @@ from framework.service import Service
 from framework.settings import Settings
 from framework.worker import Worker, WorkerConfig
 from framework.worker import metrics as worker_metrics
+from txbox_tools.bench import instances
+from txbox_tools.bench.receiver import Scratch, add_scratch_options, envelopes
+from txbox_tools.bench.result import Result
 
 BUSINESS = "CREATE TABLE bench_orders (id uuid PRIMARY KEY, customer text NOT NULL, sku text NOT NULL, quantity int)"
 

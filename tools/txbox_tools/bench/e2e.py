@@ -17,7 +17,7 @@ before the daemons start: the slower of plain pika publishing with streamed conf
 and plain pika consuming (prefetch 1,000, ``multiple=True`` acks), no database — the
 most any broker-based pipeline can move on this machine right now.
 
-The scratch app is this module's ``app`` attribute (``--app framework.bench.e2e:app``),
+The scratch app is this module's ``app`` attribute (``--app txbox_tools.bench.e2e:app``),
 built on first access from the ``TXBOX_*`` environment the bench gives its daemons.
 """
 
@@ -39,11 +39,11 @@ from sqlalchemy import DateTime, Text, func, insert
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from framework import CommandHandler, EventHandler, Message, Outbox, Service, migrate, names, tables, topology
-from framework.bench.result import Result
 from framework.db import conninfo, create_engine
-from framework.demo.processes import ProcessGroup
 from framework.errors import TxboxError
 from framework.settings import Settings
+from txbox_tools.bench.result import Result
+from txbox_tools.processes import ProcessGroup
 
 SERVICE = "bench-e2e"
 CONTRACT = """\
@@ -156,7 +156,7 @@ class Scratch:
     """A database, a vhost and a contracts folder of their own; removed afterwards."""
 
     def __init__(self, args: argparse.Namespace, label: str) -> None:
-        from framework.bench.relay import _Management, _q, _with_db
+        from txbox_tools.bench.relay import _Management, _q, _with_db
 
         token = uuid.uuid4().hex[:8]
         self.dbname, self.vhost = f"txbox_bench_{label}_{token}", f"txbox-bench-{label}-{token}"
@@ -217,7 +217,7 @@ class Scratch:
         return service
 
     def start_daemons(self, group: ProcessGroup, workers: int = 1) -> None:
-        app = ["--app", "framework.bench.e2e:app"]
+        app = ["--app", "txbox_tools.bench.e2e:app"]
         group.start("publisher", ["publisher", *app])
         group.start("receiver", ["receiver", *app])
         for n in range(workers):
@@ -281,7 +281,7 @@ def wait_ready(scratch: Scratch, group: ProcessGroup, timeout: float = 60.0) -> 
 
 def raw_pipe(amqp_url: str, queue: str, size: int, n: int) -> tuple[float, float]:
     """(publish, consume) msg/s of plain pika on ``queue``: streamed confirms, batched acks."""
-    from framework.bench.relay import _raw_streamed_confirms
+    from txbox_tools.bench.relay import _raw_streamed_confirms
 
     publish = _raw_streamed_confirms(amqp_url, "", queue, size, n)  # default exchange → the queue
     conn = pika.BlockingConnection(pika.URLParameters(amqp_url))

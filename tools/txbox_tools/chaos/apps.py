@@ -13,7 +13,7 @@
 The examples are wrapped (subclassed), never edited. The business tables of both
 services (the examples' own) plus ``chaos_effects`` are created by :func:`prepare`.
 
-Daemons use ``--app framework.chaos.apps:orders`` / ``--app framework.chaos.apps:inventory``
+Daemons use ``--app txbox_tools.chaos.apps:orders`` / ``--app txbox_tools.chaos.apps:inventory``
 with ``TXBOX_DATABASE_URL`` / ``TXBOX_AMQP_URL`` of the run's private servers.
 """
 
@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
@@ -30,10 +28,9 @@ from sqlalchemy.orm import Session
 
 from framework import Message, Outbox, Service
 from framework.handlers import Handler
+from txbox_tools import repository
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # the examples live in the repository, not in the package
-    sys.path.insert(0, str(REPO))
+repository.import_examples()
 
 from examples import _defaults  # noqa: E402
 from examples.inventory import app as inventory_app  # noqa: E402
@@ -94,8 +91,8 @@ inventory = _service("inventory-service", "txbox_chaos_inventory", [RestockItem(
 
 #: Short name (as in daemon names ``orders-worker``) → (app spec, example package).
 APPS: dict[str, tuple[str, str]] = {
-    "orders": ("framework.chaos.apps:orders", "orders"),
-    "inventory": ("framework.chaos.apps:inventory", "inventory"),
+    "orders": ("txbox_tools.chaos.apps:orders", "orders"),
+    "inventory": ("txbox_tools.chaos.apps:inventory", "inventory"),
 }
 
 
@@ -122,4 +119,4 @@ def with_urls(service: Service, database_url: str, amqp_url: str) -> Service:
 
 
 def __getattr__(name: str) -> Any:  # pragma: no cover - a clear error for a typo in --app
-    raise AttributeError(f"framework.chaos.apps has no {name!r}; use `orders` or `inventory`")
+    raise AttributeError(f"txbox_tools.chaos.apps has no {name!r}; use `orders` or `inventory`")

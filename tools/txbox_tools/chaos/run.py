@@ -6,15 +6,15 @@ The run, in order:
    restarting them disturbs nothing else on the machine; creates and migrates both
    services' databases and declares the topology;
 2. starts every daemon of both services as its own ``txbox`` process under a
-   :class:`~framework.chaos.supervisor.Supervisor` (restarts whatever dies);
+   :class:`~txbox_tools.chaos.supervisor.Supervisor` (restarts whatever dies);
 3. restocks the inventory, then a feeder thread writes PlaceOrder commands into the
    order service's outbox at ``--rate`` orders/s, with ids drawn from the seed and
    ``ON CONFLICT DO NOTHING``, so a batch whose commit outcome a database restart hid
    is simply written again — never twice;
-4. fires the seeded fault schedule (:mod:`framework.chaos.faults`) at its progress
+4. fires the seeded fault schedule (:mod:`txbox_tools.chaos.faults`) at its progress
    points, sampling the handled-message count every half second;
 5. waits for the backlog to drain after the last fault, stops the daemons, and judges
-   the data (:mod:`framework.chaos.verdict`), then runs ``txbox analyze --fail-on-lost``.
+   the data (:mod:`txbox_tools.chaos.verdict`), then runs ``txbox analyze --fail-on-lost``.
 
 Figures: one line — orders, messages, kills, restarts, lost, duplicated, abandoned,
 throughput between faults, recovery time after the last fault, wall time.
@@ -43,14 +43,15 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from framework import tables, topology
-from framework.chaos import apps
-from framework.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, plan
-from framework.chaos.instances import PrivatePostgres, PrivateRabbit
-from framework.chaos.supervisor import Spec, Supervisor
-from framework.chaos.verdict import Verdict, judge
 from framework.db import conninfo
 from framework.errors import TxboxError
 from framework.service import Service
+from txbox_tools import repository
+from txbox_tools.chaos import apps
+from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, plan
+from txbox_tools.chaos.instances import PrivatePostgres, PrivateRabbit
+from txbox_tools.chaos.supervisor import Spec, Supervisor
+from txbox_tools.chaos.verdict import Verdict, judge
 
 #: Leases short enough that rows claimed by a killed daemon come back within seconds
 #: (correctness does not depend on them; recovery time does).
@@ -275,7 +276,7 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="txbox-chaos-logs-"))
 
     from examples.demo import restock, stocked
-    from framework.demo.processes import ProcessGroup
+    from txbox_tools.processes import ProcessGroup
 
     with PrivatePostgres() as pg, PrivateRabbit() as rabbit:
         say(f"  private PostgreSQL on :{pg.port} (fsync on), RabbitMQ node {rabbit.node} on :{rabbit.port}")
@@ -613,7 +614,7 @@ def _recovered_at(samples: list[tuple[float, int]], fault_ended: float) -> float
 
 
 def _analyze(urls: dict[str, str], log_dir: Path) -> int:
-    from framework.demo.processes import txbox_command
+    from txbox_tools.processes import txbox_command
 
     args = [
         *txbox_command(),
@@ -628,7 +629,7 @@ def _analyze(urls: dict[str, str], log_dir: Path) -> int:
     ]
     log_path = log_dir / "analyze.log"
     with log_path.open("ab") as log:
-        return subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, check=False, cwd=apps.REPO).returncode
+        return subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, check=False, cwd=repository.root()).returncode
 
 
 def analyze_summary(log_dir: Path) -> list[str]:

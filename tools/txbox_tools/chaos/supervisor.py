@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from framework.demo.processes import Daemon, ProcessGroup
+from txbox_tools.processes import Daemon, ProcessGroup
 
 RESTART_PAUSE = 0.5  # seconds before restarting a daemon that exited on its own
 #: Exit status of a txbox command refusing its configuration: restarting cannot help.
@@ -90,7 +90,7 @@ class Supervisor:
     def raise_if_broken(self) -> None:
         """Fail the run when a daemon exits because of its configuration (it would loop forever)."""
         if self.broken is not None:
-            from framework.chaos.run import ChaosFailed
+            from txbox_tools.chaos.run import ChaosFailed
 
             raise ChaosFailed(self.broken)
 

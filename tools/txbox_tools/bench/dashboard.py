@@ -18,15 +18,15 @@ import urllib.request
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from framework import dead_letters, migrate, names
-from framework.bench.result import Result
 from framework.db import conninfo
+from txbox_tools import repository
+from txbox_tools.bench.result import Result
 
 ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 TYPES = ("PlaceOrder", "RestockItem", "StockReserved", "StockRejected", "OrderPlaced")
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> Result:
             ).fetchone()
         assert row is not None
         fingerprint, letter_id = row
-        source = Source("order-service", url, schema="txbox", contracts_dir=Path("contracts"))
+        source = Source("order-service", url, schema="txbox", contracts_dir=repository.contracts())
         pages = {
             "overview 1h": "/?window=1h",
             "overview 7d": "/?window=7d",

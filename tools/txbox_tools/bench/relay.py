@@ -26,8 +26,6 @@ import psycopg
 from psycopg import sql
 
 from framework import migrate, names, topology
-from framework.bench import instances
-from framework.bench.result import Result
 from framework.contracts import load_registry
 from framework.db import conninfo
 from framework.envelope import format_timestamp
@@ -35,8 +33,9 @@ from framework.errors import TxboxError
 from framework.outbox import Outbox
 from framework.publisher.relay import PUBLISHED, Claimed, Relay, RelayConfig, envelope_body
 from framework.settings import Settings
-
-ROOT = Path(__file__).resolve().parents[2]
+from txbox_tools import repository
+from txbox_tools.bench import instances
+from txbox_tools.bench.result import Result
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-url", default="postgresql://postgres@127.0.0.1:5432/postgres", help="PostgreSQL")
     parser.add_argument("--amqp-host", default="127.0.0.1:5672", help="RabbitMQ host:port (guest/guest)")
     parser.add_argument("--management-url", default="http://guest:guest@127.0.0.1:15672/api", help="RabbitMQ API")
-    parser.add_argument("--contracts-dir", type=Path, default=ROOT / "contracts")
+    parser.add_argument("--contracts-dir", type=Path, help="(default: the repository's contracts/)")
     parser.add_argument("--batch-size", type=int, default=2000)
     parser.add_argument("--max-in-flight", type=int, default=4000)
     parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum")
@@ -72,7 +71,7 @@ def run(args: argparse.Namespace) -> Result:
             service="order-service",
             database_url=database_url,
             amqp_url=f"amqp://guest:guest@{args.amqp_host}/{_q(vhost)}",
-            contracts_dir=args.contracts_dir,
+            contracts_dir=args.contracts_dir or repository.contracts(),
             queue_type=args.queue_type,
         )
         registry = load_registry(settings.contracts_dir)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from txbox_tools import repository
 
 
 def txbox_command() -> list[str]:
@@ -56,7 +56,10 @@ class ProcessGroup:
     env: dict[str, str] = field(default_factory=dict)
     daemons: list[Daemon] = field(default_factory=list)
 
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None, *, cwd: Path = REPO) -> Daemon:
+    def start(
+        self, name: str, args: list[str], env: dict[str, str] | None = None, *, cwd: Path | None = None
+    ) -> Daemon:
+        """Start ``txbox <args>``; the cwd defaults to the clone, where ``--app examples...`` imports."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         argv = [*txbox_command(), *args]
@@ -68,7 +71,7 @@ class ProcessGroup:
             # then stops the daemons in order instead of all of them at once.
             process = subprocess.Popen(
                 argv,
-                cwd=cwd,
+                cwd=cwd or repository.root(),
                 env=full_env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -30,12 +30,12 @@ import pika
 import psycopg
 
 from framework import topology
-from framework.bench.e2e import Scratch, add_common_options, handled, wait_ready
-from framework.bench.result import Result
 from framework.db import conninfo
-from framework.demo.processes import ProcessGroup
 from framework.errors import TxboxError
 from framework.service import Service
+from txbox_tools.bench.e2e import Scratch, add_common_options, handled, wait_ready
+from txbox_tools.bench.result import Result
+from txbox_tools.processes import ProcessGroup
 
 Sender = Callable[[int], None]
 PERCENTILES = "percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY ms)"

@@ -1,1 +1,0 @@
-"""Support for running txbox daemons as real processes: the demo, benchmarks, acceptance tests."""
