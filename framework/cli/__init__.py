@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("framework.cli.bench", "benchmarks: relay, receiver, worker, e2e, latency, analyze"),
     "demo": ("framework.cli.demo", "the example saga, end to end, with a summary"),
     "chaos": ("framework.cli.chaos", "fault-injection run: kills and restarts under load"),
+    "codegen": ("framework.cli.codegen", "typed payload classes (TypedDicts) from the contracts"),
+    "new": ("framework.cli.new", "scaffold a service: contract, handler, migrations, tests"),
 }
 
 
