@@ -3,9 +3,13 @@ would run them, with no broker and no daemons; the pytest fixtures; wait_until_p
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,3 +191,16 @@ def test_wait_until_processed_fails_at_once_on_an_abandoned_message(stored: tupl
           (ids[0],))  # fmt: skip
     with pytest.raises(NotProcessed, match=r"abandoned instead of processed: .*permanent_error: no"):
         wait_until_processed(service, ids, timeout=60)
+
+
+@pytest.mark.slow
+def test_the_examples_handler_tests_pass_with_no_broker_reachable() -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TXBOX_AMQP_URL": "amqp://guest:guest@127.0.0.1:1/%2F"}  # nothing listens on port 1
+    env.pop("TXBOX_DATABASE_URL", None)
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "pytest"), "-q", "-p", "no:cacheprovider", "examples"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout and "failed" not in result.stdout
