@@ -4,6 +4,7 @@ would run them, with no broker and no daemons; the pytest fixtures; wait_until_p
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -204,3 +205,37 @@ def test_the_examples_handler_tests_pass_with_no_broker_reachable() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def readme_block(text: str, after: str, fence: str) -> str:
+    """The first ``fence`` code block after the text ``after`` (bounded: the README is ours)."""
+    match = re.compile(rf"```{fence}\n(.*?)\n```", re.DOTALL).search(text, text.index(after))
+    assert match, f"no ```{fence} block after {after!r}"
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_the_readme_tutorial_ends_with_a_handler_test_that_passes(tmp_path: Path, database_url: str) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tutorial = readme[readme.index("## Tutorial") :]
+    folder = tmp_path / "tutorial"
+    (folder / "contracts" / "commands").mkdir(parents=True)
+    (folder / "contracts" / "greeter-service.yml").write_text(readme_block(tutorial, "**1. The contract**", "yaml"))
+    schema = readme_block(tutorial, "send-greeting.json`:", "json")
+    (folder / "contracts" / "commands" / "send-greeting.json").write_text(schema)
+    (folder / "__init__.py").write_text("")
+    (folder / "app.py").write_text(readme_block(tutorial, "**2. The handler**", "python"))
+    (folder / "test_greeter.py").write_text(readme_block(tutorial, "**6. Test your handler**", "python"))
+    env = {
+        **os.environ,
+        "TXBOX_SERVICE": "greeter-service",
+        "TXBOX_DATABASE_URL": database_url,
+        "TXBOX_CONTRACTS_DIR": "tutorial/contracts",
+        "TXBOX_AMQP_URL": "amqp://guest:guest@127.0.0.1:1/%2F",  # nothing listens on port 1
+    }
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "pytest"), "-q", "-p", "no:cacheprovider", "tutorial"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout
