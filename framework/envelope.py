@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from framework import jsoncodec
 from framework.errors import EnvelopeError
 
-P = TypeVar("P")
+PayloadT = TypeVar("PayloadT")  # a payload class of `txbox codegen` (Message.payload_as)
 
 CONTENT_TYPE = "application/json"
 DEFAULT_MESSAGE_VERSION = "1.0"
@@ -72,7 +72,7 @@ class Message:
                 return value
         return None
 
-    def payload_as(self, cls: type[P]) -> P:
+    def payload_as(self, cls: type[PayloadT]) -> PayloadT:
         """The payload typed as ``cls``, a payload class of ``txbox codegen`` (a TypedDict).
 
         Only a promise to the type checker, kept by the schema validation every received

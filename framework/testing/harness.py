@@ -10,6 +10,7 @@ and can be routed on to the handlers of the other registered services.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections import deque
 from collections.abc import Mapping
@@ -21,10 +22,18 @@ import psycopg
 from sqlalchemy.engine import Engine
 
 from framework import db, jsoncodec
-from framework.contracts import Registry
+from framework.contracts import MessageSpec
 from framework.dead_letters import DeadLetter
 from framework.envelope import CONTENT_TYPE, DEFAULT_MESSAGE_VERSION, Message
-from framework.errors import AssemblyError, ContractError, DeliveryRejected, HandlerMisuse, Problem, TxboxError
+from framework.errors import (
+    AssemblyError,
+    ContractError,
+    DeliveryRejected,
+    HandlerMisuse,
+    Problem,
+    TxboxError,
+    UnknownMessageType,
+)
 from framework.outbox import Outbox, OutboxRow
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import Delivery, InboxRow, Intake
@@ -80,22 +89,20 @@ class Harness:
         self.delivered: list[Delivered] = []
         self._max_attempts = WorkerConfig.from_env().max_attempts
         if service is not None:
+            if database_url is None:
+                raise TypeError("Harness(service, database_url=...): say which database (txbox_database(), say)")
             self.add(service, database_url=database_url)
 
-    def add(self, service: Service, *, database_url: str | None = None) -> Harness:
-        """Register ``service``'s handlers; its messages run against ``database_url``
-        (default: the service's own, which a test rarely wants)."""
+    def add(self, service: Service, *, database_url: str) -> Harness:
+        """Register ``service``'s handlers; its messages run against ``database_url`` — the
+        test's database, given explicitly so that a test never writes into the service's own."""
         if service.name in self._targets:
             raise ValueError(f"service {service.name!r} is registered already")
         errors = [p for p in service.problems() if p.severity == "error"]
         if errors:
             raise AssemblyError(errors)
-        self._targets[service.name] = _Target(service, database_url or service.settings.database_url)
+        self._targets[service.name] = _Target(service, database_url)
         return self
-
-    @property
-    def registry(self) -> Registry:
-        return self._first.service.registry
 
     @property
     def _first(self) -> _Target:
@@ -115,7 +122,7 @@ class Harness:
         auth_token: str | None = None,
     ) -> Message:
         """A message of ``message_type`` with the routing facts its contract gives it (not yet validated)."""
-        spec = self.registry.get(message_type)
+        spec = self._spec(message_type)
         return Message(
             message_id=message_id or uuid.uuid4(),
             message_type=spec.message_type,
@@ -192,6 +199,14 @@ class Harness:
         self.close()
 
     # --- as the receiver and the worker do it ----------------------------------------
+
+    def _spec(self, message_type: str) -> MessageSpec:
+        """From the first registered service's contracts that know the type (services may
+        load different folders)."""
+        for target in self._targets.values():
+            with contextlib.suppress(UnknownMessageType):
+                return target.service.registry.get(message_type)
+        return self._first.service.registry.get(message_type)  # raises, naming the known types
 
     def _target_for(self, message: Message, to: str | None) -> _Target:
         if to is not None:

@@ -116,6 +116,11 @@ def test_a_service_that_does_not_assemble_is_refused(counted: str) -> None:
         Harness(service, database_url=counted)
 
 
+def test_the_test_database_is_never_implied(counted: str) -> None:
+    with pytest.raises(TypeError, match="say which database"):
+        Harness(counter_service(counted, Count()))
+
+
 @pytest.mark.parametrize(
     ("misuse", "error"), [("raise", RuntimeError), ("commit", HandlerMisuse), ("sql commit", HandlerMisuse)]
 )
