@@ -11,10 +11,12 @@ import re
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from framework import jsoncodec
 from framework.errors import EnvelopeError
+
+PayloadT = TypeVar("PayloadT")  # a payload class of `txbox codegen` (Message.payload_as)
 
 CONTENT_TYPE = "application/json"
 DEFAULT_MESSAGE_VERSION = "1.0"
@@ -69,6 +71,19 @@ class Message:
             if key.endswith("correlation_id") and isinstance(value, str):
                 return value
         return None
+
+    def payload_as(self, cls: type[PayloadT]) -> PayloadT:
+        """The payload typed as ``cls``, a payload class of ``txbox codegen`` (a TypedDict).
+
+        Only a promise to the type checker, kept by the schema validation every received
+        payload has passed; a class whose required keys the payload lacks is refused.
+        """
+        missing = sorted(getattr(cls, "__required_keys__", frozenset()) - self.payload.keys())
+        if missing:
+            raise TypeError(
+                f"the payload of {self.message_type} has no {', '.join(missing)}: it is not a {cls.__name__}"
+            )
+        return self.payload  # type: ignore[return-value]
 
     def with_delivery(self, *, attempt: int, max_attempts: int | None) -> Message:
         return replace(self, attempt=attempt, max_attempts=max_attempts)

@@ -121,3 +121,16 @@ class DeadLetterUnstorable(DatabaseUnavailable):
 class HandlerMisuse(RetryableError):
     """A handler ended, closed or broke the worker's transaction, or returned an awaitable:
     a failure of its message (retried, then abandoned), never of the worker."""
+
+
+class DeliveryRejected(TxboxError):
+    """``framework.testing``: the receiver would not store this message (its ``reason`` is
+    the dead-letter reason the receiver would give), so no handler may run it."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class NotProcessed(TxboxError):
+    """``framework.testing``: messages were not processed by the deadline, or were abandoned."""

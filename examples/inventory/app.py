@@ -11,7 +11,7 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from examples import _defaults
+from examples import _defaults, messages
 from examples.inventory.models import REJECTED, RESERVED, Reservation, Stock
 from framework import CommandHandler, EventHandler, Message, Outbox, Service
 
@@ -43,7 +43,8 @@ class RestockItem(CommandHandler):
     message_type = "RestockItem"
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
-        sku, quantity = message.payload["sku"], message.payload["quantity"]
+        restock = message.payload_as(messages.RestockItem)  # typed by `txbox codegen`
+        sku, quantity = restock["sku"], restock["quantity"]
         session.execute(_RESTOCK, {"sku_": sku, "quantity_": quantity})
 
 
@@ -53,8 +54,8 @@ class ReserveStock(EventHandler):
     message_type = "OrderPlaced"
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
-        order_id = message.payload["order_id"]
-        sku, quantity = message.payload["sku"], message.payload["quantity"]
+        placed = message.payload_as(messages.OrderPlaced)
+        order_id, sku, quantity = placed["order_id"], placed["sku"], placed["quantity"]
         left = session.scalar(_RESERVE, {"sku_": sku, "quantity_": quantity})
         reason = None
         if left is None:
@@ -72,7 +73,7 @@ class ReserveStock(EventHandler):
                 correlation_id=message.correlation_id,
             )
         )
-        payload = {"order_id": order_id, "sku": sku, "quantity": quantity}
+        payload = messages.StockReserved(order_id=order_id, sku=sku, quantity=quantity)  # StockRejected: same shape
         if reason is not None:
             payload["reason"] = reason
         # The aggregate is this order's reservation: its messages form their own ordering

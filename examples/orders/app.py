@@ -15,11 +15,13 @@ the outgoing event and that mark commit together, exactly once.
 
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
 from sqlalchemy import bindparam, func, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from examples import _defaults
+from examples import _defaults, messages
 from examples.orders.models import CANCELLED, COMPLETED, PLACED, Order
 from framework import CommandHandler, EventHandler, Message, Outbox, PermanentError, Service
 
@@ -77,7 +79,8 @@ class PlaceOrder(CommandHandler):
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
         order_id = message.aggregate_id
-        payload = message.payload
+        # Typed by `txbox codegen` (examples/messages.py): mypy checks every key read here.
+        payload = message.payload_as(messages.PlaceOrder)
         # One round trip: the primary key tells whether the order exists already.
         created = session.scalar(
             _PLACE,
@@ -98,26 +101,27 @@ class PlaceOrder(CommandHandler):
         outbox.publish_event(
             "OrderPlaced",
             aggregate_id=order_id,
-            payload={"order_id": order_id, "sku": payload["sku"], "quantity": payload["quantity"]},
+            payload=messages.OrderPlaced(order_id=order_id, sku=payload["sku"], quantity=payload["quantity"]),
         )
 
 
 class _StockResult(EventHandler):
     """Moves the order to its final state and tells the world."""
 
-    status = ""
-    event = ""
+    status: ClassVar[Literal["completed", "cancelled"]]
+    event: ClassVar[str]
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
-        order_id = message.payload["order_id"]
-        reason = message.payload.get("reason")
+        result = message.payload_as(messages.StockReserved)  # StockRejected has the same shape
+        order_id = result["order_id"]
+        reason = result.get("reason")
         moved = session.scalar(_FINISH, {"order_id": order_id, "status_": self.status, "reason_": reason})
         if moved is None:
             known = session.scalar(_COUNT_AGAIN, {"order_id": order_id})
             if known is None:
                 raise PermanentError(f"{message.message_type} for unknown order {order_id}")
             return  # already final: nothing more to say
-        payload = {"order_id": order_id, "status": self.status}
+        payload = messages.OrderCompleted(order_id=order_id, status=self.status)  # OrderCancelled: same shape
         if reason:
             payload["reason"] = reason
         outbox.publish_event(self.event, aggregate_id=order_id, payload=payload)

@@ -8,13 +8,14 @@ They have their own Alembic history (``examples/orders/migrations``, version tab
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Final
 
 from sqlalchemy import CheckConstraint, DateTime, Integer, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-PLACED = "placed"
-COMPLETED = "completed"
-CANCELLED = "cancelled"
+PLACED: Final = "placed"
+COMPLETED: Final = "completed"
+CANCELLED: Final = "cancelled"
 FINAL = (COMPLETED, CANCELLED)
 
 

@@ -39,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("framework.cli.dashboard", "the dead-letter and health dashboard (web)"),
     "analyze": ("framework.cli.analyze", "the Spark reconciliation and analytics job"),
     "archive": ("framework.cli.archive", "move old processed/abandoned rows to Parquet"),
+    "codegen": ("framework.cli.codegen", "typed payload classes (TypedDicts) from the contracts"),
+    "new": ("framework.cli.new", "scaffold a service: contract, handler, migrations, tests"),
 }
 
 #: The entry-point group of sub-commands from other distributions (name = the command).

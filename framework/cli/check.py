@@ -25,6 +25,13 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     if name == "contracts":
         parser.add_argument("action", choices=("check",), help="check: lint the folder and show the routing")
     parser.add_argument("--strict", action="store_true", help="warnings fail the check too")
+    parser.add_argument(
+        "--generated",
+        action="append",
+        type=Path,
+        default=[],
+        help="a module written by txbox codegen: an error if the contracts changed since (repeatable)",
+    )
     add_service_options(parser)
 
 
@@ -40,7 +47,14 @@ def run(args: argparse.Namespace) -> int:
         problems = registry.problems
         subject = f"contracts in {folder}"
         print(routing_report(registry))
+    problems = [*problems, *stale_code(args.generated)]
     return report(problems, subject, strict=args.strict)
+
+
+def stale_code(paths: list[Path]) -> list[Problem]:
+    from framework import codegen
+
+    return [Problem("error", str(path), why) for path in paths if (why := codegen.stale(path)) is not None]
 
 
 def report(problems: list[Problem], subject: str, *, strict: bool) -> int:

@@ -46,7 +46,6 @@ ends the process if it still runs at the end of its lease (framework/worker/time
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 import traceback
 import uuid
@@ -612,13 +611,7 @@ class Worker(Daemon):
                 outbox = Outbox(
                     session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
                 )
-                with session.handler_running():
-                    # Typed None, but a handler may still hand back a coroutine.
-                    result: object = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
-                _refuse_awaitable(result)
-                found = guard.misuse(session, conn, raw, transaction, savepoint)
-                if found is not None:
-                    raise HandlerMisuse(found[0])
+                guard.run_handler(handler, message, session, outbox, conn, raw, transaction, savepoint)
                 if careful:
                     session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
             if savepoint is not None:
@@ -907,15 +900,6 @@ def _only(known: dict[uuid.UUID, BaseException], claimed: Claimed) -> dict[uuid.
 def _aborted(raw: psycopg.Connection[Any]) -> bool:
     """The transaction is aborted: a statement failed, maybe an earlier handler's flushed row."""
     return not raw.closed and raw.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
-
-
-def _refuse_awaitable(result: object) -> None:
-    """A handler whose ``handle`` returned an awaitable did nothing yet: its message fails."""
-    if inspect.isawaitable(result):
-        close = getattr(result, "close", None)
-        if callable(close):
-            close()  # no "never awaited" warning; nothing of it ran
-        raise HandlerMisuse(ASYNC_HANDLE_FIX)
 
 
 def _is_database_error(exc: BaseException) -> bool:

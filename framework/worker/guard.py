@@ -23,9 +23,10 @@ writes commit in a new transaction (their work applied twice). Three layers stop
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
@@ -34,6 +35,12 @@ from sqlalchemy import Connection, NestedTransaction, Transaction
 from sqlalchemy.orm import Session
 
 from framework.errors import HandlerMisuse
+from framework.handlers import ASYNC_HANDLE_FIX
+
+if TYPE_CHECKING:
+    from framework.envelope import Message
+    from framework.handlers import Handler
+    from framework.outbox import Outbox
 
 # The transaction's application_name while a batch runs; the session's own name differs.
 BATCH_MARK = "txbox-worker (batch)"
@@ -83,6 +90,39 @@ class HandlerSession(Session):
     def close(self) -> None:
         self._refuse("close")
         super().close()
+
+
+def run_handler(
+    handler: Handler,
+    message: Message,
+    session: HandlerSession,
+    outbox: Outbox,
+    conn: Connection,
+    raw: psycopg.Connection[Any],
+    transaction: Transaction,
+    savepoint: NestedTransaction | None,
+) -> None:
+    """Run one handler for one message in the transaction the caller armed (:func:`arm`);
+    raise :class:`HandlerMisuse` if it returned an awaitable or broke the transaction.
+
+    The one way a handler is invoked: the worker and ``framework.testing`` both call it.
+    """
+    with session.handler_running():
+        # Typed None, but a handler may still hand back a coroutine.
+        result: object = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
+    _refuse_awaitable(result)
+    found = misuse(session, conn, raw, transaction, savepoint)
+    if found is not None:
+        raise HandlerMisuse(found[0])
+
+
+def _refuse_awaitable(result: object) -> None:
+    """A handler whose ``handle`` returned an awaitable did nothing yet: its message fails."""
+    if inspect.isawaitable(result):
+        close = getattr(result, "close", None)
+        if callable(close):
+            close()  # no "never awaited" warning; nothing of it ran
+        raise HandlerMisuse(ASYNC_HANDLE_FIX)
 
 
 def misuse(
