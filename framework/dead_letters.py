@@ -23,22 +23,9 @@ from typing import Any, Literal
 from psycopg import sql
 
 from framework import jsoncodec, names, redaction
+from framework.reasons import Reason
 
 Source = Literal["broker", "inbox", "outbox"]
-
-# Reason codes beyond the envelope's (framework.envelope holds those for malformed input).
-UNKNOWN_MESSAGE_TYPE = "unknown_message_type"
-SCHEMA_INVALID = "schema_invalid"
-TOO_LARGE = "too_large"
-WRONG_CONTENT_TYPE = "wrong_content_type"
-REDELIVERY_LIMIT = "redelivery_limit"
-RETRIES_EXHAUSTED = "retries_exhausted"  # broker-level delay/retry chain used up
-MAX_ATTEMPTS = "max_attempts"
-PERMANENT_ERROR = "permanent_error"
-POISON = "poison"
-UNROUTABLE = "unroutable"
-NACKED = "nacked"
-INTERNAL_ERROR = "internal_error"  # the last resort: txbox failed to judge or store the input
 
 # Every pattern below sees sender text (error messages quote payload values). Each runs
 # in linear time: no start position scans further than a bounded window or its own run
@@ -206,9 +193,9 @@ class DeadLetter:
         return {
             "message_id": _uuid_or_none(self.message_id),
             "source": self.source if self.source in ("broker", "inbox", "outbox") else "broker",
-            "reason": INTERNAL_ERROR,
+            "reason": Reason.INTERNAL_ERROR,
             "error": error + f"; original error: {_ascii(self.error, 4000)}",
-            "fingerprint": fingerprint(None, INTERNAL_ERROR, type(exc).__name__),
+            "fingerprint": fingerprint(None, Reason.INTERNAL_ERROR, type(exc).__name__),
             "message_type": None,
             "routing_key": None,
             "message": None,
@@ -236,9 +223,9 @@ def internal_error_letter(
     """
     return DeadLetter(
         source=source,
-        reason=INTERNAL_ERROR,
+        reason=Reason.INTERNAL_ERROR,
         error=error,
-        error_type=INTERNAL_ERROR,
+        error_type=Reason.INTERNAL_ERROR,
         message_id=message_id,
         routing_key=routing_key,
         raw_body=raw_body,

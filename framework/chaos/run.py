@@ -49,7 +49,7 @@ from framework.chaos.instances import PrivatePostgres, PrivateRabbit
 from framework.chaos.supervisor import Spec, Supervisor
 from framework.chaos.verdict import Verdict, judge
 from framework.db import conninfo
-from framework.errors import TxboxError
+from framework.errors import ChaosFailed
 from framework.service import Service
 
 #: Leases short enough that rows claimed by a killed daemon come back within seconds
@@ -62,10 +62,6 @@ DAEMON_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 SETTLE = 3.0  # seconds after a fault that count as recovery, not as "between faults"
-
-
-class ChaosFailed(TxboxError):
-    """The run could not finish (stalled, could not start): no verdict possible."""
 
 
 @dataclass(kw_only=True)

@@ -48,7 +48,7 @@ from framework.dashboard.security import (
 )
 from framework.dlq import queries, replay
 from framework.dlq.present import masked
-from framework.errors import ConfigurationError, TxboxError
+from framework.errors import ConfigurationError, HttpError, TxboxError
 from framework.redaction import redact_text
 from framework.settings import Seconds, setting
 
@@ -161,13 +161,6 @@ class Source:
     @cached_property
     def registry(self) -> Registry:
         return load_registry(self.contracts_dir)
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        self.status = status
-        self.message = message
-        super().__init__(message)
 
 
 def _age(seconds: float | None) -> str:

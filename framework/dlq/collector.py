@@ -31,15 +31,13 @@ import psycopg
 from prometheus_client import Counter
 from psycopg import sql
 
-from framework import amqp, db, names, topology
+from framework import amqp, db, names, reasons, topology
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import (
     BODY_FACTS,
     BODY_LIMIT,
     ERROR_LIMIT,
-    INTERNAL_ERROR,
-    RETRIES_EXHAUSTED,
     DeadLetter,
     clean_text,
     fingerprint,
@@ -50,6 +48,7 @@ from framework.dead_letters import (
 from framework.dlq.replay import resolve_replayed
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
+from framework.reasons import Reason
 from framework.settings import Seconds, Settings, setting
 
 COLLECTED = Counter("txbox_collector_dead_letters_total", "Dead letters drained from the broker", ["service"])
@@ -170,9 +169,7 @@ def _letter_from_delivery(
         first_queue = first_queue or _text(first.get("queue"))
         first_reason = first_reason or _text(first.get("reason"))
     total = sum(_count(d) for d in deaths)
-    reason = _reason_code(headers.get(names.HEADER_DEAD_REASON)) or (
-        f"broker_{_reason_code(first_reason) or 'unknown'}" if first_reason else "broker_unknown"
-    )
+    reason = _reason_code(headers.get(names.HEADER_DEAD_REASON)) or reasons.broker(_reason_code(first_reason))
     error = _text(headers.get(names.HEADER_DEAD_ERROR)) or (
         f"RabbitMQ dead-lettered the message from queue {first_queue} ({first_reason}, {total} time(s))"
         if first_queue
@@ -181,7 +178,7 @@ def _letter_from_delivery(
     if names.HEADER_DEAD_REASON not in headers and headers.get(names.HEADER_FINAL_ATTEMPT):
         # Receivers before 2026-11-23 rejected their flagged final try
         # without our headers; today's publish the copy with HEADER_DEAD_REASON set.
-        reason = RETRIES_EXHAUSTED
+        reason = Reason.RETRIES_EXHAUSTED
         error = (
             f"the receiver could not store it through the whole delay/retry chain "
             f"(attempt {_text(headers.get(names.HEADER_ATTEMPT)) or '?'}); {error}"
@@ -250,7 +247,7 @@ def _last_resort(
         headers={"headers": headers},
         routing_key=routing_key if isinstance(routing_key, str) else None,
     )
-    return letter, _delivery_key(INTERNAL_ERROR, body, headers)
+    return letter, _delivery_key(Reason.INTERNAL_ERROR, body, headers)
 
 
 def _delivery_key(message_id: str, body: bytes, facts: Any) -> str:
@@ -326,9 +323,9 @@ def _rows(letter: DeadLetter, key: str, body: bytes, refusals: list[str]) -> Ite
     yield {
         **row,
         "message_id": None,
-        "reason": INTERNAL_ERROR,
+        "reason": Reason.INTERNAL_ERROR,
         "error": "PostgreSQL refused the dead letter: " + "; ".join(refusals).encode("ascii", "replace").decode(),
-        "fingerprint": fingerprint(None, INTERNAL_ERROR, "refused dead letter"),
+        "fingerprint": fingerprint(None, Reason.INTERNAL_ERROR, "refused dead letter"),
         "message_type": None,
         "routing_key": None,
         "message": None,

@@ -21,12 +21,7 @@ from framework.contracts import MessageSpec, Registry
 from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
-
-NOT_ACCEPTED = "not_accepted"  # a known type this service neither accepts nor subscribes to
-UNSTORABLE = "unstorable"  # PostgreSQL refused the row for a reason of the data (e.g. \u0000 in JSON)
-ID_CONFLICT = "id_conflict"  # the inbox holds this message id with other content (docs/architecture.md)
-WRONG_ROUTE = "wrong_route"  # the message came by another route than its contract gives it
-INTERNAL_ERROR = dl.INTERNAL_ERROR  # last resort: the receiver failed on it; what could be kept is kept
+from framework.reasons import Reason
 
 # Control headers only our own daemons may set (honoured from trusted broker users only).
 CONTROL_HEADERS = (
@@ -300,9 +295,9 @@ class Intake:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         return dl.DeadLetter(
             source="broker",
-            reason=INTERNAL_ERROR,
+            reason=Reason.INTERNAL_ERROR,
             error=text.encode("ascii", "backslashreplace").decode("ascii")[:2000],
-            error_type=INTERNAL_ERROR if isinstance(error, str) else type(error).__name__,
+            error_type=Reason.INTERNAL_ERROR if isinstance(error, str) else type(error).__name__,
             routing_key=delivery.routing_key.encode("ascii", "backslashreplace").decode("ascii")[:255],
             raw_body=delivery.body,
             attempts={"redelivered": delivery.redelivered},
@@ -315,7 +310,7 @@ class Intake:
         except Exception as exc:  # a bug of ours on input nobody foresaw: the input must not stop us
             try:
                 return self.reject(
-                    delivery, INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__
+                    delivery, Reason.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__
                 )
             except Exception:
                 return self.last_resort(delivery, exc)
@@ -344,11 +339,13 @@ class Intake:
         size = len(delivery.body)
         if size > self.max_body_bytes:
             return self.reject(
-                delivery, dl.TOO_LARGE, f"body of {size} bytes exceeds the limit of {self.max_body_bytes}"
+                delivery, Reason.TOO_LARGE, f"body of {size} bytes exceeds the limit of {self.max_body_bytes}"
             )
         content_type = delivery.properties.get("content_type")
         if content_type is not None and str(content_type).split(";")[0].strip().lower() != CONTENT_TYPE:
-            return self.reject(delivery, dl.WRONG_CONTENT_TYPE, f"content type {content_type!r} is not {CONTENT_TYPE}")
+            return self.reject(
+                delivery, Reason.WRONG_CONTENT_TYPE, f"content type {content_type!r} is not {CONTENT_TYPE}"
+            )
         data: Any = None
         try:
             data = decode_json(delivery.body)
@@ -358,21 +355,21 @@ class Intake:
         try:
             spec = self.registry.get(message.message_type)
         except UnknownMessageType as exc:
-            return self.reject(delivery, dl.UNKNOWN_MESSAGE_TYPE, str(exc), data=data)
+            return self.reject(delivery, Reason.UNKNOWN_MESSAGE_TYPE, str(exc), data=data)
         if spec.message_type not in self.accepted:
             return self.reject(
                 delivery,
-                NOT_ACCEPTED,
+                Reason.NOT_ACCEPTED,
                 f"{self.service} neither accepts nor subscribes to {spec.message_type} ({spec.routing_key})",
                 data=data,
             )
         route_error = self.wrong_route(delivery, spec) if delivery.wire else None
         if route_error is not None:
-            return self.reject(delivery, WRONG_ROUTE, route_error, data=data)
+            return self.reject(delivery, Reason.WRONG_ROUTE, route_error, data=data)
         try:
             spec.validate(message.payload)
         except PayloadValidationError as exc:
-            return self.reject(delivery, dl.SCHEMA_INVALID, str(exc), data=data)
+            return self.reject(delivery, Reason.SCHEMA_INVALID, str(exc), data=data)
         segment, concurrency, priority = delivery.lane(default_segment(message.aggregate_type, message.aggregate_id))
         return InboxRow(
             id=message.message_id,

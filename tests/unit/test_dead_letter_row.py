@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from framework import dead_letters as dl
 from framework.dead_letters import BODY_FACTS, BODY_LIMIT, TOO_DEEP, DeadLetter, to_storable
+from framework.reasons import Reason
 
 
 def _deep(depth: int) -> list[Any]:
@@ -127,7 +128,7 @@ def test_a_row_that_cannot_be_built_is_an_internal_error(monkeypatch: pytest.Mon
     monkeypatch.setattr(dl, "to_storable", broken)
     mid = uuid.uuid4()
     row = DeadLetter(source="broker", reason="poison", error="boom\x00", message_id=mid, raw_body=b"abc").row()
-    assert row["reason"] == dl.INTERNAL_ERROR and row["message_id"] == mid
+    assert row["reason"] == Reason.INTERNAL_ERROR and row["message_id"] == mid
     assert "poison" in row["error"] and "RecursionError" in row["error"] and "\x00" not in row["error"]
     assert json.loads(row["headers"])[BODY_FACTS]["sha256"] == hashlib.sha256(b"abc").hexdigest()
 
@@ -135,4 +136,4 @@ def test_a_row_that_cannot_be_built_is_an_internal_error(monkeypatch: pytest.Mon
 def test_internal_error_letter_keeps_the_body() -> None:
     letter = dl.internal_error_letter(source="broker", error="bug", raw_body=b"\x00raw", headers={"h": 1})
     row = letter.row()
-    assert row["reason"] == dl.INTERNAL_ERROR and dl.decode_body(row["raw_body"], row["raw_encoding"]) == b"\x00raw"
+    assert row["reason"] == Reason.INTERNAL_ERROR and dl.decode_body(row["raw_body"], row["raw_encoding"]) == b"\x00raw"

@@ -19,6 +19,7 @@ import pytest
 
 from framework import amqp, dead_letters, names, topology
 from framework.dlq.collector import Collector, CollectorSettings
+from framework.reasons import Reason
 from framework.service import Service
 from tests import support
 
@@ -256,12 +257,12 @@ CREATE TRIGGER refuse BEFORE INSERT ON txbox.dead_letters FOR EACH ROW EXECUTE F
 def test_a_refused_row_ends_as_a_minimal_internal_error_row(
     service: Service, collector: Collector, channel: Any, conn: Any
 ) -> None:
-    conn.execute(_REFUSE.format(allowed=dead_letters.INTERNAL_ERROR))
+    conn.execute(_REFUSE.format(allowed=Reason.INTERNAL_ERROR))
     body = b"refused twice"
     _dead_letter(channel, body, pika.BasicProperties(headers={names.HEADER_DEAD_REASON: "poison"}))
 
     [row] = support.wait_until(lambda: _letters(conn), message="the minimal row")
-    assert row["reason"] == dead_letters.INTERNAL_ERROR and "refused by test trigger" in row["error"]
+    assert row["reason"] == Reason.INTERNAL_ERROR and "refused by test trigger" in row["error"]
     facts = row["headers"][dead_letters.BODY_FACTS]
     assert facts["length"] == len(body) and facts["sha256"] == hashlib.sha256(body).hexdigest()
     support.wait_until(lambda: _depth(service) == 0, message="the delivery acked")
