@@ -95,8 +95,6 @@ JSON_DEPTH_LIMIT = 64
 """Nesting kept in a dead letter's JSON columns; deeper parts become :data:`TOO_DEEP`."""
 TOO_DEEP = f"<nested deeper than {JSON_DEPTH_LIMIT} levels, not kept>"
 ERROR_LIMIT = 16 * 1024  # characters of an error text kept (errors may quote whole payloads)
-BODY_FACTS = "x-txbox-body"
-"""Key in a dead letter's ``headers`` with the facts of its body (length, sha256, what was kept)."""
 _BIG_INT_BITS = 10_000  # ~3,000 digits: str() refuses more than 4,300 and jsonb numerics are bounded
 
 
@@ -149,8 +147,8 @@ class DeadLetter:
         headers = to_storable(self.headers)
         if not isinstance(headers, dict):
             headers = {"headers": headers}
-        if BODY_FACTS in headers:  # a sender's header of that name must not pass for ours
-            headers[f"{BODY_FACTS} (sender)"] = headers.pop(BODY_FACTS)
+        if names.BODY_FACTS in headers:  # a sender's header of that name must not pass for ours
+            headers[f"{names.BODY_FACTS} (sender)"] = headers.pop(names.BODY_FACTS)
         message = _json_text(self.message) if self.message is not None else None
         body = self.raw_body
         if message is not None and len(message) > BODY_LIMIT:  # characters ≤ bytes: cheap first test
@@ -163,9 +161,9 @@ class DeadLetter:
         if body is not None:
             stored = stored_body(body)
             raw, encoding = stored.text, stored.encoding
-            headers[BODY_FACTS] = stored.facts
+            headers[names.BODY_FACTS] = stored.facts
             if self.message is not None and message is None:
-                headers[BODY_FACTS]["message"] = "not kept: its JSON exceeds the body limit"
+                headers[names.BODY_FACTS]["message"] = "not kept: its JSON exceeds the body limit"
         return {
             "message_id": _uuid_or_none(self.message_id),
             "source": self.source,
@@ -201,7 +199,7 @@ class DeadLetter:
             "message": None,
             "raw_body": None,
             "raw_encoding": None,
-            "headers": json.dumps({BODY_FACTS: facts}),
+            "headers": json.dumps({names.BODY_FACTS: facts}),
             "attempts": "{}",
         }
 

@@ -35,7 +35,6 @@ from framework import amqp, db, names, reasons, topology
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import (
-    BODY_FACTS,
     BODY_LIMIT,
     ERROR_LIMIT,
     DeadLetter,
@@ -75,20 +74,6 @@ def jsonable(value: Any) -> Any:
     return to_storable(value)
 
 
-_PROPERTIES = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-)
 # Our reason header names a code: anything else there (a forged or garbled value) is
 # kept among the headers but not taken for the reason. Judged on at most 64 characters.
 _REASON_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -125,7 +110,7 @@ def _reason_code(value: Any) -> str | None:
 
 def _deaths(headers: dict[str, Any]) -> list[dict[str, Any]]:
     """The ``x-death`` entries that are tables; anything else there is kept in the headers only."""
-    deaths = headers.get("x-death")
+    deaths = headers.get(names.HEADER_DEATH)
     if not isinstance(deaths, list):
         return []
     return [d for d in deaths if isinstance(d, dict)]
@@ -160,8 +145,8 @@ def _letter_from_delivery(
     if raw_headers is not None and not isinstance(raw_headers, dict):
         headers["headers"] = jsonable(raw_headers)
     deaths = _deaths(headers)
-    first_queue = _text(headers.get("x-first-death-queue"))
-    first_reason = _text(headers.get("x-first-death-reason"))
+    first_queue = _text(headers.get(names.HEADER_FIRST_DEATH_QUEUE))
+    first_reason = _text(headers.get(names.HEADER_FIRST_DEATH_REASON))
     first = next((d for d in deaths if d.get("queue") == first_queue and d.get("reason") == first_reason), None)
     if first is None and deaths:
         first = deaths[-1]  # RabbitMQ prepends: the oldest entry is last
@@ -199,14 +184,16 @@ def _letter_from_delivery(
         message_type = None
     original_keys = (first or {}).get("routing-keys")
     original_key = _text(original_keys[0]) if isinstance(original_keys, list) and original_keys else None
-    props = {p: jsonable(getattr(properties, p)) for p in _PROPERTIES if getattr(properties, p, None) is not None}
+    props = {
+        p: jsonable(getattr(properties, p)) for p in names.BASIC_PROPERTIES if getattr(properties, p, None) is not None
+    }
     headers["amqp_properties"] = props
     attempts = {
         "x_death": deaths,
         "first_death": {
             "queue": first_queue,
             "reason": first_reason,
-            "exchange": _text(headers.get("x-first-death-exchange")),
+            "exchange": _text(headers.get(names.HEADER_FIRST_DEATH_EXCHANGE)),
             "time": (first or {}).get("time"),
         },
         "deaths": total,
@@ -331,7 +318,7 @@ def _rows(letter: DeadLetter, key: str, body: bytes, refusals: list[str]) -> Ite
         "message": None,
         "raw_body": None,
         "raw_encoding": None,
-        "headers": json.dumps({BODY_FACTS: facts}, ensure_ascii=True).replace("\\u0000", "?"),
+        "headers": json.dumps({names.BODY_FACTS: facts}, ensure_ascii=True).replace("\\u0000", "?"),
         "attempts": "{}",
     }
 

@@ -38,25 +38,11 @@ from framework.reasons import Reason
 from framework.receiver import metrics, store
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import (
-    CONTROL_HEADERS,
     Delivery,
     InboxRow,
     Intake,
 )
 from framework.service import Service
-
-_REPUBLISHED_PROPERTIES = (
-    "content_type",
-    "content_encoding",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "message_id",
-    "timestamp",
-    "type",
-    "app_id",
-)
-
 
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
 
@@ -536,7 +522,7 @@ class Receiver(Daemon):
         """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go."""
         headers = dict(delivery.headers)
         if not delivery.trusted:
-            for name in CONTROL_HEADERS:
+            for name in names.CONTROL_HEADERS:
                 headers.pop(name, None)
         return headers
 
@@ -548,7 +534,7 @@ class Receiver(Daemon):
             delivery_mode=2,
             headers=headers,
             user_id=self._user,
-            **{k: delivery.properties[k] for k in _REPUBLISHED_PROPERTIES if k in delivery.properties},
+            **{k: delivery.properties[k] for k in names.REPUBLISHED_PROPERTIES if k in delivery.properties},
         )
         try:
             publish_channel.basic_publish(exchange, key, delivery.body, props, mandatory=True)

@@ -23,34 +23,9 @@ from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessa
 from framework.outbox import default_segment
 from framework.reasons import Reason
 
-# Control headers only our own daemons may set (honoured from trusted broker users only).
-CONTROL_HEADERS = (
-    names.HEADER_SEGMENT,
-    names.HEADER_CONCURRENCY,
-    names.HEADER_PRIORITY,
-    names.HEADER_ATTEMPT,
-    names.HEADER_FINAL_ATTEMPT,
-    names.HEADER_DEAD_REASON,
-    names.HEADER_DEAD_ERROR,
-)
 MAX_SEGMENT_CHARS = 1024  # a longer lane name would not fit the inbox's segment index
 MAX_HEADER_DEPTH = 16  # deeper header tables are kept as a marker string (docs/architecture.md)
 _MAX_KEY_CHARS = 200  # a redelivery counter key is the message id, or a digest
-
-_PROPERTY_NAMES = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-)
 
 
 @dataclass(kw_only=True)
@@ -73,7 +48,7 @@ class Delivery:
 
     @classmethod
     def from_pika(cls, method: Any, props: Any, body: bytes, trusted_users: frozenset[str] = frozenset()) -> Delivery:
-        properties = {name: getattr(props, name, None) for name in _PROPERTY_NAMES}
+        properties = {name: getattr(props, name, None) for name in names.BASIC_PROPERTIES}
         headers = props.headers if isinstance(props.headers, dict) else {}
         user_id = properties.get("user_id")
         return cls(

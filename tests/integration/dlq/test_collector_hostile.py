@@ -220,7 +220,7 @@ def test_an_oversized_body_keeps_a_bounded_prefix_with_its_length_and_hash(
         kept = dead_letters.decode_body(row["raw_body"], row["raw_encoding"])
         assert row["raw_encoding"] == "utf-8" and sent.startswith(kept)
         assert dead_letters.BODY_LIMIT - 4 < len(kept) <= dead_letters.BODY_LIMIT
-        facts = row["headers"][dead_letters.BODY_FACTS]
+        facts = row["headers"][names.BODY_FACTS]
         assert facts["length"] == len(sent) and facts["sha256"] == hashlib.sha256(sent).hexdigest()
         assert facts["truncated"] is True and facts["stored"] == len(kept)
         assert row["message"] is None  # the whole envelope would be the whole body
@@ -263,7 +263,7 @@ def test_a_refused_row_ends_as_a_minimal_internal_error_row(
 
     [row] = support.wait_until(lambda: _letters(conn), message="the minimal row")
     assert row["reason"] == Reason.INTERNAL_ERROR and "refused by test trigger" in row["error"]
-    facts = row["headers"][dead_letters.BODY_FACTS]
+    facts = row["headers"][names.BODY_FACTS]
     assert facts["length"] == len(body) and facts["sha256"] == hashlib.sha256(body).hexdigest()
     support.wait_until(lambda: _depth(service) == 0, message="the delivery acked")
 
