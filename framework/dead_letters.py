@@ -12,12 +12,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import re
 import uuid
 from dataclasses import dataclass, field
-from datetime import date, datetime
-from decimal import Decimal
 from typing import Any, Literal
 
 from psycopg import sql
@@ -91,11 +88,7 @@ def fingerprint(message_type: str | None, error_type: str, error_text: str) -> s
 
 BODY_LIMIT = 64 * 1024
 """Bytes of a body a dead letter keeps: beyond it, a prefix with the body's length and sha256."""
-JSON_DEPTH_LIMIT = 64
-"""Nesting kept in a dead letter's JSON columns; deeper parts become :data:`TOO_DEEP`."""
-TOO_DEEP = f"<nested deeper than {JSON_DEPTH_LIMIT} levels, not kept>"
 ERROR_LIMIT = 16 * 1024  # characters of an error text kept (errors may quote whole payloads)
-_BIG_INT_BITS = 10_000  # ~3,000 digits: str() refuses more than 4,300 and jsonb numerics are bounded
 
 
 @dataclass(kw_only=True)
@@ -123,9 +116,9 @@ class DeadLetter:
         # rest (docs/architecture.md, "Secrets"). Should the scrub fail all the same, the
         # parsed copies go rather than a secret: the raw body is redacted when encoded.
         try:
-            self.message = None if self.message is None else to_storable(self.message)
-            self.headers = to_storable(self.headers)
-            self.attempts = to_storable(self.attempts)
+            self.message = None if self.message is None else jsoncodec.to_storable(self.message)
+            self.headers = jsoncodec.to_storable(self.headers)
+            self.attempts = jsoncodec.to_storable(self.attempts)
             redaction.scrub_letter(self)
         except Exception as exc:  # the last resort: building a dead letter never raises
             self.message, self.headers, self.attempts = None, {}, {}
@@ -144,7 +137,7 @@ class DeadLetter:
             return self._last_resort_row(exc)
 
     def _row(self) -> dict[str, Any]:
-        headers = to_storable(self.headers)
+        headers = jsoncodec.to_storable(self.headers)
         if not isinstance(headers, dict):
             headers = {"headers": headers}
         if names.BODY_FACTS in headers:  # a sender's header of that name must not pass for ours
@@ -167,13 +160,13 @@ class DeadLetter:
         return {
             "message_id": _uuid_or_none(self.message_id),
             "source": self.source,
-            "reason": clean_text(self.reason, 200),
-            "error": clean_text(self.error, ERROR_LIMIT),
+            "reason": jsoncodec.clean_text(self.reason, 200),
+            "error": jsoncodec.clean_text(self.error, ERROR_LIMIT),
             "fingerprint": fingerprint(
-                clean_text(self.message_type, 1000), str(self.error_type or self.reason), str(self.error)
+                jsoncodec.clean_text(self.message_type, 1000), str(self.error_type or self.reason), str(self.error)
             ),
-            "message_type": clean_text(self.message_type, 1000),
-            "routing_key": clean_text(self.routing_key, 1000),
+            "message_type": jsoncodec.clean_text(self.message_type, 1000),
+            "routing_key": jsoncodec.clean_text(self.routing_key, 1000),
             "message": message,
             "raw_body": raw,
             "raw_encoding": encoding,
@@ -273,99 +266,15 @@ def _utf8_prefix(body: bytes, limit: int) -> bytes:
     return body[:limit]  # not text anyway: stored as base64
 
 
-def to_storable(value: Any) -> Any:
-    """``value`` as JSON PostgreSQL stores in ``jsonb``; total: never raises, always storable.
-
-    - NUL (``jsonb`` and ``text`` refuse it) becomes U+FFFD, lone surrogates (not UTF-8)
-      become U+FFFD, in keys and strings;
-    - containers nested deeper than :data:`JSON_DEPTH_LIMIT` become the string
-      :data:`TOO_DEEP` (PostgreSQL's stack and Python's recursion have limits);
-    - NaN and ±Infinity become their names, integers beyond ~3,000 digits a short
-      description, bytes text (UTF-8, invalid bytes replaced), dates ISO 8601, decimals
-      numbers, and anything else its ``str()``.
-
-    A dead letter is the last resort for hostile input: if its row could not be stored
-    its writer would fail on the same input again and again. The raw body keeps the
-    bytes, so nothing is lost by cleaning the parsed copies.
-    """
-    return _storable(value, 0)
-
-
-def _storable(value: Any, depth: int = 0) -> Any:
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        return _clean(value)
-    if isinstance(value, int):
-        return value if value.bit_length() <= _BIG_INT_BITS else f"<integer of {value.bit_length()} bits>"
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict | list | tuple) and depth >= JSON_DEPTH_LIMIT:
-        return TOO_DEEP
-    if isinstance(value, dict):
-        return {_key(k): _storable(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_storable(v, depth + 1) for v in value]
-    if isinstance(value, bytes | bytearray | memoryview):
-        return _clean(bytes(value).decode("utf-8", "replace"))
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return _decimal(value)
-    return _clean(_str(value))
-
-
-def _key(key: Any) -> str:
-    if isinstance(key, bytes | bytearray):
-        return _clean(bytes(key).decode("utf-8", "replace"))
-    return _clean(key if isinstance(key, str) else _str(key))
-
-
-def _decimal(value: Decimal) -> Any:
-    if value.is_finite():
-        as_float = float(value)
-        if math.isfinite(as_float):
-            return as_float
-    return str(value)
-
-
-def _str(value: Any) -> str:
-    try:
-        return str(value)
-    except Exception:  # a foreign object whose __str__ fails still names its type
-        return f"<unprintable {type(value).__name__}>"
-
-
-def _clean(text: str) -> str:
-    if "\x00" in text:
-        text = text.replace("\x00", "\ufffd")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    return text
-
-
-def clean_text(value: Any, limit: int) -> str | None:
-    """``value`` for a ``text`` column: str, no NUL, valid UTF-8, at most ``limit`` characters (+ a note)."""
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray):
-        text = bytes(value).decode("utf-8", "replace")
-    else:
-        text = value if isinstance(value, str) else _str(value)
-    if len(text) > limit:
-        text = f"{text[:limit]}… ({len(text)} characters)"
-    return _clean(text)
-
-
 def _ascii(value: Any, limit: int) -> str:
     """Plain ASCII with escapes: storable in any column whatever the value held."""
-    return _str(value)[:limit].encode("ascii", "backslashreplace").decode("ascii").replace("\x00", "\\x00")
+    return (
+        jsoncodec.safe_str(value)[:limit].encode("ascii", "backslashreplace").decode("ascii").replace("\x00", "\\x00")
+    )
 
 
 def _json_text(value: Any) -> str:
-    return jsoncodec.dumps(to_storable(value))
+    return jsoncodec.dumps(jsoncodec.to_storable(value))
 
 
 def _uuid_or_none(value: Any) -> uuid.UUID | None:

@@ -12,7 +12,6 @@ Who may do what, and the protections around every request: framework.dashboard.s
 from __future__ import annotations
 
 import hmac
-import json
 import math
 import secrets
 import time
@@ -34,6 +33,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from framework import jsoncodec
 from framework.contracts import Registry, load_registry
 from framework.dashboard import charts
 from framework.dashboard.security import (
@@ -181,14 +181,6 @@ def _time(value: datetime | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
 
-def _pretty(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=False)
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
-
-
 def create_app(sources: Sequence[Source], settings: DashboardSettings | None = None) -> Starlette:
     if not sources:
         raise ConfigurationError("the dashboard needs at least one source (TXBOX_* environment or --source name=url)")
@@ -207,7 +199,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(time=_time, age=_age, pretty=_pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket)
+    env.filters.update(
+        time=_time, age=_age, pretty=jsoncodec.pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket
+    )
     env.globals.update(sources=[s.name for s in sources], statuses=queries.STATUSES, windows=list(queries.WINDOWS))
 
     # --- helpers -------------------------------------------------------------------
@@ -551,20 +545,22 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     # --- JSON API --------------------------------------------------------------------
 
     def api_overview(request: Request) -> Response:
-        return JSONResponse(_jsonable({"window": window_of(request), "services": overview_data(window_of(request))}))
+        return JSONResponse(
+            jsoncodec.plain({"window": window_of(request), "services": overview_data(window_of(request))})
+        )
 
     def api_groups(request: Request) -> Response:
-        return JSONResponse(_jsonable({"groups": groups_data(request)}))
+        return JSONResponse(jsoncodec.plain({"groups": groups_data(request)}))
 
     def api_letters(request: Request) -> Response:
         data = letters_data(request)
         data["filters"] = data["filters"].as_query()
         data.pop("choices")
-        return JSONResponse(_jsonable(data))
+        return JSONResponse(jsoncodec.plain(data))
 
     def api_letter(request: Request) -> Response:
         s, row = letter_data(request.path_params["service"], request.path_params["id"])
-        return JSONResponse(_jsonable({"service": s.name, "letter": row}))
+        return JSONResponse(jsoncodec.plain({"service": s.name, "letter": row}))
 
     def api_act_letter(request: Request) -> Response:
         require_change_rights(request, None)

@@ -31,18 +31,16 @@ import psycopg
 from prometheus_client import Counter
 from psycopg import sql
 
-from framework import amqp, db, names, reasons, topology
+from framework import amqp, db, jsoncodec, names, reasons, topology
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import (
     BODY_LIMIT,
     ERROR_LIMIT,
     DeadLetter,
-    clean_text,
     fingerprint,
     internal_error_letter,
     stored_body,
-    to_storable,
 )
 from framework.dlq.replay import resolve_replayed
 from framework.envelope import decode_json
@@ -67,11 +65,6 @@ class CollectorSettings:
     resolve_interval: Seconds = setting(
         "TXBOX_COLLECTOR_RESOLVE_INTERVAL", "2s", default=Seconds(2.0), help="how often replayed letters are resolved"
     )
-
-
-def jsonable(value: Any) -> Any:
-    """AMQP header values (bytes, datetimes, decimals, nested tables) as storable JSON values."""
-    return to_storable(value)
 
 
 # Our reason header names a code: anything else there (a forged or garbled value) is
@@ -141,9 +134,9 @@ def _letter_from_delivery(
     properties: pika.BasicProperties, body: bytes, routing_key: str | None
 ) -> tuple[DeadLetter, str]:
     raw_headers = properties.headers
-    headers = jsonable(dict(raw_headers)) if isinstance(raw_headers, dict) else {}
+    headers = jsoncodec.to_storable(dict(raw_headers)) if isinstance(raw_headers, dict) else {}
     if raw_headers is not None and not isinstance(raw_headers, dict):
-        headers["headers"] = jsonable(raw_headers)
+        headers["headers"] = jsoncodec.to_storable(raw_headers)
     deaths = _deaths(headers)
     first_queue = _text(headers.get(names.HEADER_FIRST_DEATH_QUEUE))
     first_reason = _text(headers.get(names.HEADER_FIRST_DEATH_REASON))
@@ -185,7 +178,9 @@ def _letter_from_delivery(
     original_keys = (first or {}).get("routing-keys")
     original_key = _text(original_keys[0]) if isinstance(original_keys, list) and original_keys else None
     props = {
-        p: jsonable(getattr(properties, p)) for p in names.BASIC_PROPERTIES if getattr(properties, p, None) is not None
+        p: jsoncodec.to_storable(getattr(properties, p))
+        for p in names.BASIC_PROPERTIES
+        if getattr(properties, p, None) is not None
     }
     headers["amqp_properties"] = props
     attempts = {
@@ -220,7 +215,7 @@ def _letter_from_delivery(
 def _raw_needed(envelope: dict[str, Any] | None, body: bytes) -> bool:
     """The raw body is kept when the envelope alone would not show the delivery as it came:
     not an envelope, one the JSON columns store altered (NUL, depth…), or one too large."""
-    return envelope is None or len(body) > BODY_LIMIT or to_storable(envelope) != envelope
+    return envelope is None or len(body) > BODY_LIMIT or jsoncodec.to_storable(envelope) != envelope
 
 
 def _last_resort(
@@ -242,7 +237,7 @@ def _delivery_key(message_id: str, body: bytes, facts: Any) -> str:
     key = hashlib.sha256()
     key.update(message_id.encode())
     key.update(hashlib.sha256(body if isinstance(body, bytes) else b"").digest())
-    key.update(json.dumps(jsonable(facts), sort_keys=True, default=str).encode("utf-8", "surrogatepass"))
+    key.update(json.dumps(jsoncodec.to_storable(facts), sort_keys=True, default=str).encode("utf-8", "surrogatepass"))
     return key.hexdigest()
 
 
@@ -303,8 +298,8 @@ def _rows(letter: DeadLetter, key: str, body: bytes, refusals: list[str]) -> Ite
         "raw_encoding": stored.encoding,
         "headers": _unstorable(row["headers"]),
         "attempts": _unstorable(row["attempts"]),
-        "error": f"{clean_text(row['error'], ERROR_LIMIT)} (stored as raw text: {refusals[-1]})",
-        **{c: clean_text(row[c], 1000) for c in ("message_type", "routing_key", "reason")},
+        "error": f"{jsoncodec.clean_text(row['error'], ERROR_LIMIT)} (stored as raw text: {refusals[-1]})",
+        **{c: jsoncodec.clean_text(row[c], 1000) for c in ("message_type", "routing_key", "reason")},
     }
     facts = {"length": len(body), "sha256": hashlib.sha256(body).hexdigest(), "refused": refusals}
     yield {

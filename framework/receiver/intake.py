@@ -6,7 +6,6 @@ reason code and the raw body; nothing here raises for bad input (outcome REJECTE
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
@@ -102,7 +101,9 @@ class Delivery:
     def lane(self, default: str) -> tuple[str, str, int]:
         """(segment, concurrency, priority) the sender asked for; malformed or untrusted values are ignored."""
         segment = self.control(names.HEADER_SEGMENT)
-        if not (isinstance(segment, str) and 0 < len(segment) <= MAX_SEGMENT_CHARS and _storable_text(segment)):
+        if not (
+            isinstance(segment, str) and 0 < len(segment) <= MAX_SEGMENT_CHARS and jsoncodec.storable_text(segment)
+        ):
             segment = default
         concurrency = self.control(names.HEADER_CONCURRENCY)
         if concurrency not in ("sequential", "parallel"):
@@ -137,7 +138,7 @@ class Delivery:
 
     def metadata(self, auth_token: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "properties": {**self.properties, "headers": clip_depth(self.headers, MAX_HEADER_DEPTH)},
+            "properties": {**self.properties, "headers": jsoncodec.clip_depth(self.headers, MAX_HEADER_DEPTH)},
             "fields": {
                 "exchange": self.exchange,
                 "routing_key": self.routing_key,
@@ -172,57 +173,12 @@ class InboxRow:
     redelivered: bool
 
 
-def _storable_text(text: str) -> bool:
-    """Text PostgreSQL stores as is: no NUL, no lone surrogate."""
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def clip_depth(value: Any, limit: int) -> Any:
-    """``value`` with containers nested deeper than ``limit`` replaced by a marker string.
-
-    AMQP header tables can nest as deep as a frame allows; every later step (JSON text,
-    jsonb, the dead letter) would have to recurse that deep. The recursion here stops
-    at ``limit``. Shallow values (the usual headers) come back as they are.
-    """
-    if limit <= 0:
-        return "<nested too deep>" if isinstance(value, dict | list | tuple) else value
-    if isinstance(value, dict):
-        if not any(isinstance(v, dict | list | tuple) for v in value.values()):
-            return value
-        return {k: clip_depth(v, limit - 1) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [clip_depth(v, limit - 1) for v in value]
-    return value
-
-
 def _metadata_text(metadata: dict[str, Any]) -> str:
     """AMQP headers are the sender's, not the message: clean what jsonb refuses rather than reject."""
-    text = json_text(metadata)
+    text = jsoncodec.amqp_json(metadata)
     if "\\u0000" in text or "\\ud" in text or "NaN" in text or "Infinity" in text:
-        text = json_text(dl._storable(metadata))
+        text = jsoncodec.amqp_json(jsoncodec.to_storable(metadata))
     return text
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, bytes | bytearray):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            return base64.b64encode(bytes(value)).decode("ascii")
-    if isinstance(value, datetime):
-        return value.isoformat()
-    return str(value)
-
-
-def json_text(value: Any) -> str:
-    """Compact JSON of what a delivery carries (AMQP values: bytes, datetimes, decimals too)."""
-    return jsoncodec.dumps(value, _json_default)
 
 
 class Intake:
@@ -261,7 +217,7 @@ class Intake:
             routing_key=delivery.original_routing_key(self.service),
             message=data if isinstance(data, dict) else None,
             raw_body=delivery.body,
-            headers=json.loads(json_text(clip_depth(delivery.headers, MAX_HEADER_DEPTH))),
+            headers=json.loads(jsoncodec.amqp_json(jsoncodec.clip_depth(delivery.headers, MAX_HEADER_DEPTH))),
             attempts={"broker_attempt": delivery.attempt, "redelivered": delivery.redelivered},
         )
 
@@ -354,8 +310,8 @@ class Intake:
             message_version=message.message_version,
             kind=spec.kind,
             routing_key=spec.routing_key,
-            payload=json_text(message.payload),
-            message_context=json_text(message.message_context),
+            payload=jsoncodec.amqp_json(message.payload),
+            message_context=jsoncodec.amqp_json(message.message_context),
             metadata=_metadata_text(delivery.metadata(message.auth_token)),
             segment=segment,
             concurrency=concurrency,

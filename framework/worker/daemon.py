@@ -939,5 +939,5 @@ def _describe(exc: BaseException) -> str:
 
 def _clip(text: str, limit: int = 2000) -> str:
     """Error text for ``last_error``: bounded, and without what a text column refuses."""
-    text = dl._storable(text)
+    text = jsoncodec.clean_string(text)
     return text if len(text) <= limit else text[:limit] + "…"

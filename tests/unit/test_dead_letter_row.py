@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from framework import dead_letters as dl
 from framework import names
-from framework.dead_letters import BODY_LIMIT, TOO_DEEP, DeadLetter, to_storable
+from framework.dead_letters import BODY_LIMIT, DeadLetter
+from framework.jsoncodec import JSON_DEPTH_LIMIT, TOO_DEEP, to_storable
 from framework.reasons import Reason
 
 
@@ -66,7 +67,7 @@ def test_what_jsonb_refuses_is_replaced() -> None:
 def test_deep_nesting_is_cut_at_the_limit() -> None:
     out = to_storable({"d": _deep(100_000)})
     text = dl.jsoncodec.dumps(out)
-    assert TOO_DEEP in text and text.count("[") == dl.JSON_DEPTH_LIMIT - 1
+    assert TOO_DEEP in text and text.count("[") == JSON_DEPTH_LIMIT - 1
 
 
 @given(
@@ -126,7 +127,7 @@ def test_a_row_that_cannot_be_built_is_an_internal_error(monkeypatch: pytest.Mon
     def broken(value: Any) -> Any:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(dl, "to_storable", broken)
+    monkeypatch.setattr(dl.jsoncodec, "to_storable", broken)
     mid = uuid.uuid4()
     row = DeadLetter(source="broker", reason="poison", error="boom\x00", message_id=mid, raw_body=b"abc").row()
     assert row["reason"] == Reason.INTERNAL_ERROR and row["message_id"] == mid

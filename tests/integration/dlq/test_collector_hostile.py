@@ -17,7 +17,7 @@ from typing import Any
 import pika
 import pytest
 
-from framework import amqp, dead_letters, names, topology
+from framework import amqp, dead_letters, jsoncodec, names, topology
 from framework.dlq.collector import Collector, CollectorSettings
 from framework.reasons import Reason
 from framework.service import Service
@@ -238,7 +238,7 @@ def test_json_nested_to_the_parsers_limit_is_stored(
 
     rows = _by_case(conn, 2)
     deep = rows["deep json"]
-    assert deep["message_id"] == mid and dead_letters.TOO_DEEP in json.dumps(deep["message"])
+    assert deep["message_id"] == mid and jsoncodec.TOO_DEEP in json.dumps(deep["message"])
     assert dead_letters.decode_body(deep["raw_body"], deep["raw_encoding"]) == body  # the body as it came
     assert rows["deeper than parsable"]["message"] is None and rows["deeper than parsable"]["raw_body"]
     support.wait_until(lambda: _depth(service) == 0, message="every delivery acked")
