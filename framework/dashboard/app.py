@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from framework import jsoncodec
 from framework.contracts import Registry, load_registry
-from framework.dashboard import charts
+from framework.dashboard import charts, latency
 from framework.dashboard.security import (
     COOKIE,
     LOGIN_COOKIE,
@@ -173,6 +173,10 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f} s"
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} ms"
+
+
 def _bucket(seconds: int) -> str:
     return f"{seconds // 3600} h" if seconds >= 3600 else f"{seconds // 60} min"
 
@@ -200,7 +204,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         lstrip_blocks=True,
     )
     env.filters.update(
-        time=_time, age=_age, pretty=jsoncodec.pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket
+        time=_time, age=_age, pretty=jsoncodec.pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket, ms=_ms
     )
     env.globals.update(sources=[s.name for s in sources], statuses=queries.STATUSES, windows=list(queries.WINDOWS))
 
@@ -298,6 +302,8 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             if other is not s:
                 with queries.connection(other.engine) as report:
                     found = queries.analytics(report, other.schema, s.name, covering=True)
+        if found is not None:  # all message types in one figure per stage (docs/architecture.md)
+            found["latency"] = latency.per_stage(found["latency"])
         return found
 
     def groups_data(request: Request) -> list[dict[str, Any]]:
