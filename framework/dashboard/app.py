@@ -421,20 +421,25 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             done=request.query_params.get("done", ""),
         )
 
-    async def confirm_letter(request: Request) -> Response:
-        name, letter_id, action = (
-            request.path_params["service"],
-            request.path_params["id"],
-            request.path_params["action"],
-        )
+    async def confirm_or_act(
+        request: Request, what: str, page: Callable[..., Response], post: Callable[..., Response]
+    ) -> Response:
+        """GET: the page confirming ``action`` on a letter or group; POST: do it (rights and CSRF checked first)."""
+        name, key, action = (request.path_params[p] for p in ("service", what, "action"))
         if request.method == "POST":
             form = await request.form()
-            return await _in_thread(lambda: _post_letter(request, name, letter_id, action, str(form.get("csrf", ""))))
-        return await _in_thread(lambda: _confirm_letter_page(request, name, letter_id, action))
-
-    def _confirm_letter_page(request: Request, name: str, letter_id: int, action: str) -> Response:
+            return await _in_thread(lambda: post(request, name, key, action, str(form.get("csrf", ""))))
         if action not in ACTIONS:
             raise HttpError(404, f"unknown action {action!r}")
+        return await _in_thread(lambda: page(request, name, key, action))
+
+    async def confirm_letter(request: Request) -> Response:
+        return await confirm_or_act(request, "id", _confirm_letter_page, _post_letter)
+
+    async def confirm_group(request: Request) -> Response:
+        return await confirm_or_act(request, "fingerprint", _confirm_group_page, _post_group)
+
+    def _confirm_letter_page(request: Request, name: str, letter_id: int, action: str) -> Response:
         s, row = letter_data(name, letter_id)
         preview = [row]
         return render(
@@ -457,20 +462,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             f"/letters/{s.name}/{letter_id}?" + urlencode({"done": f"{outcome.action}: {outcome.detail}"}), 303
         )
 
-    async def confirm_group(request: Request) -> Response:
-        name, fp, action = (
-            request.path_params["service"],
-            request.path_params["fingerprint"],
-            request.path_params["action"],
-        )
-        if request.method == "POST":
-            form = await request.form()
-            return await _in_thread(lambda: _post_group(request, name, fp, action, str(form.get("csrf", ""))))
-        return await _in_thread(lambda: _confirm_group_page(request, name, fp, action))
-
     def _confirm_group_page(request: Request, name: str, fp: str, action: str) -> Response:
-        if action not in ACTIONS:
-            raise HttpError(404, f"unknown action {action!r}")
         s = source(name)
         ids = group_ids(s, fp)
         with queries.connection(s.engine) as conn:
