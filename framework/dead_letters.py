@@ -20,6 +20,7 @@ from typing import Any, Literal
 from psycopg import sql
 
 from framework import jsoncodec, names, redaction
+from framework.jsoncodec import clean_text, safe_str, to_storable
 from framework.reasons import Reason
 
 Source = Literal["broker", "inbox", "outbox"]
@@ -116,9 +117,9 @@ class DeadLetter:
         # rest (docs/architecture.md, "Secrets"). Should the scrub fail all the same, the
         # parsed copies go rather than a secret: the raw body is redacted when encoded.
         try:
-            self.message = None if self.message is None else jsoncodec.to_storable(self.message)
-            self.headers = jsoncodec.to_storable(self.headers)
-            self.attempts = jsoncodec.to_storable(self.attempts)
+            self.message = None if self.message is None else to_storable(self.message)
+            self.headers = to_storable(self.headers)
+            self.attempts = to_storable(self.attempts)
             redaction.scrub_letter(self)
         except Exception as exc:  # the last resort: building a dead letter never raises
             self.message, self.headers, self.attempts = None, {}, {}
@@ -137,7 +138,7 @@ class DeadLetter:
             return self._last_resort_row(exc)
 
     def _row(self) -> dict[str, Any]:
-        headers = jsoncodec.to_storable(self.headers)
+        headers = to_storable(self.headers)
         if not isinstance(headers, dict):
             headers = {"headers": headers}
         if names.BODY_FACTS in headers:  # a sender's header of that name must not pass for ours
@@ -160,13 +161,13 @@ class DeadLetter:
         return {
             "message_id": _uuid_or_none(self.message_id),
             "source": self.source,
-            "reason": jsoncodec.clean_text(self.reason, 200),
-            "error": jsoncodec.clean_text(self.error, ERROR_LIMIT),
+            "reason": clean_text(self.reason, 200),
+            "error": clean_text(self.error, ERROR_LIMIT),
             "fingerprint": fingerprint(
-                jsoncodec.clean_text(self.message_type, 1000), str(self.error_type or self.reason), str(self.error)
+                clean_text(self.message_type, 1000), str(self.error_type or self.reason), str(self.error)
             ),
-            "message_type": jsoncodec.clean_text(self.message_type, 1000),
-            "routing_key": jsoncodec.clean_text(self.routing_key, 1000),
+            "message_type": clean_text(self.message_type, 1000),
+            "routing_key": clean_text(self.routing_key, 1000),
             "message": message,
             "raw_body": raw,
             "raw_encoding": encoding,
@@ -268,13 +269,11 @@ def _utf8_prefix(body: bytes, limit: int) -> bytes:
 
 def _ascii(value: Any, limit: int) -> str:
     """Plain ASCII with escapes: storable in any column whatever the value held."""
-    return (
-        jsoncodec.safe_str(value)[:limit].encode("ascii", "backslashreplace").decode("ascii").replace("\x00", "\\x00")
-    )
+    return safe_str(value)[:limit].encode("ascii", "backslashreplace").decode("ascii").replace("\x00", "\\x00")
 
 
 def _json_text(value: Any) -> str:
-    return jsoncodec.dumps(jsoncodec.to_storable(value))
+    return jsoncodec.dumps(to_storable(value))
 
 
 def _uuid_or_none(value: Any) -> uuid.UUID | None:

@@ -127,7 +127,7 @@ def test_a_row_that_cannot_be_built_is_an_internal_error(monkeypatch: pytest.Mon
     def broken(value: Any) -> Any:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(dl.jsoncodec, "to_storable", broken)
+    monkeypatch.setattr(dl, "to_storable", broken)
     mid = uuid.uuid4()
     row = DeadLetter(source="broker", reason="poison", error="boom\x00", message_id=mid, raw_body=b"abc").row()
     assert row["reason"] == Reason.INTERNAL_ERROR and row["message_id"] == mid
