@@ -12,33 +12,18 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import re
 import uuid
 from dataclasses import dataclass, field
-from datetime import date, datetime
-from decimal import Decimal
 from typing import Any, Literal
 
 from psycopg import sql
 
 from framework import jsoncodec, names, redaction
+from framework.jsoncodec import clean_text, safe_str, to_storable
+from framework.reasons import Reason
 
 Source = Literal["broker", "inbox", "outbox"]
-
-# Reason codes beyond the envelope's (framework.envelope holds those for malformed input).
-UNKNOWN_MESSAGE_TYPE = "unknown_message_type"
-SCHEMA_INVALID = "schema_invalid"
-TOO_LARGE = "too_large"
-WRONG_CONTENT_TYPE = "wrong_content_type"
-REDELIVERY_LIMIT = "redelivery_limit"
-RETRIES_EXHAUSTED = "retries_exhausted"  # broker-level delay/retry chain used up
-MAX_ATTEMPTS = "max_attempts"
-PERMANENT_ERROR = "permanent_error"
-POISON = "poison"
-UNROUTABLE = "unroutable"
-NACKED = "nacked"
-INTERNAL_ERROR = "internal_error"  # the last resort: txbox failed to judge or store the input
 
 # Every pattern below sees sender text (error messages quote payload values). Each runs
 # in linear time: no start position scans further than a bounded window or its own run
@@ -104,13 +89,7 @@ def fingerprint(message_type: str | None, error_type: str, error_text: str) -> s
 
 BODY_LIMIT = 64 * 1024
 """Bytes of a body a dead letter keeps: beyond it, a prefix with the body's length and sha256."""
-JSON_DEPTH_LIMIT = 64
-"""Nesting kept in a dead letter's JSON columns; deeper parts become :data:`TOO_DEEP`."""
-TOO_DEEP = f"<nested deeper than {JSON_DEPTH_LIMIT} levels, not kept>"
 ERROR_LIMIT = 16 * 1024  # characters of an error text kept (errors may quote whole payloads)
-BODY_FACTS = "x-txbox-body"
-"""Key in a dead letter's ``headers`` with the facts of its body (length, sha256, what was kept)."""
-_BIG_INT_BITS = 10_000  # ~3,000 digits: str() refuses more than 4,300 and jsonb numerics are bounded
 
 
 @dataclass(kw_only=True)
@@ -162,8 +141,8 @@ class DeadLetter:
         headers = to_storable(self.headers)
         if not isinstance(headers, dict):
             headers = {"headers": headers}
-        if BODY_FACTS in headers:  # a sender's header of that name must not pass for ours
-            headers[f"{BODY_FACTS} (sender)"] = headers.pop(BODY_FACTS)
+        if names.BODY_FACTS in headers:  # a sender's header of that name must not pass for ours
+            headers[f"{names.BODY_FACTS} (sender)"] = headers.pop(names.BODY_FACTS)
         message = _json_text(self.message) if self.message is not None else None
         body = self.raw_body
         if message is not None and len(message) > BODY_LIMIT:  # characters ≤ bytes: cheap first test
@@ -176,9 +155,9 @@ class DeadLetter:
         if body is not None:
             stored = stored_body(body)
             raw, encoding = stored.text, stored.encoding
-            headers[BODY_FACTS] = stored.facts
+            headers[names.BODY_FACTS] = stored.facts
             if self.message is not None and message is None:
-                headers[BODY_FACTS]["message"] = "not kept: its JSON exceeds the body limit"
+                headers[names.BODY_FACTS]["message"] = "not kept: its JSON exceeds the body limit"
         return {
             "message_id": _uuid_or_none(self.message_id),
             "source": self.source,
@@ -206,15 +185,15 @@ class DeadLetter:
         return {
             "message_id": _uuid_or_none(self.message_id),
             "source": self.source if self.source in ("broker", "inbox", "outbox") else "broker",
-            "reason": INTERNAL_ERROR,
+            "reason": Reason.INTERNAL_ERROR,
             "error": error + f"; original error: {_ascii(self.error, 4000)}",
-            "fingerprint": fingerprint(None, INTERNAL_ERROR, type(exc).__name__),
+            "fingerprint": fingerprint(None, Reason.INTERNAL_ERROR, type(exc).__name__),
             "message_type": None,
             "routing_key": None,
             "message": None,
             "raw_body": None,
             "raw_encoding": None,
-            "headers": json.dumps({BODY_FACTS: facts}),
+            "headers": json.dumps({names.BODY_FACTS: facts}),
             "attempts": "{}",
         }
 
@@ -236,9 +215,9 @@ def internal_error_letter(
     """
     return DeadLetter(
         source=source,
-        reason=INTERNAL_ERROR,
+        reason=Reason.INTERNAL_ERROR,
         error=error,
-        error_type=INTERNAL_ERROR,
+        error_type=Reason.INTERNAL_ERROR,
         message_id=message_id,
         routing_key=routing_key,
         raw_body=raw_body,
@@ -288,95 +267,9 @@ def _utf8_prefix(body: bytes, limit: int) -> bytes:
     return body[:limit]  # not text anyway: stored as base64
 
 
-def to_storable(value: Any) -> Any:
-    """``value`` as JSON PostgreSQL stores in ``jsonb``; total: never raises, always storable.
-
-    - NUL (``jsonb`` and ``text`` refuse it) becomes U+FFFD, lone surrogates (not UTF-8)
-      become U+FFFD, in keys and strings;
-    - containers nested deeper than :data:`JSON_DEPTH_LIMIT` become the string
-      :data:`TOO_DEEP` (PostgreSQL's stack and Python's recursion have limits);
-    - NaN and ±Infinity become their names, integers beyond ~3,000 digits a short
-      description, bytes text (UTF-8, invalid bytes replaced), dates ISO 8601, decimals
-      numbers, and anything else its ``str()``.
-
-    A dead letter is the last resort for hostile input: if its row could not be stored
-    its writer would fail on the same input again and again. The raw body keeps the
-    bytes, so nothing is lost by cleaning the parsed copies.
-    """
-    return _storable(value, 0)
-
-
-def _storable(value: Any, depth: int = 0) -> Any:
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        return _clean(value)
-    if isinstance(value, int):
-        return value if value.bit_length() <= _BIG_INT_BITS else f"<integer of {value.bit_length()} bits>"
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict | list | tuple) and depth >= JSON_DEPTH_LIMIT:
-        return TOO_DEEP
-    if isinstance(value, dict):
-        return {_key(k): _storable(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_storable(v, depth + 1) for v in value]
-    if isinstance(value, bytes | bytearray | memoryview):
-        return _clean(bytes(value).decode("utf-8", "replace"))
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return _decimal(value)
-    return _clean(_str(value))
-
-
-def _key(key: Any) -> str:
-    if isinstance(key, bytes | bytearray):
-        return _clean(bytes(key).decode("utf-8", "replace"))
-    return _clean(key if isinstance(key, str) else _str(key))
-
-
-def _decimal(value: Decimal) -> Any:
-    if value.is_finite():
-        as_float = float(value)
-        if math.isfinite(as_float):
-            return as_float
-    return str(value)
-
-
-def _str(value: Any) -> str:
-    try:
-        return str(value)
-    except Exception:  # a foreign object whose __str__ fails still names its type
-        return f"<unprintable {type(value).__name__}>"
-
-
-def _clean(text: str) -> str:
-    if "\x00" in text:
-        text = text.replace("\x00", "\ufffd")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    return text
-
-
-def clean_text(value: Any, limit: int) -> str | None:
-    """``value`` for a ``text`` column: str, no NUL, valid UTF-8, at most ``limit`` characters (+ a note)."""
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray):
-        text = bytes(value).decode("utf-8", "replace")
-    else:
-        text = value if isinstance(value, str) else _str(value)
-    if len(text) > limit:
-        text = f"{text[:limit]}… ({len(text)} characters)"
-    return _clean(text)
-
-
 def _ascii(value: Any, limit: int) -> str:
     """Plain ASCII with escapes: storable in any column whatever the value held."""
-    return _str(value)[:limit].encode("ascii", "backslashreplace").decode("ascii").replace("\x00", "\\x00")
+    return safe_str(value)[:limit].encode("ascii", "backslashreplace").decode("ascii").replace("\x00", "\\x00")
 
 
 def _json_text(value: Any) -> str:

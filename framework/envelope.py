@@ -15,20 +15,12 @@ from typing import Any, TypeVar
 
 from framework import jsoncodec
 from framework.errors import EnvelopeError
+from framework.reasons import Reason
 
 PayloadT = TypeVar("PayloadT")  # a payload class of `txbox codegen` (Message.payload_as)
 
 CONTENT_TYPE = "application/json"
 DEFAULT_MESSAGE_VERSION = "1.0"
-
-# Reason codes for malformed input (dead-letter `reason` column).
-EMPTY_BODY = "empty_body"
-NOT_UTF8 = "not_utf8"
-NOT_JSON = "not_json"
-TOO_DEEP = "too_deep"
-NOT_OBJECT = "not_object"
-MISSING_FIELD = "missing_field"
-INVALID_FIELD = "invalid_field"
 
 _REQUIRED_STR = ("message_type", "aggregate_id", "aggregate_type", "message_version")
 
@@ -127,31 +119,31 @@ def decode_json(body: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Bytes → JSON value, raising EnvelopeError for empty, non-UTF-8, non-JSON or deeper than ``max_depth``."""
     if isinstance(body, bytes | bytearray | memoryview):
         if len(body) == 0:
-            raise EnvelopeError(EMPTY_BODY, "the body is empty")
+            raise EnvelopeError(Reason.EMPTY_BODY, "the body is empty")
         try:
             text = bytes(body).decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise EnvelopeError(NOT_UTF8, f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+            raise EnvelopeError(Reason.NOT_UTF8, f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     else:
         text = body
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise EnvelopeError(NOT_UTF8, f"the text is not Unicode ({exc.reason} at {exc.start})") from None
+            raise EnvelopeError(Reason.NOT_UTF8, f"the text is not Unicode ({exc.reason} at {exc.start})") from None
     if text.strip() == "":
-        raise EnvelopeError(EMPTY_BODY, "the body is empty")
+        raise EnvelopeError(Reason.EMPTY_BODY, "the body is empty")
     try:
         value = jsoncodec.loads(text)
     except RecursionError:
-        raise EnvelopeError(TOO_DEEP, "the JSON is nested too deeply to parse") from None
+        raise EnvelopeError(Reason.TOO_DEEP, "the JSON is nested too deeply to parse") from None
     except ValueError as exc:
-        raise EnvelopeError(NOT_JSON, f"the body is not JSON ({exc})") from None
+        raise EnvelopeError(Reason.NOT_JSON, f"the body is not JSON ({exc})") from None
     # Nesting needs an opening bracket per level: most bodies have fewer than the limit
     # in all, and skip the walk (two C-speed counts instead).
     if text.count("[") + text.count("{") > max_depth:
         depth = json_depth(value)
         if depth > max_depth:
-            raise EnvelopeError(TOO_DEEP, f"the JSON is nested {depth} levels deep; the limit is {max_depth}")
+            raise EnvelopeError(Reason.TOO_DEEP, f"the JSON is nested {depth} levels deep; the limit is {max_depth}")
     if "\\u" in text and _SURROGATE_ESCAPE.search(text):
         _reject_lone_surrogates(value)
     return value
@@ -192,7 +184,7 @@ def _reject_lone_surrogates(value: Any) -> None:
                 item.encode("utf-8")
             except UnicodeEncodeError:
                 raise EnvelopeError(
-                    NOT_UTF8, "a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not Unicode text"
+                    Reason.NOT_UTF8, "a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not Unicode text"
                 ) from None
 
 
@@ -203,53 +195,55 @@ def parse_message(body: bytes | str) -> Message:
 
 def message_from_dict(data: Any) -> Message:
     if not isinstance(data, dict):
-        raise EnvelopeError(NOT_OBJECT, f"the envelope must be a JSON object, not {_json_type(data)}")
+        raise EnvelopeError(Reason.NOT_OBJECT, f"the envelope must be a JSON object, not {_json_type(data)}")
 
     def require(name: str) -> Any:
         if name not in data:
-            raise EnvelopeError(MISSING_FIELD, "required field is missing", name)
+            raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", name)
         return data[name]
 
     raw_id = require("message_id")
     if not isinstance(raw_id, str):
-        raise EnvelopeError(INVALID_FIELD, f"must be a UUID string, not {_json_type(raw_id)}", "message_id")
+        raise EnvelopeError(Reason.INVALID_FIELD, f"must be a UUID string, not {_json_type(raw_id)}", "message_id")
     try:
         message_id = uuid.UUID(raw_id)
     except ValueError:
-        raise EnvelopeError(INVALID_FIELD, f"{_clip(raw_id)!r} is not a UUID", "message_id") from None
+        raise EnvelopeError(Reason.INVALID_FIELD, f"{_clip(raw_id)!r} is not a UUID", "message_id") from None
 
     strings: dict[str, str] = {}
     for name in _REQUIRED_STR:
         value = require(name)
         if not isinstance(value, str):
-            raise EnvelopeError(INVALID_FIELD, f"must be a string, not {_json_type(value)}", name)
+            raise EnvelopeError(Reason.INVALID_FIELD, f"must be a string, not {_json_type(value)}", name)
         if name != "message_version" and value == "":
-            raise EnvelopeError(INVALID_FIELD, "must not be empty", name)
+            raise EnvelopeError(Reason.INVALID_FIELD, "must not be empty", name)
         strings[name] = value
 
     payload = require("payload")
     if not isinstance(payload, dict):
-        raise EnvelopeError(INVALID_FIELD, f"must be a JSON object, not {_json_type(payload)}", "payload")
+        raise EnvelopeError(Reason.INVALID_FIELD, f"must be a JSON object, not {_json_type(payload)}", "payload")
 
     raw_ts = require("timestamp")
     if not isinstance(raw_ts, str):
-        raise EnvelopeError(INVALID_FIELD, f"must be an ISO 8601 string, not {_json_type(raw_ts)}", "timestamp")
+        raise EnvelopeError(Reason.INVALID_FIELD, f"must be an ISO 8601 string, not {_json_type(raw_ts)}", "timestamp")
     try:
         timestamp = parse_timestamp(raw_ts)
     except (ValueError, OverflowError):  # OverflowError: year 1 or 9999 shifted out of range by its zone
         raise EnvelopeError(
-            INVALID_FIELD, f"{_clip(raw_ts)!r} is not an ISO 8601 time with zone", "timestamp"
+            Reason.INVALID_FIELD, f"{_clip(raw_ts)!r} is not an ISO 8601 time with zone", "timestamp"
         ) from None
 
     context = data.get("message_context")
     if context is None:
         context = {}
     elif not isinstance(context, dict):
-        raise EnvelopeError(INVALID_FIELD, f"must be a JSON object, not {_json_type(context)}", "message_context")
+        raise EnvelopeError(
+            Reason.INVALID_FIELD, f"must be a JSON object, not {_json_type(context)}", "message_context"
+        )
 
     token = data.get("auth_token")
     if token is not None and not isinstance(token, str):
-        raise EnvelopeError(INVALID_FIELD, f"must be a string, not {_json_type(token)}", "auth_token")
+        raise EnvelopeError(Reason.INVALID_FIELD, f"must be a string, not {_json_type(token)}", "auth_token")
 
     return Message(
         message_id=message_id,

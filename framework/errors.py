@@ -134,3 +134,31 @@ class DeliveryRejected(TxboxError):
 
 class NotProcessed(TxboxError):
     """``framework.testing``: messages were not processed by the deadline, or were abandoned."""
+
+class HandlerTimeout(RetryableError):
+    """The handler ran longer than its timeout (counts as a failed attempt)."""
+
+
+class ReplayRefused(TxboxError):
+    """A letter that cannot be replayed as it is (no valid envelope, unknown type...)."""
+
+
+class ArchiveError(TxboxError):
+    """An archive batch could not be verified; nothing was deleted."""
+
+
+class HttpError(TxboxError):
+    """A dashboard request the dashboard answers with ``status`` and ``message`` (not a crash)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+        super().__init__(message)
+
+
+class InstanceError(TxboxError):
+    """A private PostgreSQL or RabbitMQ (benchmarks, chaos runs) could not be created, started or stopped."""
+
+
+class ChaosFailed(TxboxError):
+    """The chaos run could not finish (stalled, could not start): no verdict possible."""

@@ -33,6 +33,47 @@ HEADER_SEGMENT = "x-txbox-segment"
 HEADER_CONCURRENCY = "x-txbox-concurrency"
 # The outbox row's priority (a smallint; the AMQP priority property holds only 0-255).
 HEADER_PRIORITY = "x-txbox-priority"
+# Control headers only our own daemons may set: a receiver honours them from trusted broker
+# users only (docs/architecture.md, "Receiver intake").
+CONTROL_HEADERS = (
+    HEADER_SEGMENT,
+    HEADER_CONCURRENCY,
+    HEADER_PRIORITY,
+    HEADER_ATTEMPT,
+    HEADER_FINAL_ATTEMPT,
+    HEADER_DEAD_REASON,
+    HEADER_DEAD_ERROR,
+)
+# Key in a dead letter's ``headers`` column with the facts of its body (length, sha256,
+# what was kept): not sent on the wire, but an x-txbox-* name a sender could forge.
+BODY_FACTS = "x-txbox-body"
+
+# Headers RabbitMQ adds when it dead-letters a message.
+HEADER_DEATH = "x-death"
+HEADER_FIRST_DEATH_QUEUE = "x-first-death-queue"
+HEADER_FIRST_DEATH_REASON = "x-first-death-reason"
+HEADER_FIRST_DEATH_EXCHANGE = "x-first-death-exchange"
+
+# The AMQP basic properties but ``headers``, in the order of the AMQP specification: what
+# the receiver and the collector keep of a delivery.
+BASIC_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "delivery_mode",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "timestamp",
+    "type",
+    "user_id",
+    "app_id",
+)
+# What a copy the receiver publishes (retry, dead letter) takes from its delivery: not
+# delivery_mode (a copy is always persistent), expiration (the copy would expire on its
+# way) or user_id (RabbitMQ checks it against the publishing connection: ours is set).
+REPUBLISHED_PROPERTIES = tuple(p for p in BASIC_PROPERTIES if p not in ("delivery_mode", "expiration", "user_id"))
 
 # Tables of the framework (fixed names); they live in the configured schema.
 OUTBOX = "outbox"

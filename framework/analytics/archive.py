@@ -53,7 +53,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from framework import dedup, names, tables
 from framework.db import connect, database_errors
-from framework.errors import TxboxError
+from framework.errors import ArchiveError
 
 log = logging.getLogger("txbox.archive")
 
@@ -65,10 +65,6 @@ NOT_ARCHIVED = {names.OUTBOX: "TRUE", names.INBOX: "archived_at IS NULL"}
 NOT_IN_FILES = ("archived_at",)  # always null in an archived row: the Parquet layout stays as it was
 DEFAULT_DEDUP_WINDOW = timedelta(days=7)
 Checkpoint = Callable[[str], None]
-
-
-class ArchiveError(TxboxError):
-    """An archive batch could not be verified; nothing was deleted."""
 
 
 def _noop(stage: str) -> None:

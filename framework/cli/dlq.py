@@ -7,6 +7,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+from framework import jsoncodec
 from framework.cli.common import add_service_options, load_service
 from framework.dlq import queries, replay
 from framework.dlq.present import masked, printable
@@ -182,7 +183,7 @@ def _show(conn: Any, schema: str, args: argparse.Namespace) -> int:
         raise ConfigurationError(f"no dead letter with id {args.id}")
     row = masked(row)
     if args.json:
-        _print(json.dumps(row, default=str, indent=2))
+        _print(jsoncodec.pretty(row, ensure_ascii=True))
         return 0
     for key in ("id", "status", "message_id", "message_type", "source", "reason", "fingerprint", "routing_key"):
         _print(f"{key:13} {row[key] if row[key] is not None else '-'}")
@@ -193,11 +194,11 @@ def _show(conn: Any, schema: str, args: argparse.Namespace) -> int:
     for line in (row["error"] or "-").splitlines():
         _print(f"  {line}")
     if row["message"] is not None:
-        _print("\nmessage:\n" + json.dumps(row["message"], indent=2, ensure_ascii=False))
+        _print("\nmessage:\n" + jsoncodec.pretty(row["message"]))
     else:
         _print(f"\nraw body ({row['raw_encoding']}):\n{row['raw_body']}")
-    _print("\nheaders:\n" + json.dumps(row["headers"], indent=2, default=str))
-    _print("\nattempts:\n" + json.dumps(row["attempts"], indent=2, default=str))
+    _print("\nheaders:\n" + jsoncodec.pretty(row["headers"], ensure_ascii=True))
+    _print("\nattempts:\n" + jsoncodec.pretty(row["attempts"], ensure_ascii=True))
     if row["current"]:
-        _print("\ncurrent row:\n" + json.dumps(row["current"], indent=2, default=str))
+        _print("\ncurrent row:\n" + jsoncodec.pretty(row["current"], ensure_ascii=True))
     return 0

@@ -12,7 +12,6 @@ Who may do what, and the protections around every request: framework.dashboard.s
 from __future__ import annotations
 
 import hmac
-import json
 import math
 import secrets
 import time
@@ -34,8 +33,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from framework import jsoncodec
 from framework.contracts import Registry, load_registry
-from framework.dashboard import charts
+from framework.dashboard import charts, latency
 from framework.dashboard.security import (
     COOKIE,
     LOGIN_COOKIE,
@@ -48,7 +48,7 @@ from framework.dashboard.security import (
 )
 from framework.dlq import queries, replay
 from framework.dlq.present import masked
-from framework.errors import ConfigurationError, TxboxError
+from framework.errors import ConfigurationError, HttpError, TxboxError
 from framework.redaction import redact_text
 from framework.settings import Seconds, setting
 
@@ -163,13 +163,6 @@ class Source:
         return load_registry(self.contracts_dir)
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        self.status = status
-        self.message = message
-        super().__init__(message)
-
-
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -180,20 +173,16 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f} s"
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} ms"
+
+
 def _bucket(seconds: int) -> str:
     return f"{seconds // 3600} h" if seconds >= 3600 else f"{seconds // 60} min"
 
 
 def _time(value: datetime | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
-
-
-def _pretty(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=False)
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
 
 
 def create_app(sources: Sequence[Source], settings: DashboardSettings | None = None) -> Starlette:
@@ -214,7 +203,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(time=_time, age=_age, pretty=_pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket)
+    env.filters.update(
+        time=_time, age=_age, pretty=jsoncodec.pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket, ms=_ms
+    )
     env.globals.update(sources=[s.name for s in sources], statuses=queries.STATUSES, windows=list(queries.WINDOWS))
 
     # --- helpers -------------------------------------------------------------------
@@ -311,6 +302,8 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             if other is not s:
                 with queries.connection(other.engine) as report:
                     found = queries.analytics(report, other.schema, s.name, covering=True)
+        if found is not None:  # all message types in one figure per stage (docs/architecture.md)
+            found["latency"] = latency.per_stage(found["latency"])
         return found
 
     def groups_data(request: Request) -> list[dict[str, Any]]:
@@ -428,20 +421,25 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             done=request.query_params.get("done", ""),
         )
 
-    async def confirm_letter(request: Request) -> Response:
-        name, letter_id, action = (
-            request.path_params["service"],
-            request.path_params["id"],
-            request.path_params["action"],
-        )
+    async def confirm_or_act(
+        request: Request, what: str, page: Callable[..., Response], post: Callable[..., Response]
+    ) -> Response:
+        """GET: the page confirming ``action`` on a letter or group; POST: do it (rights and CSRF checked first)."""
+        name, key, action = (request.path_params[p] for p in ("service", what, "action"))
         if request.method == "POST":
             form = await request.form()
-            return await _in_thread(lambda: _post_letter(request, name, letter_id, action, str(form.get("csrf", ""))))
-        return await _in_thread(lambda: _confirm_letter_page(request, name, letter_id, action))
-
-    def _confirm_letter_page(request: Request, name: str, letter_id: int, action: str) -> Response:
+            return await _in_thread(lambda: post(request, name, key, action, str(form.get("csrf", ""))))
         if action not in ACTIONS:
             raise HttpError(404, f"unknown action {action!r}")
+        return await _in_thread(lambda: page(request, name, key, action))
+
+    async def confirm_letter(request: Request) -> Response:
+        return await confirm_or_act(request, "id", _confirm_letter_page, _post_letter)
+
+    async def confirm_group(request: Request) -> Response:
+        return await confirm_or_act(request, "fingerprint", _confirm_group_page, _post_group)
+
+    def _confirm_letter_page(request: Request, name: str, letter_id: int, action: str) -> Response:
         s, row = letter_data(name, letter_id)
         preview = [row]
         return render(
@@ -464,20 +462,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             f"/letters/{s.name}/{letter_id}?" + urlencode({"done": f"{outcome.action}: {outcome.detail}"}), 303
         )
 
-    async def confirm_group(request: Request) -> Response:
-        name, fp, action = (
-            request.path_params["service"],
-            request.path_params["fingerprint"],
-            request.path_params["action"],
-        )
-        if request.method == "POST":
-            form = await request.form()
-            return await _in_thread(lambda: _post_group(request, name, fp, action, str(form.get("csrf", ""))))
-        return await _in_thread(lambda: _confirm_group_page(request, name, fp, action))
-
     def _confirm_group_page(request: Request, name: str, fp: str, action: str) -> Response:
-        if action not in ACTIONS:
-            raise HttpError(404, f"unknown action {action!r}")
         s = source(name)
         ids = group_ids(s, fp)
         with queries.connection(s.engine) as conn:
@@ -558,20 +543,22 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     # --- JSON API --------------------------------------------------------------------
 
     def api_overview(request: Request) -> Response:
-        return JSONResponse(_jsonable({"window": window_of(request), "services": overview_data(window_of(request))}))
+        return JSONResponse(
+            jsoncodec.plain({"window": window_of(request), "services": overview_data(window_of(request))})
+        )
 
     def api_groups(request: Request) -> Response:
-        return JSONResponse(_jsonable({"groups": groups_data(request)}))
+        return JSONResponse(jsoncodec.plain({"groups": groups_data(request)}))
 
     def api_letters(request: Request) -> Response:
         data = letters_data(request)
         data["filters"] = data["filters"].as_query()
         data.pop("choices")
-        return JSONResponse(_jsonable(data))
+        return JSONResponse(jsoncodec.plain(data))
 
     def api_letter(request: Request) -> Response:
         s, row = letter_data(request.path_params["service"], request.path_params["id"])
-        return JSONResponse(_jsonable({"service": s.name, "letter": row}))
+        return JSONResponse(jsoncodec.plain({"service": s.name, "letter": row}))
 
     def api_act_letter(request: Request) -> Response:
         require_change_rights(request, None)

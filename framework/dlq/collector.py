@@ -31,25 +31,21 @@ import psycopg
 from prometheus_client import Counter
 from psycopg import sql
 
-from framework import amqp, db, names, topology
+from framework import amqp, db, jsoncodec, names, reasons, topology
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import (
-    BODY_FACTS,
     BODY_LIMIT,
     ERROR_LIMIT,
-    INTERNAL_ERROR,
-    RETRIES_EXHAUSTED,
     DeadLetter,
-    clean_text,
     fingerprint,
     internal_error_letter,
     stored_body,
-    to_storable,
 )
 from framework.dlq.replay import resolve_replayed
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
+from framework.reasons import Reason
 from framework.settings import Seconds, Settings, setting
 
 COLLECTED = Counter("txbox_collector_dead_letters_total", "Dead letters drained from the broker", ["service"])
@@ -71,25 +67,6 @@ class CollectorSettings:
     )
 
 
-def jsonable(value: Any) -> Any:
-    """AMQP header values (bytes, datetimes, decimals, nested tables) as storable JSON values."""
-    return to_storable(value)
-
-
-_PROPERTIES = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-)
 # Our reason header names a code: anything else there (a forged or garbled value) is
 # kept among the headers but not taken for the reason. Judged on at most 64 characters.
 _REASON_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -126,7 +103,7 @@ def _reason_code(value: Any) -> str | None:
 
 def _deaths(headers: dict[str, Any]) -> list[dict[str, Any]]:
     """The ``x-death`` entries that are tables; anything else there is kept in the headers only."""
-    deaths = headers.get("x-death")
+    deaths = headers.get(names.HEADER_DEATH)
     if not isinstance(deaths, list):
         return []
     return [d for d in deaths if isinstance(d, dict)]
@@ -157,12 +134,12 @@ def _letter_from_delivery(
     properties: pika.BasicProperties, body: bytes, routing_key: str | None
 ) -> tuple[DeadLetter, str]:
     raw_headers = properties.headers
-    headers = jsonable(dict(raw_headers)) if isinstance(raw_headers, dict) else {}
+    headers = jsoncodec.to_storable(dict(raw_headers)) if isinstance(raw_headers, dict) else {}
     if raw_headers is not None and not isinstance(raw_headers, dict):
-        headers["headers"] = jsonable(raw_headers)
+        headers["headers"] = jsoncodec.to_storable(raw_headers)
     deaths = _deaths(headers)
-    first_queue = _text(headers.get("x-first-death-queue"))
-    first_reason = _text(headers.get("x-first-death-reason"))
+    first_queue = _text(headers.get(names.HEADER_FIRST_DEATH_QUEUE))
+    first_reason = _text(headers.get(names.HEADER_FIRST_DEATH_REASON))
     first = next((d for d in deaths if d.get("queue") == first_queue and d.get("reason") == first_reason), None)
     if first is None and deaths:
         first = deaths[-1]  # RabbitMQ prepends: the oldest entry is last
@@ -170,9 +147,7 @@ def _letter_from_delivery(
         first_queue = first_queue or _text(first.get("queue"))
         first_reason = first_reason or _text(first.get("reason"))
     total = sum(_count(d) for d in deaths)
-    reason = _reason_code(headers.get(names.HEADER_DEAD_REASON)) or (
-        f"broker_{_reason_code(first_reason) or 'unknown'}" if first_reason else "broker_unknown"
-    )
+    reason = _reason_code(headers.get(names.HEADER_DEAD_REASON)) or reasons.broker(_reason_code(first_reason))
     error = _text(headers.get(names.HEADER_DEAD_ERROR)) or (
         f"RabbitMQ dead-lettered the message from queue {first_queue} ({first_reason}, {total} time(s))"
         if first_queue
@@ -181,7 +156,7 @@ def _letter_from_delivery(
     if names.HEADER_DEAD_REASON not in headers and headers.get(names.HEADER_FINAL_ATTEMPT):
         # Receivers before 2026-11-23 rejected their flagged final try
         # without our headers; today's publish the copy with HEADER_DEAD_REASON set.
-        reason = RETRIES_EXHAUSTED
+        reason = Reason.RETRIES_EXHAUSTED
         error = (
             f"the receiver could not store it through the whole delay/retry chain "
             f"(attempt {_text(headers.get(names.HEADER_ATTEMPT)) or '?'}); {error}"
@@ -202,14 +177,18 @@ def _letter_from_delivery(
         message_type = None
     original_keys = (first or {}).get("routing-keys")
     original_key = _text(original_keys[0]) if isinstance(original_keys, list) and original_keys else None
-    props = {p: jsonable(getattr(properties, p)) for p in _PROPERTIES if getattr(properties, p, None) is not None}
+    props = {
+        p: jsoncodec.to_storable(getattr(properties, p))
+        for p in names.BASIC_PROPERTIES
+        if getattr(properties, p, None) is not None
+    }
     headers["amqp_properties"] = props
     attempts = {
         "x_death": deaths,
         "first_death": {
             "queue": first_queue,
             "reason": first_reason,
-            "exchange": _text(headers.get("x-first-death-exchange")),
+            "exchange": _text(headers.get(names.HEADER_FIRST_DEATH_EXCHANGE)),
             "time": (first or {}).get("time"),
         },
         "deaths": total,
@@ -236,7 +215,7 @@ def _letter_from_delivery(
 def _raw_needed(envelope: dict[str, Any] | None, body: bytes) -> bool:
     """The raw body is kept when the envelope alone would not show the delivery as it came:
     not an envelope, one the JSON columns store altered (NUL, depth…), or one too large."""
-    return envelope is None or len(body) > BODY_LIMIT or to_storable(envelope) != envelope
+    return envelope is None or len(body) > BODY_LIMIT or jsoncodec.to_storable(envelope) != envelope
 
 
 def _last_resort(
@@ -250,7 +229,7 @@ def _last_resort(
         headers={"headers": headers},
         routing_key=routing_key if isinstance(routing_key, str) else None,
     )
-    return letter, _delivery_key(INTERNAL_ERROR, body, headers)
+    return letter, _delivery_key(Reason.INTERNAL_ERROR, body, headers)
 
 
 def _delivery_key(message_id: str, body: bytes, facts: Any) -> str:
@@ -258,7 +237,7 @@ def _delivery_key(message_id: str, body: bytes, facts: Any) -> str:
     key = hashlib.sha256()
     key.update(message_id.encode())
     key.update(hashlib.sha256(body if isinstance(body, bytes) else b"").digest())
-    key.update(json.dumps(jsonable(facts), sort_keys=True, default=str).encode("utf-8", "surrogatepass"))
+    key.update(json.dumps(jsoncodec.to_storable(facts), sort_keys=True, default=str).encode("utf-8", "surrogatepass"))
     return key.hexdigest()
 
 
@@ -319,22 +298,22 @@ def _rows(letter: DeadLetter, key: str, body: bytes, refusals: list[str]) -> Ite
         "raw_encoding": stored.encoding,
         "headers": _unstorable(row["headers"]),
         "attempts": _unstorable(row["attempts"]),
-        "error": f"{clean_text(row['error'], ERROR_LIMIT)} (stored as raw text: {refusals[-1]})",
-        **{c: clean_text(row[c], 1000) for c in ("message_type", "routing_key", "reason")},
+        "error": f"{jsoncodec.clean_text(row['error'], ERROR_LIMIT)} (stored as raw text: {refusals[-1]})",
+        **{c: jsoncodec.clean_text(row[c], 1000) for c in ("message_type", "routing_key", "reason")},
     }
     facts = {"length": len(body), "sha256": hashlib.sha256(body).hexdigest(), "refused": refusals}
     yield {
         **row,
         "message_id": None,
-        "reason": INTERNAL_ERROR,
+        "reason": Reason.INTERNAL_ERROR,
         "error": "PostgreSQL refused the dead letter: " + "; ".join(refusals).encode("ascii", "replace").decode(),
-        "fingerprint": fingerprint(None, INTERNAL_ERROR, "refused dead letter"),
+        "fingerprint": fingerprint(None, Reason.INTERNAL_ERROR, "refused dead letter"),
         "message_type": None,
         "routing_key": None,
         "message": None,
         "raw_body": None,
         "raw_encoding": None,
-        "headers": json.dumps({BODY_FACTS: facts}, ensure_ascii=True).replace("\\u0000", "?"),
+        "headers": json.dumps({names.BODY_FACTS: facts}, ensure_ascii=True).replace("\\u0000", "?"),
         "attempts": "{}",
     }
 

@@ -307,12 +307,16 @@ def timeline(conn: psycopg.Connection[Any], schema: str, window: str = "1h") -> 
     }
 
 
+LATENCY_ROWS = 10_000  # a run writes one row per publisher, message type and stage: never near this
+
+
 def analytics(
     conn: psycopg.Connection[Any], schema: str, service: str, *, covering: bool = False
 ) -> dict[str, Any] | None:
-    """The latest ``txbox analyze`` run's reconciliation and latency, when its report tables
-    are in this database (migration 0005 and a finished run); None otherwise. ``covering``:
-    only a run whose sources include ``service`` (a report database shared by services)."""
+    """The latest ``txbox analyze`` run's reconciliation and latency rows (per publisher,
+    message type and stage), when its report tables are in this database (migration 0005
+    and a finished run); None otherwise. ``covering``: only a run whose sources include
+    ``service`` (a report database shared by services)."""
     found = conn.execute("SELECT to_regclass(%(t)s) IS NOT NULL AS ok", {"t": f"{schema}.analytics_runs"}).fetchone()
     if not found or not found["ok"]:
         return None
@@ -328,10 +332,10 @@ def analytics(
         return None
     latency = conn.execute(
         sql.SQL(
-            """SELECT stage, sum(samples) AS samples, max(p50_ms) AS p50_ms, max(p99_ms) AS p99_ms FROM {t}
+            """SELECT stage, message_type, samples, p50_ms, p90_ms, p99_ms, max_ms, mean_ms FROM {t}
                WHERE run_id = %(run)s AND (service = %(service)s OR service IS NULL)
-               GROUP BY stage ORDER BY stage"""
+               ORDER BY stage, message_type LIMIT %(most)s"""
         ).format(t=_t(schema, "analytics_latency")),
-        {"run": run["run_id"], "service": service},
+        {"run": run["run_id"], "service": service, "most": LATENCY_ROWS},
     ).fetchall()
     return {"run": dict(run), "latency": [dict(r) for r in latency]}

@@ -61,7 +61,7 @@ from psycopg.types.json import Jsonb
 from framework import dedup, names
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import Message, message_from_dict
-from framework.errors import TxboxError
+from framework.errors import ReplayRefused, TxboxError
 from framework.outbox import Outbox, default_segment, json_params
 from framework.outbox import insert_sql as outbox_insert_sql
 from framework.tables import pending_by_id
@@ -80,10 +80,6 @@ class Outcome:
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "action": self.action, "detail": self.detail, "ok": self.ok}
-
-
-class ReplayRefused(TxboxError):
-    """A letter that cannot be replayed as it is (no valid envelope, unknown type...)."""
 
 
 def _x(conn: psycopg.Connection[Any], query: sql.Composed, params: Any = None) -> psycopg.Cursor[dict[str, Any]]:

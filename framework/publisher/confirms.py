@@ -42,14 +42,13 @@ import pika.spec
 
 from framework import amqp
 from framework.errors import BrokerUnavailable, PublisherClosed, PublishError
+from framework.reasons import Reason
 from framework.settings import mask_url
 
 log = logging.getLogger("txbox.publisher.confirms")
 
 _PENDING: Any = object()  # outcome not known yet (None = confirmed)
 
-NACKED = "nacked"
-UNROUTABLE = "unroutable"
 TIMEOUT = "timeout"
 CONNECTION_LOST = "connection_lost"
 CLOSED = "closed"
@@ -424,11 +423,11 @@ class Publisher:
             if item.outcome is not _PENDING:
                 continue
             if nack:
-                item.outcome = PublishError(f"the broker nacked message {item.message_id}", NACKED)
+                item.outcome = PublishError(f"the broker nacked message {item.message_id}", Reason.NACKED)
             elif item.returned is not None:
                 item.outcome = PublishError(
                     f"unroutable: no queue bound to {item.exchange!r} with {item.routing_key!r} ({item.returned})",
-                    UNROUTABLE,
+                    Reason.UNROUTABLE,
                 )
             else:
                 item.outcome = None

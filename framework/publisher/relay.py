@@ -41,13 +41,14 @@ from framework import amqp, db, names, topology
 from framework.backoff import backoff_seconds
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
-from framework.dead_letters import MAX_ATTEMPTS, DeadLetter, insert_sql
+from framework.dead_letters import DeadLetter, insert_sql
 from framework.envelope import CONTENT_TYPE
 from framework.errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, PublishError
 from framework.outbox import default_segment
 from framework.publisher import confirms
 from framework.publisher import sql as named
 from framework.publisher.confirms import Outgoing, Publisher
+from framework.reasons import Reason
 from framework.settings import Seconds, Settings, setting
 
 log = logging.getLogger("txbox.publisher")
@@ -463,10 +464,10 @@ class Relay(Daemon):
         released: list[str] = []
         for item, error in batch:
             row: Claimed = item.token
-            if error is None or (error.reason == confirms.UNROUTABLE and row.kind == "event"):
+            if error is None or (error.reason == Reason.UNROUTABLE and row.kind == "event"):
                 published.append(row.id)
                 published_types[row.message_type] += 1
-            elif error.reason in (confirms.NACKED, confirms.UNROUTABLE, confirms.TIMEOUT):
+            elif error.reason in (Reason.NACKED, Reason.UNROUTABLE, confirms.TIMEOUT):
                 failures.append((row, error))
             else:
                 released.append(row.id)
@@ -496,7 +497,7 @@ class Relay(Daemon):
             delay = backoff_seconds(attempt, base=self.config.retry_base, cap=self.config.retry_cap, jitter=0.5)
             cur.execute(self._sql_retry, {"id": row.id, "delay": delay, "error": text})
             return False
-        reason = error.reason if error.reason in (confirms.NACKED, confirms.UNROUTABLE) else MAX_ATTEMPTS
+        reason = error.reason if error.reason in (Reason.NACKED, Reason.UNROUTABLE) else Reason.MAX_ATTEMPTS
         text = f"gave up after {attempt} attempts: {text}"
         cur.execute(self._sql_abandon, {"id": row.id, "error": text})
         if cur.rowcount == 0:

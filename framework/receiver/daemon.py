@@ -34,31 +34,15 @@ from framework import dead_letters as dl
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
+from framework.reasons import Reason
 from framework.receiver import metrics, store
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import (
-    CONTROL_HEADERS,
-    ID_CONFLICT,
-    INTERNAL_ERROR,
-    UNSTORABLE,
     Delivery,
     InboxRow,
     Intake,
 )
 from framework.service import Service
-
-_REPUBLISHED_PROPERTIES = (
-    "content_type",
-    "content_encoding",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "message_id",
-    "timestamp",
-    "type",
-    "app_id",
-)
-
 
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
 
@@ -324,10 +308,10 @@ class Receiver(Daemon):
         except Exception:  # whatever it is, it is dead: keep the raw body only
             data = None
         try:
-            return self.intake.reject(delivery, dl.REDELIVERY_LIMIT, error, data=data)
+            return self.intake.reject(delivery, Reason.REDELIVERY_LIMIT, error, data=data)
         except Exception:
             letter = self.intake.last_resort(delivery, error)
-            letter.reason = letter.error_type = dl.REDELIVERY_LIMIT
+            letter.reason = letter.error_type = Reason.REDELIVERY_LIMIT
             return letter
 
     def _store(self, group: Sequence[Delivery], forced: dict[int, dl.DeadLetter]) -> None:
@@ -386,7 +370,7 @@ class Receiver(Daemon):
                 data = None
             letter = self.intake.reject(
                 delivery,
-                ID_CONFLICT,
+                Reason.ID_CONFLICT,
                 f"message id {row.id} is already in the inbox with other content ({stored}): "
                 "a different message reusing an id is not a duplicate",
                 data=data,
@@ -414,7 +398,7 @@ class Receiver(Daemon):
                         raise
                     letter = self.intake.reject(
                         delivery,
-                        UNSTORABLE,
+                        Reason.UNSTORABLE,
                         f"PostgreSQL refused the row: {exc}".strip(),
                         error_type=type(exc).__name__,
                     )
@@ -444,14 +428,14 @@ class Receiver(Daemon):
 
     def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
         metrics.STORED.labels(**self._labels).inc(len(new))
-        conflicts = sum(1 for letter in letters if letter.reason == ID_CONFLICT)
+        conflicts = sum(1 for letter in letters if letter.reason == Reason.ID_CONFLICT)
         if len(rows) > len(new) + conflicts:
             metrics.DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)
         if conflicts:
             metrics.ID_CONFLICTS.labels(**self._labels).inc(conflicts)
         for letter in letters:
             metrics.REJECTED.labels(reason=letter.reason, **self._labels).inc()
-            if letter.reason != UNSTORABLE:
+            if letter.reason != Reason.UNSTORABLE:
                 self.log.warning("rejected a delivery (%s): %s", letter.reason, letter.error[:300])
 
     # --- last resort: the settling itself failed ----------------------------------------
@@ -462,7 +446,9 @@ class Receiver(Daemon):
         Each one in a transaction of its own, from the raw delivery alone; if even that
         fails, a copy goes to ``<service>:dead_letter`` (the collector stores it).
         """
-        self.log.error("settling %d deliveries failed (%r): dead-lettering them as %s", len(group), exc, INTERNAL_ERROR)
+        self.log.error(
+            "settling %d deliveries failed (%r): dead-lettering them as %s", len(group), exc, Reason.INTERNAL_ERROR
+        )
         schema = self.settings.schema
         for index, delivery in enumerate(group):
             letter = self.intake.last_resort(delivery, exc)
@@ -482,9 +468,9 @@ class Receiver(Daemon):
                     return
                 else:
                     self._drop_db()
-                    self._give_up(delivery, INTERNAL_ERROR, letter.error, channel, publish_channel)
+                    self._give_up(delivery, Reason.INTERNAL_ERROR, letter.error, channel, publish_channel)
                 continue
-            metrics.REJECTED.labels(reason=INTERNAL_ERROR, **self._labels).inc()
+            metrics.REJECTED.labels(reason=Reason.INTERNAL_ERROR, **self._labels).inc()
             channel.basic_ack(delivery.delivery_tag)
 
     # --- PostgreSQL down: the delay/retry chain ---------------------------
@@ -503,7 +489,7 @@ class Receiver(Daemon):
             if delivery.final_attempt:
                 self._give_up(
                     delivery,
-                    dl.RETRIES_EXHAUSTED,
+                    Reason.RETRIES_EXHAUSTED,
                     f"the receiver could not store it through the whole delay/retry chain "
                     f"(attempt {delivery.attempt}): the database stayed unavailable",
                     channel,
@@ -536,7 +522,7 @@ class Receiver(Daemon):
         """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go."""
         headers = dict(delivery.headers)
         if not delivery.trusted:
-            for name in CONTROL_HEADERS:
+            for name in names.CONTROL_HEADERS:
                 headers.pop(name, None)
         return headers
 
@@ -548,7 +534,7 @@ class Receiver(Daemon):
             delivery_mode=2,
             headers=headers,
             user_id=self._user,
-            **{k: delivery.properties[k] for k in _REPUBLISHED_PROPERTIES if k in delivery.properties},
+            **{k: delivery.properties[k] for k in names.REPUBLISHED_PROPERTIES if k in delivery.properties},
         )
         try:
             publish_channel.basic_publish(exchange, key, delivery.body, props, mandatory=True)

@@ -6,7 +6,6 @@ reason code and the raw body; nothing here raises for bad input (outcome REJECTE
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
@@ -21,41 +20,11 @@ from framework.contracts import MessageSpec, Registry
 from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
+from framework.reasons import Reason
 
-NOT_ACCEPTED = "not_accepted"  # a known type this service neither accepts nor subscribes to
-UNSTORABLE = "unstorable"  # PostgreSQL refused the row for a reason of the data (e.g. \u0000 in JSON)
-ID_CONFLICT = "id_conflict"  # the inbox holds this message id with other content (docs/architecture.md)
-WRONG_ROUTE = "wrong_route"  # the message came by another route than its contract gives it
-INTERNAL_ERROR = dl.INTERNAL_ERROR  # last resort: the receiver failed on it; what could be kept is kept
-
-# Control headers only our own daemons may set (honoured from trusted broker users only).
-CONTROL_HEADERS = (
-    names.HEADER_SEGMENT,
-    names.HEADER_CONCURRENCY,
-    names.HEADER_PRIORITY,
-    names.HEADER_ATTEMPT,
-    names.HEADER_FINAL_ATTEMPT,
-    names.HEADER_DEAD_REASON,
-    names.HEADER_DEAD_ERROR,
-)
 MAX_SEGMENT_CHARS = 1024  # a longer lane name would not fit the inbox's segment index
 MAX_HEADER_DEPTH = 16  # deeper header tables are kept as a marker string (docs/architecture.md)
 _MAX_KEY_CHARS = 200  # a redelivery counter key is the message id, or a digest
-
-_PROPERTY_NAMES = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-)
 
 
 @dataclass(kw_only=True)
@@ -78,7 +47,7 @@ class Delivery:
 
     @classmethod
     def from_pika(cls, method: Any, props: Any, body: bytes, trusted_users: frozenset[str] = frozenset()) -> Delivery:
-        properties = {name: getattr(props, name, None) for name in _PROPERTY_NAMES}
+        properties = {name: getattr(props, name, None) for name in names.BASIC_PROPERTIES}
         headers = props.headers if isinstance(props.headers, dict) else {}
         user_id = properties.get("user_id")
         return cls(
@@ -132,7 +101,9 @@ class Delivery:
     def lane(self, default: str) -> tuple[str, str, int]:
         """(segment, concurrency, priority) the sender asked for; malformed or untrusted values are ignored."""
         segment = self.control(names.HEADER_SEGMENT)
-        if not (isinstance(segment, str) and 0 < len(segment) <= MAX_SEGMENT_CHARS and _storable_text(segment)):
+        if not (
+            isinstance(segment, str) and 0 < len(segment) <= MAX_SEGMENT_CHARS and jsoncodec.storable_text(segment)
+        ):
             segment = default
         concurrency = self.control(names.HEADER_CONCURRENCY)
         if concurrency not in ("sequential", "parallel"):
@@ -167,7 +138,7 @@ class Delivery:
 
     def metadata(self, auth_token: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "properties": {**self.properties, "headers": clip_depth(self.headers, MAX_HEADER_DEPTH)},
+            "properties": {**self.properties, "headers": jsoncodec.clip_depth(self.headers, MAX_HEADER_DEPTH)},
             "fields": {
                 "exchange": self.exchange,
                 "routing_key": self.routing_key,
@@ -202,57 +173,12 @@ class InboxRow:
     redelivered: bool
 
 
-def _storable_text(text: str) -> bool:
-    """Text PostgreSQL stores as is: no NUL, no lone surrogate."""
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def clip_depth(value: Any, limit: int) -> Any:
-    """``value`` with containers nested deeper than ``limit`` replaced by a marker string.
-
-    AMQP header tables can nest as deep as a frame allows; every later step (JSON text,
-    jsonb, the dead letter) would have to recurse that deep. The recursion here stops
-    at ``limit``. Shallow values (the usual headers) come back as they are.
-    """
-    if limit <= 0:
-        return "<nested too deep>" if isinstance(value, dict | list | tuple) else value
-    if isinstance(value, dict):
-        if not any(isinstance(v, dict | list | tuple) for v in value.values()):
-            return value
-        return {k: clip_depth(v, limit - 1) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [clip_depth(v, limit - 1) for v in value]
-    return value
-
-
 def _metadata_text(metadata: dict[str, Any]) -> str:
     """AMQP headers are the sender's, not the message: clean what jsonb refuses rather than reject."""
-    text = json_text(metadata)
+    text = jsoncodec.amqp_json(metadata)
     if "\\u0000" in text or "\\ud" in text or "NaN" in text or "Infinity" in text:
-        text = json_text(dl._storable(metadata))
+        text = jsoncodec.amqp_json(jsoncodec.to_storable(metadata))
     return text
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, bytes | bytearray):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            return base64.b64encode(bytes(value)).decode("ascii")
-    if isinstance(value, datetime):
-        return value.isoformat()
-    return str(value)
-
-
-def json_text(value: Any) -> str:
-    """Compact JSON of what a delivery carries (AMQP values: bytes, datetimes, decimals too)."""
-    return jsoncodec.dumps(value, _json_default)
 
 
 class Intake:
@@ -291,7 +217,7 @@ class Intake:
             routing_key=delivery.original_routing_key(self.service),
             message=data if isinstance(data, dict) else None,
             raw_body=delivery.body,
-            headers=json.loads(json_text(clip_depth(delivery.headers, MAX_HEADER_DEPTH))),
+            headers=json.loads(jsoncodec.amqp_json(jsoncodec.clip_depth(delivery.headers, MAX_HEADER_DEPTH))),
             attempts={"broker_attempt": delivery.attempt, "redelivered": delivery.redelivered},
         )
 
@@ -300,9 +226,9 @@ class Intake:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         return dl.DeadLetter(
             source="broker",
-            reason=INTERNAL_ERROR,
+            reason=Reason.INTERNAL_ERROR,
             error=text.encode("ascii", "backslashreplace").decode("ascii")[:2000],
-            error_type=INTERNAL_ERROR if isinstance(error, str) else type(error).__name__,
+            error_type=Reason.INTERNAL_ERROR if isinstance(error, str) else type(error).__name__,
             routing_key=delivery.routing_key.encode("ascii", "backslashreplace").decode("ascii")[:255],
             raw_body=delivery.body,
             attempts={"redelivered": delivery.redelivered},
@@ -315,7 +241,7 @@ class Intake:
         except Exception as exc:  # a bug of ours on input nobody foresaw: the input must not stop us
             try:
                 return self.reject(
-                    delivery, INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__
+                    delivery, Reason.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__
                 )
             except Exception:
                 return self.last_resort(delivery, exc)
@@ -344,11 +270,13 @@ class Intake:
         size = len(delivery.body)
         if size > self.max_body_bytes:
             return self.reject(
-                delivery, dl.TOO_LARGE, f"body of {size} bytes exceeds the limit of {self.max_body_bytes}"
+                delivery, Reason.TOO_LARGE, f"body of {size} bytes exceeds the limit of {self.max_body_bytes}"
             )
         content_type = delivery.properties.get("content_type")
         if content_type is not None and str(content_type).split(";")[0].strip().lower() != CONTENT_TYPE:
-            return self.reject(delivery, dl.WRONG_CONTENT_TYPE, f"content type {content_type!r} is not {CONTENT_TYPE}")
+            return self.reject(
+                delivery, Reason.WRONG_CONTENT_TYPE, f"content type {content_type!r} is not {CONTENT_TYPE}"
+            )
         data: Any = None
         try:
             data = decode_json(delivery.body)
@@ -358,21 +286,21 @@ class Intake:
         try:
             spec = self.registry.get(message.message_type)
         except UnknownMessageType as exc:
-            return self.reject(delivery, dl.UNKNOWN_MESSAGE_TYPE, str(exc), data=data)
+            return self.reject(delivery, Reason.UNKNOWN_MESSAGE_TYPE, str(exc), data=data)
         if spec.message_type not in self.accepted:
             return self.reject(
                 delivery,
-                NOT_ACCEPTED,
+                Reason.NOT_ACCEPTED,
                 f"{self.service} neither accepts nor subscribes to {spec.message_type} ({spec.routing_key})",
                 data=data,
             )
         route_error = self.wrong_route(delivery, spec) if delivery.wire else None
         if route_error is not None:
-            return self.reject(delivery, WRONG_ROUTE, route_error, data=data)
+            return self.reject(delivery, Reason.WRONG_ROUTE, route_error, data=data)
         try:
             spec.validate(message.payload)
         except PayloadValidationError as exc:
-            return self.reject(delivery, dl.SCHEMA_INVALID, str(exc), data=data)
+            return self.reject(delivery, Reason.SCHEMA_INVALID, str(exc), data=data)
         segment, concurrency, priority = delivery.lane(default_segment(message.aggregate_type, message.aggregate_id))
         return InboxRow(
             id=message.message_id,
@@ -382,8 +310,8 @@ class Intake:
             message_version=message.message_version,
             kind=spec.kind,
             routing_key=spec.routing_key,
-            payload=json_text(message.payload),
-            message_context=json_text(message.message_context),
+            payload=jsoncodec.amqp_json(message.payload),
+            message_context=jsoncodec.amqp_json(message.message_context),
             metadata=_metadata_text(delivery.metadata(message.auth_token)),
             segment=segment,
             concurrency=concurrency,

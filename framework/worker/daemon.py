@@ -64,25 +64,28 @@ from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import Message
-from framework.errors import AssemblyError, HandlerMisuse, PermanentError, Problem
+from framework.errors import AssemblyError, HandlerMisuse, HandlerTimeout, PermanentError, Problem
 from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
 from framework.outbox import Outbox, OutboxRow, json_params
 from framework.outbox import insert_sql as outbox_insert_sql
+from framework.reasons import Reason
 from framework.service import Service
 from framework.worker import decode, guard, metrics
 from framework.worker import sql as q
 from framework.worker.config import GRACE, LEASE_MARGIN, MIN_RUN, WorkerConfig
 from framework.worker.decode import Undecodable
-from framework.worker.timeout import HandlerTimeout, Watchdog
+from framework.worker.timeout import Watchdog
 
 NO_HANDLER = "no_handler"  # a message type this process has no handler for
 # Last resort: the worker itself failed on the row (it cannot decode it, or settling it
 # failed for a reason no handler raised). Dead-lettered so the worker goes on.
-INTERNAL_ERROR = dl.INTERNAL_ERROR
 SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker left behind
 ANALYZE_INTERVAL = 30.0  # seconds at least between two ANALYZEs of the inbox by one worker
 
 
+# _Conflict, _Split and _Rerun steer the batch loop only: raised and caught inside this
+# module (_process, _run_batch), never seen by callers, so they stay private and outside
+# the TxboxError tree of framework/errors.py.
 class _Conflict(Exception):
     """A serialization failure or deadlock: run the batch again."""
 
@@ -443,7 +446,7 @@ class Worker(Daemon):
             return sum(self._process([claimed]) for claimed in batch)
         [claimed] = batch
         error = f"the worker failed on this message ({type(exc).__name__}): {_describe(exc)}"
-        self._abandon(claimed, INTERNAL_ERROR, error, error_type=type(exc).__name__)
+        self._abandon(claimed, Reason.INTERNAL_ERROR, error, error_type=type(exc).__name__)
         try:
             self._settle_alone(claimed, bare=False)
         except Exception as again:
@@ -523,7 +526,9 @@ class Worker(Daemon):
                     if claimed.id not in ours:
                         claimed.outcome = "lost"  # claimed again by another worker after our lease
                     elif claimed.undecodable:
-                        self._abandon(claimed, INTERNAL_ERROR, f"the stored row cannot be read: {claimed.undecodable}")
+                        self._abandon(
+                            claimed, Reason.INTERNAL_ERROR, f"the stored row cannot be read: {claimed.undecodable}"
+                        )
                     elif claimed.id in known:
                         self._classify(claimed, known[claimed.id])
                     else:
@@ -582,7 +587,7 @@ class Worker(Daemon):
         if claimed.unfinished_before >= self.config.poison_threshold:
             self._abandon(
                 claimed,
-                dl.POISON,
+                Reason.POISON,
                 f"{claimed.unfinished_before} runs never finished (the process died in the handler): "
                 f"abandoned without running (threshold {self.config.poison_threshold})",
                 finished_delta=claimed.unfinished_before + 1,
@@ -672,12 +677,12 @@ class Worker(Daemon):
         token = claimed.message.auth_token
         text = redaction.scrub_values(redaction.redact_text(_describe(exc)), [token] if token else [])
         if isinstance(exc, PermanentError):
-            self._abandon(claimed, dl.PERMANENT_ERROR, text, error_type=type(exc).__name__)
+            self._abandon(claimed, Reason.PERMANENT_ERROR, text, error_type=type(exc).__name__)
             return
         if claimed.message.is_final_attempt:
             self._abandon(
                 claimed,
-                dl.MAX_ATTEMPTS,
+                Reason.MAX_ATTEMPTS,
                 f"failed {claimed.message.attempt} of {claimed.message.max_attempts} attempts; last: {text}",
                 error_type=type(exc).__name__,
             )
@@ -918,5 +923,5 @@ def _describe(exc: BaseException) -> str:
 
 def _clip(text: str, limit: int = 2000) -> str:
     """Error text for ``last_error``: bounded, and without what a text column refuses."""
-    text = dl._storable(text)
+    text = jsoncodec.clean_string(text)
     return text if len(text) <= limit else text[:limit] + "…"

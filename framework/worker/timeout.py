@@ -19,16 +19,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from framework.errors import RetryableError
+from framework.errors import HandlerTimeout
 
 log = logging.getLogger("txbox.worker")
 
 HARD_EXIT_CODE = 70
 TICK = 0.05  # how late a timeout may fire; arming does not wake the watchdog
-
-
-class HandlerTimeout(RetryableError):
-    """The handler ran longer than its timeout (counts as a failed attempt)."""
 
 
 def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:

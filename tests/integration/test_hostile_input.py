@@ -22,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from framework import dead_letters, envelope, names, topology
+from framework import names, topology
 from framework.dead_letters import decode_body
 from framework.envelope import parse_message
+from framework.reasons import Reason
 from framework.receiver import Receiver, ReceiverConfig
-from framework.receiver.intake import NOT_ACCEPTED, UNSTORABLE, WRONG_ROUTE
 from framework.redaction import redact_bytes
 from framework.service import Service
 from tests import support
@@ -34,20 +34,20 @@ from tests.apps.helpers import place_order, publish, query, running, scalar
 
 TAG = "x-hostile-case"
 KNOWN_REASONS = {
-    envelope.EMPTY_BODY,
-    envelope.NOT_UTF8,
-    envelope.NOT_JSON,
-    envelope.TOO_DEEP,
-    envelope.NOT_OBJECT,
-    envelope.MISSING_FIELD,
-    envelope.INVALID_FIELD,
-    dead_letters.UNKNOWN_MESSAGE_TYPE,
-    dead_letters.SCHEMA_INVALID,
-    dead_letters.TOO_LARGE,
-    dead_letters.WRONG_CONTENT_TYPE,
-    NOT_ACCEPTED,
-    UNSTORABLE,
-    WRONG_ROUTE,  # a type sent on another type's routing key
+    Reason.EMPTY_BODY,
+    Reason.NOT_UTF8,
+    Reason.NOT_JSON,
+    Reason.TOO_DEEP,
+    Reason.NOT_OBJECT,
+    Reason.MISSING_FIELD,
+    Reason.INVALID_FIELD,
+    Reason.UNKNOWN_MESSAGE_TYPE,
+    Reason.SCHEMA_INVALID,
+    Reason.TOO_LARGE,
+    Reason.WRONG_CONTENT_TYPE,
+    Reason.NOT_ACCEPTED,
+    Reason.UNSTORABLE,
+    Reason.WRONG_ROUTE,  # a type sent on another type's routing key
 }
 ROUTING_KEYS = ("order-service.order.place", "inventory-service.stock.reserved", "inventory-service.stock.rejected")
 EXCHANGE_OF = {ROUTING_KEYS[0]: "command", ROUTING_KEYS[1]: "event", ROUTING_KEYS[2]: "event"}
@@ -312,13 +312,13 @@ NASTY: list[tuple[str, bytes, dict[str, Any], bool, str]] = [
     ("NUL in every property", _valid(), NUL_PROPERTIES, False, "stored"),
     ("wrong-typed headers, redelivered", _valid(), {"headers": WRONG_HEADERS}, True, "stored"),
     ("headers nested 300 deep", _valid(), {"headers": {"deep": _deep_table(300)}}, False, "stored"),
-    ("context nested 990 deep", _with_json("message_context", _nested(990)), {}, False, envelope.TOO_DEEP),
-    ("payload field nested 990 deep", _with_json("customer", _nested(990)), {}, False, envelope.TOO_DEEP),
+    ("context nested 990 deep", _with_json("message_context", _nested(990)), {}, False, Reason.TOO_DEEP),
+    ("payload field nested 990 deep", _with_json("customer", _nested(990)), {}, False, Reason.TOO_DEEP),
     ("context nested 990 deep, redelivered", _with_json("message_context", _nested(990)), {}, True, "too_deep"),
     ("context nested 150 deep", _with_json("message_context", _nested(150)), {}, False, "stored"),
-    ("auth_token nested 500 deep", _with_json("auth_token", _nested(500)), {}, False, envelope.TOO_DEEP),
-    ("arrays 5000 deep", b"[" * 5000 + b"]" * 5000, {}, True, envelope.TOO_DEEP),
-    ("NUL in a payload string", _valid(customer="nul\x00"), {}, False, UNSTORABLE),
+    ("auth_token nested 500 deep", _with_json("auth_token", _nested(500)), {}, False, Reason.TOO_DEEP),
+    ("arrays 5000 deep", b"[" * 5000 + b"]" * 5000, {}, True, Reason.TOO_DEEP),
+    ("NUL in a payload string", _valid(customer="nul\x00"), {}, False, Reason.UNSTORABLE),
 ]
 
 

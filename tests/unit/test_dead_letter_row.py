@@ -15,7 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from framework import dead_letters as dl
-from framework.dead_letters import BODY_FACTS, BODY_LIMIT, TOO_DEEP, DeadLetter, to_storable
+from framework import names
+from framework.dead_letters import BODY_LIMIT, DeadLetter
+from framework.jsoncodec import JSON_DEPTH_LIMIT, TOO_DEEP, to_storable
+from framework.reasons import Reason
 
 
 def _deep(depth: int) -> list[Any]:
@@ -64,7 +67,7 @@ def test_what_jsonb_refuses_is_replaced() -> None:
 def test_deep_nesting_is_cut_at_the_limit() -> None:
     out = to_storable({"d": _deep(100_000)})
     text = dl.jsoncodec.dumps(out)
-    assert TOO_DEEP in text and text.count("[") == dl.JSON_DEPTH_LIMIT - 1
+    assert TOO_DEEP in text and text.count("[") == JSON_DEPTH_LIMIT - 1
 
 
 @given(
@@ -83,7 +86,7 @@ def test_an_oversized_body_keeps_a_prefix_with_length_and_hash() -> None:
     row = DeadLetter(source="broker", reason="too_large", error="e", raw_body=body).row()
     assert row["raw_encoding"] == "utf-8" and body.startswith(row["raw_body"].encode())
     assert len(row["raw_body"].encode()) == BODY_LIMIT
-    facts = json.loads(row["headers"])[BODY_FACTS]
+    facts = json.loads(row["headers"])[names.BODY_FACTS]
     assert facts == {
         "length": len(body),
         "sha256": hashlib.sha256(body).hexdigest(),
@@ -97,13 +100,13 @@ def test_an_oversized_message_is_not_stored_whole() -> None:
     message = {"payload": {"blob": "x" * (2 * BODY_LIMIT)}}
     row = DeadLetter(source="inbox", reason="max_attempts", error="e", message=message).row()
     assert row["message"] is None and len(row["raw_body"]) == BODY_LIMIT
-    assert json.loads(row["headers"])[BODY_FACTS]["length"] == len(json.dumps(message, separators=(",", ":")))
+    assert json.loads(row["headers"])[names.BODY_FACTS]["length"] == len(json.dumps(message, separators=(",", ":")))
 
 
 def test_a_senders_body_facts_header_does_not_pass_for_ours() -> None:
-    row = DeadLetter(source="broker", reason="r", error="e", raw_body=b"x", headers={BODY_FACTS: "forged"}).row()
+    row = DeadLetter(source="broker", reason="r", error="e", raw_body=b"x", headers={names.BODY_FACTS: "forged"}).row()
     headers = json.loads(row["headers"])
-    assert headers[BODY_FACTS]["length"] == 1 and headers[f"{BODY_FACTS} (sender)"] == "forged"
+    assert headers[names.BODY_FACTS]["length"] == 1 and headers[f"{names.BODY_FACTS} (sender)"] == "forged"
 
 
 def test_text_columns_are_clean_and_bounded() -> None:
@@ -127,12 +130,12 @@ def test_a_row_that_cannot_be_built_is_an_internal_error(monkeypatch: pytest.Mon
     monkeypatch.setattr(dl, "to_storable", broken)
     mid = uuid.uuid4()
     row = DeadLetter(source="broker", reason="poison", error="boom\x00", message_id=mid, raw_body=b"abc").row()
-    assert row["reason"] == dl.INTERNAL_ERROR and row["message_id"] == mid
+    assert row["reason"] == Reason.INTERNAL_ERROR and row["message_id"] == mid
     assert "poison" in row["error"] and "RecursionError" in row["error"] and "\x00" not in row["error"]
-    assert json.loads(row["headers"])[BODY_FACTS]["sha256"] == hashlib.sha256(b"abc").hexdigest()
+    assert json.loads(row["headers"])[names.BODY_FACTS]["sha256"] == hashlib.sha256(b"abc").hexdigest()
 
 
 def test_internal_error_letter_keeps_the_body() -> None:
     letter = dl.internal_error_letter(source="broker", error="bug", raw_body=b"\x00raw", headers={"h": 1})
     row = letter.row()
-    assert row["reason"] == dl.INTERNAL_ERROR and dl.decode_body(row["raw_body"], row["raw_encoding"]) == b"\x00raw"
+    assert row["reason"] == Reason.INTERNAL_ERROR and dl.decode_body(row["raw_body"], row["raw_encoding"]) == b"\x00raw"

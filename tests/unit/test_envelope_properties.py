@@ -16,18 +16,18 @@ from typing import Any
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from framework import envelope
 from framework.envelope import Message, format_timestamp, parse_message
 from framework.errors import EnvelopeError
+from framework.reasons import Reason
 
 REASONS = {
-    envelope.EMPTY_BODY,
-    envelope.NOT_UTF8,
-    envelope.NOT_JSON,
-    envelope.TOO_DEEP,
-    envelope.NOT_OBJECT,
-    envelope.MISSING_FIELD,
-    envelope.INVALID_FIELD,
+    Reason.EMPTY_BODY,
+    Reason.NOT_UTF8,
+    Reason.NOT_JSON,
+    Reason.TOO_DEEP,
+    Reason.NOT_OBJECT,
+    Reason.MISSING_FIELD,
+    Reason.INVALID_FIELD,
 }
 REQUIRED = ("payload", "message_id", "timestamp", "message_type", "aggregate_id", "aggregate_type", "message_version")
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -130,7 +130,7 @@ def test_a_missing_required_field_is_named(data: dict[str, Any], name: str) -> N
     try:
         parse_message(json.dumps(data))
     except EnvelopeError as exc:
-        assert (exc.reason, exc.field) == (envelope.MISSING_FIELD, name)
+        assert (exc.reason, exc.field) == (Reason.MISSING_FIELD, name)
     else:
         raise AssertionError(f"accepted an envelope without {name}")
 
@@ -143,7 +143,7 @@ def test_a_field_of_the_wrong_shape_is_rejected_or_valid(data: dict[str, Any], n
     try:
         message = parse_message(json.dumps(data))
     except EnvelopeError as exc:
-        assert exc.reason == envelope.INVALID_FIELD, exc
+        assert exc.reason == Reason.INVALID_FIELD, exc
         assert exc.field == name
         return
     check_outcome(json.dumps(data))

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from framework import names
+from framework import jsoncodec, names
 from framework.contracts import load_registry
 from framework.dead_letters import DeadLetter
 from framework.errors import ConfigurationError
 from framework.receiver import Delivery, Intake, ReceiverConfig
 from framework.receiver.config import parse_schedule
-from framework.receiver.intake import InboxRow, _json_default, json_text
+from framework.receiver.intake import InboxRow
 from tests.apps.helpers import place_order
 
 CONTRACTS = Path(__file__).resolve().parents[2] / "contracts"
@@ -276,8 +276,8 @@ def test_json_text_of_amqp_values_is_what_the_json_module_writes() -> None:
         "amount": Decimal("12.50"),
         "nested": [{"n": 2**70, "f": float("nan")}, None, True, 1.5],
     }
-    expected = json.dumps(values, separators=(",", ":"), ensure_ascii=False, default=_json_default)
-    assert json.dumps(json.loads(json_text(values))) == json.dumps(json.loads(expected))  # NaN != NaN
+    expected = json.dumps(values, separators=(",", ":"), ensure_ascii=False, default=jsoncodec.amqp_value)
+    assert json.dumps(json.loads(jsoncodec.amqp_json(values))) == json.dumps(json.loads(expected))  # NaN != NaN
 
 
 def test_trusted_users_always_include_the_receivers_own() -> None:

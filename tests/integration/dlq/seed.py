@@ -12,6 +12,7 @@ from psycopg import sql
 
 from framework import dead_letters, names
 from framework.envelope import Message
+from framework.reasons import Reason
 
 SCHEMA = "txbox"
 
@@ -83,7 +84,7 @@ def abandoned(
             conn,
             dead_letters.DeadLetter(
                 source="inbox" if table == names.INBOX else "outbox",
-                reason=dead_letters.MAX_ATTEMPTS if table == names.INBOX else dead_letters.UNROUTABLE,
+                reason=Reason.MAX_ATTEMPTS if table == names.INBOX else Reason.UNROUTABLE,
                 error=error,
                 error_type=error.split(":", 1)[0],
                 message_id=m.message_id,
@@ -102,7 +103,7 @@ def rejected(conn: psycopg.Connection[Any], m: Message | None, *, raw: bytes | N
             conn,
             dead_letters.DeadLetter(
                 source="broker",
-                reason=dead_letters.UNKNOWN_MESSAGE_TYPE if m else "not_json",
+                reason=Reason.UNKNOWN_MESSAGE_TYPE if m else "not_json",
                 error="no handler deployed yet" if m else "the body is not JSON",
                 message_id=m.message_id if m else None,
                 message_type=m.message_type if m else None,

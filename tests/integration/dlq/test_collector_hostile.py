@@ -17,8 +17,9 @@ from typing import Any
 import pika
 import pytest
 
-from framework import amqp, dead_letters, names, topology
+from framework import amqp, dead_letters, jsoncodec, names, topology
 from framework.dlq.collector import Collector, CollectorSettings
+from framework.reasons import Reason
 from framework.service import Service
 from tests import support
 
@@ -219,7 +220,7 @@ def test_an_oversized_body_keeps_a_bounded_prefix_with_its_length_and_hash(
         kept = dead_letters.decode_body(row["raw_body"], row["raw_encoding"])
         assert row["raw_encoding"] == "utf-8" and sent.startswith(kept)
         assert dead_letters.BODY_LIMIT - 4 < len(kept) <= dead_letters.BODY_LIMIT
-        facts = row["headers"][dead_letters.BODY_FACTS]
+        facts = row["headers"][names.BODY_FACTS]
         assert facts["length"] == len(sent) and facts["sha256"] == hashlib.sha256(sent).hexdigest()
         assert facts["truncated"] is True and facts["stored"] == len(kept)
         assert row["message"] is None  # the whole envelope would be the whole body
@@ -237,7 +238,7 @@ def test_json_nested_to_the_parsers_limit_is_stored(
 
     rows = _by_case(conn, 2)
     deep = rows["deep json"]
-    assert deep["message_id"] == mid and dead_letters.TOO_DEEP in json.dumps(deep["message"])
+    assert deep["message_id"] == mid and jsoncodec.TOO_DEEP in json.dumps(deep["message"])
     assert dead_letters.decode_body(deep["raw_body"], deep["raw_encoding"]) == body  # the body as it came
     assert rows["deeper than parsable"]["message"] is None and rows["deeper than parsable"]["raw_body"]
     support.wait_until(lambda: _depth(service) == 0, message="every delivery acked")
@@ -256,13 +257,13 @@ CREATE TRIGGER refuse BEFORE INSERT ON txbox.dead_letters FOR EACH ROW EXECUTE F
 def test_a_refused_row_ends_as_a_minimal_internal_error_row(
     service: Service, collector: Collector, channel: Any, conn: Any
 ) -> None:
-    conn.execute(_REFUSE.format(allowed=dead_letters.INTERNAL_ERROR))
+    conn.execute(_REFUSE.format(allowed=Reason.INTERNAL_ERROR))
     body = b"refused twice"
     _dead_letter(channel, body, pika.BasicProperties(headers={names.HEADER_DEAD_REASON: "poison"}))
 
     [row] = support.wait_until(lambda: _letters(conn), message="the minimal row")
-    assert row["reason"] == dead_letters.INTERNAL_ERROR and "refused by test trigger" in row["error"]
-    facts = row["headers"][dead_letters.BODY_FACTS]
+    assert row["reason"] == Reason.INTERNAL_ERROR and "refused by test trigger" in row["error"]
+    facts = row["headers"][names.BODY_FACTS]
     assert facts["length"] == len(body) and facts["sha256"] == hashlib.sha256(body).hexdigest()
     support.wait_until(lambda: _depth(service) == 0, message="the delivery acked")
 

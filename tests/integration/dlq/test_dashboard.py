@@ -286,6 +286,30 @@ def test_overview_shows_the_latest_analyze_run_when_there_is_one(base: str, conn
     assert analytics["run"]["lost"] == 2
 
 
+def test_latency_per_stage_summarises_every_message_type(base: str, conn: Any) -> None:
+    """A rare slow type must not stand for the service: the figure per stage is weighted over all rows."""
+    _report(conn, "r1", "order-service", lost=0)
+    conn.execute("DELETE FROM txbox.analytics_latency")
+    conn.cursor().executemany(
+        """INSERT INTO txbox.analytics_latency (run_id, run_at, service, publisher, message_type, stage,
+               samples, p50_ms, p90_ms, p99_ms, max_ms, mean_ms)
+           VALUES ('r1', now(), 'order-service', 'order-service', %s, 'end_to_end', %s, %s, %s, %s, %s, %s)""",
+        [("PlaceOrder", 10_000, 10, 15, 20, 30, 11), ("ExportAudit", 5, 5000, 8000, 9000, 9500, 5500)],
+    )
+    page = http(base + "/")[2]
+    chart = re.search(r'<svg class="chart"[^>]*aria-label="Latency per stage[^"]*".*?</svg>', page, re.S)
+    assert chart is not None
+    label = re.search(r"end_to_end p50 (\d+) ms · p99 (\d+) ms", chart.group(0))
+    assert label is not None and int(label.group(1)) == 10 and int(label.group(2)) < 30, label
+    detail = re.search(r'<table class="latency-types">.*?</table>', page, re.S)
+    assert detail is not None
+    rows = re.findall(r"<tr><td>end_to_end</td><td>(\w+)</td><td class=\"num\">([\d,]+)</td>", detail.group(0))
+    assert rows == [("PlaceOrder", "10,000"), ("ExportAudit", "5")]
+    assert "5,000 ms" in detail.group(0)
+    stage = json.loads(http(base + "/api/overview")[2])["services"][0]["analytics"]["latency"][0]
+    assert stage["samples"] == 10_005 and stage["p50_ms"] < 11 and len(stage["types"]) == 2
+
+
 def test_one_report_database_serves_every_service(database_url: str, conn: Any, template_db: str) -> None:
     """`txbox analyze` writes its report into the first source's database by default."""
     other = support.unique("txbox_t")

@@ -11,6 +11,7 @@ import pytest
 from psycopg import sql
 
 from framework import dead_letters as dl
+from framework import names
 from framework.dead_letters import DeadLetter
 
 
@@ -45,4 +46,4 @@ def test_a_hostile_letter_is_stored_bounded(conn: Any, case: str) -> None:
     assert row["reason"] == "poison"  # stored as itself, not even as the last resort
     assert (row["m"] or 0) <= 2 * dl.BODY_LIMIT and (row["r"] or 0) <= 2 * dl.BODY_LIMIT
     if letter.raw_body is not None:
-        assert row["headers"][dl.BODY_FACTS]["length"] == len(letter.raw_body)
+        assert row["headers"][names.BODY_FACTS]["length"] == len(letter.raw_body)

@@ -43,14 +43,10 @@ from typing import Any, Self
 import psycopg
 from psycopg import sql
 
-from framework.errors import TxboxError
+from framework.errors import InstanceError
 
 PG_BIN = Path(os.environ.get("TXBOX_PG_BIN", "/usr/lib/postgresql/15/bin"))
 RABBITMQ_BIN = Path(os.environ.get("TXBOX_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))
-
-
-class InstanceError(TxboxError):
-    """A private PostgreSQL or RabbitMQ could not be created, started or stopped."""
 
 
 def free_port() -> int:

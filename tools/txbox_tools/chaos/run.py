@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session
 
 from framework import tables, topology
 from framework.db import conninfo
-from framework.errors import TxboxError
+from framework.errors import ChaosFailed
 from framework.service import Service
 from txbox_tools import repository
 from txbox_tools.chaos import apps
@@ -63,10 +63,6 @@ DAEMON_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 SETTLE = 3.0  # seconds after a fault that count as recovery, not as "between faults"
-
-
-class ChaosFailed(TxboxError):
-    """The run could not finish (stalled, could not start): no verdict possible."""
 
 
 @dataclass(kw_only=True)

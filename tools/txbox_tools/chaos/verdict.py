@@ -25,6 +25,7 @@ import psycopg
 
 from framework import dead_letters
 from txbox_tools.chaos.apps import EFFECTS_TABLE, POISON_CUSTOMER
+from framework.reasons import Reason
 
 
 @dataclass
@@ -192,7 +193,7 @@ def judge(
         v.dead_letters = len(letters)
         want_abandoned = [("order-service inbox", poison_id)] if poison_id else []
         v.add("only the poison message was abandoned", abandoned == want_abandoned, f"abandoned: {abandoned[:5]}")
-        want_letters = [("order-service", poison_id, dead_letters.POISON, "inbox")] if poison_id else []
+        want_letters = [("order-service", poison_id, Reason.POISON, "inbox")] if poison_id else []
         v.add(
             "the dead letters hold the poison message (reason poison) and nothing else",
             letters == want_letters,
