@@ -23,9 +23,8 @@ from typing import Any
 
 import psycopg
 
-from framework import dead_letters
-from txbox_tools.chaos.apps import EFFECTS_TABLE, POISON_CUSTOMER
 from framework.reasons import Reason
+from txbox_tools.chaos.apps import EFFECTS_TABLE, POISON_CUSTOMER
 
 
 @dataclass
