@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def age(seconds: Any) -> str:
     """``95`` → ``1m35s``: two units at most, enough to compare rows at a glance."""
     left = max(0, int(seconds or 0))
-    parts = []
+    parts: list[str] = []
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if left >= size or (unit == "s" and not parts):
             parts.append(f"{left // size}{unit}")
