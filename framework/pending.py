@@ -149,15 +149,20 @@ def list_pending(conn: psycopg.Connection[Any], schema: str, filters: Filters) -
     return [dict(r) for r in conn.execute(query, params).fetchall()]
 
 
-def counts(conn: psycopg.Connection[Any], schema: str, table: str, *, park: bool = False) -> dict[str, Any]:
-    """Per state of ``table``: how many pending rows, and the age in seconds of the oldest."""
+def counts_query(schema: str, table: str, *, park: bool = False) -> sql.Composed:
+    """The statement of :func:`counts` (the plan tests read it)."""
     parks = Filters(table=table, park=park).parks
-    query = sql.SQL(
+    return sql.SQL(
         "{parked}SELECT state, count(*) AS n, max(age_seconds) AS oldest_seconds FROM (SELECT {state} AS state, "
         "extract(epoch FROM now() - o.created_at)::float8 AS age_seconds FROM {t} o WHERE "
         + PENDING.text
         + ") s GROUP BY state"
     ).format(parked=_with_parked(schema, parks), state=_state_sql(parks), t=sql.Identifier(schema, table))
+
+
+def counts(conn: psycopg.Connection[Any], schema: str, table: str, *, park: bool = False) -> dict[str, Any]:
+    """Per state of ``table``: how many pending rows, and the age in seconds of the oldest."""
+    query = counts_query(schema, table, park=park)
     found = {r["state"]: r for r in conn.execute(query).fetchall()}
     by_state = {
         state: {"n": int(found[state]["n"]) if state in found else 0, "oldest_seconds": _oldest(found.get(state))}
