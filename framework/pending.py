@@ -46,6 +46,9 @@ _COLUMNS = (
     f"left(o.last_error, {ERROR_CHARS}) AS last_error, o.payload, o.message_context, o.metadata"
 )
 
+# Seconds since the row was written (outbox) or stored (inbox).
+_AGE = "extract(epoch FROM now() - o.created_at)::float8"
+
 # The first state that holds, in the order of the module's docstring.
 _STATE = """CASE
     WHEN o.started_attempts > o.finished_attempts AND o.locked_until > now() THEN 'leased'
@@ -55,7 +58,7 @@ _STATE = """CASE
     ELSE 'due' END"""
 
 # Segments whose sequential rows the worker parks: found from the open dead letters
-# (dead_letters_open_idx, then the inbox's primary key), so only as many as are open.
+# (their partial indexes, then the inbox's primary key), so only as many as are open.
 _PARKED_SEGMENTS = """parked AS MATERIALIZED (
     SELECT DISTINCT a.segment FROM {dead_letters} d JOIN {inbox} a ON a.id = d.message_id
     WHERE d.source = 'inbox' AND d.replayed_at IS NULL AND d.discarded_at IS NULL
@@ -73,7 +76,7 @@ class Filters:
     state: str | None = None
     message_type: str | None = None
     segment: str | None = None
-    older_than: float | None = None  # seconds since the row was written (outbox) or stored (inbox)
+    older_than: float | None = None  # seconds, as _AGE
     limit: int = DEFAULT_LIMIT
     park: bool = False
 
@@ -110,7 +113,7 @@ def _with_parked(schema: str, parks: bool) -> sql.Composable:
 
 def list_query(schema: str, filters: Filters) -> tuple[sql.Composed, dict[str, Any]]:
     """The statement of :func:`list_pending` and its parameters (the plan tests read it)."""
-    # One table in the FROM: the predicates need no alias, and the pending spelling picks the index.
+    # The spellings of "pending" come unaliased: the inner FROM has one table, so none is needed.
     where: list[str] = [pending_in_segment() if filters.segment is not None else PENDING.text]
     params: dict[str, Any] = {"limit": filters.limit}
     if filters.message_type is not None:
@@ -129,7 +132,7 @@ def list_query(schema: str, filters: Filters) -> tuple[sql.Composed, dict[str, A
     query = sql.SQL(
         "{parked}SELECT * FROM (SELECT "
         + _COLUMNS
-        + ", {state} AS state, extract(epoch FROM now() - o.created_at)::float8 AS age_seconds{extra} FROM {t} o WHERE "
+        + f", {{state}} AS state, {_AGE} AS age_seconds{{extra}} FROM {{t}} o WHERE "
         + " AND ".join(where)
         + ") s "
         + outer
@@ -154,9 +157,7 @@ def counts_query(schema: str, table: str, *, park: bool = False) -> sql.Composed
     parks = Filters(table=table, park=park).parks
     return sql.SQL(
         "{parked}SELECT state, count(*) AS n, max(age_seconds) AS oldest_seconds FROM (SELECT {state} AS state, "
-        "extract(epoch FROM now() - o.created_at)::float8 AS age_seconds FROM {t} o WHERE "
-        + PENDING.text
-        + ") s GROUP BY state"
+        f"{_AGE} AS age_seconds FROM {{t}} o WHERE " + PENDING.text + ") s GROUP BY state"
     ).format(parked=_with_parked(schema, parks), state=_state_sql(parks), t=sql.Identifier(schema, table))
 
 
