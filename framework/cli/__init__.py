@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("framework.cli.run", "run publisher, receiver and worker in one process"),
     "collector": ("framework.cli.collector", "drain <service>:dead_letter into txbox.dead_letters"),
     "dlq": ("framework.cli.dlq", "dead letters: list / show / replay / discard"),
+    "outbox": ("framework.cli.pending", "what the outbox still holds: list (state, age, attempts, last error)"),
+    "inbox": ("framework.cli.pending", "what the inbox still holds: list (state, age, attempts, last error)"),
     "dashboard": ("framework.cli.dashboard", "the dead-letter and health dashboard (web)"),
     "analyze": ("framework.cli.analyze", "the Spark reconciliation and analytics job"),
     "archive": ("framework.cli.archive", "move old processed/abandoned rows to Parquet"),

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from framework import jsoncodec
 from framework.cli.common import add_service_options, load_service
+from framework.cli.output import clip as _clip
+from framework.cli.output import emit as _print
+from framework.cli.output import table as _table
+from framework.cli.output import utc as _fmt_time
 from framework.dlq import queries, replay
-from framework.dlq.present import masked, printable
+from framework.dlq.present import masked
 from framework.errors import ConfigurationError
-
-
-def _print(text: str) -> None:
-    """Every line this command prints: secrets masked already, control characters escaped."""
-    print(printable(text))
 
 
 def when(text: str) -> datetime:
@@ -57,24 +56,6 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         _filters(p, status=False)
         p.add_argument("--dry-run", action="store_true", help="show what would happen, change nothing")
         p.add_argument("--json", action="store_true")
-
-
-def _fmt_time(value: datetime | None) -> str:
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
-
-
-def _clip(text: str | None, width: int) -> str:
-    text = " ".join((text or "").split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-    return "\n".join([line(header), *(line(r) for r in rows)])
 
 
 def _selected(args: argparse.Namespace, status: str = "open") -> queries.Filters:

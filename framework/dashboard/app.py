@@ -603,6 +603,8 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                 return
             await self.app(scope, receive, send)
 
+    from framework.dashboard import pending_view  # it imports this module: here, once this one is loaded
+
     routes = [
         Route("/", overview_page),
         Route("/groups", groups_page),
@@ -613,6 +615,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         Route("/login", login, methods=["GET", "POST"]),
         Route("/logout", logout, methods=["POST"]),
         Route("/healthz", healthz),
+        *pending_view.routes(source, render),
         Route("/api/overview", api_overview),
         Route("/api/groups", api_groups),
         Route("/api/letters", api_letters),
