@@ -17,10 +17,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from framework import names, pending
-from framework.dashboard.app import HttpError, Source, _jsonable
+from framework import jsoncodec, names, pending
+from framework.dashboard.app import Source
 from framework.dlq import queries
 from framework.dlq.present import masked
+from framework.errors import HttpError
 from framework.settings import parse_duration
 
 
@@ -71,6 +72,6 @@ def routes(source: Callable[[str], Source], render: Callable[..., HTMLResponse])
         found = data(request)
         f = found.pop("filters")
         found["filters"] = {k: v for k, v in vars(f).items() if v is not None and k != "park"}
-        return JSONResponse(_jsonable(found))
+        return JSONResponse(jsoncodec.plain(found))
 
     return [Route("/pending/{service}", page), Route("/api/pending/{service}", api)]
