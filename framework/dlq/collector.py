@@ -28,10 +28,9 @@ from typing import Any
 import pika
 import pika.exceptions
 import psycopg
-from prometheus_client import Counter
 from psycopg import sql
 
-from framework import amqp, db, names, topology
+from framework import amqp, db, metrics, names, topology
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import (
@@ -51,11 +50,6 @@ from framework.dlq.replay import resolve_replayed
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
 from framework.settings import Seconds, Settings, setting
-
-COLLECTED = Counter("txbox_collector_dead_letters_total", "Dead letters drained from the broker", ["service"])
-DUPLICATES = Counter(
-    "txbox_collector_duplicates_total", "Redelivered dead letters already stored (not inserted again)", ["service"]
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -419,8 +413,8 @@ class Collector(Daemon):
                     new = store(conn, schema, batch)
                     channel.basic_ack(last_tag, multiple=True)  # only after the commit
                     self.collected += new
-                    COLLECTED.labels(self.settings.service).inc(new)
-                    DUPLICATES.labels(self.settings.service).inc(len(batch) - new)
+                    metrics.COLLECTOR_DEAD_LETTERS.labels(self.settings.service).inc(new)
+                    metrics.COLLECTOR_DUPLICATES.labels(self.settings.service).inc(len(batch) - new)
                     batch = []
                 if time.monotonic() >= next_resolve:
                     resolve_replayed(conn, schema)

@@ -35,9 +35,8 @@ from typing import Any, NamedTuple
 
 import pika
 import psycopg
-from prometheus_client import Counter, Gauge
 
-from framework import amqp, db, names, topology
+from framework import amqp, db, metrics, names, topology
 from framework.backoff import backoff_seconds
 from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
@@ -51,17 +50,6 @@ from framework.publisher.confirms import Outgoing, Publisher
 from framework.settings import Seconds, Settings, setting
 
 log = logging.getLogger("txbox.publisher")
-
-PUBLISHED = Counter("txbox_publisher_published", "Outbox rows confirmed by the broker and marked", ["message_type"])
-FAILED = Counter(
-    "txbox_publisher_failed",
-    "Failed publish attempts (nacked, unroutable command, timeout)",
-    ["message_type", "reason"],
-)
-ABANDONED = Counter("txbox_publisher_abandoned", "Outbox rows given up after max_attempts", ["message_type"])
-IN_FLIGHT = Gauge("txbox_publisher_in_flight", "Messages published and waiting for the broker's confirm")
-BACKLOG = Gauge("txbox_outbox_backlog", "Pending outbox rows (not processed, not abandoned)")
-OLDEST_DUE_AGE = Gauge("txbox_outbox_oldest_due_age_seconds", "Age of the oldest due pending outbox row")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,6 +253,7 @@ class Relay(Daemon):
         self._claim_hint = True  # False while a claim would find nothing new (see _claim_and_publish)
         self._next_full_claim = 0.0
         self._wide = True  # last claims found as many heads as asked for (see _claim_and_publish)
+        self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(settings.service)
         self.published = 0  # totals of this relay, for tests and `txbox run`'s summary
         self.failed = 0
         self.abandoned = 0
@@ -295,7 +284,7 @@ class Relay(Daemon):
             self._writer.shutdown(wait=True)
             self._close_db()
             listener.join(timeout=5)
-            IN_FLIGHT.set(0)
+            self._in_flight.set(0)
             self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
 
     def _declare(self) -> bool:
@@ -325,7 +314,7 @@ class Relay(Daemon):
                 return False
             self._gauges(conn, publisher)
             claimed = self._claim_and_publish(conn, publisher)
-            IN_FLIGHT.set(publisher.in_flight)
+            self._in_flight.set(publisher.in_flight)
             self._db_retry.succeeded()
             return claimed >= self.config.batch_size and publisher.in_flight < self.config.max_in_flight
         except (psycopg.Error, DatabaseUnavailable) as exc:
@@ -431,11 +420,11 @@ class Relay(Daemon):
             self._unrecorded[:0] = batch
             raise
         for message_type, n in published.items():
-            PUBLISHED.labels(message_type).inc(n)
+            metrics.PUBLISHER_PUBLISHED.labels(self.settings.service, message_type).inc(n)
         for (message_type, reason), n in failed.items():
-            FAILED.labels(message_type, reason).inc(n)
+            metrics.PUBLISHER_FAILED.labels(self.settings.service, message_type, reason).inc(n)
         for message_type, n in abandoned.items():
-            ABANDONED.labels(message_type).inc(n)
+            metrics.PUBLISHER_ABANDONED.labels(self.settings.service, message_type).inc(n)
         # Claim again only if the write made a row due: a successor of a marked row, a
         # released or abandoned row's lane. A row committed after the mark's snapshot
         # escaped its successor probe, but its NOTIFY came after the write started: a
@@ -517,7 +506,7 @@ class Relay(Daemon):
         return True
 
     def _gauges(self, conn: psycopg.Connection[Any], publisher: Publisher | None) -> None:
-        IN_FLIGHT.set(publisher.in_flight if publisher is not None else 0)
+        self._in_flight.set(publisher.in_flight if publisher is not None else 0)
         now = time.monotonic()
         if now < self._next_gauges:
             return
@@ -525,8 +514,8 @@ class Relay(Daemon):
         # A burst since the last ANALYZE makes the planner pick a slow claim plan (sql.py).
         self._statistics.refresh(conn.cursor(), now)
         count, age = conn.execute(self._sql_backlog).fetchone() or (0, 0)
-        BACKLOG.set(count)
-        OLDEST_DUE_AGE.set(float(age))
+        metrics.PUBLISHER_BACKLOG.labels(self.settings.service).set(count)
+        metrics.PUBLISHER_OLDEST_DUE_AGE.labels(self.settings.service).set(float(age))
 
     # ---- broker ----------------------------------------------------------------------
 

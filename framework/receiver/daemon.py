@@ -29,12 +29,12 @@ import pika
 import pika.exceptions
 import psycopg
 
-from framework import amqp, db, names, topology
+from framework import amqp, db, metrics, names, topology
 from framework import dead_letters as dl
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
-from framework.receiver import metrics, store
+from framework.receiver import store
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import (
     CONTROL_HEADERS,
@@ -189,7 +189,7 @@ class Receiver(Daemon):
                     continue
                 batch, self._buffer = self._buffer, []
                 batch_bytes, self._buffered = self._buffered, 0
-                metrics.RECEIVED.labels(**self._labels).inc(len(batch))
+                metrics.RECEIVER_RECEIVED.labels(**self._labels).inc(len(batch))
                 if any(d.redelivered for d in batch):
                     if inflight is not None:
                         self._finish(inflight, channel, publish_channel)
@@ -239,7 +239,7 @@ class Receiver(Daemon):
         held = self._buffered + self._writing
         if held > self.peak_held_bytes:
             self.peak_held_bytes = held
-            metrics.PEAK_HELD_BYTES.labels(**self._labels).set(held)
+            metrics.RECEIVER_PEAK_HELD.labels(**self._labels).set(held)
 
     def _full(self) -> bool:
         """Holding as many deliveries, or body bytes, as allowed unacked: read no more for now."""
@@ -301,7 +301,7 @@ class Receiver(Daemon):
         redelivered = [d for d in group if d.redelivered]
         if not redelivered:
             return forced
-        metrics.REDELIVERED.labels(**self._labels).inc(len(redelivered))
+        metrics.RECEIVER_REDELIVERED.labels(**self._labels).inc(len(redelivered))
         conn = self._connection()
         with conn.cursor() as cur:
             counts = {
@@ -443,14 +443,14 @@ class Receiver(Daemon):
             return fallback
 
     def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
-        metrics.STORED.labels(**self._labels).inc(len(new))
+        metrics.RECEIVER_STORED.labels(**self._labels).inc(len(new))
         conflicts = sum(1 for letter in letters if letter.reason == ID_CONFLICT)
         if len(rows) > len(new) + conflicts:
-            metrics.DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)
+            metrics.RECEIVER_DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)
         if conflicts:
-            metrics.ID_CONFLICTS.labels(**self._labels).inc(conflicts)
+            metrics.RECEIVER_ID_CONFLICTS.labels(**self._labels).inc(conflicts)
         for letter in letters:
-            metrics.REJECTED.labels(reason=letter.reason, **self._labels).inc()
+            metrics.RECEIVER_REJECTED.labels(reason=letter.reason, **self._labels).inc()
             if letter.reason != UNSTORABLE:
                 self.log.warning("rejected a delivery (%s): %s", letter.reason, letter.error[:300])
 
@@ -484,7 +484,7 @@ class Receiver(Daemon):
                     self._drop_db()
                     self._give_up(delivery, INTERNAL_ERROR, letter.error, channel, publish_channel)
                 continue
-            metrics.REJECTED.labels(reason=INTERNAL_ERROR, **self._labels).inc()
+            metrics.RECEIVER_REJECTED.labels(reason=INTERNAL_ERROR, **self._labels).inc()
             channel.basic_ack(delivery.delivery_tag)
 
     # --- PostgreSQL down: the delay/retry chain ---------------------------
@@ -521,7 +521,7 @@ class Receiver(Daemon):
             if self._publish_copy(
                 delivery, names.DELAY_EXCHANGE, names.delay_routing_key(delay), headers, channel, publish_channel
             ):
-                metrics.DELAYED.labels(**self._labels).inc()
+                metrics.RECEIVER_DELAYED.labels(**self._labels).inc()
 
     def _give_up(self, delivery: Delivery, reason: str, error: str, channel: Any, publish_channel: Any) -> None:
         """A confirmed copy to ``<service>:dead_letter`` with our reason headers, then the ack."""
@@ -530,7 +530,7 @@ class Receiver(Daemon):
         headers[names.HEADER_DEAD_ERROR] = error
         key = names.dead_letter_routing_key(self.settings.service)
         if self._publish_copy(delivery, names.DEAD_LETTER_EXCHANGE, key, headers, channel, publish_channel):
-            metrics.GAVE_UP.labels(**self._labels).inc()
+            metrics.RECEIVER_GAVE_UP.labels(**self._labels).inc()
 
     def _copied_headers(self, delivery: Delivery) -> dict[str, Any]:
         """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go."""

@@ -60,7 +60,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from framework import db, jsoncodec, names, redaction
+from framework import db, jsoncodec, metrics, names, redaction
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.daemon import Daemon, Reconnect
@@ -70,7 +70,7 @@ from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
 from framework.outbox import Outbox, OutboxRow, json_params
 from framework.outbox import insert_sql as outbox_insert_sql
 from framework.service import Service
-from framework.worker import decode, guard, metrics
+from framework.worker import decode, guard
 from framework.worker import sql as q
 from framework.worker.config import GRACE, LEASE_MARGIN, MIN_RUN, WorkerConfig
 from framework.worker.decode import Undecodable
@@ -421,7 +421,7 @@ class Worker(Daemon):
                         self._release_quietly(batch)
                         raise
                     return self._last_resort(batch, exc)
-                metrics.CONFLICTS.labels(**self._labels).inc()
+                metrics.WORKER_CONFLICTS.labels(**self._labels).inc()
                 if attempt == self.config.conflict_retries:
                     self._release(batch)
                     return 0
@@ -658,7 +658,7 @@ class Worker(Daemon):
     def _duration(self, message_type: str) -> Any:
         child = self._durations.get(message_type)
         if child is None:
-            child = self._durations[message_type] = metrics.HANDLER_SECONDS.labels(
+            child = self._durations[message_type] = metrics.WORKER_HANDLER_DURATION.labels(
                 message_type=message_type, **self._labels
             )
         return child
@@ -775,12 +775,12 @@ class Worker(Daemon):
         for c in batch:
             labels = {"message_type": c.message_type, **self._labels}
             if c.outcome == "processed":
-                metrics.PROCESSED.labels(**labels).inc()
+                metrics.WORKER_PROCESSED.labels(**labels).inc()
             elif c.outcome == "failed":
-                metrics.FAILED.labels(**labels).inc()
+                metrics.WORKER_FAILED.labels(**labels).inc()
                 self.log.warning("%s %s failed (attempt %d): %s", c.message_type, c.id, c.message.attempt, c.error)
             elif c.outcome == "abandoned":
-                metrics.ABANDONED.labels(reason=c.reason, **labels).inc()
+                metrics.WORKER_ABANDONED.labels(reason=c.reason, **labels).inc()
                 self.log.error("%s %s abandoned (%s): %s", c.message_type, c.id, c.reason, c.error)
 
     def _release(self, batch: Sequence[Claimed]) -> None:
@@ -859,8 +859,8 @@ class Worker(Daemon):
             cur.execute(q.backlog(self.schema))
             row = cur.fetchone()
         if row is not None:
-            metrics.BACKLOG.labels(**self._labels).set(row[0])
-            metrics.OLDEST_DUE_AGE.labels(**self._labels).set(float(row[1]))
+            metrics.WORKER_BACKLOG.labels(**self._labels).set(row[0])
+            metrics.WORKER_OLDEST_DUE_AGE.labels(**self._labels).set(float(row[1]))
 
 
 def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -> tuple[float, float] | None:
