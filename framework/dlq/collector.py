@@ -31,7 +31,6 @@ import psycopg
 from psycopg import sql
 
 from framework import amqp, db, metrics, names, topology
-from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import (
     BODY_FACTS,
@@ -49,11 +48,14 @@ from framework.dead_letters import (
 from framework.dlq.replay import resolve_replayed
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
-from framework.settings import Seconds, Settings, setting
+from framework.service import Service
+from framework.settings import FromEnv, Seconds, setting
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollectorSettings:
+class CollectorConfig(FromEnv):
+    """How the collector batches and how often it resolves replayed letters (``TXBOX_COLLECTOR_*``)."""
+
     batch_size: int = setting(
         "TXBOX_COLLECTOR_BATCH_SIZE", "200", default=200, help="deliveries stored per transaction (and prefetch)"
     )
@@ -346,12 +348,12 @@ def _unstorable(json_text: str) -> str:
 class Collector(Daemon):
     name = "collector"
 
-    def __init__(self, settings: Settings, registry: Registry, config: CollectorSettings | None = None) -> None:
-        super().__init__()
-        self.settings = settings
-        self.registry = registry
-        self.config = config or CollectorSettings()
-        self.queue = names.dead_letter_queue(settings.service)
+    def __init__(
+        self, service: Service, config: CollectorConfig | None = None, *, stop_event: threading.Event | None = None
+    ) -> None:
+        super().__init__(service, stop_event=stop_event)
+        self.config = config or CollectorConfig.from_env()
+        self.queue = names.dead_letter_queue(self.settings.service)
         self.collected = 0
         self.finished = threading.Event()  # set once run() returned and the connections are closed
 
@@ -381,7 +383,7 @@ class Collector(Daemon):
         try:
             channel = connection.channel()
             with amqp.broker_errors("collector"):
-                topology.declare(self.settings, self.registry, channel)
+                topology.declare(self.settings, self.service.registry, channel)
                 channel.basic_qos(prefetch_count=self.config.batch_size)
             reconnect.succeeded()
             self.state("collecting", f"from {self.queue}")

@@ -38,7 +38,6 @@ import psycopg
 
 from framework import amqp, db, metrics, names, topology
 from framework.backoff import backoff_seconds
-from framework.contracts import Registry
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import MAX_ATTEMPTS, DeadLetter, insert_sql
 from framework.envelope import CONTENT_TYPE
@@ -47,13 +46,14 @@ from framework.outbox import default_segment
 from framework.publisher import confirms
 from framework.publisher import sql as named
 from framework.publisher.confirms import Outgoing, Publisher
-from framework.settings import Seconds, Settings, setting
+from framework.service import Service
+from framework.settings import FromEnv, Seconds, setting
 
 log = logging.getLogger("txbox.publisher")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RelayConfig:
+class RelayConfig(FromEnv):
     """Tuning of the publisher daemon (``TXBOX_PUBLISHER_*``; CLI flags override)."""
 
     batch_size: int = setting("TXBOX_PUBLISHER_BATCH_SIZE", "1000", default=1000, help="rows per claim")
@@ -203,7 +203,7 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
 
 
 class Relay(Daemon):
-    """The publisher daemon; ``Relay(settings, registry, config).run()`` until ``stop_event``.
+    """The publisher daemon; ``Relay(service, config).run()`` until ``stop_event``.
 
     ``txbox run`` embeds it by passing a shared ``stop_event``; ``declare_topology=False``
     when the caller declared the topology already.
@@ -213,22 +213,17 @@ class Relay(Daemon):
 
     def __init__(
         self,
-        settings: Settings,
-        registry: Registry,
+        service: Service,
         config: RelayConfig | None = None,
         *,
         stop_event: threading.Event | None = None,
         declare_topology: bool = True,
     ) -> None:
-        super().__init__()
-        if stop_event is not None:
-            self.stop_event = stop_event
-        self.settings = settings
-        self.registry = registry
-        self.config = config or RelayConfig()
+        super().__init__(service, stop_event=stop_event)
+        self.config = config or RelayConfig.from_env()
         self.declare_topology = declare_topology
-        self.schema = settings.schema
-        self._user = amqp.username(settings.amqp_url)  # our messages' user_id (lane headers: lane_headers)
+        self.schema = self.settings.schema
+        self._user = amqp.username(self.settings.amqp_url)  # our messages' user_id (lane headers: lane_headers)
         self._sql_claim_window = named.claim_window(self.schema)
         self._sql_claim = named.claim(self.schema)
         self._sql_mark = named.mark_published(self.schema)
@@ -253,7 +248,7 @@ class Relay(Daemon):
         self._claim_hint = True  # False while a claim would find nothing new (see _claim_and_publish)
         self._next_full_claim = 0.0
         self._wide = True  # last claims found as many heads as asked for (see _claim_and_publish)
-        self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(settings.service)
+        self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(self.settings.service)
         self.published = 0  # totals of this relay, for tests and `txbox run`'s summary
         self.failed = 0
         self.abandoned = 0
@@ -290,7 +285,7 @@ class Relay(Daemon):
     def _declare(self) -> bool:
         while not self.stopping:
             try:
-                topology.declare(self.settings, self.registry)
+                topology.declare(self.settings, self.service.registry)
                 self._broker_retry.succeeded()
                 return True
             except BrokerUnavailable as exc:

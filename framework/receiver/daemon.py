@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,10 +86,10 @@ class Receiver(Daemon):
 
     name = "receiver"
 
-    def __init__(self, service: Service, config: ReceiverConfig | None = None) -> None:
-        super().__init__()
-        self.service = service
-        self.settings = service.settings
+    def __init__(
+        self, service: Service, config: ReceiverConfig | None = None, *, stop_event: threading.Event | None = None
+    ) -> None:
+        super().__init__(service, stop_event=stop_event)
         self.config = config or ReceiverConfig.from_env()
         self.queue = names.inbox_queue(self.settings.service)
         self.intake = Intake(service.registry, self.settings.service, max_body_bytes=self.config.max_body_bytes)

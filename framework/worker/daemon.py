@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
 import traceback
 import uuid
@@ -141,10 +142,10 @@ class Worker(Daemon):
 
     name = "worker"
 
-    def __init__(self, service: Service, config: WorkerConfig | None = None) -> None:
-        super().__init__()
-        self.service = service
-        self.settings = service.settings
+    def __init__(
+        self, service: Service, config: WorkerConfig | None = None, *, stop_event: threading.Event | None = None
+    ) -> None:
+        super().__init__(service, stop_event=stop_event)
         self.config = config or WorkerConfig.from_env()
         self.schema = self.settings.schema
         park = self.config.segment_policy == "park"
