@@ -21,7 +21,6 @@ Outcomes of one publish:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -38,6 +37,7 @@ import psycopg
 
 from framework import amqp, db, metrics, names, topology
 from framework.backoff import backoff_seconds
+from framework.connections import ConnectionSlot, Listener
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import MAX_ATTEMPTS, DeadLetter, insert_sql
 from framework.envelope import CONTENT_TYPE
@@ -236,8 +236,13 @@ class Relay(Daemon):
         self._wake = threading.Event()
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
-        self._conn: psycopg.Connection[Any] | None = None
-        self._write_conn: psycopg.Connection[Any] | None = None
+        # A claim lost to a database crash only loses a lease: the row is claimed (and
+        # maybe published) again, which at-least-once delivery allows. Losing the last
+        # marks only means those rows are published again (the inbox dedups). So neither
+        # connection waits for fsync.
+        url = self.settings.database_url
+        self._claim_db = ConnectionSlot(url, autocommit=True, synchronous_commit=False)
+        self._write_db = ConnectionSlot(url, autocommit=True, synchronous_commit=False)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="publisher write")
         self._writing: tuple[list[tuple[Outgoing, PublishError | None]], Future[Any], int] | None = None
         self._notified = 0  # NOTIFYs seen by the listener: a write compares it (see _collect_writes)
@@ -264,8 +269,7 @@ class Relay(Daemon):
         self.state("starting", f"service {self.settings.service}, schema {self.schema}")
         if self.declare_topology and not self._declare():
             return
-        listener = threading.Thread(target=self._listen, name="publisher listen", daemon=True)
-        listener.start()
+        listener = Listener(self, names.notify_channel(self.schema, names.OUTBOX), self._notice).start()
         try:
             while not self.stopping:
                 self._wake.clear()
@@ -278,7 +282,7 @@ class Relay(Daemon):
                 self._publisher.close(timeout=0)
             self._writer.shutdown(wait=True)
             self._close_db()
-            listener.join(timeout=5)
+            listener.close()
             self._in_flight.set(0)
             self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
 
@@ -322,26 +326,15 @@ class Relay(Daemon):
     # ---- database ------------------------------------------------------------------
 
     def _db(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed:
-            # A claim lost to a database crash only loses a lease: the row is claimed
-            # (and maybe published) again, which at-least-once delivery allows.
-            self._conn = db.connect(self.settings.database_url, autocommit=True, synchronous_commit=False)
+        fresh = not self._claim_db.is_open
+        conn = self._claim_db.get()
+        if fresh:
             self.state("running")
-        return self._conn
+        return conn
 
     def _close_db(self) -> None:
-        for conn in (self._conn, self._write_conn):
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
-        self._conn = self._write_conn = None
-
-    def _writer_db(self) -> psycopg.Connection[Any]:
-        if self._write_conn is None or self._write_conn.closed:
-            # Losing the last marks to a crash only means those rows are published again
-            # (at-least-once; the inbox dedups), so the relay need not wait for fsync.
-            self._write_conn = db.connect(self.settings.database_url, autocommit=True, synchronous_commit=False)
-        return self._write_conn
+        self._claim_db.close()
+        self._write_db.close()
 
     def _claim_and_publish(self, conn: psycopg.Connection[Any], publisher: Publisher) -> int:
         room = min(self.config.batch_size, self.config.max_in_flight - publisher.in_flight)
@@ -396,7 +389,7 @@ class Relay(Daemon):
         if not self._unrecorded:
             return
         batch, self._unrecorded = self._unrecorded, []
-        conn = self._writer_db()
+        conn = self._write_db.get()
         future = self._writer.submit(self._write, conn, batch)
         future.add_done_callback(lambda _: self._wake.set())
         self._writing = (batch, future, self._notified)
@@ -537,23 +530,6 @@ class Relay(Daemon):
             return None
 
     # ---- wake-up ---------------------------------------------------------------------
-
-    def _listen(self) -> None:
-        """LISTEN for inserts; a notification is only a hint to claim now (the poll is the fallback)."""
-        channel = names.notify_channel(self.schema, names.OUTBOX)
-        retry = Reconnect(self)
-        while not self.stopping:
-            try:
-                with db.connect(self.settings.database_url, autocommit=True) as conn:
-                    conn.execute(named.listen(channel))
-                    retry.succeeded()
-                    self._notice()  # rows may have arrived while not listening
-                    while not self.stopping:
-                        for _ in conn.notifies(timeout=1.0, stop_after=1):
-                            self._notice()
-            except (psycopg.Error, DatabaseUnavailable) as exc:
-                if retry.failed("PostgreSQL (listen)", exc):
-                    return
 
     def _notice(self) -> None:
         """Rows may have arrived: claim at the next step (listener thread)."""

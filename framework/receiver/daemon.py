@@ -32,6 +32,7 @@ import psycopg
 
 from framework import amqp, db, metrics, names, topology
 from framework import dead_letters as dl
+from framework.connections import ConnectionSlot
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
@@ -94,7 +95,11 @@ class Receiver(Daemon):
         self.queue = names.inbox_queue(self.settings.service)
         self.intake = Intake(service.registry, self.settings.service, max_body_bytes=self.config.max_body_bytes)
         self._schedule = self.config.schedule
-        self._db: psycopg.Connection[Any] | None = None
+        self._db = ConnectionSlot(
+            self.settings.database_url,
+            connect_timeout=self.config.db_connect_timeout,
+            application_name="txbox-receiver",
+        )
         self._buffer: list[Delivery] = []
         self._labels = {"service": self.settings.service}
         self._user = amqp.username(self.settings.amqp_url)
@@ -564,16 +569,7 @@ class Receiver(Daemon):
     # --- PostgreSQL connection ----------------------------------------------------
 
     def _connection(self) -> psycopg.Connection[Any]:
-        if self._db is None or self._db.closed:
-            self._db = db.connect(
-                self.settings.database_url,
-                connect_timeout=self.config.db_connect_timeout,
-                application_name="txbox-receiver",
-            )
-        return self._db
+        return self._db.get()
 
     def _drop_db(self) -> None:
-        if self._db is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._db.close()
-            self._db = None
+        self._db.close()

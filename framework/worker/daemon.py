@@ -64,6 +64,7 @@ from sqlalchemy import Connection
 from framework import db, jsoncodec, metrics, names, redaction
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
+from framework.connections import ConnectionSlot, Listener
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import Message
 from framework.errors import AssemblyError, HandlerMisuse, PermanentError, Problem
@@ -156,12 +157,23 @@ class Worker(Daemon):
         self._create_guard, self._arm_guard, self._disarm = guard.create_guard(), guard.arm(), guard.disarm()
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
-        self._listen: psycopg.Connection[Any] | None = None
+        self._wake = threading.Event()  # set by NOTIFY (the listener) and by stop()
+        self.listener = Listener(self, names.notify_channel(self.schema, names.INBOX), self._wake.set)
         self._watchdog: Watchdog | None = None
         self._labels = {"service": self.settings.service}
         self._last_gauges = 0.0
         self._durations: dict[str, Any] = {}
-        self._claim_conn: psycopg.Connection[Any] | None = None
+        # A claim is a lease, not a result: one lost to a database crash leaves the row
+        # unclaimed, to be claimed again, and the batch's own commit (synchronous, and
+        # later in the WAL) makes the claim durable before any handler's writes are.
+        # Not waiting for its fsync takes a disk flush off every message's path. One row
+        # that does not decode must not fail the claim (decode.register).
+        self._claim_db = ConnectionSlot(
+            self.settings.database_url,
+            on_connect=decode.register,
+            synchronous_commit=False,
+            application_name="txbox-worker-claim",
+        )
         self._ahead: Future[list[Claimed]] | None = None
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._last_suspect_check = 0.0
@@ -176,10 +188,13 @@ class Worker(Daemon):
         self._watchdog = Watchdog()
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-claim")
         reconnect = Reconnect(self)
+        self.listener.start()
         try:
             while not self.stopping:
-                # The gauges and the wait use connections too (the listener's among
-                # them): losing one there is the same outage, not a crash.
+                # Cleared before the claim: a NOTIFY for a row the claim's snapshot missed
+                # sets it again, so the wait below returns at once.
+                self._wake.clear()
+                # The gauges use a connection too: losing it there is the same outage, not a crash.
                 try:
                     handled = self.run_once()
                     reconnect.succeeded()
@@ -196,6 +211,7 @@ class Worker(Daemon):
         finally:
             self._ahead_pool.shutdown(wait=True)
             self._watchdog.close()
+            self.listener.close()
             self._drop_connections()
             self.state("stopped")
 
@@ -272,30 +288,24 @@ class Worker(Daemon):
         except Exception as exc:  # the lease runs out instead
             self.log.debug("could not release the batch claimed ahead: %r", exc)
 
+    def stop(self) -> None:
+        super().stop()
+        self._wake.set()
+
     def _wait_for_work(self) -> None:
-        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop."""
-        listen = self._listener()
-        deadline = time.monotonic() + self.config.poll_interval
-        while not self.stopping:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            notified = False
-            for _ in listen.notifies(timeout=min(remaining, 0.25), stop_after=1):
-                notified = True
-            if notified:
-                # One claim answers every NOTIFY queued so far. (Not drained inside the
-                # loop above: the generator holds the connection's lock while it runs.)
-                for _ in listen.notifies(timeout=0):
-                    pass
-                return
+        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop.
+
+        One claim answers every NOTIFY since the last one: the listener only sets an event.
+        """
+        if not self.stopping:
+            self._wake.wait(float(self.config.poll_interval))
 
     # --- claim --------------------------------------------------------------------
 
     def _claim(self, statement: Any, limit: int) -> list[Claimed]:
         """Claim in its own committed transaction, on the claim connection (also used ahead)."""
         claimed_at = time.monotonic()
-        conn = self._claim_connection()
+        conn = self._claim_db.get()
         try:
             with conn.cursor() as cur:
                 cur.execute(statement, {"limit": limit, "lease": float(self.config.lease)})
@@ -308,18 +318,6 @@ class Worker(Daemon):
         self._statistics.after_claim(conn, time.monotonic() - claimed_at, len(rows), self.log)
         rows.sort(key=lambda r: (-r[12], r[13]))
         return [self._claimed(r, claimed_at) for r in rows]
-
-    def _claim_connection(self) -> psycopg.Connection[Any]:
-        if self._claim_conn is None or self._claim_conn.closed:
-            # A claim is a lease, not a result: one lost to a database crash leaves the row
-            # unclaimed, to be claimed again, and the batch's own commit (synchronous, and
-            # later in the WAL) makes the claim durable before any handler's writes are.
-            # Not waiting for its fsync takes a disk flush off every message's path.
-            self._claim_conn = db.connect(
-                self.settings.database_url, synchronous_commit=False, application_name="txbox-worker-claim"
-            )
-            decode.register(self._claim_conn)  # one row that does not decode must not fail the claim
-        return self._claim_conn
 
     def _claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:
         try:
@@ -824,27 +822,13 @@ class Worker(Daemon):
         raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
         return raw
 
-    def _listener(self) -> psycopg.Connection[Any]:
-        if self._listen is None or self._listen.closed:
-            self._listen = db.connect(self.settings.database_url, autocommit=True)
-            channel = names.notify_channel(self.schema, names.INBOX)
-            self._listen.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
-        return self._listen
-
     def _drop_connections(self) -> None:
         # A claim running ahead uses the claim connection: closed under it, its thread
         # waited forever on the socket's number, which the next connection reused (a
         # chaos run's worker hung so after a pg_terminate_backend in mid-batch).
         self._give_back_ahead()
         self._drop_processing_connection()
-        if self._claim_conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._claim_conn.close()
-            self._claim_conn = None
-        if self._listen is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._listen.close()
-            self._listen = None
+        self._claim_db.close()
 
     def _update_gauges(self, every: float = 5.0) -> None:
         now = time.monotonic()
