@@ -43,6 +43,7 @@ from framework.dead_letters import MAX_ATTEMPTS, DeadLetter, insert_sql
 from framework.envelope import CONTENT_TYPE
 from framework.errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, PublishError
 from framework.outbox import default_segment
+from framework.outcomes import RelayOutcome
 from framework.publisher import confirms
 from framework.publisher import sql as named
 from framework.publisher.confirms import Outgoing, Publisher
@@ -200,6 +201,15 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
         user_id=user_id or None,
     )
     return Outgoing(names.exchange_for(row.kind), row.routing_key, envelope_body(row), props, True, row)
+
+
+def relay_outcome(row: Claimed, error: PublishError | None) -> RelayOutcome:
+    """What one publish's result means for its row (the list at the top of this module)."""
+    if error is None or (error.reason == confirms.UNROUTABLE and row.kind == "event"):
+        return RelayOutcome.PUBLISHED  # an event nobody subscribed to is fine
+    if error.reason in (confirms.NACKED, confirms.UNROUTABLE, confirms.TIMEOUT):
+        return RelayOutcome.FAILED
+    return RelayOutcome.RELEASED  # connection lost / publisher closed: not the message's fault
 
 
 class Relay(Daemon):
@@ -440,10 +450,12 @@ class Relay(Daemon):
         released: list[str] = []
         for item, error in batch:
             row: Claimed = item.token
-            if error is None or (error.reason == confirms.UNROUTABLE and row.kind == "event"):
+            outcome = relay_outcome(row, error)
+            if outcome is RelayOutcome.PUBLISHED:
                 published.append(row.id)
                 published_types[row.message_type] += 1
-            elif error.reason in (confirms.NACKED, confirms.UNROUTABLE, confirms.TIMEOUT):
+            elif outcome is RelayOutcome.FAILED:
+                assert error is not None
                 failures.append((row, error))
             else:
                 released.append(row.id)

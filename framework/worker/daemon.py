@@ -71,6 +71,7 @@ from framework.errors import AssemblyError, HandlerMisuse, PermanentError, Probl
 from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
 from framework.outbox import Outbox, OutboxRow, json_params
 from framework.outbox import insert_sql as outbox_insert_sql
+from framework.outcomes import WorkerOutcome
 from framework.service import Service
 from framework.worker import decode, guard
 from framework.worker import sql as q
@@ -121,7 +122,7 @@ class Claimed:
     metadata: dict[str, Any]
     message: Message
     claimed_at: float  # time.monotonic() before the claim: the lease runs from here
-    outcome: str = ""  # processed | failed | abandoned | released | lost
+    outcome: WorkerOutcome = WorkerOutcome.PENDING
     reason: str = ""
     error: str = ""
     error_type: str = ""
@@ -264,7 +265,7 @@ class Worker(Daemon):
         self._more = (
             len(batch) >= self.config.batch_size
             or self._freed
-            or any(c.outcome not in ("processed", "failed") for c in batch)
+            or any(c.outcome not in (WorkerOutcome.PROCESSED, WorkerOutcome.FAILED) for c in batch)
         )
         return handled
 
@@ -408,7 +409,7 @@ class Worker(Daemon):
             return 0
         for attempt in range(self.config.conflict_retries + 1):
             for claimed in batch:
-                claimed.outcome = ""
+                claimed.outcome = WorkerOutcome.PENDING
             try:
                 self._run_batch(batch, dict(known or {}))
                 break
@@ -461,7 +462,7 @@ class Worker(Daemon):
             cur = self._raw(conn).cursor()
             cur.execute(self._presume, {"ids": [claimed.id], "started": [claimed.started]})
             if not cur.fetchall():
-                claimed.outcome = "lost"  # claimed again by another worker after our lease
+                claimed.outcome = WorkerOutcome.LOST  # claimed again by another worker after our lease
                 return
             self._settle(cur, [claimed], bare=bare)
 
@@ -519,9 +520,9 @@ class Worker(Daemon):
             outbox_rows: list[OutboxRow] | None = None if careful else []
             try:
                 for claimed in batch:
-                    claimed.outcome = ""
+                    claimed.outcome = WorkerOutcome.PENDING
                     if claimed.id not in ours:
-                        claimed.outcome = "lost"  # claimed again by another worker after our lease
+                        claimed.outcome = WorkerOutcome.LOST  # claimed again by another worker after our lease
                     elif claimed.undecodable:
                         self._abandon(claimed, INTERNAL_ERROR, f"the stored row cannot be read: {claimed.undecodable}")
                     elif claimed.id in known:
@@ -599,7 +600,7 @@ class Worker(Daemon):
             float(handler.timeout or self.config.timeout),
         )
         if deadlines is None:
-            claimed.outcome = "released"  # too little lease left to start it: someone runs it later
+            claimed.outcome = WorkerOutcome.RELEASED  # too little lease left to start it: someone runs it later
             return
         timeout, hard = deadlines
         raw = self._raw(conn)
@@ -622,7 +623,7 @@ class Worker(Daemon):
                     session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
             if savepoint is not None:
                 savepoint.commit()
-            claimed.outcome = "processed"
+            claimed.outcome = WorkerOutcome.PROCESSED
         except BaseException as exc:
             if self._watchdog.fired or isinstance(exc, HandlerTimeout):
                 exc = HandlerTimeout(f"{handler.name} ran longer than its timeout of {timeout:g}s")
@@ -688,7 +689,7 @@ class Worker(Daemon):
                 error_type=type(exc).__name__,
             )
             return
-        claimed.outcome = "failed"
+        claimed.outcome = WorkerOutcome.FAILED
         claimed.error = text
         claimed.error_type = type(exc).__name__
         claimed.delay = backoff_seconds(
@@ -701,7 +702,7 @@ class Worker(Daemon):
     def _abandon(
         self, claimed: Claimed, reason: str, error: str, *, error_type: str = "", finished_delta: int = 1
     ) -> None:
-        claimed.outcome = "abandoned"
+        claimed.outcome = WorkerOutcome.ABANDONED
         claimed.reason = reason
         claimed.error = error
         claimed.error_type = error_type or reason
@@ -710,7 +711,7 @@ class Worker(Daemon):
     def _settle(self, cur: psycopg.Cursor[Any], batch: Sequence[Claimed], *, bare: bool = False) -> None:
         """Write every outcome of the batch in the processing transaction."""
         # Processed rows are already marked (presume_processed); correct the others.
-        failed = [c for c in batch if c.outcome == "failed"]
+        failed = [c for c in batch if c.outcome is WorkerOutcome.FAILED]
         if failed:
             cur.executemany(
                 q.mark_failed(self.schema),
@@ -724,8 +725,8 @@ class Worker(Daemon):
                     for c in failed
                 ],
             )
-        abandoned = [c for c in batch if c.outcome == "abandoned"]
-        released = [c for c in batch if c.outcome == "released"]
+        abandoned = [c for c in batch if c.outcome is WorkerOutcome.ABANDONED]
+        released = [c for c in batch if c.outcome is WorkerOutcome.RELEASED]
         if released:
             cur.execute(
                 q.unclaim(self.schema), ([c.id for c in released], [c.metadata.get("auth_token") for c in released])
@@ -773,12 +774,12 @@ class Worker(Daemon):
     def _count(self, batch: Sequence[Claimed]) -> None:
         for c in batch:
             labels = {"message_type": c.message_type, **self._labels}
-            if c.outcome == "processed":
+            if c.outcome is WorkerOutcome.PROCESSED:
                 metrics.WORKER_PROCESSED.labels(**labels).inc()
-            elif c.outcome == "failed":
+            elif c.outcome is WorkerOutcome.FAILED:
                 metrics.WORKER_FAILED.labels(**labels).inc()
                 self.log.warning("%s %s failed (attempt %d): %s", c.message_type, c.id, c.message.attempt, c.error)
-            elif c.outcome == "abandoned":
+            elif c.outcome is WorkerOutcome.ABANDONED:
                 metrics.WORKER_ABANDONED.labels(reason=c.reason, **labels).inc()
                 self.log.error("%s %s abandoned (%s): %s", c.message_type, c.id, c.reason, c.error)
 

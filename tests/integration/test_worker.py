@@ -480,7 +480,7 @@ def test_dropping_connections_waits_for_the_claim_running_ahead_and_gives_its_ba
         return w._claim(w._claim_batch, 10)
 
     try:
-        w._claim_connection()
+        w._claim_db.get()
         w._ahead = w._ahead_pool.submit(claim_ahead)
         assert in_claim.wait(10)
         dropping = threading.Thread(target=w._drop_connections)
