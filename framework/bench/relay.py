@@ -33,7 +33,8 @@ from framework.db import conninfo
 from framework.envelope import format_timestamp
 from framework.errors import TxboxError
 from framework.outbox import Outbox
-from framework.publisher.relay import Claimed, Relay, RelayConfig, envelope_body
+from framework.relay import Relay, RelayConfig
+from framework.relay.daemon import Claimed, envelope_body
 from framework.service import Service
 from framework.settings import Settings
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from framework import metrics
-from framework.cli.common import add_service_options, load_service
-from framework.publisher.relay import Relay, RelayConfig, quiet_pika
+from framework.cli.common import add_service_options, load_service, quiet_pika
+from framework.relay import Relay, RelayConfig
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:

@@ -54,7 +54,7 @@ def build(service: Service, without: list[str] | tuple[str, ...] = ()) -> list[D
     stop = threading.Event()
     daemons: list[Daemon] = []
     if "publisher" not in without:
-        from framework.publisher.relay import Relay, RelayConfig
+        from framework.relay import Relay, RelayConfig
 
         daemons.append(Relay(service, RelayConfig.from_env(), stop_event=stop))
     if "receiver" not in without:

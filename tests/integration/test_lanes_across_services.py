@@ -22,8 +22,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from framework import CommandHandler, Message, Outbox, topology
-from framework.publisher.relay import Relay, RelayConfig
 from framework.receiver import Receiver, ReceiverConfig
+from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.worker import Worker, WorkerConfig
 from tests import support

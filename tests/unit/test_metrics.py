@@ -23,8 +23,8 @@ def test_every_txbox_series_is_named_daemon_what_unit_and_labelled_with_its_serv
 
 def test_no_txbox_series_lives_outside_the_metrics_module() -> None:
     import framework.dlq.collector
-    import framework.publisher.relay
     import framework.receiver
+    import framework.relay
     import framework.worker  # noqa: F401 - their import registers whatever they define
 
     ours = {f._name for f in vars(metrics).values() if hasattr(f, "_name") and hasattr(f, "_labelnames")}

@@ -160,8 +160,8 @@ def test_a_broker_letter_replayed_travels_outbox_broker_inbox_handler_once(
 
     from framework import CommandHandler
     from framework.dlq import replay
-    from framework.publisher import Relay, RelayConfig
     from framework.receiver import Receiver
+    from framework.relay import Relay, RelayConfig
     from framework.worker import Worker, WorkerConfig
     from tests.apps.helpers import running
 

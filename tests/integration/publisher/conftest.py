@@ -22,7 +22,7 @@ from framework import names
 from framework.contracts import Registry
 from framework.db import conninfo
 from framework.outbox import Outbox, insert_sql, json_params
-from framework.publisher import Relay, RelayConfig
+from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.settings import Settings
 from tests.conftest import ROOT

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import psycopg
 
 from framework.db import conninfo
-from framework.publisher import RelayConfig
+from framework.relay import RelayConfig
 from framework.service import Service
 from framework.settings import Settings
 from tests import support

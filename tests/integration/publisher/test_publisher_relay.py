@@ -12,7 +12,7 @@ import psycopg
 from framework import names
 from framework.db import conninfo
 from framework.envelope import parse_message
-from framework.publisher import Relay, RelayConfig
+from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.settings import Settings
 from tests.integration.publisher.conftest import (

@@ -29,7 +29,6 @@ import uuid
 from collections import Counter as Tally
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import pika
@@ -41,68 +40,16 @@ from framework.connections import ConnectionSlot, Listener
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import MAX_ATTEMPTS, DeadLetter, insert_sql
 from framework.envelope import CONTENT_TYPE
-from framework.errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, PublishError
+from framework.errors import BrokerUnavailable, DatabaseUnavailable, PublishError
 from framework.outbox import default_segment
 from framework.outcomes import RelayOutcome
 from framework.publisher import confirms
 from framework.publisher import sql as named
 from framework.publisher.confirms import Outgoing, Publisher
+from framework.relay.config import RelayConfig
 from framework.service import Service
-from framework.settings import FromEnv, Seconds, setting
 
 log = logging.getLogger("txbox.publisher")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RelayConfig(FromEnv):
-    """Tuning of the publisher daemon (``TXBOX_PUBLISHER_*``; CLI flags override)."""
-
-    batch_size: int = setting("TXBOX_PUBLISHER_BATCH_SIZE", "1000", default=1000, help="rows per claim")
-    max_in_flight: int = setting(
-        "TXBOX_PUBLISHER_MAX_IN_FLIGHT", "5000", default=5000, help="unconfirmed messages at most"
-    )
-    lease: Seconds = setting(
-        "TXBOX_PUBLISHER_LEASE", "60s", default=Seconds(60), help="how long a claim holds rows before others may"
-    )
-    confirm_timeout: Seconds = setting(
-        "TXBOX_PUBLISHER_CONFIRM_TIMEOUT", "30s", default=Seconds(30), help="a publish not confirmed by then failed"
-    )
-    poll_interval: Seconds = setting(
-        "TXBOX_PUBLISHER_POLL_INTERVAL", "1s", default=Seconds(1), help="fallback poll when no NOTIFY arrives"
-    )
-    drain_timeout: Seconds = setting(
-        "TXBOX_PUBLISHER_DRAIN_TIMEOUT", "10s", default=Seconds(10), help="wait for confirms on shutdown"
-    )
-    max_attempts: int = setting("TXBOX_PUBLISHER_MAX_ATTEMPTS", "10", default=10, help="then dead-letter")
-    retry_base: Seconds = setting("TXBOX_PUBLISHER_RETRY_BASE", "1s", default=Seconds(1), help="first backoff")
-    retry_cap: Seconds = setting("TXBOX_PUBLISHER_RETRY_CAP", "5m", default=Seconds(300), help="longest backoff")
-    metrics_interval: Seconds = setting(
-        "TXBOX_PUBLISHER_METRICS_INTERVAL", "5s", default=Seconds(5), help="backlog gauge refresh"
-    )
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_in_flight < 1 or self.max_attempts < 1:
-            raise ConfigurationError(
-                "TXBOX_PUBLISHER_BATCH_SIZE, TXBOX_PUBLISHER_MAX_IN_FLIGHT and TXBOX_PUBLISHER_MAX_ATTEMPTS "
-                "must be at least 1. Example: TXBOX_PUBLISHER_BATCH_SIZE=1000"
-            )
-        if self.confirm_timeout >= self.lease:
-            # A row whose confirm may still come must not be claimable by another publisher.
-            raise ConfigurationError(
-                f"TXBOX_PUBLISHER_CONFIRM_TIMEOUT ({self.confirm_timeout:g}s) must be shorter than "
-                f"TXBOX_PUBLISHER_LEASE ({self.lease:g}s). Example: TXBOX_PUBLISHER_CONFIRM_TIMEOUT=30s "
-                "TXBOX_PUBLISHER_LEASE=60s"
-            )
-
-
-def quiet_pika(args: Any) -> None:
-    """Keep pika's own tracebacks of a failed connect out of a command's output (unless -v).
-
-    txbox reports the failure itself, in one line naming the fix, and the daemons log one
-    line per state change; pika's ERROR records would repeat it with a stack trace.
-    """
-    if not getattr(args, "verbose", False):
-        logging.getLogger("pika").setLevel(logging.CRITICAL)
 
 
 class Claimed(NamedTuple):
