@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 import threading
@@ -94,6 +95,13 @@ def connect(amqp_url: str, *, name: str = "txbox") -> pika.BlockingConnection:
         raise BrokerUnavailable(f"RabbitMQ at {mask_url(amqp_url)} refused the credentials: {exc}") from exc
     except pika.exceptions.AMQPError as exc:
         raise BrokerUnavailable(f"cannot connect to RabbitMQ at {mask_url(amqp_url)}: {exc!r}") from exc
+
+
+def close_quietly(connection: pika.BlockingConnection) -> None:
+    """Close a daemon's connection on its way out; one the broker already dropped is gone anyway."""
+    if connection.is_open:
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            connection.close()
 
 
 @contextmanager

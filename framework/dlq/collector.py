@@ -13,7 +13,6 @@ every few seconds, so replayed letters turn resolved once their message is proce
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
@@ -30,7 +29,8 @@ import pika.exceptions
 import psycopg
 from psycopg import sql
 
-from framework import amqp, db, metrics, names, topology
+from framework import amqp, metrics, names, topology
+from framework.connections import ConnectionSlot
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import (
     BODY_FACTS,
@@ -354,6 +354,7 @@ class Collector(Daemon):
         super().__init__(service, stop_event=stop_event)
         self.config = config or CollectorConfig.from_env()
         self.queue = names.dead_letter_queue(self.settings.service)
+        self._db = ConnectionSlot(self.settings.database_url, autocommit=True)
         self.collected = 0
         self.finished = threading.Event()  # set once run() returned and the connections are closed
 
@@ -375,10 +376,11 @@ class Collector(Daemon):
                         break
             self.state("stopped", f"{self.collected} dead letters collected")
         finally:
+            self._db.close()
             self.finished.set()
 
     def _session(self, reconnect: Reconnect) -> None:
-        conn = db.connect(self.settings.database_url, autocommit=True)
+        conn = self._db.get()  # kept in the slot if the broker is down: closed when run() ends
         connection = amqp.connect(self.settings.amqp_url, name=f"{self.settings.service} collector")
         try:
             channel = connection.channel()
@@ -391,10 +393,8 @@ class Collector(Daemon):
             with amqp.broker_errors("collector"):
                 channel.cancel()  # requeues nothing: every delivery taken was stored and acked
         finally:
-            conn.close()
-            if connection.is_open:
-                with contextlib.suppress(pika.exceptions.AMQPError):
-                    connection.close()
+            self._db.close()
+            amqp.close_quietly(connection)
 
     def _loop(self, conn: psycopg.Connection[Any], channel: Any) -> None:
         batch: list[tuple[pika.BasicProperties, bytes, str]] = []

@@ -156,9 +156,7 @@ class Receiver(Daemon):
         finally:
             self._buffer = []  # unacked: the broker requeues them when the channel closes
             self._buffered = self._writing = 0
-            if connection.is_open:
-                with contextlib.suppress(pika.exceptions.AMQPError):
-                    connection.close()
+            amqp.close_quietly(connection)
 
     def _warn_if_not_alone(self, channel: Any) -> None:
         """Two receivers on one queue may store a segment's messages out of order (README "Scaling")."""

@@ -160,13 +160,13 @@ def relay_outcome(row: Claimed, error: PublishError | None) -> RelayOutcome:
 
 
 class Relay(Daemon):
-    """The publisher daemon; ``Relay(service, config).run()`` until ``stop_event``.
+    """The relay daemon (`txbox publisher`); ``Relay(service, config).run()`` until ``stop_event``.
 
     ``txbox run`` embeds it by passing a shared ``stop_event``; ``declare_topology=False``
     when the caller declared the topology already.
     """
 
-    name = "publisher"
+    name = "publisher"  # as its command names it: logs, threads and metrics say "publisher"
 
     def __init__(
         self,

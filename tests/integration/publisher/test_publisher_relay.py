@@ -243,7 +243,7 @@ def test_notify_wakes_the_publisher_long_before_the_poll_interval(settings: Sett
             ).fetchone()
         # The listener's own first wake-up (and the claim it triggers) must be over, or
         # that claim, not the NOTIFY, could publish the rows.
-        return bool(listening and listening[0]) and relay._conn is not None and not relay._claim_hint
+        return bool(listening and listening[0]) and relay._claim_db.is_open and not relay._claim_hint
 
     with running_relay(service, config) as relay:
         wait_until(idle_and_listening, 30, message="the relay listening and idle")
@@ -260,7 +260,7 @@ def test_a_lane_drains_without_notify_or_poll_as_each_mark_frees_its_successor(
     # say so: the relay claims after a mark only when the mark freed a successor.
     config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
     with running_relay(service, config) as relay:
-        wait_until(lambda: relay._conn is not None and not relay._claim_hint, 30, message="the relay idle")
+        wait_until(lambda: relay._claim_db.is_open and not relay._claim_hint, 30, message="the relay idle")
         insert_rows(settings, service.registry, orders(1, 5))
         wait_until(lambda: outbox_state(settings)["processed"] == 5, 30, message="the whole lane published")
     got = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
