@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 import threading
@@ -46,8 +47,15 @@ def _bounded(decode_value: Callable[[bytes, int], tuple[object, int]]) -> Callab
     return decode
 
 
-if not getattr(pika.data.decode_value, "bounded", False):  # every decoder looks it up in pika.data
-    pika.data.decode_value = _bounded(pika.data.decode_value)
+def bound_decoder_depth() -> None:
+    """Install :func:`_bounded` as pika's field decoder, once (see :func:`framework.drivers.tune_drivers`).
+
+    Every pika decoder looks ``decode_value`` up in ``pika.data`` at call time, so the
+    one assignment reaches them all; it is process-wide, which is why only a daemon's
+    start makes it, never an import (docs/architecture.md, "What txbox changes in a process").
+    """
+    if not getattr(pika.data.decode_value, "bounded", False):
+        pika.data.decode_value = _bounded(pika.data.decode_value)
 
 
 def parameters(amqp_url: str, *, name: str = "txbox", heartbeat: int = 30) -> pika.URLParameters:
@@ -87,6 +95,13 @@ def connect(amqp_url: str, *, name: str = "txbox") -> pika.BlockingConnection:
         raise BrokerUnavailable(f"RabbitMQ at {mask_url(amqp_url)} refused the credentials: {exc}") from exc
     except pika.exceptions.AMQPError as exc:
         raise BrokerUnavailable(f"cannot connect to RabbitMQ at {mask_url(amqp_url)}: {exc!r}") from exc
+
+
+def close_quietly(connection: pika.BlockingConnection) -> None:
+    """Close a daemon's connection on its way out; one the broker already dropped is gone anyway."""
+    if connection.is_open:
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            connection.close()
 
 
 @contextmanager

@@ -11,15 +11,31 @@ import logging
 import signal
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from framework.backoff import backoff_seconds
+from framework.drivers import tune_drivers
+
+if TYPE_CHECKING:
+    from framework.service import Service
 
 
 class Daemon:
+    """Base of the four daemons, which all take ``(service, config=None, *, stop_event=None)``.
+
+    ``config`` is the daemon's ``*Config`` (``from_env()`` when not given); a shared
+    ``stop_event`` lets ``txbox run`` stop several daemons with one request
+    (docs/architecture.md, "Daemons: one shape").
+    """
+
     name = "daemon"
 
-    def __init__(self) -> None:
-        self.stop_event = threading.Event()
+    def __init__(self, service: Service, *, stop_event: threading.Event | None = None) -> None:
+        # Process-wide, so here and not at import (docs/architecture.md, "What txbox changes in a process").
+        tune_drivers()
+        self.service = service
+        self.settings = service.settings
+        self.stop_event = stop_event if stop_event is not None else threading.Event()
         self.log = logging.getLogger(f"txbox.{self.name}")
         self._state = ""
 

@@ -23,17 +23,6 @@ from sqlalchemy.engine import Engine, make_url
 from framework import jsoncodec
 from framework.errors import ConfigurationError, DatabaseUnavailable
 
-# psycopg parses a statement's placeholders once and caches the result, but only for
-# statements under 4 KB with at most 50 parameters, to keep ORMs' one-off INSERTs with a
-# varying number of rows out of its cache. The worker's batches are not one-off: every
-# full batch flushes the same multi-row INSERT (500 rows, 2,000 parameters), and parsing
-# it again each time cost 8 ms per batch, about 7 % of the worker's time. The cache stays
-# bounded (128 statements, each at most 1 MB here); the limits are module attributes of
-# psycopg since 3.0, set only if they are still there.
-if hasattr(psycopg._queries, "MAX_CACHED_STATEMENT_PARAMS"):
-    psycopg._queries.MAX_CACHED_STATEMENT_PARAMS = max(psycopg._queries.MAX_CACHED_STATEMENT_PARAMS, 1 << 16)
-    psycopg._queries.MAX_CACHED_STATEMENT_LENGTH = max(psycopg._queries.MAX_CACHED_STATEMENT_LENGTH, 1 << 20)
-
 # SQLSTATEs that mean "the database failed", not "this statement (so its message) is bad":
 # connection exceptions (08), insufficient resources (53: disk full, out of memory, too
 # many connections), the server shutting down or refusing connections (57P0x) and system
@@ -41,6 +30,23 @@ if hasattr(psycopg._queries, "MAX_CACHED_STATEMENT_PARAMS"):
 # a program limit (54000), a lock timeout (55P03) or a cancelled statement (57014) under
 # OperationalError too, but retrying them elsewhere would only fail the same way.
 _INFRA_SQLSTATE_PREFIXES = ("08", "53", "57P", "58")
+
+
+def widen_statement_cache() -> None:
+    """Let psycopg cache the parse of the daemons' large batch statements (process-wide, once).
+
+    psycopg parses a statement's placeholders once and caches the result, but only for
+    statements under 4 KB with at most 50 parameters, to keep ORMs' one-off INSERTs with a
+    varying number of rows out of its cache. The worker's batches are not one-off: every
+    full batch flushes the same multi-row INSERT (500 rows, 2,000 parameters), and parsing
+    it again each time cost 8 ms per batch, about 7 % of the worker's time. The cache stays
+    bounded (128 statements, each at most 1 MB here); the limits are module attributes of
+    psycopg since 3.0, set only if they are still there. Called by
+    :func:`framework.drivers.tune_drivers` when a daemon starts, never at import.
+    """
+    if hasattr(psycopg._queries, "MAX_CACHED_STATEMENT_PARAMS"):
+        psycopg._queries.MAX_CACHED_STATEMENT_PARAMS = max(psycopg._queries.MAX_CACHED_STATEMENT_PARAMS, 1 << 16)
+        psycopg._queries.MAX_CACHED_STATEMENT_LENGTH = max(psycopg._queries.MAX_CACHED_STATEMENT_LENGTH, 1 << 20)
 
 
 def create_engine(database_url: str, **kwargs: Any) -> Engine:

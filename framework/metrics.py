@@ -1,14 +1,87 @@
-"""Prometheus metrics: every daemon's metrics live in the default registry.
+"""Prometheus metrics of every daemon, in one place and one naming scheme.
 
-``--metrics-port`` on a daemon serves them at ``http://127.0.0.1:<port>/metrics``.
-Metric names start with ``txbox_``; define them in the module of the part they measure.
+A series is named ``txbox_<daemon>_<what>_<unit>`` — the daemon as its command names it
+(``publisher``, ``receiver``, ``worker``, ``collector``), what it counts or measures, and
+the unit (``total`` for counters, ``seconds``, ``bytes``, ``rows``, ``messages``) — and
+carries a ``service`` label, so the daemons of several services can share one
+Prometheus without relabelling (docs/architecture.md, "Daemons: one shape"). The
+constructors below enforce both. Everything lives in prometheus_client's default
+registry; ``--metrics-port`` serves it at ``http://127.0.0.1:<port>/metrics``.
 """
 
 from __future__ import annotations
 
-from prometheus_client import start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_SERVICE = "service"
+
+
+def _counter(daemon: str, what: str, doc: str, *labels: str) -> Counter:
+    return Counter(f"txbox_{daemon}_{what}_total", doc, [_SERVICE, *labels])
+
+
+def _gauge(daemon: str, what: str, unit: str, doc: str) -> Gauge:
+    return Gauge(f"txbox_{daemon}_{what}_{unit}", doc, [_SERVICE])
 
 
 def serve(port: int | None, addr: str = "127.0.0.1") -> None:
     if port:
         start_http_server(port, addr=addr)
+
+
+# ---- publisher (the outbox relay) ----------------------------------------------------
+
+PUBLISHER_PUBLISHED = _counter(
+    "publisher", "published", "Outbox rows confirmed by the broker and marked", "message_type"
+)
+PUBLISHER_FAILED = _counter(
+    "publisher", "failed", "Failed publish attempts (nacked, unroutable command, timeout)", "message_type", "reason"
+)
+PUBLISHER_ABANDONED = _counter("publisher", "abandoned", "Outbox rows given up after max_attempts", "message_type")
+PUBLISHER_IN_FLIGHT = _gauge(
+    "publisher", "in_flight", "messages", "Messages published and waiting for the broker's confirm"
+)
+PUBLISHER_BACKLOG = _gauge("publisher", "outbox_backlog", "rows", "Pending outbox rows (not processed, not abandoned)")
+PUBLISHER_OLDEST_DUE_AGE = _gauge("publisher", "oldest_due_age", "seconds", "Age of the oldest due pending outbox row")
+
+# ---- receiver ------------------------------------------------------------------------
+
+RECEIVER_RECEIVED = _counter("receiver", "received", "Deliveries taken from the inbox queue")
+RECEIVER_REJECTED = _counter("receiver", "rejected", "Deliveries rejected into the dead letters", "reason")
+RECEIVER_STORED = _counter("receiver", "stored", "Deliveries stored as new inbox rows")
+RECEIVER_DUPLICATES = _counter("receiver", "duplicates", "Deliveries whose message id was already in the inbox")
+RECEIVER_REDELIVERED = _counter("receiver", "redelivered", "Deliveries flagged redelivered by the broker")
+RECEIVER_DELAYED = _counter(
+    "receiver", "delayed", "Deliveries sent through the delay/retry chain (database unavailable)"
+)
+RECEIVER_GAVE_UP = _counter("receiver", "gave_up", "Final broker-level attempts rejected to the dead_letter queue")
+RECEIVER_ID_CONFLICTS = _counter(
+    "receiver",
+    "id_conflicts",
+    "Deliveries whose message id the inbox holds with other content (dead-lettered as id_conflict)",
+)
+RECEIVER_PEAK_HELD = _gauge("receiver", "peak_held", "bytes", "Most body bytes held unacked at once since the start")
+
+# ---- worker --------------------------------------------------------------------------
+
+WORKER_PROCESSED = _counter("worker", "processed", "Messages handled and marked processed", "message_type")
+WORKER_FAILED = _counter("worker", "failed", "Handler runs that failed and will be retried", "message_type")
+WORKER_ABANDONED = _counter("worker", "abandoned", "Messages given up into the dead letters", "message_type", "reason")
+WORKER_CONFLICTS = _counter("worker", "conflicts", "Batches re-run after a serialization failure or deadlock")
+WORKER_BACKLOG = _gauge("worker", "inbox_backlog", "rows", "Inbox rows neither processed nor abandoned")
+WORKER_OLDEST_DUE_AGE = _gauge(
+    "worker", "oldest_due_age", "seconds", "How long the oldest due inbox row has been waiting"
+)
+WORKER_HANDLER_DURATION = Histogram(
+    "txbox_worker_handler_duration_seconds",
+    "Time spent in one handler run",
+    [_SERVICE, "message_type"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+# ---- collector -----------------------------------------------------------------------
+
+COLLECTOR_DEAD_LETTERS = _counter("collector", "dead_letters", "Dead letters drained from the broker")
+COLLECTOR_DUPLICATES = _counter(
+    "collector", "duplicates", "Redelivered dead letters already stored (not inserted again)"
+)

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, Literal, Self, TypeVar, get_args, get_origin
 
 from framework import names
 from framework.errors import ConfigurationError
@@ -42,6 +42,18 @@ def parse_duration(text: str) -> float:
     if not match:
         raise ValueError(f"not a duration: {text!r}")
     return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+class FromEnv:
+    """What the daemons' ``*Config`` classes share: ``from_env(**overrides)``.
+
+    Overrides (CLI flags; None means not given) win over the ``TXBOX_*`` variables, which
+    win over the defaults; a bad value fails naming the variable (:func:`load`).
+    """
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Self:
+        return load(cls, None, **overrides)
 
 
 class Seconds(float):

@@ -6,8 +6,7 @@ import argparse
 
 from framework import metrics
 from framework.cli.common import add_service_options, load_service
-from framework.dlq.collector import Collector, CollectorSettings
-from framework.settings import load
+from framework.dlq.collector import Collector, CollectorConfig
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
@@ -18,8 +17,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     service = load_service(args)
-    config = load(CollectorSettings, None, batch_size=args.batch_size)
-    collector = Collector(service.settings, service.registry, config)
+    config = CollectorConfig.from_env(batch_size=args.batch_size)
+    collector = Collector(service, config)
     collector.install_signal_handlers()
     metrics.serve(args.metrics_port)
     collector.run()

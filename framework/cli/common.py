@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -74,3 +75,13 @@ def import_app(spec: str) -> Service:
 def settings_only(args: argparse.Namespace) -> Settings:
     """Settings without importing handlers (commands that do not run user code)."""
     return load_service(args).settings
+
+
+def quiet_pika(args: argparse.Namespace) -> None:
+    """Keep pika's own tracebacks of a failed connect out of a command's output (unless -v).
+
+    txbox reports the failure itself, in one line naming the fix, and the daemons log one
+    line per state change; pika's ERROR records would repeat it with a stack trace.
+    """
+    if not getattr(args, "verbose", False):
+        logging.getLogger("pika").setLevel(logging.CRITICAL)

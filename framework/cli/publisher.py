@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 
 from framework import metrics
-from framework.cli.common import add_service_options, load_service
-from framework.publisher.relay import Relay, RelayConfig, quiet_pika
-from framework.settings import load
+from framework.cli.common import add_service_options, load_service, quiet_pika
+from framework.relay import Relay, RelayConfig
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
@@ -25,9 +24,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def config_from(args: argparse.Namespace) -> RelayConfig:
     """Flags over TXBOX_PUBLISHER_* over defaults; a bad value fails naming the variable."""
-    return load(
-        RelayConfig,
-        None,
+    return RelayConfig.from_env(
         batch_size=args.batch_size,
         max_in_flight=args.max_in_flight,
         lease=args.lease,
@@ -42,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_pika(args)
     service = load_service(args)
     config = config_from(args)
-    relay = Relay(service.settings, service.registry, config)
+    relay = Relay(service, config)
     relay.install_signal_handlers()
     metrics.serve(args.metrics_port)
     relay.run()

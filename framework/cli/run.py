@@ -23,7 +23,6 @@ from framework import metrics
 from framework.cli.common import add_service_options, load_service
 from framework.daemon import Daemon
 from framework.service import Service
-from framework.settings import load
 
 log = logging.getLogger("txbox.run")
 
@@ -49,28 +48,27 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def build(service: Service, without: list[str] | tuple[str, ...] = ()) -> list[Daemon]:
-    """The daemons of ``service``, configured from the environment, sharing one stop event."""
+    """The daemons of ``service``, configured from the environment, sharing one stop event
+    (one stop request reaches every daemon)."""
     service.check()  # fail at start, naming every misfit, before any thread starts
     stop = threading.Event()
     daemons: list[Daemon] = []
     if "publisher" not in without:
-        from framework.publisher.relay import Relay, RelayConfig
+        from framework.relay import Relay, RelayConfig
 
-        daemons.append(Relay(service.settings, service.registry, load(RelayConfig, None), stop_event=stop))
+        daemons.append(Relay(service, RelayConfig.from_env(), stop_event=stop))
     if "receiver" not in without:
         from framework.receiver import Receiver, ReceiverConfig
 
-        daemons.append(Receiver(service, ReceiverConfig.from_env()))
+        daemons.append(Receiver(service, ReceiverConfig.from_env(), stop_event=stop))
     if "worker" not in without:
         from framework.worker import Worker, WorkerConfig
 
-        daemons.append(Worker(service, load(WorkerConfig, None)))
+        daemons.append(Worker(service, WorkerConfig.from_env(), stop_event=stop))
     if "collector" not in without and importlib.util.find_spec("framework.dlq.collector") is not None:
-        from framework.dlq.collector import Collector, CollectorSettings
+        from framework.dlq.collector import Collector, CollectorConfig
 
-        daemons.append(Collector(service.settings, service.registry, load(CollectorSettings, None)))
-    for daemon in daemons:
-        daemon.stop_event = stop  # one stop request reaches every daemon
+        daemons.append(Collector(service, CollectorConfig.from_env(), stop_event=stop))
     return daemons
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from framework import topology
-from framework.cli.common import add_service_options, load_service
-from framework.publisher.relay import quiet_pika
+from framework.cli.common import add_service_options, load_service, quiet_pika
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:

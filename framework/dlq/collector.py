@@ -13,7 +13,6 @@ every few seconds, so replayed letters turn resolved once their message is proce
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
@@ -28,11 +27,10 @@ from typing import Any
 import pika
 import pika.exceptions
 import psycopg
-from prometheus_client import Counter
 from psycopg import sql
 
-from framework import amqp, db, jsoncodec, names, reasons, topology
-from framework.contracts import Registry
+from framework import amqp, jsoncodec, metrics, names, reasons, topology
+from framework.connections import ConnectionSlot
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import (
     BODY_LIMIT,
@@ -46,16 +44,14 @@ from framework.dlq.replay import resolve_replayed
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
 from framework.reasons import Reason
-from framework.settings import Seconds, Settings, setting
-
-COLLECTED = Counter("txbox_collector_dead_letters_total", "Dead letters drained from the broker", ["service"])
-DUPLICATES = Counter(
-    "txbox_collector_duplicates_total", "Redelivered dead letters already stored (not inserted again)", ["service"]
-)
+from framework.service import Service
+from framework.settings import FromEnv, Seconds, setting
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollectorSettings:
+class CollectorConfig(FromEnv):
+    """How the collector batches and how often it resolves replayed letters (``TXBOX_COLLECTOR_*``)."""
+
     batch_size: int = setting(
         "TXBOX_COLLECTOR_BATCH_SIZE", "200", default=200, help="deliveries stored per transaction (and prefetch)"
     )
@@ -331,12 +327,13 @@ def _unstorable(json_text: str) -> str:
 class Collector(Daemon):
     name = "collector"
 
-    def __init__(self, settings: Settings, registry: Registry, config: CollectorSettings | None = None) -> None:
-        super().__init__()
-        self.settings = settings
-        self.registry = registry
-        self.config = config or CollectorSettings()
-        self.queue = names.dead_letter_queue(settings.service)
+    def __init__(
+        self, service: Service, config: CollectorConfig | None = None, *, stop_event: threading.Event | None = None
+    ) -> None:
+        super().__init__(service, stop_event=stop_event)
+        self.config = config or CollectorConfig.from_env()
+        self.queue = names.dead_letter_queue(self.settings.service)
+        self._db = ConnectionSlot(self.settings.database_url, autocommit=True)
         self.collected = 0
         self.finished = threading.Event()  # set once run() returned and the connections are closed
 
@@ -358,15 +355,16 @@ class Collector(Daemon):
                         break
             self.state("stopped", f"{self.collected} dead letters collected")
         finally:
+            self._db.close()
             self.finished.set()
 
     def _session(self, reconnect: Reconnect) -> None:
-        conn = db.connect(self.settings.database_url, autocommit=True)
+        conn = self._db.get()  # kept in the slot if the broker is down: closed when run() ends
         connection = amqp.connect(self.settings.amqp_url, name=f"{self.settings.service} collector")
         try:
             channel = connection.channel()
             with amqp.broker_errors("collector"):
-                topology.declare(self.settings, self.registry, channel)
+                topology.declare(self.settings, self.service.registry, channel)
                 channel.basic_qos(prefetch_count=self.config.batch_size)
             reconnect.succeeded()
             self.state("collecting", f"from {self.queue}")
@@ -374,10 +372,8 @@ class Collector(Daemon):
             with amqp.broker_errors("collector"):
                 channel.cancel()  # requeues nothing: every delivery taken was stored and acked
         finally:
-            conn.close()
-            if connection.is_open:
-                with contextlib.suppress(pika.exceptions.AMQPError):
-                    connection.close()
+            self._db.close()
+            amqp.close_quietly(connection)
 
     def _loop(self, conn: psycopg.Connection[Any], channel: Any) -> None:
         batch: list[tuple[pika.BasicProperties, bytes, str]] = []
@@ -398,8 +394,8 @@ class Collector(Daemon):
                     new = store(conn, schema, batch)
                     channel.basic_ack(last_tag, multiple=True)  # only after the commit
                     self.collected += new
-                    COLLECTED.labels(self.settings.service).inc(new)
-                    DUPLICATES.labels(self.settings.service).inc(len(batch) - new)
+                    metrics.COLLECTOR_DEAD_LETTERS.labels(self.settings.service).inc(new)
+                    metrics.COLLECTOR_DUPLICATES.labels(self.settings.service).inc(len(batch) - new)
                     batch = []
                 if time.monotonic() >= next_resolve:
                     resolve_replayed(conn, schema)

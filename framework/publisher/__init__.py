@@ -1,10 +1,8 @@
-"""The publisher: the outbox relay daemon and the confirm-tracking publisher it is built on.
-
-``Relay(settings, registry, config).run()`` runs the daemon in-process (``txbox run``
-embeds it); ``Publisher`` is the same streamed-confirm machinery for direct sends.
+"""The direct-send client: :class:`Publisher` publishes with streamed confirms, each send a
+future completed on the broker's confirm (docs/architecture.md, "Direct sends"). The outbox
+relay daemon (:mod:`framework.relay`) is built on it.
 """
 
 from framework.publisher.confirms import Outgoing, Publisher
-from framework.publisher.relay import Relay, RelayConfig
 
-__all__ = ["Outgoing", "Publisher", "Relay", "RelayConfig"]
+__all__ = ["Outgoing", "Publisher"]

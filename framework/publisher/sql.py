@@ -253,7 +253,3 @@ SELECT count(*),
 FROM {outbox} WHERE processed_at IS NULL AND abandoned_at IS NULL
 """
     ).format(outbox=_outbox(schema))
-
-
-def listen(channel: str) -> sql.Composed:
-    return sql.SQL("LISTEN {}").format(sql.Identifier(channel))

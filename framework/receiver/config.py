@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from framework import names
 from framework.errors import ConfigurationError
-from framework.settings import Seconds, load, parse_duration, setting
+from framework.settings import FromEnv, Seconds, parse_duration, setting
 
 DEFAULT_SCHEDULE = "10s*4,30s*4"  # 4 x 10 s, 4 x 30 s, then one final try
 _STEP = re.compile(r"^\s*([0-9.]+\s*(?:ms|s|m|h)?)\s*(?:\*\s*(\d+))?\s*$")
@@ -34,7 +34,7 @@ def parse_schedule(text: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReceiverConfig:
+class ReceiverConfig(FromEnv):
     """How the receiver batches, what it accepts, and how it retries when PostgreSQL is down."""
 
     prefetch: int = setting("TXBOX_RECEIVER_PREFETCH", "1000", default=1000, help="unacked deliveries in flight")
@@ -118,7 +118,3 @@ class ReceiverConfig:
     def extra_delays(self) -> tuple[int, ...]:
         """Delays of the schedule without a queue in the standard topology (tests, tuning)."""
         return tuple(sorted(set(self.schedule) - set(names.DELAY_SECONDS)))
-
-    @classmethod
-    def from_env(cls, **overrides: object) -> ReceiverConfig:
-        return load(cls, None, **overrides)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,13 +30,14 @@ import pika
 import pika.exceptions
 import psycopg
 
-from framework import amqp, db, names, topology
+from framework import amqp, db, metrics, names, topology
 from framework import dead_letters as dl
+from framework.connections import ConnectionSlot
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
 from framework.reasons import Reason
-from framework.receiver import metrics, store
+from framework.receiver import store
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import (
     Delivery,
@@ -69,15 +71,19 @@ class Receiver(Daemon):
 
     name = "receiver"
 
-    def __init__(self, service: Service, config: ReceiverConfig | None = None) -> None:
-        super().__init__()
-        self.service = service
-        self.settings = service.settings
+    def __init__(
+        self, service: Service, config: ReceiverConfig | None = None, *, stop_event: threading.Event | None = None
+    ) -> None:
+        super().__init__(service, stop_event=stop_event)
         self.config = config or ReceiverConfig.from_env()
         self.queue = names.inbox_queue(self.settings.service)
         self.intake = Intake(service.registry, self.settings.service, max_body_bytes=self.config.max_body_bytes)
         self._schedule = self.config.schedule
-        self._db: psycopg.Connection[Any] | None = None
+        self._db = ConnectionSlot(
+            self.settings.database_url,
+            connect_timeout=self.config.db_connect_timeout,
+            application_name="txbox-receiver",
+        )
         self._buffer: list[Delivery] = []
         self._labels = {"service": self.settings.service}
         self._user = amqp.username(self.settings.amqp_url)
@@ -134,9 +140,7 @@ class Receiver(Daemon):
         finally:
             self._buffer = []  # unacked: the broker requeues them when the channel closes
             self._buffered = self._writing = 0
-            if connection.is_open:
-                with contextlib.suppress(pika.exceptions.AMQPError):
-                    connection.close()
+            amqp.close_quietly(connection)
 
     def _warn_if_not_alone(self, channel: Any) -> None:
         """Two receivers on one queue may store a segment's messages out of order (README "Scaling")."""
@@ -173,7 +177,7 @@ class Receiver(Daemon):
                     continue
                 batch, self._buffer = self._buffer, []
                 batch_bytes, self._buffered = self._buffered, 0
-                metrics.RECEIVED.labels(**self._labels).inc(len(batch))
+                metrics.RECEIVER_RECEIVED.labels(**self._labels).inc(len(batch))
                 if any(d.redelivered for d in batch):
                     if inflight is not None:
                         self._finish(inflight, channel, publish_channel)
@@ -223,7 +227,7 @@ class Receiver(Daemon):
         held = self._buffered + self._writing
         if held > self.peak_held_bytes:
             self.peak_held_bytes = held
-            metrics.PEAK_HELD_BYTES.labels(**self._labels).set(held)
+            metrics.RECEIVER_PEAK_HELD.labels(**self._labels).set(held)
 
     def _full(self) -> bool:
         """Holding as many deliveries, or body bytes, as allowed unacked: read no more for now."""
@@ -285,7 +289,7 @@ class Receiver(Daemon):
         redelivered = [d for d in group if d.redelivered]
         if not redelivered:
             return forced
-        metrics.REDELIVERED.labels(**self._labels).inc(len(redelivered))
+        metrics.RECEIVER_REDELIVERED.labels(**self._labels).inc(len(redelivered))
         conn = self._connection()
         with conn.cursor() as cur:
             counts = {
@@ -427,14 +431,14 @@ class Receiver(Daemon):
             return fallback
 
     def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
-        metrics.STORED.labels(**self._labels).inc(len(new))
+        metrics.RECEIVER_STORED.labels(**self._labels).inc(len(new))
         conflicts = sum(1 for letter in letters if letter.reason == Reason.ID_CONFLICT)
         if len(rows) > len(new) + conflicts:
-            metrics.DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)
+            metrics.RECEIVER_DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)
         if conflicts:
-            metrics.ID_CONFLICTS.labels(**self._labels).inc(conflicts)
+            metrics.RECEIVER_ID_CONFLICTS.labels(**self._labels).inc(conflicts)
         for letter in letters:
-            metrics.REJECTED.labels(reason=letter.reason, **self._labels).inc()
+            metrics.RECEIVER_REJECTED.labels(reason=letter.reason, **self._labels).inc()
             if letter.reason != Reason.UNSTORABLE:
                 self.log.warning("rejected a delivery (%s): %s", letter.reason, letter.error[:300])
 
@@ -470,7 +474,7 @@ class Receiver(Daemon):
                     self._drop_db()
                     self._give_up(delivery, Reason.INTERNAL_ERROR, letter.error, channel, publish_channel)
                 continue
-            metrics.REJECTED.labels(reason=Reason.INTERNAL_ERROR, **self._labels).inc()
+            metrics.RECEIVER_REJECTED.labels(reason=Reason.INTERNAL_ERROR, **self._labels).inc()
             channel.basic_ack(delivery.delivery_tag)
 
     # --- PostgreSQL down: the delay/retry chain ---------------------------
@@ -507,7 +511,7 @@ class Receiver(Daemon):
             if self._publish_copy(
                 delivery, names.DELAY_EXCHANGE, names.delay_routing_key(delay), headers, channel, publish_channel
             ):
-                metrics.DELAYED.labels(**self._labels).inc()
+                metrics.RECEIVER_DELAYED.labels(**self._labels).inc()
 
     def _give_up(self, delivery: Delivery, reason: str, error: str, channel: Any, publish_channel: Any) -> None:
         """A confirmed copy to ``<service>:dead_letter`` with our reason headers, then the ack."""
@@ -516,7 +520,7 @@ class Receiver(Daemon):
         headers[names.HEADER_DEAD_ERROR] = error
         key = names.dead_letter_routing_key(self.settings.service)
         if self._publish_copy(delivery, names.DEAD_LETTER_EXCHANGE, key, headers, channel, publish_channel):
-            metrics.GAVE_UP.labels(**self._labels).inc()
+            metrics.RECEIVER_GAVE_UP.labels(**self._labels).inc()
 
     def _copied_headers(self, delivery: Delivery) -> dict[str, Any]:
         """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go."""
@@ -549,16 +553,7 @@ class Receiver(Daemon):
     # --- PostgreSQL connection ----------------------------------------------------
 
     def _connection(self) -> psycopg.Connection[Any]:
-        if self._db is None or self._db.closed:
-            self._db = db.connect(
-                self.settings.database_url,
-                connect_timeout=self.config.db_connect_timeout,
-                application_name="txbox-receiver",
-            )
-        return self._db
+        return self._db.get()
 
     def _drop_db(self) -> None:
-        if self._db is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._db.close()
-            self._db = None
+        self._db.close()

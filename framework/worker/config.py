@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from framework.errors import ConfigurationError
-from framework.settings import Seconds, load, setting
+from framework.settings import FromEnv, Seconds, setting
 
 SegmentPolicy = Literal["proceed", "park"]
 
@@ -16,7 +16,7 @@ MIN_RUN = 0.1  # seconds of lease a handler run needs at least, besides those tw
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
+class WorkerConfig(FromEnv):
     """Batching, leases, retries, poison detection and ordering of the inbox worker."""
 
     batch_size: int = setting("TXBOX_WORKER_BATCH_SIZE", "200", default=200, help="messages per transaction at most")
@@ -85,7 +85,3 @@ class WorkerConfig:
                 f"TXBOX_WORKER_LEASE={self.lease:g}s: a handler may not outlive its lease. "
                 "Example: TXBOX_WORKER_TIMEOUT=30s TXBOX_WORKER_LEASE=60s"
             )
-
-    @classmethod
-    def from_env(cls, **overrides: object) -> WorkerConfig:
-        return load(cls, None, **overrides)

@@ -46,6 +46,7 @@ ends the process if it still runs at the end of its lease (framework/worker/time
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import traceback
 import uuid
@@ -59,18 +60,20 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from framework import db, jsoncodec, names, redaction
+from framework import db, jsoncodec, metrics, names, redaction
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
+from framework.connections import ConnectionSlot, Listener
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import Message
 from framework.errors import AssemblyError, HandlerMisuse, HandlerTimeout, PermanentError, Problem
 from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
 from framework.outbox import Outbox, OutboxRow, json_params
 from framework.outbox import insert_sql as outbox_insert_sql
+from framework.outcomes import WorkerOutcome
 from framework.reasons import Reason
 from framework.service import Service
-from framework.worker import decode, guard, metrics
+from framework.worker import decode, guard
 from framework.worker import sql as q
 from framework.worker.config import GRACE, LEASE_MARGIN, MIN_RUN, WorkerConfig
 from framework.worker.decode import Undecodable
@@ -121,7 +124,7 @@ class Claimed:
     metadata: dict[str, Any]
     message: Message
     claimed_at: float  # time.monotonic() before the claim: the lease runs from here
-    outcome: str = ""  # processed | failed | abandoned | released | lost
+    outcome: WorkerOutcome = WorkerOutcome.PENDING
     reason: str = ""
     error: str = ""
     error_type: str = ""
@@ -143,10 +146,10 @@ class Worker(Daemon):
 
     name = "worker"
 
-    def __init__(self, service: Service, config: WorkerConfig | None = None) -> None:
-        super().__init__()
-        self.service = service
-        self.settings = service.settings
+    def __init__(
+        self, service: Service, config: WorkerConfig | None = None, *, stop_event: threading.Event | None = None
+    ) -> None:
+        super().__init__(service, stop_event=stop_event)
         self.config = config or WorkerConfig.from_env()
         self.schema = self.settings.schema
         park = self.config.segment_policy == "park"
@@ -157,12 +160,23 @@ class Worker(Daemon):
         self._create_guard, self._arm_guard, self._disarm = guard.create_guard(), guard.arm(), guard.disarm()
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
-        self._listen: psycopg.Connection[Any] | None = None
+        self._wake = threading.Event()  # set by NOTIFY (the listener) and by stop()
+        self.listener = Listener(self, names.notify_channel(self.schema, names.INBOX), self._wake.set)
         self._watchdog: Watchdog | None = None
         self._labels = {"service": self.settings.service}
         self._last_gauges = 0.0
         self._durations: dict[str, Any] = {}
-        self._claim_conn: psycopg.Connection[Any] | None = None
+        # A claim is a lease, not a result: one lost to a database crash leaves the row
+        # unclaimed, to be claimed again, and the batch's own commit (synchronous, and
+        # later in the WAL) makes the claim durable before any handler's writes are.
+        # Not waiting for its fsync takes a disk flush off every message's path. One row
+        # that does not decode must not fail the claim (decode.register).
+        self._claim_db = ConnectionSlot(
+            self.settings.database_url,
+            on_connect=decode.register,
+            synchronous_commit=False,
+            application_name="txbox-worker-claim",
+        )
         self._ahead: Future[list[Claimed]] | None = None
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._last_suspect_check = 0.0
@@ -177,10 +191,13 @@ class Worker(Daemon):
         self._watchdog = Watchdog()
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-claim")
         reconnect = Reconnect(self)
+        self.listener.start()
         try:
             while not self.stopping:
-                # The gauges and the wait use connections too (the listener's among
-                # them): losing one there is the same outage, not a crash.
+                # Cleared before the claim: a NOTIFY for a row the claim's snapshot missed
+                # sets it again, so the wait below returns at once.
+                self._wake.clear()
+                # The gauges use a connection too: losing it there is the same outage, not a crash.
                 try:
                     handled = self.run_once()
                     reconnect.succeeded()
@@ -197,6 +214,7 @@ class Worker(Daemon):
         finally:
             self._ahead_pool.shutdown(wait=True)
             self._watchdog.close()
+            self.listener.close()
             self._drop_connections()
             self.state("stopped")
 
@@ -249,7 +267,7 @@ class Worker(Daemon):
         self._more = (
             len(batch) >= self.config.batch_size
             or self._freed
-            or any(c.outcome not in ("processed", "failed") for c in batch)
+            or any(c.outcome not in (WorkerOutcome.PROCESSED, WorkerOutcome.FAILED) for c in batch)
         )
         return handled
 
@@ -273,30 +291,24 @@ class Worker(Daemon):
         except Exception as exc:  # the lease runs out instead
             self.log.debug("could not release the batch claimed ahead: %r", exc)
 
+    def stop(self) -> None:
+        super().stop()
+        self._wake.set()
+
     def _wait_for_work(self) -> None:
-        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop."""
-        listen = self._listener()
-        deadline = time.monotonic() + self.config.poll_interval
-        while not self.stopping:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            notified = False
-            for _ in listen.notifies(timeout=min(remaining, 0.25), stop_after=1):
-                notified = True
-            if notified:
-                # One claim answers every NOTIFY queued so far. (Not drained inside the
-                # loop above: the generator holds the connection's lock while it runs.)
-                for _ in listen.notifies(timeout=0):
-                    pass
-                return
+        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop.
+
+        One claim answers every NOTIFY since the last one: the listener only sets an event.
+        """
+        if not self.stopping:
+            self._wake.wait(float(self.config.poll_interval))
 
     # --- claim --------------------------------------------------------------------
 
     def _claim(self, statement: Any, limit: int) -> list[Claimed]:
         """Claim in its own committed transaction, on the claim connection (also used ahead)."""
         claimed_at = time.monotonic()
-        conn = self._claim_connection()
+        conn = self._claim_db.get()
         try:
             with conn.cursor() as cur:
                 cur.execute(statement, {"limit": limit, "lease": float(self.config.lease)})
@@ -309,18 +321,6 @@ class Worker(Daemon):
         self._statistics.after_claim(conn, time.monotonic() - claimed_at, len(rows), self.log)
         rows.sort(key=lambda r: (-r[12], r[13]))
         return [self._claimed(r, claimed_at) for r in rows]
-
-    def _claim_connection(self) -> psycopg.Connection[Any]:
-        if self._claim_conn is None or self._claim_conn.closed:
-            # A claim is a lease, not a result: one lost to a database crash leaves the row
-            # unclaimed, to be claimed again, and the batch's own commit (synchronous, and
-            # later in the WAL) makes the claim durable before any handler's writes are.
-            # Not waiting for its fsync takes a disk flush off every message's path.
-            self._claim_conn = db.connect(
-                self.settings.database_url, synchronous_commit=False, application_name="txbox-worker-claim"
-            )
-            decode.register(self._claim_conn)  # one row that does not decode must not fail the claim
-        return self._claim_conn
 
     def _claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:
         try:
@@ -411,7 +411,7 @@ class Worker(Daemon):
             return 0
         for attempt in range(self.config.conflict_retries + 1):
             for claimed in batch:
-                claimed.outcome = ""
+                claimed.outcome = WorkerOutcome.PENDING
             try:
                 self._run_batch(batch, dict(known or {}))
                 break
@@ -423,7 +423,7 @@ class Worker(Daemon):
                         self._release_quietly(batch)
                         raise
                     return self._last_resort(batch, exc)
-                metrics.CONFLICTS.labels(**self._labels).inc()
+                metrics.WORKER_CONFLICTS.labels(**self._labels).inc()
                 if attempt == self.config.conflict_retries:
                     self._release(batch)
                     return 0
@@ -464,7 +464,7 @@ class Worker(Daemon):
             cur = self._raw(conn).cursor()
             cur.execute(self._presume, {"ids": [claimed.id], "started": [claimed.started]})
             if not cur.fetchall():
-                claimed.outcome = "lost"  # claimed again by another worker after our lease
+                claimed.outcome = WorkerOutcome.LOST  # claimed again by another worker after our lease
                 return
             self._settle(cur, [claimed], bare=bare)
 
@@ -522,9 +522,9 @@ class Worker(Daemon):
             outbox_rows: list[OutboxRow] | None = None if careful else []
             try:
                 for claimed in batch:
-                    claimed.outcome = ""
+                    claimed.outcome = WorkerOutcome.PENDING
                     if claimed.id not in ours:
-                        claimed.outcome = "lost"  # claimed again by another worker after our lease
+                        claimed.outcome = WorkerOutcome.LOST  # claimed again by another worker after our lease
                     elif claimed.undecodable:
                         self._abandon(
                             claimed, Reason.INTERNAL_ERROR, f"the stored row cannot be read: {claimed.undecodable}"
@@ -604,7 +604,7 @@ class Worker(Daemon):
             float(handler.timeout or self.config.timeout),
         )
         if deadlines is None:
-            claimed.outcome = "released"  # too little lease left to start it: someone runs it later
+            claimed.outcome = WorkerOutcome.RELEASED  # too little lease left to start it: someone runs it later
             return
         timeout, hard = deadlines
         raw = self._raw(conn)
@@ -621,7 +621,7 @@ class Worker(Daemon):
                     session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
             if savepoint is not None:
                 savepoint.commit()
-            claimed.outcome = "processed"
+            claimed.outcome = WorkerOutcome.PROCESSED
         except BaseException as exc:
             if self._watchdog.fired or isinstance(exc, HandlerTimeout):
                 exc = HandlerTimeout(f"{handler.name} ran longer than its timeout of {timeout:g}s")
@@ -656,7 +656,7 @@ class Worker(Daemon):
     def _duration(self, message_type: str) -> Any:
         child = self._durations.get(message_type)
         if child is None:
-            child = self._durations[message_type] = metrics.HANDLER_SECONDS.labels(
+            child = self._durations[message_type] = metrics.WORKER_HANDLER_DURATION.labels(
                 message_type=message_type, **self._labels
             )
         return child
@@ -687,7 +687,7 @@ class Worker(Daemon):
                 error_type=type(exc).__name__,
             )
             return
-        claimed.outcome = "failed"
+        claimed.outcome = WorkerOutcome.FAILED
         claimed.error = text
         claimed.error_type = type(exc).__name__
         claimed.delay = backoff_seconds(
@@ -700,7 +700,7 @@ class Worker(Daemon):
     def _abandon(
         self, claimed: Claimed, reason: str, error: str, *, error_type: str = "", finished_delta: int = 1
     ) -> None:
-        claimed.outcome = "abandoned"
+        claimed.outcome = WorkerOutcome.ABANDONED
         claimed.reason = reason
         claimed.error = error
         claimed.error_type = error_type or reason
@@ -709,7 +709,7 @@ class Worker(Daemon):
     def _settle(self, cur: psycopg.Cursor[Any], batch: Sequence[Claimed], *, bare: bool = False) -> None:
         """Write every outcome of the batch in the processing transaction."""
         # Processed rows are already marked (presume_processed); correct the others.
-        failed = [c for c in batch if c.outcome == "failed"]
+        failed = [c for c in batch if c.outcome is WorkerOutcome.FAILED]
         if failed:
             cur.executemany(
                 q.mark_failed(self.schema),
@@ -723,8 +723,8 @@ class Worker(Daemon):
                     for c in failed
                 ],
             )
-        abandoned = [c for c in batch if c.outcome == "abandoned"]
-        released = [c for c in batch if c.outcome == "released"]
+        abandoned = [c for c in batch if c.outcome is WorkerOutcome.ABANDONED]
+        released = [c for c in batch if c.outcome is WorkerOutcome.RELEASED]
         if released:
             cur.execute(
                 q.unclaim(self.schema), ([c.id for c in released], [c.metadata.get("auth_token") for c in released])
@@ -772,13 +772,13 @@ class Worker(Daemon):
     def _count(self, batch: Sequence[Claimed]) -> None:
         for c in batch:
             labels = {"message_type": c.message_type, **self._labels}
-            if c.outcome == "processed":
-                metrics.PROCESSED.labels(**labels).inc()
-            elif c.outcome == "failed":
-                metrics.FAILED.labels(**labels).inc()
+            if c.outcome is WorkerOutcome.PROCESSED:
+                metrics.WORKER_PROCESSED.labels(**labels).inc()
+            elif c.outcome is WorkerOutcome.FAILED:
+                metrics.WORKER_FAILED.labels(**labels).inc()
                 self.log.warning("%s %s failed (attempt %d): %s", c.message_type, c.id, c.message.attempt, c.error)
-            elif c.outcome == "abandoned":
-                metrics.ABANDONED.labels(reason=c.reason, **labels).inc()
+            elif c.outcome is WorkerOutcome.ABANDONED:
+                metrics.WORKER_ABANDONED.labels(reason=c.reason, **labels).inc()
                 self.log.error("%s %s abandoned (%s): %s", c.message_type, c.id, c.reason, c.error)
 
     def _release(self, batch: Sequence[Claimed]) -> None:
@@ -821,27 +821,13 @@ class Worker(Daemon):
         raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
         return raw
 
-    def _listener(self) -> psycopg.Connection[Any]:
-        if self._listen is None or self._listen.closed:
-            self._listen = db.connect(self.settings.database_url, autocommit=True)
-            channel = names.notify_channel(self.schema, names.INBOX)
-            self._listen.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
-        return self._listen
-
     def _drop_connections(self) -> None:
         # A claim running ahead uses the claim connection: closed under it, its thread
         # waited forever on the socket's number, which the next connection reused (a
         # chaos run's worker hung so after a pg_terminate_backend in mid-batch).
         self._give_back_ahead()
         self._drop_processing_connection()
-        if self._claim_conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._claim_conn.close()
-            self._claim_conn = None
-        if self._listen is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._listen.close()
-            self._listen = None
+        self._claim_db.close()
 
     def _update_gauges(self, every: float = 5.0) -> None:
         now = time.monotonic()
@@ -857,8 +843,8 @@ class Worker(Daemon):
             cur.execute(q.backlog(self.schema))
             row = cur.fetchone()
         if row is not None:
-            metrics.BACKLOG.labels(**self._labels).set(row[0])
-            metrics.OLDEST_DUE_AGE.labels(**self._labels).set(float(row[1]))
+            metrics.WORKER_BACKLOG.labels(**self._labels).set(row[0])
+            metrics.WORKER_OLDEST_DUE_AGE.labels(**self._labels).set(float(row[1]))
 
 
 def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -> tuple[float, float] | None:

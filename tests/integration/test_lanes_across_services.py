@@ -22,8 +22,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from framework import CommandHandler, Message, Outbox, topology
-from framework.publisher.relay import Relay, RelayConfig
 from framework.receiver import Receiver, ReceiverConfig
+from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.worker import Worker, WorkerConfig
 from tests import support
@@ -105,7 +105,7 @@ def workers(service: Service, n: int) -> list[Worker]:
 def test_segment_parallel_lane_and_priority_cross_the_wire(
     receiving: Service, sender: Service, database_url: str
 ) -> None:
-    relay = Relay(sender.settings, sender.registry, RelayConfig(poll_interval=0.05))  # type: ignore[arg-type]
+    relay = Relay(sender, RelayConfig(poll_interval=0.05))  # type: ignore[arg-type]
     receiver = Receiver(receiving, ReceiverConfig(prefetch=100, batch_size=50))
     with running(relay), running(receiver):
         # One sequential segment across ten aggregates (each its own lane by default).

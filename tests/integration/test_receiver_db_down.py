@@ -21,9 +21,8 @@ import pika
 import psycopg
 import pytest
 
-from framework import migrate, names, topology
+from framework import metrics, migrate, names, topology
 from framework.receiver import Receiver, ReceiverConfig
-from framework.receiver import metrics as receiver_metrics
 from framework.service import Service
 from framework.settings import Settings
 from tests import support
@@ -112,7 +111,7 @@ def stored(cluster: Cluster) -> dict[str, dict[str, object]]:
 
 
 def delayed() -> float:
-    return receiver_metrics.DELAYED.labels(service="order-service")._value.get()
+    return metrics.RECEIVER_DELAYED.labels(service="order-service")._value.get()
 
 
 def test_deliveries_wait_in_the_delay_chain_until_the_database_is_back(cluster: Cluster, service: Service,

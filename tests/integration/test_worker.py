@@ -260,7 +260,7 @@ def test_serialization_failures_rerun_without_counting(service: Service, busines
 def test_notify_wakes_an_idle_worker_long_before_the_poll(service: Service, business: str) -> None:
     service.register(Recorder())
     with running(worker(service, poll_interval=60)) as w:
-        support.wait_until(lambda: w._listen is not None, 10, message="the worker to listen")
+        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
         store_in_inbox(service, [place_order()])
         support.wait_until(lambda: done(business) == 1, 10, message="processed after NOTIFY")
 
@@ -451,7 +451,7 @@ def test_a_worker_whose_connections_are_terminated_while_idle_reconnects(service
     service.register(recorder)
     w = worker(service)
     with running(w):
-        support.wait_until(lambda: w._listen is not None, 10, message="the worker to listen")
+        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
         killed = scalar(
             business,
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -480,7 +480,7 @@ def test_dropping_connections_waits_for_the_claim_running_ahead_and_gives_its_ba
         return w._claim(w._claim_batch, 10)
 
     try:
-        w._claim_connection()
+        w._claim_db.get()
         w._ahead = w._ahead_pool.submit(claim_ahead)
         assert in_claim.wait(10)
         dropping = threading.Thread(target=w._drop_connections)
@@ -507,7 +507,7 @@ def test_a_segment_drains_without_a_notify_per_row_as_each_commit_frees_its_succ
     service.register(Recorder())
     messages = [place_order(aggregate_id="lane", quantity=n) for n in (1, 2, 3)]
     with running(worker(service, poll_interval=3600)) as w:
-        support.wait_until(lambda: w._listen is not None, 10, message="the worker to listen")
+        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
         store_in_inbox(service, messages)
         support.wait_until(lambda: done(business) == 3, 30, message="the whole segment processed")
     assert [r[0] for r in query(business, "SELECT quantity FROM seen ORDER BY n")] == [1, 2, 3]

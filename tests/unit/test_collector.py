@@ -115,7 +115,9 @@ def test_malformed_x_death_and_forged_reasons_are_judged_not_trusted() -> None:
 def test_amqp_tables_and_arrays_nested_past_the_limit_decode_as_a_marker() -> None:
     import sys
 
-    from framework import amqp
+    from framework import amqp, drivers
+
+    drivers.tune_drivers()  # what every daemon does when it starts
 
     deep: dict[str, object] = {}
     inner = deep

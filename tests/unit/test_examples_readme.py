@@ -26,7 +26,7 @@ _TITLES = {
     "RelayConfig": "`txbox publisher`",
     "ReceiverConfig": "`txbox receiver`",
     "WorkerConfig": "`txbox worker`",
-    "CollectorSettings": "`txbox collector`",
+    "CollectorConfig": "`txbox collector`",
     "AnalyzeSettings": "`txbox analyze`",
     "ArchiveSettings": "`txbox archive`",
 }

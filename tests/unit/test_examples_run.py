@@ -6,13 +6,22 @@ import threading
 
 from framework.cli.run import Supervisor
 from framework.daemon import Daemon
+from framework.service import Service
+from tests.apps.counter import CONTRACTS
+
+SERVICE = Service(
+    name="counter-service",
+    database_url="postgresql://postgres@127.0.0.1:5432/unused",
+    amqp_url="amqp://guest:guest@127.0.0.1:5672/%2F",
+    contracts_dir=CONTRACTS,
+)
 
 
 class Looping(Daemon):
     name = "looping"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, stop_event: threading.Event) -> None:
+        super().__init__(SERVICE, stop_event=stop_event)
         self.started = threading.Event()
         self.finished = False
 
@@ -31,16 +40,15 @@ class Failing(Looping):
         raise RuntimeError("broker said no")
 
 
-def shared(*daemons: Daemon) -> list[Daemon]:
+def shared(*kinds: type[Looping]) -> list[Daemon]:
+    """Daemons sharing one stop event, as `txbox run` builds them."""
     event = threading.Event()
-    for daemon in daemons:
-        daemon.stop_event = event
-    return list(daemons)
+    return [kind(event) for kind in kinds]
 
 
 def test_a_stop_request_reaches_every_daemon() -> None:
-    first, second = Looping(), Looping()
-    supervisor = Supervisor(shared(first, second))
+    first, second = daemons = shared(Looping, Looping)
+    supervisor = Supervisor(daemons)
     supervisor.start()
     assert first.started.wait(5) and second.started.wait(5)
     supervisor.stop()
@@ -51,8 +59,8 @@ def test_a_stop_request_reaches_every_daemon() -> None:
 
 
 def test_one_daemon_failing_stops_the_others_and_is_reported() -> None:
-    healthy, failing = Looping(), Failing()
-    supervisor = Supervisor(shared(healthy, failing))
+    healthy, _ = daemons = shared(Looping, Failing)
+    supervisor = Supervisor(daemons)
     supervisor.start()
     supervisor.wait()  # returns because the failing daemon ended
     assert supervisor.join(5) == []
@@ -67,8 +75,8 @@ def test_a_daemon_returning_unasked_counts_as_a_failure() -> None:
         def run(self) -> None:
             return
 
-    healthy = Looping()
-    supervisor = Supervisor(shared(healthy, Quitting()))
+    healthy, _ = daemons = shared(Looping, Quitting)
+    supervisor = Supervisor(daemons)
     supervisor.start()
     supervisor.wait()
     assert supervisor.join(5) == []

@@ -14,9 +14,10 @@ from framework import names
 from framework.cli import publisher as cli
 from framework.envelope import parse_message
 from framework.errors import ConfigurationError, PublishError
-from framework.publisher import Outgoing, Publisher, RelayConfig
+from framework.publisher import Outgoing, Publisher
 from framework.publisher.confirms import _COALESCED_CHUNK, _PENDING, _coalesce_writes
-from framework.publisher.relay import Claimed, envelope_body, outgoing
+from framework.relay import RelayConfig
+from framework.relay.daemon import Claimed, envelope_body, outgoing
 from framework.settings import load
 
 

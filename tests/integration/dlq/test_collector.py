@@ -12,7 +12,7 @@ import pika
 import pytest
 
 from framework import amqp, names, topology
-from framework.dlq.collector import Collector, CollectorSettings, store
+from framework.dlq.collector import Collector, CollectorConfig, store
 from framework.service import Service
 from tests import support
 from tests.integration.dlq import seed
@@ -20,7 +20,7 @@ from tests.integration.dlq import seed
 
 @pytest.fixture
 def collector(service: Service) -> Iterator[Collector]:
-    daemon = Collector(service.settings, service.registry, CollectorSettings(resolve_interval=0.2))  # type: ignore[arg-type]
+    daemon = Collector(service, CollectorConfig(resolve_interval=0.2))  # type: ignore[arg-type]
     thread = threading.Thread(target=daemon.run, daemon=True)
     thread.start()
     try:
@@ -160,8 +160,8 @@ def test_a_broker_letter_replayed_travels_outbox_broker_inbox_handler_once(
 
     from framework import CommandHandler
     from framework.dlq import replay
-    from framework.publisher import Relay, RelayConfig
     from framework.receiver import Receiver
+    from framework.relay import Relay, RelayConfig
     from framework.worker import Worker, WorkerConfig
     from tests.apps.helpers import running
 
@@ -178,7 +178,7 @@ def test_a_broker_letter_replayed_travels_outbox_broker_inbox_handler_once(
     lid = seed.rejected(conn, m)
     [outcome] = replay.replay(conn, "txbox", service.registry, service.name, [lid])
     assert outcome.action == "outbox-insert"
-    relay = Relay(service.settings, service.registry, RelayConfig(poll_interval=0.2))  # type: ignore[arg-type]
+    relay = Relay(service, RelayConfig(poll_interval=0.2))  # type: ignore[arg-type]
     with running(relay), running(Receiver(service)), running(Worker(service, WorkerConfig(poll_interval=0.1))):  # type: ignore[arg-type]
         support.wait_until(
             lambda: conn.execute("SELECT resolved_at FROM txbox.dead_letters WHERE id = %s", (lid,)).fetchone()[

@@ -18,7 +18,7 @@ import pika
 import pytest
 
 from framework import amqp, dead_letters, jsoncodec, names, topology
-from framework.dlq.collector import Collector, CollectorSettings
+from framework.dlq.collector import Collector, CollectorConfig
 from framework.reasons import Reason
 from framework.service import Service
 from tests import support
@@ -29,7 +29,7 @@ MIB = 1 << 20
 
 @pytest.fixture
 def collector(service: Service) -> Iterator[Collector]:
-    daemon = Collector(service.settings, service.registry, CollectorSettings(flush_interval=0.05))  # type: ignore[arg-type]
+    daemon = Collector(service, CollectorConfig(flush_interval=0.05))  # type: ignore[arg-type]
     thread = threading.Thread(target=daemon.run, daemon=True)
     thread.start()
     try:

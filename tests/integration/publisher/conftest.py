@@ -22,7 +22,8 @@ from framework import names
 from framework.contracts import Registry
 from framework.db import conninfo
 from framework.outbox import Outbox, insert_sql, json_params
-from framework.publisher import Relay, RelayConfig
+from framework.relay import Relay, RelayConfig
+from framework.service import Service
 from framework.settings import Settings
 from tests.conftest import ROOT
 
@@ -96,9 +97,9 @@ def drain_queue(amqp_url: str, queue: str, *, idle: float = 2.0) -> list[Deliver
 
 
 @contextmanager
-def running_relay(settings: Settings, registry: Registry, config: RelayConfig | None = None) -> Iterator[Relay]:
+def running_relay(service: Service, config: RelayConfig | None = None) -> Iterator[Relay]:
     """A Relay in a thread of this process, stopped (and joined) on exit."""
-    relay = Relay(settings, registry, config or RelayConfig(poll_interval=0.2))  # type: ignore[arg-type]
+    relay = Relay(service, config or RelayConfig(poll_interval=0.2))  # type: ignore[arg-type]
     thread = threading.Thread(target=relay.run, name="test relay", daemon=True)
     thread.start()
     try:

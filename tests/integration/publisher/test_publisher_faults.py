@@ -9,7 +9,7 @@ from collections.abc import Callable
 import psycopg
 
 from framework.db import conninfo
-from framework.publisher import RelayConfig
+from framework.relay import RelayConfig
 from framework.service import Service
 from framework.settings import Settings
 from tests import support
@@ -70,7 +70,7 @@ def test_broker_closes_the_connection_mid_relay_and_relay_resumes(
 ) -> None:
     insert_rows(settings, service.registry, orders(100, 50))
     config = RelayConfig(batch_size=50, poll_interval=0.2)  # type: ignore[arg-type]
-    with running_relay(settings, service.registry, config) as relay:
+    with running_relay(service, config) as relay:
         wait_until(lambda: outbox_state(settings)["processed"] >= 300, 60, message="300 rows published")
         before = relay._publisher
         wait_until(lambda: support.close_connections(vhost), 30, message="the broker closes the connection")
@@ -88,7 +88,7 @@ def test_database_connections_killed_and_the_relay_recovers(
 ) -> None:
     insert_rows(settings, service.registry, orders(50, 20))
     config = RelayConfig(batch_size=20, poll_interval=0.2)  # type: ignore[arg-type]
-    with running_relay(settings, service.registry, config):
+    with running_relay(service, config):
         wait_until(lambda: outbox_state(settings)["processed"] >= 100, 60, message="100 rows published")
         with psycopg.connect(support.PG_ADMIN_URL, autocommit=True) as admin:
             killed = admin.execute(

@@ -12,7 +12,7 @@ import psycopg
 from framework import names
 from framework.db import conninfo
 from framework.envelope import parse_message
-from framework.publisher import Relay, RelayConfig
+from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.settings import Settings
 from tests.integration.publisher.conftest import (
@@ -42,7 +42,7 @@ def test_message_carries_the_envelope_and_amqp_properties(settings: Settings, se
             }
         ],
     )
-    with running_relay(settings, service.registry):
+    with running_relay(service):
         wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the row is marked published")
     (got,) = drain_queue(settings.amqp_url, inbox_queue(settings))
     message = parse_message(json_bytes(got.body))
@@ -84,7 +84,7 @@ def test_three_publishers_keep_order_per_segment(settings: Settings, service: Se
         RelayConfig(batch_size=b, max_in_flight=6, poll_interval=0.05)  # type: ignore[arg-type]
         for b in (7, 13, 50)
     ]
-    relays = [Relay(settings, service.registry, c) for c in configs]
+    relays = [Relay(service, c) for c in configs]
     threads = [threading.Thread(target=r.run, daemon=True) for r in relays]
     for t in threads:
         t.start()
@@ -115,7 +115,7 @@ def test_higher_priority_goes_first_and_order_holds_within_a_priority(settings: 
     high = [dict(r, priority=5, aggregate_id="h-" + r["aggregate_id"]) for r in orders(5, 3)]
     insert_rows(settings, service.registry, low + high)
     config = RelayConfig(batch_size=1, max_in_flight=1, poll_interval=0.05)  # type: ignore[arg-type]
-    with running_relay(settings, service.registry, config):
+    with running_relay(service, config):
         wait_until(lambda: outbox_state(settings)["processed"] == 30, 60, message="30 rows published")
     got = drain_queue(settings.amqp_url, inbox_queue(settings))
     kinds = ["high" if d.body["aggregate_id"].startswith("h-") else "low" for d in got]
@@ -140,7 +140,7 @@ def test_parallel_rows_are_free_of_the_head_of_segment_rule(settings: Settings, 
             {**orders(1, 3)[2], "concurrency": "parallel"},  # free
         ],
     )
-    with running_relay(settings, service.registry):
+    with running_relay(service):
         wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the parallel row published")
     (got,) = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
     assert got.body["payload"]["quantity"] == 3
@@ -164,7 +164,7 @@ def test_unroutable_command_retries_then_dead_letters_and_unroutable_event_count
         ],
     )
     config = RelayConfig(max_attempts=3, **FAST)  # type: ignore[arg-type]
-    with running_relay(settings, service.registry, config) as relay:
+    with running_relay(service, config) as relay:
         wait_until(lambda: outbox_state(settings)["abandoned"] == 1, 30, message="the command abandoned")
         assert relay.published == 1 and relay.failed == 3 and relay.abandoned == 1
     with psycopg.connect(conninfo(settings.database_url)) as conn:
@@ -210,7 +210,7 @@ def _finished_attempts(settings: Settings) -> int:
 def test_a_failed_publish_waits_out_its_backoff(settings: Settings, service: Service) -> None:
     _a_queue_that_nacks_restock(settings, service)
     config = RelayConfig(max_attempts=5, poll_interval=0.2, retry_base=30, retry_cap=300)  # type: ignore[arg-type]
-    with running_relay(settings, service.registry, config):
+    with running_relay(service, config):
         # The claim leases the row too: wait for the nack's outcome, not just a lease.
         wait_until(lambda: _finished_attempts(settings) == 1, 30, message="the nacked row backed off")
         with psycopg.connect(conninfo(settings.database_url)) as db:
@@ -225,7 +225,7 @@ def test_a_failed_publish_waits_out_its_backoff(settings: Settings, service: Ser
 def test_nacked_command_is_a_failure_with_backoff(settings: Settings, service: Service) -> None:
     _a_queue_that_nacks_restock(settings, service)
     config = RelayConfig(max_attempts=2, **FAST)  # type: ignore[arg-type]
-    with running_relay(settings, service.registry, config):
+    with running_relay(service, config):
         wait_until(lambda: outbox_state(settings)["abandoned"] == 1, 30, message="the nacked command abandoned")
     with psycopg.connect(conninfo(settings.database_url)) as db:
         reason, error = db.execute("SELECT reason, error FROM txbox.dead_letters").fetchone()  # type: ignore[misc]
@@ -243,9 +243,9 @@ def test_notify_wakes_the_publisher_long_before_the_poll_interval(settings: Sett
             ).fetchone()
         # The listener's own first wake-up (and the claim it triggers) must be over, or
         # that claim, not the NOTIFY, could publish the rows.
-        return bool(listening and listening[0]) and relay._conn is not None and not relay._claim_hint
+        return bool(listening and listening[0]) and relay._claim_db.is_open and not relay._claim_hint
 
-    with running_relay(settings, service.registry, config) as relay:
+    with running_relay(service, config) as relay:
         wait_until(idle_and_listening, 30, message="the relay listening and idle")
         insert_rows(settings, service.registry, orders(3, 1))
         # Without NOTIFY nothing would happen for an hour.
@@ -259,8 +259,8 @@ def test_a_lane_drains_without_notify_or_poll_as_each_mark_frees_its_successor(
     # the lane becomes due when its predecessor's mark commits, and the mark itself must
     # say so: the relay claims after a mark only when the mark freed a successor.
     config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
-    with running_relay(settings, service.registry, config) as relay:
-        wait_until(lambda: relay._conn is not None and not relay._claim_hint, 30, message="the relay idle")
+    with running_relay(service, config) as relay:
+        wait_until(lambda: relay._claim_db.is_open and not relay._claim_hint, 30, message="the relay idle")
         insert_rows(settings, service.registry, orders(1, 5))
         wait_until(lambda: outbox_state(settings)["processed"] == 5, 30, message="the whole lane published")
     got = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
@@ -271,7 +271,7 @@ def test_rows_not_due_yet_stay_put(settings: Settings, service: Service) -> None
     later = datetime.now(UTC) + timedelta(hours=1)
     insert_rows(settings, service.registry, [{**orders(1, 1)[0], "not_before": later}])
     marker = insert_rows(settings, service.registry, orders(1, 1, segment=f"other-{uuid.uuid4()}"))
-    with running_relay(settings, service.registry):
+    with running_relay(service):
         wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the due row published")
     (got,) = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
     assert got.body["message_id"] == marker[0]

@@ -23,12 +23,11 @@ import pika
 import psycopg
 from psycopg import sql
 
-from framework import migrate, names, topology
+from framework import metrics, migrate, names, topology
 from framework.db import conninfo
 from framework.envelope import Message
 from framework.errors import TxboxError
 from framework.receiver import Receiver, ReceiverConfig
-from framework.receiver import metrics as receiver_metrics
 from framework.service import Service
 from framework.settings import Settings
 from txbox_tools import repository
@@ -179,7 +178,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def receiver_instance(settings: Settings, prefetch: int, batch_size: int) -> tuple[Receiver, Any]:
     """One bench receiver (built in its own process by :func:`instances.timed`)."""
     receiver = Receiver(Service(settings=settings), ReceiverConfig(prefetch=prefetch, batch_size=batch_size))
-    return receiver, receiver_metrics.STORED.labels(service=settings.service)
+    return receiver, metrics.RECEIVER_STORED.labels(service=settings.service)
 
 
 def run(args: argparse.Namespace) -> Result:

@@ -25,13 +25,15 @@ import pika.frame
 import psycopg
 from psycopg import sql
 
-from framework import migrate, names, topology
+from framework import metrics, migrate, names, topology
 from framework.contracts import load_registry
 from framework.db import conninfo
 from framework.envelope import format_timestamp
 from framework.errors import TxboxError
 from framework.outbox import Outbox
-from framework.publisher.relay import PUBLISHED, Claimed, Relay, RelayConfig, envelope_body
+from framework.relay import Relay, RelayConfig
+from framework.relay.daemon import Claimed, envelope_body
+from framework.service import Service
 from framework.settings import Settings
 from txbox_tools import repository
 from txbox_tools.bench import instances
@@ -53,8 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def relay_instance(settings: Settings, batch_size: int, max_in_flight: int) -> tuple[Relay, Any]:
     """One bench publisher (built in its own process by :func:`instances.timed`)."""
     config = RelayConfig(batch_size=batch_size, max_in_flight=max_in_flight)
-    relay = Relay(settings, load_registry(settings.contracts_dir), config, declare_topology=False)
-    return relay, PUBLISHED.labels("PlaceOrder")
+    relay = Relay(Service(settings=settings), config, declare_topology=False)
+    return relay, metrics.PUBLISHER_PUBLISHED.labels(settings.service, "PlaceOrder")
 
 
 def run(args: argparse.Namespace) -> Result:

@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from framework import CommandHandler, Message, Outbox, names
+from framework import CommandHandler, Message, Outbox, metrics, names
 from framework.db import conninfo
 from framework.errors import TxboxError
 from framework.receiver import Delivery, Intake
@@ -26,7 +26,6 @@ from framework.receiver.store import insert_rows
 from framework.service import Service
 from framework.settings import Settings
 from framework.worker import Worker, WorkerConfig
-from framework.worker import metrics as worker_metrics
 from txbox_tools.bench import instances
 from txbox_tools.bench.receiver import Scratch, add_scratch_options, envelopes
 from txbox_tools.bench.result import Result
@@ -71,7 +70,7 @@ def worker_instance(settings: Settings, batch_size: int) -> tuple[Worker, Any]:
     service = Service(settings=settings)
     service.register(StoreOrder())
     worker = Worker(service, WorkerConfig(batch_size=batch_size))
-    return worker, worker_metrics.PROCESSED.labels(service=service.name, message_type="PlaceOrder")
+    return worker, metrics.WORKER_PROCESSED.labels(service=service.name, message_type="PlaceOrder")
 
 
 def fill_inbox(service: Service, count: int) -> None:

@@ -21,7 +21,6 @@ Outcomes of one publish:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -30,91 +29,28 @@ import uuid
 from collections import Counter as Tally
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import pika
 import psycopg
-from prometheus_client import Counter, Gauge
 
-from framework import amqp, db, names, topology
+from framework import amqp, db, metrics, names, topology
 from framework.backoff import backoff_seconds
-from framework.contracts import Registry
+from framework.connections import ConnectionSlot, Listener
 from framework.daemon import Daemon, Reconnect
 from framework.dead_letters import DeadLetter, insert_sql
 from framework.envelope import CONTENT_TYPE
-from framework.errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, PublishError
+from framework.errors import BrokerUnavailable, DatabaseUnavailable, PublishError
 from framework.outbox import default_segment
+from framework.outcomes import RelayOutcome
 from framework.publisher import confirms
 from framework.publisher import sql as named
 from framework.publisher.confirms import Outgoing, Publisher
 from framework.reasons import Reason
-from framework.settings import Seconds, Settings, setting
+from framework.relay.config import RelayConfig
+from framework.service import Service
 
 log = logging.getLogger("txbox.publisher")
-
-PUBLISHED = Counter("txbox_publisher_published", "Outbox rows confirmed by the broker and marked", ["message_type"])
-FAILED = Counter(
-    "txbox_publisher_failed",
-    "Failed publish attempts (nacked, unroutable command, timeout)",
-    ["message_type", "reason"],
-)
-ABANDONED = Counter("txbox_publisher_abandoned", "Outbox rows given up after max_attempts", ["message_type"])
-IN_FLIGHT = Gauge("txbox_publisher_in_flight", "Messages published and waiting for the broker's confirm")
-BACKLOG = Gauge("txbox_outbox_backlog", "Pending outbox rows (not processed, not abandoned)")
-OLDEST_DUE_AGE = Gauge("txbox_outbox_oldest_due_age_seconds", "Age of the oldest due pending outbox row")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RelayConfig:
-    """Tuning of the publisher daemon (``TXBOX_PUBLISHER_*``; CLI flags override)."""
-
-    batch_size: int = setting("TXBOX_PUBLISHER_BATCH_SIZE", "1000", default=1000, help="rows per claim")
-    max_in_flight: int = setting(
-        "TXBOX_PUBLISHER_MAX_IN_FLIGHT", "5000", default=5000, help="unconfirmed messages at most"
-    )
-    lease: Seconds = setting(
-        "TXBOX_PUBLISHER_LEASE", "60s", default=Seconds(60), help="how long a claim holds rows before others may"
-    )
-    confirm_timeout: Seconds = setting(
-        "TXBOX_PUBLISHER_CONFIRM_TIMEOUT", "30s", default=Seconds(30), help="a publish not confirmed by then failed"
-    )
-    poll_interval: Seconds = setting(
-        "TXBOX_PUBLISHER_POLL_INTERVAL", "1s", default=Seconds(1), help="fallback poll when no NOTIFY arrives"
-    )
-    drain_timeout: Seconds = setting(
-        "TXBOX_PUBLISHER_DRAIN_TIMEOUT", "10s", default=Seconds(10), help="wait for confirms on shutdown"
-    )
-    max_attempts: int = setting("TXBOX_PUBLISHER_MAX_ATTEMPTS", "10", default=10, help="then dead-letter")
-    retry_base: Seconds = setting("TXBOX_PUBLISHER_RETRY_BASE", "1s", default=Seconds(1), help="first backoff")
-    retry_cap: Seconds = setting("TXBOX_PUBLISHER_RETRY_CAP", "5m", default=Seconds(300), help="longest backoff")
-    metrics_interval: Seconds = setting(
-        "TXBOX_PUBLISHER_METRICS_INTERVAL", "5s", default=Seconds(5), help="backlog gauge refresh"
-    )
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_in_flight < 1 or self.max_attempts < 1:
-            raise ConfigurationError(
-                "TXBOX_PUBLISHER_BATCH_SIZE, TXBOX_PUBLISHER_MAX_IN_FLIGHT and TXBOX_PUBLISHER_MAX_ATTEMPTS "
-                "must be at least 1. Example: TXBOX_PUBLISHER_BATCH_SIZE=1000"
-            )
-        if self.confirm_timeout >= self.lease:
-            # A row whose confirm may still come must not be claimable by another publisher.
-            raise ConfigurationError(
-                f"TXBOX_PUBLISHER_CONFIRM_TIMEOUT ({self.confirm_timeout:g}s) must be shorter than "
-                f"TXBOX_PUBLISHER_LEASE ({self.lease:g}s). Example: TXBOX_PUBLISHER_CONFIRM_TIMEOUT=30s "
-                "TXBOX_PUBLISHER_LEASE=60s"
-            )
-
-
-def quiet_pika(args: Any) -> None:
-    """Keep pika's own tracebacks of a failed connect out of a command's output (unless -v).
-
-    txbox reports the failure itself, in one line naming the fix, and the daemons log one
-    line per state change; pika's ERROR records would repeat it with a stack trace.
-    """
-    if not getattr(args, "verbose", False):
-        logging.getLogger("pika").setLevel(logging.CRITICAL)
 
 
 class Claimed(NamedTuple):
@@ -215,33 +151,37 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
     return Outgoing(names.exchange_for(row.kind), row.routing_key, envelope_body(row), props, True, row)
 
 
+def relay_outcome(row: Claimed, error: PublishError | None) -> RelayOutcome:
+    """What one publish's result means for its row (the list at the top of this module)."""
+    if error is None or (error.reason == Reason.UNROUTABLE and row.kind == "event"):
+        return RelayOutcome.PUBLISHED  # an event nobody subscribed to is fine
+    if error.reason in (Reason.NACKED, Reason.UNROUTABLE, confirms.TIMEOUT):
+        return RelayOutcome.FAILED
+    return RelayOutcome.RELEASED  # connection lost / publisher closed: not the message's fault
+
+
 class Relay(Daemon):
-    """The publisher daemon; ``Relay(settings, registry, config).run()`` until ``stop_event``.
+    """The relay daemon (`txbox publisher`); ``Relay(service, config).run()`` until ``stop_event``.
 
     ``txbox run`` embeds it by passing a shared ``stop_event``; ``declare_topology=False``
     when the caller declared the topology already.
     """
 
-    name = "publisher"
+    name = "publisher"  # as its command names it: logs, threads and metrics say "publisher"
 
     def __init__(
         self,
-        settings: Settings,
-        registry: Registry,
+        service: Service,
         config: RelayConfig | None = None,
         *,
         stop_event: threading.Event | None = None,
         declare_topology: bool = True,
     ) -> None:
-        super().__init__()
-        if stop_event is not None:
-            self.stop_event = stop_event
-        self.settings = settings
-        self.registry = registry
-        self.config = config or RelayConfig()
+        super().__init__(service, stop_event=stop_event)
+        self.config = config or RelayConfig.from_env()
         self.declare_topology = declare_topology
-        self.schema = settings.schema
-        self._user = amqp.username(settings.amqp_url)  # our messages' user_id (lane headers: lane_headers)
+        self.schema = self.settings.schema
+        self._user = amqp.username(self.settings.amqp_url)  # our messages' user_id (lane headers: lane_headers)
         self._sql_claim_window = named.claim_window(self.schema)
         self._sql_claim = named.claim(self.schema)
         self._sql_mark = named.mark_published(self.schema)
@@ -254,8 +194,13 @@ class Relay(Daemon):
         self._wake = threading.Event()
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
-        self._conn: psycopg.Connection[Any] | None = None
-        self._write_conn: psycopg.Connection[Any] | None = None
+        # A claim lost to a database crash only loses a lease: the row is claimed (and
+        # maybe published) again, which at-least-once delivery allows. Losing the last
+        # marks only means those rows are published again (the inbox dedups). So neither
+        # connection waits for fsync.
+        url = self.settings.database_url
+        self._claim_db = ConnectionSlot(url, autocommit=True, synchronous_commit=False)
+        self._write_db = ConnectionSlot(url, autocommit=True, synchronous_commit=False)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="publisher write")
         self._writing: tuple[list[tuple[Outgoing, PublishError | None]], Future[Any], int] | None = None
         self._notified = 0  # NOTIFYs seen by the listener: a write compares it (see _collect_writes)
@@ -266,6 +211,7 @@ class Relay(Daemon):
         self._claim_hint = True  # False while a claim would find nothing new (see _claim_and_publish)
         self._next_full_claim = 0.0
         self._wide = True  # last claims found as many heads as asked for (see _claim_and_publish)
+        self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(self.settings.service)
         self.published = 0  # totals of this relay, for tests and `txbox run`'s summary
         self.failed = 0
         self.abandoned = 0
@@ -281,8 +227,7 @@ class Relay(Daemon):
         self.state("starting", f"service {self.settings.service}, schema {self.schema}")
         if self.declare_topology and not self._declare():
             return
-        listener = threading.Thread(target=self._listen, name="publisher listen", daemon=True)
-        listener.start()
+        listener = Listener(self, names.notify_channel(self.schema, names.OUTBOX), self._notice).start()
         try:
             while not self.stopping:
                 self._wake.clear()
@@ -295,14 +240,14 @@ class Relay(Daemon):
                 self._publisher.close(timeout=0)
             self._writer.shutdown(wait=True)
             self._close_db()
-            listener.join(timeout=5)
-            IN_FLIGHT.set(0)
+            listener.close()
+            self._in_flight.set(0)
             self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
 
     def _declare(self) -> bool:
         while not self.stopping:
             try:
-                topology.declare(self.settings, self.registry)
+                topology.declare(self.settings, self.service.registry)
                 self._broker_retry.succeeded()
                 return True
             except BrokerUnavailable as exc:
@@ -326,7 +271,7 @@ class Relay(Daemon):
                 return False
             self._gauges(conn, publisher)
             claimed = self._claim_and_publish(conn, publisher)
-            IN_FLIGHT.set(publisher.in_flight)
+            self._in_flight.set(publisher.in_flight)
             self._db_retry.succeeded()
             return claimed >= self.config.batch_size and publisher.in_flight < self.config.max_in_flight
         except (psycopg.Error, DatabaseUnavailable) as exc:
@@ -339,26 +284,15 @@ class Relay(Daemon):
     # ---- database ------------------------------------------------------------------
 
     def _db(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed:
-            # A claim lost to a database crash only loses a lease: the row is claimed
-            # (and maybe published) again, which at-least-once delivery allows.
-            self._conn = db.connect(self.settings.database_url, autocommit=True, synchronous_commit=False)
+        fresh = not self._claim_db.is_open
+        conn = self._claim_db.get()
+        if fresh:
             self.state("running")
-        return self._conn
+        return conn
 
     def _close_db(self) -> None:
-        for conn in (self._conn, self._write_conn):
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
-        self._conn = self._write_conn = None
-
-    def _writer_db(self) -> psycopg.Connection[Any]:
-        if self._write_conn is None or self._write_conn.closed:
-            # Losing the last marks to a crash only means those rows are published again
-            # (at-least-once; the inbox dedups), so the relay need not wait for fsync.
-            self._write_conn = db.connect(self.settings.database_url, autocommit=True, synchronous_commit=False)
-        return self._write_conn
+        self._claim_db.close()
+        self._write_db.close()
 
     def _claim_and_publish(self, conn: psycopg.Connection[Any], publisher: Publisher) -> int:
         room = min(self.config.batch_size, self.config.max_in_flight - publisher.in_flight)
@@ -413,7 +347,7 @@ class Relay(Daemon):
         if not self._unrecorded:
             return
         batch, self._unrecorded = self._unrecorded, []
-        conn = self._writer_db()
+        conn = self._write_db.get()
         future = self._writer.submit(self._write, conn, batch)
         future.add_done_callback(lambda _: self._wake.set())
         self._writing = (batch, future, self._notified)
@@ -432,11 +366,11 @@ class Relay(Daemon):
             self._unrecorded[:0] = batch
             raise
         for message_type, n in published.items():
-            PUBLISHED.labels(message_type).inc(n)
+            metrics.PUBLISHER_PUBLISHED.labels(self.settings.service, message_type).inc(n)
         for (message_type, reason), n in failed.items():
-            FAILED.labels(message_type, reason).inc(n)
+            metrics.PUBLISHER_FAILED.labels(self.settings.service, message_type, reason).inc(n)
         for message_type, n in abandoned.items():
-            ABANDONED.labels(message_type).inc(n)
+            metrics.PUBLISHER_ABANDONED.labels(self.settings.service, message_type).inc(n)
         # Claim again only if the write made a row due: a successor of a marked row, a
         # released or abandoned row's lane. A row committed after the mark's snapshot
         # escaped its successor probe, but its NOTIFY came after the write started: a
@@ -464,10 +398,12 @@ class Relay(Daemon):
         released: list[str] = []
         for item, error in batch:
             row: Claimed = item.token
-            if error is None or (error.reason == Reason.UNROUTABLE and row.kind == "event"):
+            outcome = relay_outcome(row, error)
+            if outcome is RelayOutcome.PUBLISHED:
                 published.append(row.id)
                 published_types[row.message_type] += 1
-            elif error.reason in (Reason.NACKED, Reason.UNROUTABLE, confirms.TIMEOUT):
+            elif outcome is RelayOutcome.FAILED:
+                assert error is not None
                 failures.append((row, error))
             else:
                 released.append(row.id)
@@ -518,7 +454,7 @@ class Relay(Daemon):
         return True
 
     def _gauges(self, conn: psycopg.Connection[Any], publisher: Publisher | None) -> None:
-        IN_FLIGHT.set(publisher.in_flight if publisher is not None else 0)
+        self._in_flight.set(publisher.in_flight if publisher is not None else 0)
         now = time.monotonic()
         if now < self._next_gauges:
             return
@@ -526,8 +462,8 @@ class Relay(Daemon):
         # A burst since the last ANALYZE makes the planner pick a slow claim plan (sql.py).
         self._statistics.refresh(conn.cursor(), now)
         count, age = conn.execute(self._sql_backlog).fetchone() or (0, 0)
-        BACKLOG.set(count)
-        OLDEST_DUE_AGE.set(float(age))
+        metrics.PUBLISHER_BACKLOG.labels(self.settings.service).set(count)
+        metrics.PUBLISHER_OLDEST_DUE_AGE.labels(self.settings.service).set(float(age))
 
     # ---- broker ----------------------------------------------------------------------
 
@@ -554,23 +490,6 @@ class Relay(Daemon):
             return None
 
     # ---- wake-up ---------------------------------------------------------------------
-
-    def _listen(self) -> None:
-        """LISTEN for inserts; a notification is only a hint to claim now (the poll is the fallback)."""
-        channel = names.notify_channel(self.schema, names.OUTBOX)
-        retry = Reconnect(self)
-        while not self.stopping:
-            try:
-                with db.connect(self.settings.database_url, autocommit=True) as conn:
-                    conn.execute(named.listen(channel))
-                    retry.succeeded()
-                    self._notice()  # rows may have arrived while not listening
-                    while not self.stopping:
-                        for _ in conn.notifies(timeout=1.0, stop_after=1):
-                            self._notice()
-            except (psycopg.Error, DatabaseUnavailable) as exc:
-                if retry.failed("PostgreSQL (listen)", exc):
-                    return
 
     def _notice(self) -> None:
         """Rows may have arrived: claim at the next step (listener thread)."""
