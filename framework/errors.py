@@ -135,6 +135,7 @@ class DeliveryRejected(TxboxError):
 class NotProcessed(TxboxError):
     """``framework.testing``: messages were not processed by the deadline, or were abandoned."""
 
+
 class HandlerTimeout(RetryableError):
     """The handler ran longer than its timeout (counts as a failed attempt)."""
 
