@@ -20,9 +20,7 @@ from datetime import date, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
-from psycopg import sql
-
-from framework import jsoncodec, names, redaction
+from framework import jsoncodec, redaction
 
 Source = Literal["broker", "inbox", "outbox"]
 
@@ -147,7 +145,7 @@ class DeadLetter:
             self.error = f"{self.reason}: the letter could not be scrubbed of secrets ({type(exc).__name__})"
 
     def row(self) -> dict[str, Any]:
-        """The row's column values (``insert_sql``'s parameters); never raises.
+        """The row's column values (framework.sql.dead_letters.insert_sql's parameters); never raises.
 
         Should building the row fail all the same, the row of last resort is reason
         ``internal_error`` with what could be kept: the original reason, the error and
@@ -194,6 +192,7 @@ class DeadLetter:
             "raw_encoding": encoding,
             "headers": _json_text(headers),
             "attempts": _json_text(self.attempts),
+            "delivery_key": None,
         }
 
     def _last_resort_row(self, exc: Exception) -> dict[str, Any]:
@@ -216,6 +215,7 @@ class DeadLetter:
             "raw_encoding": None,
             "headers": json.dumps({BODY_FACTS: facts}),
             "attempts": "{}",
+            "delivery_key": None,
         }
 
 
@@ -406,28 +406,3 @@ def encode_body(body: bytes) -> tuple[str, str]:
 
 def decode_body(raw: str, encoding: str) -> bytes:
     return base64.b64decode(raw) if encoding == "base64" else raw.encode("utf-8")
-
-
-_COLUMNS = (
-    "message_id",
-    "source",
-    "reason",
-    "error",
-    "fingerprint",
-    "message_type",
-    "routing_key",
-    "message",
-    "raw_body",
-    "raw_encoding",
-    "headers",
-    "attempts",
-)
-
-
-def insert_sql(schema: str) -> sql.Composed:
-    """Named INSERT for psycopg (``cursor.execute(insert_sql(s), letter.row())``)."""
-    return sql.SQL("INSERT INTO {table} ({cols}) VALUES ({vals})").format(
-        table=sql.Identifier(schema, names.DEAD_LETTERS),
-        cols=sql.SQL(", ").join(map(sql.Identifier, _COLUMNS)),
-        vals=sql.SQL(", ").join(sql.Placeholder(c) for c in _COLUMNS),
-    )

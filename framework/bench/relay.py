@@ -33,8 +33,9 @@ from framework.db import conninfo
 from framework.envelope import format_timestamp
 from framework.errors import TxboxError
 from framework.outbox import Outbox
-from framework.publisher.relay import PUBLISHED, Claimed, Relay, RelayConfig, envelope_body
+from framework.publisher.relay import PUBLISHED, Relay, RelayConfig, envelope_body
 from framework.settings import Settings
+from framework.sql.outbox import Claimed
 
 ROOT = Path(__file__).resolve().parents[2]
 

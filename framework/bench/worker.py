@@ -24,10 +24,9 @@ from framework.bench.result import Result
 from framework.db import conninfo
 from framework.errors import TxboxError
 from framework.receiver import Delivery, Intake
-from framework.receiver.intake import InboxRow
-from framework.receiver.store import insert_rows
 from framework.service import Service
 from framework.settings import Settings
+from framework.sql.inbox import InboxRow, insert_rows
 from framework.worker import Worker, WorkerConfig
 from framework.worker import metrics as worker_metrics
 

@@ -29,7 +29,6 @@ import pika
 import pika.exceptions
 import psycopg
 from prometheus_client import Counter
-from psycopg import sql
 
 from framework import amqp, db, names, topology
 from framework.contracts import Registry
@@ -51,6 +50,7 @@ from framework.dlq.replay import resolve_replayed
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
 from framework.settings import Seconds, Settings, setting
+from framework.sql import dead_letters as dead_letters_sql
 
 COLLECTED = Counter("txbox_collector_dead_letters_total", "Dead letters drained from the broker", ["service"])
 DUPLICATES = Counter(
@@ -262,16 +262,6 @@ def _delivery_key(message_id: str, body: bytes, facts: Any) -> str:
     return key.hexdigest()
 
 
-def insert_sql(schema: str, columns: list[str]) -> sql.Composed:
-    return sql.SQL(
-        "INSERT INTO {t} ({cols}) VALUES ({vals}) ON CONFLICT (delivery_key) WHERE delivery_key IS NOT NULL DO NOTHING"
-    ).format(
-        t=sql.Identifier(schema, names.DEAD_LETTERS),
-        cols=sql.SQL(", ").join(map(sql.Identifier, columns)),
-        vals=sql.SQL(", ").join(map(sql.Placeholder, columns)),
-    )
-
-
 def store(conn: psycopg.Connection[Any], schema: str, deliveries: list[tuple[pika.BasicProperties, bytes, str]]) -> int:
     """Insert the deliveries' letters in one transaction; returns how many were new.
 
@@ -294,7 +284,7 @@ def _insert(cur: psycopg.Cursor[Any], schema: str, letter: DeadLetter, key: str,
     for row in _rows(letter, key, body, refusals):
         try:
             with cur.connection.transaction():  # one statement each: rowcount tells duplicates apart
-                cur.execute(insert_sql(schema, list(row)), row)
+                cur.execute(dead_letters_sql.insert_sql(schema), row)
             return cur.rowcount
         except psycopg.Error as exc:
             if cur.connection.broken or cur.connection.closed:

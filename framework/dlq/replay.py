@@ -47,7 +47,6 @@ wants letters resolved in its own completion transaction.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,15 +54,17 @@ from typing import Any, cast
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
-from framework import dedup, names
+from framework import dedup, jsoncodec, names
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import Message, message_from_dict
 from framework.errors import TxboxError
-from framework.outbox import Outbox, default_segment, json_params
-from framework.outbox import insert_sql as outbox_insert_sql
+from framework.outbox import Outbox, default_segment
+from framework.sql import inbox as inbox_sql
+from framework.sql import outbox as outbox_sql
+from framework.sql.inbox import InboxRow
 from framework.tables import pending_by_id
 
 CHUNK = 500
@@ -300,18 +301,10 @@ def _insert_from_envelope(
             message_version=message.message_version,
             auth_token=message.auth_token,
         )
-        _x(conn, outbox_insert_sql(schema), json_params(row))
+        _x(conn, outbox_sql.insert(schema), row.params())
         return
-    _x(
-        conn,
-        sql.SQL(
-            """INSERT INTO {t} (id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key,
-                   payload, message_context, metadata, segment, message_timestamp, queue, redelivered)
-               VALUES (%(id)s, %(message_type)s, %(aggregate_type)s, %(aggregate_id)s, %(message_version)s, %(kind)s,
-                   %(routing_key)s, %(payload)s, %(message_context)s, %(metadata)s, %(segment)s, %(timestamp)s,
-                   %(queue)s, false)"""
-        ).format(t=_t(schema, table)),
-        _inbox_values(registry, service, letter, message, spec),
+    inbox_sql.insert_rows(
+        conn.cursor(row_factory=tuple_row), schema, [_inbox_row(registry, service, letter, message, spec)]
     )
 
 
@@ -320,13 +313,14 @@ def _restore_from_envelope(
 ) -> None:
     """Fill a tombstone in again from the letter (its id, type and aggregate already match)."""
     message, spec = _validated(registry, letter)
+    row = _inbox_row(registry, service, letter, message, spec)
     _x(
         conn,
         sql.SQL(
             """UPDATE {t} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
                    archived_at = NULL WHERE id = %(id)s"""
         ).format(t=_t(schema, names.INBOX)),
-        _inbox_values(registry, service, letter, message, spec),
+        {"id": row.id, "payload": row.payload, "message_context": row.message_context, "metadata": row.metadata},
     )
 
 
@@ -348,28 +342,33 @@ def _validated(registry: Registry, letter: dict[str, Any]) -> tuple[Message, Mes
     return message, spec
 
 
-def _inbox_values(
+def _inbox_row(
     registry: Registry, service: str, letter: dict[str, Any], message: Message, spec: MessageSpec
-) -> dict[str, Any]:
+) -> InboxRow:
+    """The letter's message as an inbox row. A dead letter does not keep the lane the
+    receiver gave it, so it rejoins its aggregate's lane, as an outbox replay does."""
     _ensure_received(registry, service, spec.message_type)
     metadata: dict[str, Any] = {"replayed_from_dead_letter": letter["id"]}
     if message.auth_token is not None:
         metadata["auth_token"] = message.auth_token
-    return {
-        "id": message.message_id,
-        "message_type": message.message_type,
-        "aggregate_type": message.aggregate_type,
-        "aggregate_id": message.aggregate_id,
-        "message_version": message.message_version,
-        "kind": spec.kind,
-        "routing_key": letter["routing_key"] or spec.routing_key,
-        "payload": json.dumps(message.payload),
-        "message_context": json.dumps(message.message_context),
-        "metadata": json.dumps(metadata),
-        "segment": default_segment(message.aggregate_type, message.aggregate_id),
-        "timestamp": message.timestamp,
-        "queue": names.inbox_queue(service),
-    }
+    return InboxRow(
+        id=message.message_id,
+        message_type=message.message_type,
+        aggregate_type=message.aggregate_type,
+        aggregate_id=message.aggregate_id,
+        message_version=message.message_version,
+        kind=spec.kind,
+        routing_key=letter["routing_key"] or spec.routing_key,
+        payload=jsoncodec.dumps(message.payload),
+        message_context=jsoncodec.dumps(message.message_context),
+        metadata=jsoncodec.dumps(metadata),
+        segment=default_segment(message.aggregate_type, message.aggregate_id),
+        concurrency="sequential",
+        priority=0,
+        message_timestamp=message.timestamp,
+        queue=names.inbox_queue(service),
+        redelivered=False,
+    )
 
 
 def discard(conn: psycopg.Connection[Any], schema: str, ids: Sequence[int], *, dry_run: bool = False) -> list[Outcome]:

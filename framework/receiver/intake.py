@@ -21,6 +21,7 @@ from framework.contracts import MessageSpec, Registry
 from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
+from framework.sql.inbox import InboxRow
 
 NOT_ACCEPTED = "not_accepted"  # a known type this service neither accepts nor subscribes to
 UNSTORABLE = "unstorable"  # PostgreSQL refused the row for a reason of the data (e.g. \u0000 in JSON)
@@ -178,28 +179,6 @@ class Delivery:
         if auth_token is not None:
             out["auth_token"] = auth_token
         return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class InboxRow:
-    """Column values of one txbox.inbox row."""
-
-    id: uuid.UUID
-    message_type: str
-    aggregate_type: str
-    aggregate_id: str
-    message_version: str
-    kind: str
-    routing_key: str
-    payload: str  # JSON text
-    message_context: str
-    metadata: str
-    segment: str
-    concurrency: str
-    priority: int
-    message_timestamp: datetime
-    queue: str
-    redelivered: bool
 
 
 def _storable_text(text: str) -> bool:

@@ -67,11 +67,13 @@ from framework.daemon import Daemon, Reconnect
 from framework.envelope import Message
 from framework.errors import AssemblyError, HandlerMisuse, PermanentError, Problem
 from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
-from framework.outbox import Outbox, OutboxRow, json_params
-from framework.outbox import insert_sql as outbox_insert_sql
+from framework.outbox import Outbox
 from framework.service import Service
+from framework.sql import dead_letters as dead_letters_sql
+from framework.sql import inbox as q
+from framework.sql import outbox as outbox_sql
+from framework.sql.outbox import OutboxRow
 from framework.worker import decode, guard, metrics
-from framework.worker import sql as q
 from framework.worker.config import GRACE, LEASE_MARGIN, MIN_RUN, WorkerConfig
 from framework.worker.decode import Undecodable
 from framework.worker.timeout import HandlerTimeout, Watchdog
@@ -151,7 +153,7 @@ class Worker(Daemon):
         self._claim_batch = q.claim(self.schema, suspects=False, park=park)
         self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
         self._presume = q.presume_processed(self.schema)
-        self._insert_outbox = outbox_insert_sql(self.schema)
+        self._insert_outbox = outbox_sql.insert(self.schema)
         self._create_guard, self._arm_guard, self._disarm = guard.create_guard(), guard.arm(), guard.disarm()
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
@@ -296,16 +298,13 @@ class Worker(Daemon):
         claimed_at = time.monotonic()
         conn = self._claim_connection()
         try:
-            with conn.cursor() as cur:
-                cur.execute(statement, {"limit": limit, "lease": float(self.config.lease)})
-                rows = cur.fetchall()
+            rows = q.fetch_claimed(conn, statement, {"limit": limit, "lease": float(self.config.lease)})
             conn.commit()
         except BaseException:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()
             raise
         self._statistics.after_claim(conn, time.monotonic() - claimed_at, len(rows), self.log)
-        rows.sort(key=lambda r: (-r[12], r[13]))
         return [self._claimed(r, claimed_at) for r in rows]
 
     def _claim_connection(self) -> psycopg.Connection[Any]:
@@ -320,15 +319,17 @@ class Worker(Daemon):
             decode.register(self._claim_conn)  # one row that does not decode must not fail the claim
         return self._claim_conn
 
-    def _claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:
+    def _claimed(self, row: dict[str, Any], claimed_at: float) -> Claimed:
         try:
             return self._decode(row, claimed_at)
         except Exception as exc:  # last resort: this row is dead-lettered, the batch goes on
             return self._unreadable(row, claimed_at, _describe(exc))
 
-    def _decode(self, row: Sequence[Any], claimed_at: float) -> Claimed:
-        (id_, message_type, aggregate_type, aggregate_id, version, routing_key, payload, context, metadata,
-         timestamp, started, finished, *_rest) = row  # fmt: skip
+    def _decode(self, row: dict[str, Any], claimed_at: float) -> Claimed:
+        message_type, finished = row["message_type"], row["finished_attempts"]
+        payload, context, metadata, timestamp = (
+            row[c] for c in ("payload", "message_context", "metadata", "message_timestamp")
+        )
         bad = [
             f"{name}: {value.error}"
             for name, value in (
@@ -349,51 +350,50 @@ class Worker(Daemon):
         handler = self.service.handler_for(message_type)
         max_attempts = (handler.max_attempts if handler else None) or self.config.max_attempts
         message = Message(
-            message_id=id_,
+            message_id=row["id"],
             message_type=message_type,
-            aggregate_type=aggregate_type,
-            aggregate_id=aggregate_id,
+            aggregate_type=row["aggregate_type"],
+            aggregate_id=row["aggregate_id"],
             payload=payload,
             message_context=context or {},
             timestamp=timestamp if isinstance(timestamp, datetime) else datetime.fromisoformat(str(timestamp)),
-            message_version=version,
+            message_version=row["message_version"],
             auth_token=(metadata or {}).get("auth_token"),
             attempt=finished + 1,
             max_attempts=max_attempts,
-            routing_key=routing_key,
+            routing_key=row["routing_key"],
         )
         return Claimed(
-            id=id_,
+            id=row["id"],
             message_type=message_type,
-            routing_key=routing_key,
-            started=started,
+            routing_key=row["routing_key"],
+            started=row["started_attempts"],
             finished=finished,
             metadata=metadata or {},
             message=message,
             claimed_at=claimed_at,
         )
 
-    def _unreadable(self, row: Sequence[Any], claimed_at: float, why: str) -> Claimed:
+    def _unreadable(self, row: dict[str, Any], claimed_at: float, why: str) -> Claimed:
         """A claimed row the worker cannot turn into a Message: abandoned unrun, its columns kept as text."""
-        id_, message_type, aggregate_type, aggregate_id, version, routing_key = row[:6]
-        started, finished = row[10], row[11]
+        finished = row["finished_attempts"]
         message = Message(
-            message_id=id_,
-            message_type=str(message_type),
-            aggregate_type=str(aggregate_type),
-            aggregate_id=str(aggregate_id),
+            message_id=row["id"],
+            message_type=str(row["message_type"]),
+            aggregate_type=str(row["aggregate_type"]),
+            aggregate_id=str(row["aggregate_id"]),
             payload={},
-            message_version=str(version),
+            message_version=str(row["message_version"]),
             attempt=finished + 1,
             max_attempts=self.config.max_attempts,
-            routing_key=routing_key,
+            routing_key=row["routing_key"],
         )
-        raw = {name: _as_text(value) for name, value in zip(_STORED_COLUMNS, row, strict=False)}
+        raw = {name: _as_text(row[name]) for name in q.STORED_COLUMNS}
         return Claimed(
-            id=id_,
-            message_type=str(message_type),
-            routing_key=str(routing_key),
-            started=started,
+            id=row["id"],
+            message_type=str(row["message_type"]),
+            routing_key=str(row["routing_key"]),
+            started=row["started_attempts"],
             finished=finished,
             metadata={},
             message=message,
@@ -532,7 +532,7 @@ class Worker(Daemon):
                 if outbox_rows is not None:
                     try:
                         if outbox_rows:
-                            cur.executemany(self._insert_outbox, [json_params(r) for r in outbox_rows])
+                            cur.executemany(self._insert_outbox, [r.params() for r in outbox_rows])
                         session.flush()
                     except Exception as exc:
                         self._reraise_infrastructure(exc)
@@ -739,7 +739,7 @@ class Worker(Daemon):
                     for c in abandoned
                 ],
             )
-            cur.executemany(dl.insert_sql(self.schema), [self._dead_letter(c, bare=bare).row() for c in abandoned])
+            dead_letters_sql.insert_letters(cur, self.schema, [self._dead_letter(c, bare=bare) for c in abandoned])
 
     def _dead_letter(self, claimed: Claimed, *, bare: bool = False) -> dl.DeadLetter:
         """The dead letter of an abandoned claim; ``bare``: only what cannot fail to store."""
@@ -879,13 +879,6 @@ def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -
     if hard < GRACE + MIN_RUN:
         return None
     return min(timeout, hard - GRACE), hard
-
-
-# The claim's first columns, named for the dead letter of a row that cannot be read.
-_STORED_COLUMNS = (
-    "id", "message_type", "aggregate_type", "aggregate_id", "message_version", "routing_key", "payload",
-    "message_context", "metadata", "message_timestamp",
-)  # fmt: skip
 
 
 def _as_text(value: Any) -> str:

@@ -26,8 +26,7 @@ from framework import names, topology
 from framework.db import conninfo
 from framework.demo.processes import ProcessGroup
 from framework.receiver import Delivery, Intake
-from framework.receiver.intake import InboxRow
-from framework.receiver.store import insert_rows
+from framework.sql.inbox import InboxRow, insert_rows
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import publish, query, scalar

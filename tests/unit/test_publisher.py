@@ -16,8 +16,9 @@ from framework.envelope import parse_message
 from framework.errors import ConfigurationError, PublishError
 from framework.publisher import Outgoing, Publisher, RelayConfig
 from framework.publisher.confirms import _COALESCED_CHUNK, _PENDING, _coalesce_writes
-from framework.publisher.relay import Claimed, envelope_body, outgoing
+from framework.publisher.relay import envelope_body, outgoing
 from framework.settings import load
+from framework.sql.outbox import Claimed
 
 
 def claimed(**over: object) -> Claimed:

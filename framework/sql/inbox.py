@@ -1,10 +1,18 @@
-"""Named SQL of the worker: claim, presume-and-fence, settle. Kept out of the daemon's logic.
+"""All SQL of ``txbox.inbox``: the one INSERT, its row codec, and the worker's statements.
 
-The claim takes due rows that are at the head of their sequential segment (no pending
-sequential row of the segment comes before them; parallel rows need no such check),
-skips rows another worker has locked, and in the same statement counts the start and
-sets the lease. Rows whose previous run never finished (``started > finished`` with an
-expired lease: the process died) are claimed alone — see the daemon.
+Writing: :class:`InboxRow` is the one shape of a row on its way in (the receiver's
+intake builds it, the dead-letter replay too) and :func:`insert_rows` the one INSERT:
+``INSERT ... SELECT FROM unnest(arrays)`` stores a whole batch in one round trip;
+``ON CONFLICT (id) DO NOTHING`` makes a duplicate delivery a no-op and ``RETURNING id``
+tells duplicates from new rows. :func:`conflicting` tells a true duplicate from an id
+reused for other content (docs/architecture.md, "Receiver intake").
+
+Working (docs/architecture.md, "Worker"): the claim takes due rows that are at the head
+of their sequential segment (no pending sequential row of the segment comes before them;
+parallel rows need no such check), skips rows another worker has locked, and in the same
+statement counts the start and sets the lease. Rows whose previous run never finished
+(``started > finished`` with an expired lease: the process died) are claimed alone.
+Claimed rows are read by the names of :data:`CLAIM_COLUMNS` (:func:`fetch_claimed`).
 
 The claim's UPDATE finds the locked rows by ``ctid`` (stable while ``due`` holds their
 row locks): a TID scan whatever the statistics say. Matched by ``id``, a planner that had
@@ -14,16 +22,142 @@ at 500 msg/s, growing with the table until the next ANALYZE).
 
 from __future__ import annotations
 
-from psycopg import sql
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
 
-from framework import names
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from framework import dedup, names
 from framework.tables import pending_by_id, pending_in_segment
 
-_RETURNING = (
-    "t.id, t.message_type, t.aggregate_type, t.aggregate_id, t.message_version, t.routing_key, t.payload,"
-    " t.message_context, t.metadata, t.message_timestamp, t.started_attempts, t.finished_attempts, t.priority,"
-    " t.created_at, t.segment"
-)
+
+@dataclass(frozen=True, kw_only=True)
+class InboxRow:
+    """Column values of one txbox.inbox row on its way in."""
+
+    id: uuid.UUID
+    message_type: str
+    aggregate_type: str
+    aggregate_id: str
+    message_version: str
+    kind: str
+    routing_key: str
+    payload: str  # JSON text
+    message_context: str
+    metadata: str
+    segment: str
+    concurrency: str
+    priority: int
+    message_timestamp: datetime
+    queue: str
+    redelivered: bool
+
+
+# The PostgreSQL type of each InboxRow field, for the arrays of the INSERT.
+_TYPES = {"id": "uuid", "payload": "jsonb", "message_context": "jsonb", "metadata": "jsonb", "priority": "int2",
+          "message_timestamp": "timestamptz", "redelivered": "bool"}  # fmt: skip
+_COLUMNS: tuple[tuple[str, str], ...] = tuple((f.name, _TYPES.get(f.name, "text")) for f in fields(InboxRow))
+
+
+def insert_sql(schema: str) -> sql.Composed:
+    """The inbox INSERT: one array per column (:func:`insert_rows` fills them)."""
+
+    # jsonb arrives as text[] and is cast per element: psycopg has no jsonb[] adapter
+    # for plain strings, and text keeps the JSON exactly as the receiver serialized it.
+    def array_type(t: str) -> str:
+        return "text" if t == "jsonb" else t
+
+    return sql.SQL(
+        "INSERT INTO {table} ({cols}) SELECT {select} FROM unnest({arrays}) AS u({cols}) "
+        "ON CONFLICT (id) DO NOTHING RETURNING id"
+    ).format(
+        table=sql.Identifier(schema, names.INBOX),
+        cols=sql.SQL(", ").join(sql.Identifier(c) for c, _ in _COLUMNS),
+        select=sql.SQL(", ").join(
+            sql.SQL("{}::jsonb").format(sql.Identifier(c)) if t == "jsonb" else sql.Identifier(c) for c, t in _COLUMNS
+        ),
+        arrays=sql.SQL(", ").join(sql.SQL("%b::{}[]").format(sql.SQL(array_type(t))) for _, t in _COLUMNS),
+    )
+
+
+def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow]) -> set[uuid.UUID]:
+    """Store ``rows``; returns the ids that were new (the others were duplicates)."""
+    if not rows:
+        return set()
+    arrays = [[getattr(r, c) for r in rows] for c, _ in _COLUMNS]
+    cur.execute(insert_sql(schema), arrays)
+    return {row[0] for row in cur.fetchall()}
+
+
+# What makes two messages with one id the same message (docs/architecture.md, "Receiver
+# intake"): type, aggregate and payload, the payload compared as jsonb (key order and
+# number spelling do not matter), or by its digest where the archive left a tombstone
+# (framework.dedup). Context, timestamp, version, token and headers may differ between
+# two sends of one message and are not compared.
+def _conflicts_sql(schema: str) -> sql.Composed:
+    u = {c: sql.SQL("u." + c) for c in ("message_type", "aggregate_type", "aggregate_id")}
+    payload = sql.SQL("u.payload::jsonb")
+    return sql.SQL(
+        "SELECT u.n, concat_ws(', ', "
+        "CASE WHEN i.message_type IS DISTINCT FROM u.message_type THEN 'message_type' END, "
+        "CASE WHEN i.aggregate_type IS DISTINCT FROM u.aggregate_type THEN 'aggregate_type' END, "
+        "CASE WHEN i.aggregate_id IS DISTINCT FROM u.aggregate_id THEN 'aggregate_id' END, "
+        "CASE WHEN NOT coalesce({same_payload}, false) THEN 'payload' END) "
+        "FROM unnest(%s::int[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[]) "
+        "AS u(n, id, message_type, aggregate_type, aggregate_id, payload) "
+        "JOIN {table} i ON i.id = u.id WHERE NOT coalesce({same}, false) ORDER BY u.n"
+    ).format(
+        table=sql.Identifier(schema, names.INBOX),
+        same_payload=dedup.same_payload("i", payload),
+        same=dedup.same_content("i", u["message_type"], u["aggregate_type"], u["aggregate_id"], payload),
+    )
+
+
+def conflicting(
+    cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow], new: set[uuid.UUID]
+) -> list[tuple[int, str]]:
+    """(index in ``rows``, fields that differ) of rows whose id is stored with other content.
+
+    Only rows that did not insert are looked at (the first of several rows with one id
+    in ``rows`` is the one that did): with no duplicate in a batch, no statement at all.
+    """
+    inserted: set[uuid.UUID] = set()
+    candidates: list[int] = []
+    for index, row in enumerate(rows):
+        if row.id in new and row.id not in inserted:
+            inserted.add(row.id)
+        else:
+            candidates.append(index)
+    if not candidates:
+        return []
+    picked = [rows[i] for i in candidates]
+    cur.execute(
+        _conflicts_sql(schema),
+        (
+            candidates,
+            [r.id for r in picked],
+            [r.message_type for r in picked],
+            [r.aggregate_type for r in picked],
+            [r.aggregate_id for r in picked],
+            [r.payload for r in picked],
+        ),
+    )
+    return [(int(n), str(fields)) for n, fields in cur.fetchall()]
+
+
+# The message as stored: what the dead letter of a row that cannot be read keeps.
+STORED_COLUMNS = (
+    "id", "message_type", "aggregate_type", "aggregate_id", "message_version", "routing_key", "payload",
+    "message_context", "metadata", "message_timestamp",
+)  # fmt: skip
+# What a claim returns, by name (:func:`fetch_claimed`).
+CLAIM_COLUMNS = (*STORED_COLUMNS, "started_attempts", "finished_attempts", "priority", "created_at", "segment")
+_RETURNING = ", ".join(f"t.{c}" for c in CLAIM_COLUMNS)
 
 _CLAIM = f"""
 WITH due AS (
@@ -62,6 +196,7 @@ _PARK = """
 
 
 def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
+    """Params: limit, lease (seconds). Rows: :data:`CLAIM_COLUMNS` (:func:`fetch_claimed`)."""
     # Suspects are found through inbox_suspect_idx (oldest expired lease first); the
     # others in priority, then arrival order through inbox_due_idx.
     which = "i.started_attempts > i.finished_attempts" if suspects else "i.started_attempts <= i.finished_attempts"
@@ -75,6 +210,16 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
     return sql.SQL(_CLAIM).format(
         inbox=inbox, which=sql.SQL(which), park=park_sql, order=sql.SQL(order), returning=sql.SQL(_RETURNING)
     )
+
+
+def fetch_claimed(
+    conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Run a claim; its rows by column name, in priority, then arrival order."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(statement, params).fetchall()
+    rows.sort(key=lambda r: (-r["priority"], r["created_at"]))
+    return rows
 
 
 # Our claims that still carry the started_attempts they had when we claimed them (the
