@@ -13,8 +13,8 @@ from framework.errors import ConfigurationError
 from framework.settings import load
 from framework.sql import inbox as q
 from framework.worker import HandlerTimeout, WorkerConfig
+from framework.worker.batch import Claimed, run_deadlines
 from framework.worker.config import GRACE, LEASE_MARGIN
-from framework.worker.daemon import Claimed, run_deadlines
 from framework.worker.timeout import Watchdog
 
 
