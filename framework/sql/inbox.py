@@ -251,9 +251,9 @@ def presume_processed(schema: str) -> sql.Composed:
     that do not succeed are corrected by the statements below before the commit, so
     nobody ever sees the presumption. ``processed_at`` is thus when the batch started.
 
-    Each row comes back with whether a later sequential row of its segment waits behind
-    it: the batch's commit makes that row due, and only then is a claim worth making
-    before the next NOTIFY. The probe reads the statement's snapshot, in which the batch
+    Each row comes back as ``id`` and ``frees``: whether a later sequential row of its
+    segment waits behind it. The batch's commit makes that row due, and only then is a
+    claim worth making before the next NOTIFY. The probe reads the statement's snapshot, in which the batch
     is still pending, so it skips the batch's own rows.
     """
     return sql.SQL(
@@ -262,7 +262,7 @@ def presume_processed(schema: str) -> sql.Composed:
         f"WHERE {_FENCE} "
         "RETURNING t.id, t.concurrency = 'sequential' AND EXISTS ("
         "SELECT 1 FROM {inbox} p WHERE p.segment = t.segment AND p.concurrency = 'sequential' "
-        f"AND {pending_in_segment('p')} AND p.id <> ALL(%(ids)s::uuid[]))"
+        f"AND {pending_in_segment('p')} AND p.id <> ALL(%(ids)s::uuid[])) AS frees"
     ).format(inbox=sql.Identifier(schema, names.INBOX))
 
 

@@ -53,6 +53,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from psycopg.rows import dict_row
 from sqlalchemy import Connection
 
 from framework import db, jsoncodec, redaction
@@ -360,12 +361,12 @@ class BatchRunner:
         raw = driver(conn)
         transaction = conn.begin()
         try:
-            cur = raw.cursor()
+            cur = raw.cursor(row_factory=dict_row)
             self._arm(cur, conn)
             cur.execute(self._presume, {"ids": [c.id for c in batch], "started": [c.started for c in batch]})
             presumed = cur.fetchall()
-            ours = {row[0] for row in presumed}
-            self.freed = self.freed or any(row[1] for row in presumed)
+            ours = {row["id"] for row in presumed}
+            self.freed = self.freed or any(row["frees"] for row in presumed)
             session = guard.HandlerSession(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
             # Optimistic pass: handlers' outbox rows are inserted together at the end
             # (one pipelined round trip); careful pass: at once, inside each savepoint.
