@@ -308,3 +308,17 @@ def backlog(schema: str) -> sql.Composed:
         "SELECT count(*), COALESCE(extract(epoch FROM now() - min(locked_until) "
         "FILTER (WHERE locked_until <= now())), 0) FROM {inbox} WHERE processed_at IS NULL AND abandoned_at IS NULL"
     ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
+def holds(schema: str) -> sql.Composed:
+    """Params: id. One row if the inbox holds the message (live or tombstone)."""
+    return sql.SQL("SELECT 1 FROM {t} WHERE id = %(id)s").format(t=sql.Identifier(schema, names.INBOX))
+
+
+def restore_tombstone(schema: str) -> sql.Composed:
+    """Params: id, payload, message_context, metadata. A tombstone filled in again (its id,
+    type and aggregate already match; framework/dedup.py)."""
+    return sql.SQL(
+        """UPDATE {t} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
+               archived_at = NULL WHERE id = %(id)s"""
+    ).format(t=sql.Identifier(schema, names.INBOX))
