@@ -66,7 +66,7 @@ class OutboxRow:
     segment: str
     concurrency: str
     priority: int
-    locked_until: datetime | None  # None: due now (the database's clock)
+    locked_until: datetime | None  # None: due now (the database's clock). Keep it last: see _insert
 
     def params(self) -> dict[str, Any]:
         """The parameters of :func:`insert`, JSON columns as text, in column order."""
@@ -82,7 +82,9 @@ _JSON_COLUMNS = ("payload", "message_context", "metadata")
 
 def _insert(schema: str, placeholders: list[sql.Composable]) -> sql.Composed:
     # One statement per row, never a multi-row INSERT: ``created_at`` (``clock_timestamp()``)
-    # orders a segment, and rows of one statement may share a microsecond.
+    # orders a segment, and rows of one statement may share a microsecond. The last
+    # column, locked_until, falls back to the database's clock when NULL.
+    assert COLUMNS[-1] == "locked_until"
     values = [*placeholders[:-1], sql.SQL("COALESCE({}::timestamptz, clock_timestamp())").format(placeholders[-1])]
     return sql.SQL("INSERT INTO {t} ({cols}) VALUES ({vals})").format(
         t=_outbox(schema),
