@@ -58,9 +58,16 @@ class InboxRow:
     redelivered: bool
 
 
-# The PostgreSQL type of each InboxRow field, for the arrays of the INSERT.
-_TYPES = {"id": "uuid", "payload": "jsonb", "message_context": "jsonb", "metadata": "jsonb", "priority": "int2",
-          "message_timestamp": "timestamptz", "redelivered": "bool"}  # fmt: skip
+# The PostgreSQL type of each InboxRow field that is not text, for the arrays of the INSERT.
+_TYPES = {
+    "id": "uuid",
+    "payload": "jsonb",
+    "message_context": "jsonb",
+    "metadata": "jsonb",
+    "priority": "int2",
+    "message_timestamp": "timestamptz",
+    "redelivered": "bool",
+}
 _COLUMNS: tuple[tuple[str, str], ...] = tuple((f.name, _TYPES.get(f.name, "text")) for f in fields(InboxRow))
 
 
