@@ -29,7 +29,7 @@ bulk-filled since its last ANALYZE the planner misjudged the partial indexes and
 ``txbox bench e2e``). Since migration 0006 the probe spells "pending" as the segment
 index's predicate, which ``outbox_due_idx`` cannot serve (framework/tables.py), and the
 statements that find rows by id spell it so that neither partial index can. The relay
-still analyzes the outbox itself when the statistics are stale (relay.py): row counts
+still analyzes the outbox itself when the statistics are stale (framework/publisher/relay.py): row counts
 matter for the rest of the plan.
 """
 
