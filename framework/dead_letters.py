@@ -17,8 +17,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from psycopg import sql
-
 from framework import jsoncodec, names, redaction
 from framework.jsoncodec import clean_text, safe_str, to_storable
 from framework.reasons import Reason
@@ -126,7 +124,7 @@ class DeadLetter:
             self.error = f"{self.reason}: the letter could not be scrubbed of secrets ({type(exc).__name__})"
 
     def row(self) -> dict[str, Any]:
-        """The row's column values (``insert_sql``'s parameters); never raises.
+        """The row's column values (framework.sql.dead_letters.insert_sql's parameters); never raises.
 
         Should building the row fail all the same, the row of last resort is reason
         ``internal_error`` with what could be kept: the original reason, the error and
@@ -173,6 +171,7 @@ class DeadLetter:
             "raw_encoding": encoding,
             "headers": _json_text(headers),
             "attempts": _json_text(self.attempts),
+            "delivery_key": None,
         }
 
     def _last_resort_row(self, exc: Exception) -> dict[str, Any]:
@@ -195,6 +194,7 @@ class DeadLetter:
             "raw_encoding": None,
             "headers": json.dumps({names.BODY_FACTS: facts}),
             "attempts": "{}",
+            "delivery_key": None,
         }
 
 
@@ -299,28 +299,3 @@ def encode_body(body: bytes) -> tuple[str, str]:
 
 def decode_body(raw: str, encoding: str) -> bytes:
     return base64.b64decode(raw) if encoding == "base64" else raw.encode("utf-8")
-
-
-_COLUMNS = (
-    "message_id",
-    "source",
-    "reason",
-    "error",
-    "fingerprint",
-    "message_type",
-    "routing_key",
-    "message",
-    "raw_body",
-    "raw_encoding",
-    "headers",
-    "attempts",
-)
-
-
-def insert_sql(schema: str) -> sql.Composed:
-    """Named INSERT for psycopg (``cursor.execute(insert_sql(s), letter.row())``)."""
-    return sql.SQL("INSERT INTO {table} ({cols}) VALUES ({vals})").format(
-        table=sql.Identifier(schema, names.DEAD_LETTERS),
-        cols=sql.SQL(", ").join(map(sql.Identifier, _COLUMNS)),
-        vals=sql.SQL(", ").join(sql.Placeholder(c) for c in _COLUMNS),
-    )

@@ -2,66 +2,43 @@
 
 The row commits or rolls back with the business data it belongs to; the publisher
 relays it afterwards. A row written at the top level of a transaction is sent with its
-COMMIT (:mod:`framework.outbox_commit`), saving the round trip of an INSERT of its own.
+COMMIT (:mod:`framework.outbox_commit`), saving the round trip of an INSERT of its own;
+with ``TXBOX_OUTBOX_COMMIT_PIPELINE=false``, or where the pipeline cannot be used, it is
+a plain INSERT at once. Both are the one INSERT of :mod:`framework.sql.outbox`.
 Routing key, kind and aggregate type come from the contracts and the payload is
 validated here, so a bad message raises before anything commits.
 """
 
 from __future__ import annotations
 
-import functools
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from psycopg import sql
 from sqlalchemy import Connection, insert
 from sqlalchemy.orm import Session
 
-from framework import jsoncodec, outbox_commit, tables
+from framework import outbox_commit, tables
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import DEFAULT_MESSAGE_VERSION
 from framework.errors import ContractError
+from framework.sql import outbox as outbox_sql
+from framework.sql.outbox import OutboxRow
 
 if TYPE_CHECKING:
     from framework.envelope import Message
 
 Concurrency = Literal["sequential", "parallel"]
 
-_INSERT = insert(tables.outbox)
+# Only shown to a Session to pick the bind of the outbox's table; never executed (the
+# rows go in through framework.sql.outbox's one INSERT).
+_BIND_CLAUSE = insert(tables.outbox)
 
 
 def default_segment(aggregate_type: str, aggregate_id: str) -> str:
     """Ordering lane of a message unless told otherwise: one per aggregate."""
     return f"{aggregate_type}:{aggregate_id}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class OutboxRow:
-    """A message on its way into txbox.outbox (column values)."""
-
-    id: uuid.UUID
-    message_type: str
-    aggregate_type: str
-    aggregate_id: str
-    message_version: str
-    kind: str
-    routing_key: str
-    payload: dict[str, Any]
-    message_context: dict[str, Any]
-    metadata: dict[str, Any]
-    segment: str
-    concurrency: str
-    priority: int
-    locked_until: datetime | None
-
-    def params(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        if out["locked_until"] is None:
-            del out["locked_until"]  # server default: due now
-        return out
 
 
 class Outbox:
@@ -79,14 +56,16 @@ class Outbox:
         schema: str = tables.SCHEMA,
         incoming: Message | None = None,
         defer_to: list[OutboxRow] | None = None,
+        commit_pipeline: bool = True,
     ) -> None:
         self._bind = bind
         self._registry = registry
         self._schema = schema
-        self._options = {"schema_translate_map": tables.translate_map(schema)} if schema != tables.SCHEMA else {}
         self._incoming = incoming
+        # TXBOX_OUTBOX_COMMIT_PIPELINE: off, every row is a plain INSERT of its own at once.
+        self._pipeline = commit_pipeline
         # The worker's batches collect rows here and insert them all before the commit
-        # (:func:`insert_sql`), saving a round trip per message; validation still raises
+        # (:func:`framework.sql.outbox.insert`), saving a round trip per message; validation still raises
         # in the handler that wrote the bad message.
         self._deferred = defer_to
         self.written: list[OutboxRow] = []
@@ -166,7 +145,7 @@ class Outbox:
 
     def _connection(self) -> Connection:
         if isinstance(self._bind, Session):
-            return self._bind.connection(bind_arguments={"clause": _INSERT})
+            return self._bind.connection(bind_arguments={"clause": _BIND_CLAUSE})
         return self._bind
 
     def _write(self, spec: MessageSpec, **kwargs: Any) -> uuid.UUID:
@@ -175,45 +154,9 @@ class Outbox:
             self._deferred.append(row)
         else:
             conn = self._connection()
-            if not outbox_commit.hold(conn, _table_text(self._schema), _json_values(row)):
+            params = row.params()
+            if not (self._pipeline and outbox_commit.hold(conn, outbox_sql.insert_text(self._schema), params)):
                 outbox_commit.write_held(conn)  # rows written earlier go first
-                conn.execute(_INSERT, row.params(), execution_options=self._options)
+                conn.exec_driver_sql(outbox_sql.insert_pyformat(self._schema), params)
         self.written.append(row)
         return row.id
-
-
-_COLUMNS = tuple(f for f in OutboxRow.__dataclass_fields__ if f != "locked_until")
-
-
-def insert_sql(schema: str) -> sql.Composed:
-    """One outbox row for raw psycopg ``executemany`` (params: :func:`json_params`).
-
-    One statement per row, not a multi-row INSERT: ``created_at`` (``clock_timestamp()``)
-    orders a segment, and rows of one statement may share a microsecond.
-    """
-    return sql.SQL("INSERT INTO {t} ({cols}, locked_until) VALUES ({vals}, COALESCE({lu}, clock_timestamp()))").format(
-        t=sql.Identifier(schema, tables.outbox.name),
-        cols=sql.SQL(", ").join(map(sql.Identifier, _COLUMNS)),
-        vals=sql.SQL(", ").join(map(sql.Placeholder, _COLUMNS)),
-        lu=sql.SQL("{}::timestamptz").format(sql.Placeholder("locked_until")),
-    )
-
-
-@functools.cache
-def _table_text(schema: str) -> str:
-    return sql.Identifier(schema, tables.outbox.name).as_string()
-
-
-def _json_values(row: OutboxRow) -> dict[str, Any]:
-    # Column values, JSON columns serialized; without locked_until when due now (default).
-    values = row.params()
-    for key in ("payload", "message_context", "metadata"):
-        values[key] = jsoncodec.dumps(values[key])
-    return values
-
-
-def json_params(row: OutboxRow) -> dict[str, Any]:
-    """Row params with JSON columns serialized, for raw psycopg executemany on hot paths."""
-    params = _json_values(row)
-    params.setdefault("locked_until", None)  # insert_sql: NULL means due now
-    return params

@@ -1,4 +1,4 @@
-"""Outbox rows that travel with the caller's COMMIT (writing must be cheap: docs/architecture.md, "The flow").
+"""Outbox rows that travel with the caller's COMMIT (docs/architecture.md, "Outbox writes").
 
 A one-row business transaction is a few round trips: BEGIN, its statement and COMMIT.
 An outbox INSERT of its own would be one more, and parsing and planning a wide INSERT
@@ -7,7 +7,9 @@ of a transaction waits here and goes out with the COMMIT in one libpq pipeline:
 ``[Close, Parse,] Bind/Execute ... COMMIT, Sync``, one round trip, executing a statement
 prepared once per connection. It is still the caller's transaction: the rows commit
 exactly when the business data does, and a failing INSERT aborts the pipeline, so the
-COMMIT never runs and nothing commits without its messages.
+COMMIT never runs and nothing commits without its messages. The setting
+``TXBOX_OUTBOX_COMMIT_PIPELINE`` (default true) turns this off: then every row is the
+plain INSERT at once, the fallback used wherever the pipeline cannot be.
 
 A row is only held back where the commit is sure to pass SQLAlchemy's ``commit`` event:
 a psycopg connection (libpq with pipeline mode) inside a plain (not two-phase)
@@ -81,11 +83,11 @@ _hooked: weakref.WeakSet[Engine] = weakref.WeakSet()
 _hook_lock = threading.Lock()
 
 
-def hold(conn: Connection, table: str, values: dict[str, Any]) -> bool:
+def hold(conn: Connection, insert: str, values: dict[str, Any]) -> bool:
     """Keep one row for the COMMIT of ``conn``'s transaction; False: insert it now yourself.
 
-    ``table`` is the quoted table name, ``values`` maps column names to Python values
-    (JSON columns already serialized to text).
+    ``insert`` is the table's INSERT with ``$n`` parameters (framework/sql/outbox.py),
+    ``values`` its parameters in that order (JSON columns already serialized to text).
     """
     txn = conn.get_transaction()
     if (
@@ -98,7 +100,7 @@ def hold(conn: Connection, table: str, values: dict[str, Any]) -> bool:
     raw = conn.connection.driver_connection
     if not isinstance(raw, psycopg.Connection) or raw.autocommit:
         return False
-    statement = _statement(table, tuple(values))
+    statement = _statement(insert)
     try:
         params = _params(raw, values.values())
     except psycopg.Error as exc:  # a value PostgreSQL cannot take, e.g. text with a NUL
@@ -279,16 +281,10 @@ def _results(pgconn: pq.abc.PGconn) -> list[pq.abc.PGresult]:
 
 
 @functools.cache
-def _statement(table: str, columns: tuple[str, ...]) -> _Insert:
-    placeholders = ", ".join(f"${n}" for n in range(1, len(columns) + 1))
-    text = f"INSERT INTO {table} ({', '.join(map(_identifier, columns))}) VALUES ({placeholders})"
-    # One name per table and column list; a hash keeps it within 63 bytes.
+def _statement(text: str) -> _Insert:
+    # One name per statement text; a hash keeps it within 63 bytes.
     name = "txbox_outbox_" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
     return _Insert(name=name.encode(), text=text.encode())
-
-
-def _identifier(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _params(raw: psycopg.Connection[Any], values: Iterable[object]) -> list[bytes | None]:

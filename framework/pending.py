@@ -10,7 +10,7 @@ here (docs/architecture.md, "What is pending"). Each pending row is in exactly o
   it waits for its backoff or is due again;
 - ``parked`` (inbox, only under ``TXBOX_WORKER_SEGMENT_POLICY=park``): an earlier
   sequential message of its segment was abandoned and its dead letter is still open,
-  so the worker leaves it alone (the worker's own rule, framework/worker/sql.py);
+  so the worker leaves it alone (the worker's own rule, framework/sql/inbox.py);
 - ``scheduled``: not before ``locked_until`` (a scheduled send, or given back later);
 - ``due``: the daemons may take it now (when it heads its segment).
 

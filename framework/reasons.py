@@ -39,6 +39,7 @@ class Reason(StrEnum):
     MAX_ATTEMPTS = "max_attempts"  # also the relay's: publishing failed that often
     PERMANENT_ERROR = "permanent_error"
     POISON = "poison"
+    NO_HANDLER = "no_handler"  # a message type this process has no handler for
     # The relay gave up: the broker's answer to a publish (also PublishError.reason).
     UNROUTABLE = "unroutable"
     NACKED = "nacked"

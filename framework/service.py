@@ -95,7 +95,13 @@ class Service:
 
     def outbox(self, session: Session | Connection, *, incoming: Message | None = None) -> Outbox:
         """An outbox writing into ``session``'s current transaction."""
-        return Outbox(session, self.registry, schema=self.settings.schema, incoming=incoming)
+        return Outbox(
+            session,
+            self.registry,
+            schema=self.settings.schema,
+            incoming=incoming,
+            commit_pipeline=self.settings.outbox_commit_pipeline,
+        )
 
     def problems(self) -> list[Problem]:
         """Everything that does not fit (errors) or looks wrong (warnings)."""

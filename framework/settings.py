@@ -167,6 +167,12 @@ class Settings:
     queue_type: Literal["quorum", "classic"] = setting(
         "TXBOX_QUEUE_TYPE", "quorum", default="quorum", help="type of the inbox queue"
     )
+    outbox_commit_pipeline: bool = setting(
+        "TXBOX_OUTBOX_COMMIT_PIPELINE",
+        "true",
+        default=True,
+        help="send outbox rows with the transaction's COMMIT in one round trip (false: a plain INSERT each)",
+    )
 
     def __post_init__(self) -> None:
         if not names.valid_service_id(self.service):

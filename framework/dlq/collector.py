@@ -27,7 +27,6 @@ from typing import Any
 import pika
 import pika.exceptions
 import psycopg
-from psycopg import sql
 
 from framework import amqp, jsoncodec, metrics, names, reasons, topology
 from framework.connections import ConnectionSlot
@@ -46,6 +45,7 @@ from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterU
 from framework.reasons import Reason
 from framework.service import Service
 from framework.settings import FromEnv, Seconds, setting
+from framework.sql import dead_letters as dead_letters_sql
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,16 +237,6 @@ def _delivery_key(message_id: str, body: bytes, facts: Any) -> str:
     return key.hexdigest()
 
 
-def insert_sql(schema: str, columns: list[str]) -> sql.Composed:
-    return sql.SQL(
-        "INSERT INTO {t} ({cols}) VALUES ({vals}) ON CONFLICT (delivery_key) WHERE delivery_key IS NOT NULL DO NOTHING"
-    ).format(
-        t=sql.Identifier(schema, names.DEAD_LETTERS),
-        cols=sql.SQL(", ").join(map(sql.Identifier, columns)),
-        vals=sql.SQL(", ").join(map(sql.Placeholder, columns)),
-    )
-
-
 def store(conn: psycopg.Connection[Any], schema: str, deliveries: list[tuple[pika.BasicProperties, bytes, str]]) -> int:
     """Insert the deliveries' letters in one transaction; returns how many were new.
 
@@ -269,7 +259,7 @@ def _insert(cur: psycopg.Cursor[Any], schema: str, letter: DeadLetter, key: str,
     for row in _rows(letter, key, body, refusals):
         try:
             with cur.connection.transaction():  # one statement each: rowcount tells duplicates apart
-                cur.execute(insert_sql(schema, list(row)), row)
+                cur.execute(dead_letters_sql.insert_sql(schema), row)
             return cur.rowcount
         except psycopg.Error as exc:
             if cur.connection.broken or cur.connection.closed:

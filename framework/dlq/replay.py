@@ -47,7 +47,6 @@ wants letters resolved in its own completion transaction.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,16 +54,19 @@ from typing import Any, cast
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
-from framework import dedup, names
+from framework import dedup, jsoncodec, names
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import Message, message_from_dict
 from framework.errors import ReplayRefused, TxboxError
-from framework.outbox import Outbox, default_segment, json_params
-from framework.outbox import insert_sql as outbox_insert_sql
-from framework.tables import pending_by_id
+from framework.outbox import Outbox, default_segment
+from framework.sql import dead_letters as letters_sql
+from framework.sql import inbox as inbox_sql
+from framework.sql import messages as messages_sql
+from framework.sql import outbox as outbox_sql
+from framework.sql.inbox import InboxRow
 
 CHUNK = 500
 
@@ -86,16 +88,9 @@ def _x(conn: psycopg.Connection[Any], query: sql.Composed, params: Any = None) -
     return conn.cursor(row_factory=dict_row).execute(query, params)
 
 
-def _t(schema: str, table: str) -> sql.Identifier:
-    return sql.Identifier(schema, table)
-
-
 def _lock_letters(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> list[dict[str, Any]]:
-    """The letters of ``ids``, locked for this transaction, in id order (no deadlock between two operators)."""
-    query = sql.SQL("SELECT * FROM {t} WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE").format(
-        t=_t(schema, names.DEAD_LETTERS)
-    )
-    return _x(conn, query, {"ids": ids}).fetchall()
+    """The letters of ``ids``, locked for this transaction, in id order."""
+    return _x(conn, letters_sql.lock(schema), {"ids": ids}).fetchall()
 
 
 def _chunks(ids: Sequence[int]) -> list[list[int]]:
@@ -150,11 +145,7 @@ def _resend(
     conn: psycopg.Connection[Any], schema: str, registry: Registry, service: str, letter: dict[str, Any]
 ) -> Outcome:
     """A broker letter: through the outbox again, unless the inbox has the message by now."""
-    in_inbox = _x(
-        conn,
-        sql.SQL("SELECT 1 FROM {t} WHERE id = %(id)s").format(t=_t(schema, names.INBOX)),
-        {"id": letter["message_id"]},
-    ).fetchone()
+    in_inbox = _x(conn, inbox_sql.holds(schema), {"id": letter["message_id"]}).fetchone()
     if in_inbox is not None:
         return _replay_into(conn, schema, registry, service, letter, names.INBOX)
     if letter["message_type"] is not None:
@@ -189,11 +180,7 @@ def _replay_into(
         _insert_from_envelope(conn, schema, registry, service, letter, table)
         action, detail = f"{table}-insert", f"written to {table} as {mid}" + (" to be sent again" if resend else "")
     elif row["processed_at"] is not None and not resend:
-        _x(
-            conn,
-            sql.SQL("UPDATE {t} SET resolved_at = %(at)s WHERE id = %(id)s").format(t=_t(schema, names.DEAD_LETTERS)),
-            {"at": row["processed_at"], "id": lid},
-        )
+        _x(conn, letters_sql.mark_resolved(schema), {"at": row["processed_at"], "id": lid})
         done = "published" if table == names.OUTBOX else "processed"
         return Outcome(
             lid,
@@ -205,15 +192,7 @@ def _replay_into(
     else:
         if row["archived_at"] is not None:  # a tombstone: only the id is left, the letter has the rest
             _restore_from_envelope(conn, schema, registry, service, letter)
-        _x(
-            conn,
-            sql.SQL(
-                """UPDATE {t} SET processed_at = NULL, abandoned_at = NULL, last_error = NULL,
-                       started_attempts = 0, finished_attempts = 0, locked_until = clock_timestamp()
-                   WHERE id = %(id)s"""
-            ).format(t=_t(schema, table)),
-            {"id": mid},
-        )
+        _x(conn, messages_sql.reset(schema, table), {"id": mid})
         action, detail = f"{table}-reset", f"{table} row {mid} reset for processing"
     history = {
         "replayed_at": None,  # filled by SQL below (clock of the database)
@@ -230,19 +209,7 @@ def _replay_into(
 
 def _note(conn: psycopg.Connection[Any], schema: str, lid: int, entry: dict[str, Any], stamp: str, more: str) -> None:
     """Set the letter's ``stamp`` column to now and append ``entry`` (timed as ``stamp``) to its history."""
-    _x(
-        conn,
-        sql.SQL(
-            """UPDATE {t} SET {stamp} = clock_timestamp(), {more},
-                   attempts = jsonb_set(attempts, '{{history}}',
-                       coalesce(attempts -> 'history', '[]'::jsonb)
-                       || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object({key}, clock_timestamp())))
-               WHERE id = %(id)s"""
-        ).format(
-            t=_t(schema, names.DEAD_LETTERS), stamp=sql.Identifier(stamp), more=sql.SQL(more), key=sql.Literal(stamp)
-        ),
-        {"entry": Jsonb(entry), "id": lid},
-    )
+    _x(conn, letters_sql.note(schema, stamp, more), {"entry": Jsonb(entry), "id": lid})
 
 
 def _current_row(
@@ -266,15 +233,7 @@ def _current_row(
         same = dedup.same_content(
             "r", text["message_type"], text["aggregate_type"], text["aggregate_id"], sql.Placeholder("payload")
         )
-    archived = "r.archived_at" if table == names.INBOX else "NULL::timestamptz"
-    return _x(
-        conn,
-        sql.SQL(
-            "SELECT started_attempts, finished_attempts, last_error, processed_at, abandoned_at, "
-            "{archived} AS archived_at, {same} AS same FROM {t} r WHERE id = %(id)s FOR UPDATE"
-        ).format(archived=sql.SQL(archived), same=same, t=_t(schema, table)),
-        params,
-    ).fetchone()
+    return _x(conn, messages_sql.current(schema, table, same), params).fetchone()
 
 
 def _insert_from_envelope(
@@ -296,18 +255,10 @@ def _insert_from_envelope(
             message_version=message.message_version,
             auth_token=message.auth_token,
         )
-        _x(conn, outbox_insert_sql(schema), json_params(row))
+        _x(conn, outbox_sql.insert(schema), row.params())
         return
-    _x(
-        conn,
-        sql.SQL(
-            """INSERT INTO {t} (id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key,
-                   payload, message_context, metadata, segment, message_timestamp, queue, redelivered)
-               VALUES (%(id)s, %(message_type)s, %(aggregate_type)s, %(aggregate_id)s, %(message_version)s, %(kind)s,
-                   %(routing_key)s, %(payload)s, %(message_context)s, %(metadata)s, %(segment)s, %(timestamp)s,
-                   %(queue)s, false)"""
-        ).format(t=_t(schema, table)),
-        _inbox_values(registry, service, letter, message, spec),
+    inbox_sql.insert_rows(
+        conn.cursor(row_factory=tuple_row), schema, [_inbox_row(registry, service, letter, message, spec)]
     )
 
 
@@ -316,13 +267,11 @@ def _restore_from_envelope(
 ) -> None:
     """Fill a tombstone in again from the letter (its id, type and aggregate already match)."""
     message, spec = _validated(registry, letter)
+    row = _inbox_row(registry, service, letter, message, spec)
     _x(
         conn,
-        sql.SQL(
-            """UPDATE {t} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
-                   archived_at = NULL WHERE id = %(id)s"""
-        ).format(t=_t(schema, names.INBOX)),
-        _inbox_values(registry, service, letter, message, spec),
+        inbox_sql.restore_tombstone(schema),
+        {"id": row.id, "payload": row.payload, "message_context": row.message_context, "metadata": row.metadata},
     )
 
 
@@ -344,28 +293,33 @@ def _validated(registry: Registry, letter: dict[str, Any]) -> tuple[Message, Mes
     return message, spec
 
 
-def _inbox_values(
+def _inbox_row(
     registry: Registry, service: str, letter: dict[str, Any], message: Message, spec: MessageSpec
-) -> dict[str, Any]:
+) -> InboxRow:
+    """The letter's message as an inbox row. A dead letter does not keep the lane the
+    receiver gave it, so it rejoins its aggregate's lane, as an outbox replay does."""
     _ensure_received(registry, service, spec.message_type)
     metadata: dict[str, Any] = {"replayed_from_dead_letter": letter["id"]}
     if message.auth_token is not None:
         metadata["auth_token"] = message.auth_token
-    return {
-        "id": message.message_id,
-        "message_type": message.message_type,
-        "aggregate_type": message.aggregate_type,
-        "aggregate_id": message.aggregate_id,
-        "message_version": message.message_version,
-        "kind": spec.kind,
-        "routing_key": letter["routing_key"] or spec.routing_key,
-        "payload": json.dumps(message.payload),
-        "message_context": json.dumps(message.message_context),
-        "metadata": json.dumps(metadata),
-        "segment": default_segment(message.aggregate_type, message.aggregate_id),
-        "timestamp": message.timestamp,
-        "queue": names.inbox_queue(service),
-    }
+    return InboxRow(
+        id=message.message_id,
+        message_type=message.message_type,
+        aggregate_type=message.aggregate_type,
+        aggregate_id=message.aggregate_id,
+        message_version=message.message_version,
+        kind=spec.kind,
+        routing_key=letter["routing_key"] or spec.routing_key,
+        payload=jsoncodec.dumps(message.payload),
+        message_context=jsoncodec.dumps(message.message_context),
+        metadata=jsoncodec.dumps(metadata),
+        segment=default_segment(message.aggregate_type, message.aggregate_id),
+        concurrency="sequential",
+        priority=0,
+        message_timestamp=message.timestamp,
+        queue=names.inbox_queue(service),
+        redelivered=False,
+    )
 
 
 def discard(conn: psycopg.Connection[Any], schema: str, ids: Sequence[int], *, dry_run: bool = False) -> list[Outcome]:
@@ -394,13 +348,7 @@ def _discard_one(conn: psycopg.Connection[Any], schema: str, letter: dict[str, A
     if letter["discarded_at"] is not None or letter["resolved_at"] is not None:
         return Outcome(lid, "skipped", "missing, resolved or already discarded", False)
     if letter["replayed_at"] is None:
-        _x(
-            conn,
-            sql.SQL("UPDATE {t} SET discarded_at = clock_timestamp() WHERE id = %(id)s").format(
-                t=_t(schema, names.DEAD_LETTERS)
-            ),
-            {"id": lid},
-        )
+        _x(conn, letters_sql.mark_discarded(schema), {"id": lid})
         return Outcome(lid, "discarded", "discarded")
     table = _take_back(conn, schema, letter)
     if table is not None:
@@ -428,26 +376,13 @@ def _discard_one(conn: psycopg.Connection[Any], schema: str, letter: dict[str, A
 
 
 def _take_back(conn: psycopg.Connection[Any], schema: str, letter: dict[str, Any]) -> str | None:
-    """Abandon again the row a replay made due, if it has not started; returns its table.
-
-    An inbox row not locked by a worker can be taken back even while claimed: the
-    worker's fence (pending and same ``started_attempts``) then leaves it alone. An
-    outbox row only while no publisher claimed it: a publish cannot be recalled.
-    """
-    where = {
-        names.INBOX: pending_by_id(),
-        names.OUTBOX: f"{pending_by_id()} AND started_attempts <= finished_attempts",
-    }
+    """Abandon again the row a replay made due, if it has not started (framework.sql.messages.take_back);
+    returns its table."""
     tables = {"inbox": [names.INBOX], "outbox": [names.OUTBOX], "broker": [names.OUTBOX, names.INBOX]}
     for table in tables[letter["source"]]:
         row = _x(
             conn,
-            sql.SQL(
-                """UPDATE {t} SET abandoned_at = clock_timestamp(), locked_until = clock_timestamp(),
-                       last_error = %(why)s
-                   WHERE id = (SELECT id FROM {t} WHERE id = %(id)s AND {where} FOR UPDATE SKIP LOCKED)
-                   RETURNING id"""
-            ).format(t=_t(schema, table), where=sql.SQL(where[table])),
+            messages_sql.take_back(schema, table),
             {"id": letter["message_id"], "why": f"replay taken back: dead letter {letter['id']} discarded"},
         ).fetchone()
         if row is not None:
@@ -463,12 +398,7 @@ def resolve_replayed(conn: psycopg.Connection[Any], schema: str, *, ids: Sequenc
     for table, sources in ((names.INBOX, ["inbox", "broker"]), (names.OUTBOX, ["outbox"])):
         cur = _x(
             conn,
-            sql.SQL(
-                """UPDATE {dl} d SET resolved_at = m.processed_at FROM {m} m
-                   WHERE d.replayed_at IS NOT NULL AND d.resolved_at IS NULL AND d.discarded_at IS NULL
-                     AND d.source = ANY(%(sources)s) AND m.id = d.message_id AND m.processed_at IS NOT NULL
-                     AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))"""
-            ).format(dl=_t(schema, names.DEAD_LETTERS), m=_t(schema, table)),
+            letters_sql.resolve_replayed(schema, table),
             {"sources": sources, "ids": None if ids is None else list(ids)},
         )
         total += cur.rowcount
@@ -478,14 +408,7 @@ def resolve_replayed(conn: psycopg.Connection[Any], schema: str, *, ids: Sequenc
 def resolve_processed(cursor: psycopg.Cursor[Any], schema: str, message_ids: Sequence[uuid.UUID]) -> int:
     """For the worker, inside the transaction that marks ``message_ids`` processed: resolve
     their replayed letters at once (optional: the collector's sweep does it within seconds)."""
-    cursor.execute(
-        sql.SQL(
-            """UPDATE {dl} SET resolved_at = clock_timestamp()
-               WHERE message_id = ANY(%(ids)s) AND replayed_at IS NOT NULL AND resolved_at IS NULL
-                 AND discarded_at IS NULL AND source IN ('inbox', 'broker')"""
-        ).format(dl=_t(schema, names.DEAD_LETTERS)),
-        {"ids": list(message_ids)},
-    )
+    cursor.execute(letters_sql.resolve_processed(schema), {"ids": list(message_ids)})
     return cursor.rowcount
 
 

@@ -37,14 +37,16 @@ from framework.daemon import Daemon, Reconnect
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
 from framework.reasons import Reason
-from framework.receiver import store
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import (
     Delivery,
-    InboxRow,
     Intake,
 )
 from framework.service import Service
+from framework.sql import dead_letters as dead_letters_sql
+from framework.sql import inbox as inbox_sql
+from framework.sql import redeliveries
+from framework.sql.inbox import InboxRow
 
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
 
@@ -293,7 +295,7 @@ class Receiver(Daemon):
         conn = self._connection()
         with conn.cursor() as cur:
             counts = {
-                d.delivery_tag: store.count_redelivery(cur, self.settings.schema, self.queue, d.counter_key)
+                d.delivery_tag: redeliveries.count(cur, self.settings.schema, self.queue, d.counter_key)
                 for d in redelivered
             }
         conn.commit()
@@ -346,10 +348,10 @@ class Receiver(Daemon):
         conn = self._connection()
         try:
             with conn.cursor() as cur:
-                new = store.insert_rows(cur, schema, rows)
+                new = inbox_sql.insert_rows(cur, schema, rows)
                 letters = prepared.letters + self._conflicts(cur, pairs, new)
-                store.insert_dead_letters(cur, schema, [letter for _, letter in letters])
-                store.forget_redeliveries(cur, schema, self.queue, settled_keys)
+                dead_letters_sql.insert_letters(cur, schema, [letter for _, letter in letters])
+                redeliveries.forget(cur, schema, self.queue, settled_keys)
             conn.commit()
         except Exception as exc:  # psycopg's, or a dead letter that cannot be built
             conn.rollback()
@@ -366,7 +368,7 @@ class Receiver(Daemon):
         """``id_conflict`` letters for the rows whose id the inbox holds with other content."""
         rows = [row for _, row in pairs]
         letters = []
-        for index, stored in store.conflicting(cur, self.settings.schema, rows, new):
+        for index, stored in inbox_sql.conflicting(cur, self.settings.schema, rows, new):
             delivery, row = pairs[index]
             try:
                 data: Any = decode_json(delivery.body)
@@ -395,7 +397,7 @@ class Receiver(Daemon):
             for delivery, row in prepared.pairs:
                 try:
                     with conn.transaction():
-                        new |= store.insert_rows(cur, schema, [row])
+                        new |= inbox_sql.insert_rows(cur, schema, [row])
                     kept.append((delivery, row))
                 except Exception as exc:
                     if db.is_infrastructure_error(exc):
@@ -410,7 +412,7 @@ class Receiver(Daemon):
                     letters.append((delivery, letter))
             letters += self._conflicts(cur, kept, new)
             letters = [(delivery, self._insert_letter(conn, cur, delivery, letter)) for delivery, letter in letters]
-            store.forget_redeliveries(cur, schema, self.queue, prepared.settled_keys)
+            redeliveries.forget(cur, schema, self.queue, prepared.settled_keys)
         conn.commit()
         return new, letters
 
@@ -420,14 +422,14 @@ class Receiver(Daemon):
         """Store ``letter``; if it cannot be, an ``internal_error`` letter of the raw delivery instead."""
         try:
             with conn.transaction():
-                store.insert_dead_letters(cur, self.settings.schema, [letter])
+                dead_letters_sql.insert_letters(cur, self.settings.schema, [letter])
             return letter
         except Exception as exc:
             if db.is_infrastructure_error(exc):
                 raise
             fallback = self.intake.last_resort(delivery, f"the {letter.reason} dead letter could not be stored: {exc}")
             with conn.transaction():
-                store.insert_dead_letters(cur, self.settings.schema, [fallback])
+                dead_letters_sql.insert_letters(cur, self.settings.schema, [fallback])
             return fallback
 
     def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
@@ -460,9 +462,9 @@ class Receiver(Daemon):
                 conn = self._connection()
                 conn.rollback()
                 with conn.cursor() as cur:
-                    store.insert_dead_letters(cur, schema, [letter])
+                    dead_letters_sql.insert_letters(cur, schema, [letter])
                     if delivery.redelivered:
-                        store.forget_redeliveries(cur, schema, self.queue, [delivery.counter_key])
+                        redeliveries.forget(cur, schema, self.queue, [delivery.counter_key])
                 conn.commit()
             except Exception as failure:
                 if db.is_infrastructure_error(failure):

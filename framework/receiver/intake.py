@@ -11,7 +11,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any
 
 from framework import dead_letters as dl
@@ -21,6 +21,7 @@ from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
 from framework.reasons import Reason
+from framework.sql.inbox import InboxRow
 
 MAX_SEGMENT_CHARS = 1024  # a longer lane name would not fit the inbox's segment index
 MAX_HEADER_DEPTH = 16  # deeper header tables are kept as a marker string (docs/architecture.md)
@@ -149,28 +150,6 @@ class Delivery:
         if auth_token is not None:
             out["auth_token"] = auth_token
         return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class InboxRow:
-    """Column values of one txbox.inbox row."""
-
-    id: uuid.UUID
-    message_type: str
-    aggregate_type: str
-    aggregate_id: str
-    message_version: str
-    kind: str
-    routing_key: str
-    payload: str  # JSON text
-    message_context: str
-    metadata: str
-    segment: str
-    concurrency: str
-    priority: int
-    message_timestamp: datetime
-    queue: str
-    redelivered: bool
 
 
 def _metadata_text(metadata: dict[str, Any]) -> str:

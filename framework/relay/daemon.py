@@ -29,7 +29,7 @@ import uuid
 from collections import Counter as Tally
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import pika
 import psycopg
@@ -38,42 +38,21 @@ from framework import amqp, db, metrics, names, topology
 from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot, Listener
 from framework.daemon import Daemon, Reconnect
-from framework.dead_letters import DeadLetter, insert_sql
+from framework.dead_letters import DeadLetter
 from framework.envelope import CONTENT_TYPE
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, PublishError
 from framework.outbox import default_segment
 from framework.outcomes import RelayOutcome
 from framework.publisher import confirms
-from framework.publisher import sql as named
 from framework.publisher.confirms import Outgoing, Publisher
 from framework.reasons import Reason
 from framework.relay.config import RelayConfig
 from framework.service import Service
+from framework.sql import dead_letters as dead_letters_sql
+from framework.sql import outbox as named
+from framework.sql.outbox import Claimed
 
 log = logging.getLogger("txbox.publisher")
-
-
-class Claimed(NamedTuple):
-    """One claimed outbox row (columns of :data:`framework.publisher.sql.CLAIM_COLUMNS`)."""
-
-    id: str
-    message_type: str
-    aggregate_type: str
-    aggregate_id: str
-    message_version: str
-    kind: str
-    routing_key: str
-    payload_json: str
-    context_json: str
-    auth_token: str | None
-    correlation_id: str | None
-    priority: int
-    stamp: str  # created_at as the envelope formats it (UTC, milliseconds, Z)
-    epoch: int  # created_at in whole seconds (the AMQP timestamp property)
-    started_attempts: int
-    finished_attempts: int
-    segment: str = ""  # "" or the default lane (aggregate_type:aggregate_id): no header
-    concurrency: str = "sequential"
 
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -189,7 +168,7 @@ class Relay(Daemon):
         self._sql_abandon = named.abandon(self.schema)
         self._sql_release = named.release(self.schema)
         self._sql_backlog = named.backlog(self.schema)
-        self._sql_dead = insert_sql(self.schema)
+        self._sql_dead = dead_letters_sql.insert_sql(self.schema)
         self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
         self._wake = threading.Event()
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
@@ -303,17 +282,17 @@ class Relay(Daemon):
         started = time.monotonic()
         if self._wide:
             # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.
-            rows = conn.execute(self._sql_claim, params).fetchall()
+            rows = named.fetch_claimed(conn, self._sql_claim, params)
             self._wide = len(rows) >= room
         else:
             # Few, deep lanes: the plain claim would probe every waiting row (sql.claim_window).
-            rows = conn.execute(self._sql_claim_window, params).fetchall()
+            rows = named.fetch_claimed(conn, self._sql_claim_window, params)
             now = time.monotonic()
             if not rows and now >= self._next_full_claim:
                 # The window may be all rows waiting behind blocked heads (say, a long
                 # backoff): look at the whole table now and then so no lane starves.
                 self._next_full_claim = now + float(self.config.poll_interval)
-                rows = conn.execute(self._sql_claim, params).fetchall()
+                rows = named.fetch_claimed(conn, self._sql_claim, params)
             self._wide = len(rows) >= room
         self._statistics.after_claim(conn, time.monotonic() - started, len(rows), log)
         # A short claim took every due head there is: claiming again is pointless until
@@ -322,14 +301,13 @@ class Relay(Daemon):
         self._claim_hint = len(rows) >= room or self._notified != notified
         if not rows:
             return 0
-        claimed = [Claimed(*r) for r in rows]  # in claim order: priority, then creation
-        items = [outgoing(r, self._user) for r in claimed]
+        items = [outgoing(r, self._user) for r in rows]  # in claim order: priority, then creation
         for item in items:
             item.on_done = self._done
         try:
             publisher.submit(items)
         except PublishError:
-            conn.execute(self._sql_release, {"ids": [r.id for r in claimed]})
+            conn.execute(self._sql_release, {"ids": [r.id for r in rows]})
             return 0
         return len(items)
 
@@ -391,7 +369,7 @@ class Relay(Daemon):
         self, conn: psycopg.Connection[Any], batch: list[tuple[Outgoing, PublishError | None]]
     ) -> tuple[Tally[str], Tally[tuple[str, str]], Tally[str], bool]:
         """Writer thread: all outcomes of ``batch`` in one transaction; True at the end when
-        that may have made rows due (see :func:`framework.publisher.sql.mark_published`)."""
+        that may have made rows due (see :func:`framework.sql.outbox.mark_published`)."""
         published: list[str] = []
         published_types: Tally[str] = Tally()
         failures: list[tuple[Claimed, PublishError]] = []
@@ -459,7 +437,7 @@ class Relay(Daemon):
         if now < self._next_gauges:
             return
         self._next_gauges = now + self.config.metrics_interval
-        # A burst since the last ANALYZE makes the planner pick a slow claim plan (sql.py).
+        # A burst since the last ANALYZE makes the planner pick a slow claim plan (framework/sql/outbox.py).
         self._statistics.refresh(conn.cursor(), now)
         count, age = conn.execute(self._sql_backlog).fetchone() or (0, 0)
         metrics.PUBLISHER_BACKLOG.labels(self.settings.service).set(count)

@@ -34,10 +34,12 @@ from framework.errors import (
     TxboxError,
     UnknownMessageType,
 )
-from framework.outbox import Outbox, OutboxRow
+from framework.outbox import Outbox
 from framework.receiver.config import ReceiverConfig
-from framework.receiver.intake import Delivery, InboxRow, Intake
+from framework.receiver.intake import Delivery, Intake
 from framework.service import Service
+from framework.sql.inbox import InboxRow
+from framework.sql.outbox import OutboxRow
 from framework.worker import guard
 from framework.worker.config import WorkerConfig
 

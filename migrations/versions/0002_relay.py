@@ -6,7 +6,7 @@ default fillfactor of 100 a bulk-filled page has no room, so even the claim's up
 becomes a non-HOT update that adds an entry to every index of the table; 70 leaves room
 for the claim to update in place (measured: 162 → 114 ms per 2,000-row claim).
 
-The claim itself is named SQL in framework/publisher/sql.py (not a PL/pgSQL function)
+The claim itself is named SQL in framework/sql/outbox.py (not a PL/pgSQL function)
 so its schema, parameters and planner notes sit in one place; it runs on the partial
 indexes of 0001.
 

@@ -108,8 +108,7 @@ def store_in_inbox(service: Any, envelopes: list[dict[str, Any]], headers: dict[
     """Put envelopes straight into txbox.inbox the way the receiver would (worker tests)."""
     from framework.db import connect
     from framework.receiver import Delivery, Intake
-    from framework.receiver.intake import InboxRow
-    from framework.receiver.store import insert_rows
+    from framework.sql.inbox import InboxRow, insert_rows
 
     intake = Intake(service.registry, service.name, max_body_bytes=1 << 20)
     rows = []

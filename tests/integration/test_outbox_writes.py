@@ -192,6 +192,35 @@ def test_a_row_is_held_until_commit_and_sent_with_it(service: Service, engine: E
     assert not any("outbox" in s and s.lstrip().upper().startswith("INSERT") for s in statements)
 
 
+def test_with_the_pipeline_off_each_row_is_a_plain_insert_at_once(settings: Settings, engine: Engine) -> None:
+    environ = {"TXBOX_SERVICE": settings.service, "TXBOX_DATABASE_URL": settings.database_url}
+    plain = Service.from_env(
+        {**environ, "TXBOX_OUTBOX_COMMIT_PIPELINE": "false", "TXBOX_CONTRACTS_DIR": str(CONTRACTS)}
+    )
+    assert not plain.settings.outbox_commit_pipeline
+    statements: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    with Session(engine) as session, session.begin():
+        later = datetime.now(UTC) + timedelta(hours=1)
+        first = plain.outbox(session).send_command("PlaceOrder", aggregate_id="o-1", payload=PAYLOAD)
+        assert count_in(session) == 1  # in the table before the COMMIT
+        second = plain.outbox(session).send_command("PlaceOrder", aggregate_id="o-2", payload=PAYLOAD, not_before=later)
+        assert our_statements(session.connection()) == []  # nothing prepared for a pipeline
+    assert committed_ids(engine) == [first, second]
+    inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT") and "outbox" in s]
+    assert len(inserts) == 2
+    with engine.connect() as conn:
+        due = dict(conn.execute(select(tables.outbox.c.id, tables.outbox.c.locked_until)).all())
+    assert due[first] <= datetime.now(UTC) < due[second] == later
+
+
+def test_the_pipeline_is_on_unless_turned_off(settings: Settings) -> None:
+    environ = {"TXBOX_SERVICE": settings.service, "TXBOX_DATABASE_URL": settings.database_url}
+    assert Settings.from_env(environ).outbox_commit_pipeline
+    with pytest.raises(Exception, match="TXBOX_OUTBOX_COMMIT_PIPELINE"):
+        Settings.from_env({**environ, "TXBOX_OUTBOX_COMMIT_PIPELINE": "maybe"})
+
+
 def test_flush_writes_held_rows_into_the_open_transaction(service: Service, engine: Engine) -> None:
     with Session(engine) as session, session.begin():
         outbox = service.outbox(session)

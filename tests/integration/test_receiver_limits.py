@@ -21,10 +21,9 @@ import psycopg
 from framework import names, topology
 from framework.db import conninfo
 from framework.receiver import Delivery, Intake, Receiver, ReceiverConfig
-from framework.receiver.intake import InboxRow
-from framework.receiver.store import insert_rows
 from framework.redaction import redact_bytes
 from framework.service import Service
+from framework.sql.inbox import InboxRow, insert_rows
 from tests import support
 from tests.apps.helpers import place_order, publish, query, queue_depth, running, scalar
 
@@ -163,7 +162,7 @@ def test_a_failure_of_our_own_while_settling_dead_letters_the_group_as_internal_
     from framework.receiver import daemon as receiver_daemon
 
     topology.declare(service.settings, service.registry)
-    real = receiver_daemon.store.insert_rows
+    real = receiver_daemon.inbox_sql.insert_rows
     calls = {"n": 0}
 
     def flaky(cur: Any, schema: str, rows: Any) -> Any:
@@ -172,7 +171,7 @@ def test_a_failure_of_our_own_while_settling_dead_letters_the_group_as_internal_
             raise RuntimeError("a bug of ours")
         return real(cur, schema, rows)
 
-    monkeypatch.setattr(receiver_daemon.store, "insert_rows", flaky)
+    monkeypatch.setattr(receiver_daemon.inbox_sql, "insert_rows", flaky)
     monkeypatch.setattr(receiver_daemon.Receiver, "_store_carefully", _raise_runtime_error)
     victim = place_order(aggregate_id="victim")
     after = place_order(aggregate_id="after")

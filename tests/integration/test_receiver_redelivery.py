@@ -27,8 +27,7 @@ import pytest
 from framework import names, topology
 from framework.db import conninfo
 from framework.receiver import Delivery, Intake
-from framework.receiver.intake import InboxRow
-from framework.receiver.store import insert_rows
+from framework.sql.inbox import InboxRow, insert_rows
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import publish, query, scalar

@@ -19,8 +19,8 @@ import pytest
 from psycopg import sql
 
 from framework import db, names
-from framework.publisher import sql as relay_sql
-from framework.worker import sql as q
+from framework.sql import inbox as q
+from framework.sql import outbox as relay_sql
 from tests import support
 from tests.support import db_url
 

@@ -221,15 +221,6 @@ def test_a_row_that_cannot_be_decoded_is_dead_lettered_and_the_rest_go_on(
     assert bad["message_id"] in raw, "the stored columns are kept, as text, in the dead letter"
 
 
-class _BrokenWorker(Worker):
-    """A worker with a bug that strikes one message whenever it settles a failure."""
-
-    def _classify(self, claimed: Any, exc: BaseException) -> None:
-        if claimed.message.aggregate_id == "bad":
-            raise KeyError("a bug in the worker")
-        super()._classify(claimed, exc)
-
-
 def test_the_worker_failing_on_a_message_dead_letters_it_as_internal_error(service: Service, business: str) -> None:
     def fail_bad(message: Message, session: Session, outbox: Outbox) -> None:
         if message.aggregate_id == "bad":
@@ -239,7 +230,16 @@ def test_the_worker_failing_on_a_message_dead_letters_it_as_internal_error(servi
     good = [place_order(aggregate_id=f"g{i}") for i in range(4)]
     bad = place_order(aggregate_id="bad")
     store_in_inbox(service, [*good[:2], bad, *good[2:]])
-    w = _BrokenWorker(service, worker(service).config)
+    w = worker(service)
+    classify = w._batches._classify
+
+    def broken(claimed: Any, exc: BaseException) -> None:
+        """A bug of the worker's that strikes one message whenever it settles a failure."""
+        if claimed.message.aggregate_id == "bad":
+            raise KeyError("a bug in the worker")
+        classify(claimed, exc)
+
+    w._batches._classify = broken  # type: ignore[method-assign]
     with running(w):  # a crash re-raises here
         support.wait_until(lambda: done(business) == 5, 30, message="every row settled")
     assert all(row(business, m)["processed_at"] is not None for m in good)

@@ -17,8 +17,9 @@ from framework.errors import ConfigurationError, PublishError
 from framework.publisher import Outgoing, Publisher
 from framework.publisher.confirms import _COALESCED_CHUNK, _PENDING, _coalesce_writes
 from framework.relay import RelayConfig
-from framework.relay.daemon import Claimed, envelope_body, outgoing
+from framework.relay.daemon import envelope_body, outgoing
 from framework.settings import load
+from framework.sql.outbox import Claimed
 
 
 def claimed(**over: object) -> Claimed:

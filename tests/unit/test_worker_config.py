@@ -11,10 +11,10 @@ import pytest
 from framework.envelope import Message
 from framework.errors import ConfigurationError
 from framework.settings import load
+from framework.sql import inbox as q
 from framework.worker import HandlerTimeout, WorkerConfig
-from framework.worker import sql as q
+from framework.worker.batch import Claimed, run_deadlines
 from framework.worker.config import GRACE, LEASE_MARGIN
-from framework.worker.daemon import Claimed, run_deadlines
 from framework.worker.timeout import Watchdog
 
 

@@ -13,6 +13,7 @@ from psycopg import sql
 from framework import dead_letters, names
 from framework.envelope import Message
 from framework.reasons import Reason
+from framework.sql import dead_letters as dead_letters_sql
 
 SCHEMA = "txbox"
 
@@ -37,7 +38,7 @@ def envelope(
 
 
 def insert_letter(conn: psycopg.Connection[Any], letter: dead_letters.DeadLetter) -> int:
-    row = conn.execute(sql.SQL("{} RETURNING id").format(dead_letters.insert_sql(SCHEMA)), letter.row()).fetchone()
+    row = conn.execute(sql.SQL("{} RETURNING id").format(dead_letters_sql.insert_sql(SCHEMA)), letter.row()).fetchone()
     assert row is not None
     return int(row["id"] if isinstance(row, dict) else row[0])
 

@@ -13,6 +13,7 @@ from psycopg import sql
 from framework import dead_letters as dl
 from framework import names
 from framework.dead_letters import DeadLetter
+from framework.sql import dead_letters as dead_letters_sql
 
 
 def _deep_json(depth: int) -> Any:
@@ -40,7 +41,7 @@ def test_a_hostile_letter_is_stored_bounded(conn: Any, case: str) -> None:
     letter = DeadLetter(source="inbox", reason="poison", message_id=uuid.uuid4(), **{"error": "boom", **HOSTILE[case]})
     returning = sql.SQL("{} RETURNING reason, pg_column_size(message) AS m, length(raw_body) AS r, headers")
     row = conn.execute(
-        returning.format(dl.insert_sql("txbox")),
+        returning.format(dead_letters_sql.insert_sql("txbox")),
         letter.row(),
     ).fetchone()
     assert row["reason"] == "poison"  # stored as itself, not even as the last resort

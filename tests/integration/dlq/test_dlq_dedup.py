@@ -21,7 +21,7 @@ from framework.analytics.archive import Archiver
 from framework.contracts import Registry
 from framework.db import conninfo
 from framework.dlq import replay
-from framework.receiver import store
+from framework.sql import inbox as inbox_sql
 from tests.integration.dlq import seed
 
 S = seed.SCHEMA
@@ -159,9 +159,9 @@ def test_the_receivers_conflict_check_tells_a_duplicate_from_a_reused_id_live_an
             self.payload = json.dumps(payload, indent=1)
 
     def conflicts(rows: list[Any]) -> dict[Any, str]:
-        """What the receiver finds: id → the fields that differ (store.conflicting, as in a batch)."""
+        """What the receiver finds: id → the fields that differ (inbox_sql.conflicting, as in a batch)."""
         with conn.cursor(row_factory=psycopg.rows.tuple_row) as cur:
-            return {rows[i].id: fields for i, fields in store.conflicting(cur, S, rows, set())}
+            return {rows[i].id: fields for i, fields in inbox_sql.conflicting(cur, S, rows, set())}
 
     found = conflicts(
         [

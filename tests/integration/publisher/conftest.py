@@ -21,10 +21,11 @@ import pytest
 from framework import names
 from framework.contracts import Registry
 from framework.db import conninfo
-from framework.outbox import Outbox, insert_sql, json_params
+from framework.outbox import Outbox
 from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.settings import Settings
+from framework.sql import outbox as outbox_sql
 from tests.conftest import ROOT
 
 
@@ -35,11 +36,11 @@ def insert_rows(settings: Settings, registry: Registry, rows: list[dict[str, Any
     for spec_kwargs in rows:
         kwargs = dict(spec_kwargs)
         spec = registry.get(kwargs.pop("message_type"))
-        params.append(json_params(outbox.build(spec, **kwargs)))
+        params.append(outbox.build(spec, **kwargs).params())
     ids = [str(p["id"]) for p in params]
     with psycopg.connect(conninfo(settings.database_url)) as conn, conn.cursor() as cur:
         # One statement per row, in order: created_at is the order that matters.
-        cur.executemany(insert_sql(settings.schema), params)
+        cur.executemany(outbox_sql.insert(settings.schema), params)
     return ids
 
 

@@ -134,11 +134,12 @@ def _offer(service: Service, group: ProcessGroup, args: argparse.Namespace) -> t
     does. (A SQLAlchemy Session per request costs this 2-core machine so much CPU that
     the writers, not txbox, would cap the offered load well below 500/s.)
     """
-    from framework.outbox import Outbox, insert_sql, json_params
+    from framework.outbox import Outbox
+    from framework.sql import outbox as outbox_sql
 
     spec = service.registry.get("Ping")
     builder = Outbox(None, service.registry)  # type: ignore[arg-type]  # build() never writes
-    statement = insert_sql(service.settings.schema)
+    statement = outbox_sql.insert(service.settings.schema)
 
     @contextmanager
     def sender() -> Iterator[Sender]:
@@ -146,7 +147,7 @@ def _offer(service: Service, group: ProcessGroup, args: argparse.Namespace) -> t
 
             def send(i: int) -> None:
                 row = builder.build(spec, aggregate_id=f"p{i}", payload={"n": i, "echo": False})
-                conn.execute(statement, json_params(row))
+                conn.execute(statement, row.params())
                 conn.commit()
 
             yield send

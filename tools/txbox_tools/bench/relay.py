@@ -32,9 +32,10 @@ from framework.envelope import format_timestamp
 from framework.errors import TxboxError
 from framework.outbox import Outbox
 from framework.relay import Relay, RelayConfig
-from framework.relay.daemon import Claimed, envelope_body
+from framework.relay.daemon import envelope_body
 from framework.service import Service
 from framework.settings import Settings
+from framework.sql.outbox import Claimed
 from txbox_tools import repository
 from txbox_tools.bench import instances
 from txbox_tools.bench.result import Result

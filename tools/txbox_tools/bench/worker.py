@@ -21,10 +21,9 @@ from framework import CommandHandler, Message, Outbox, metrics, names
 from framework.db import conninfo
 from framework.errors import TxboxError
 from framework.receiver import Delivery, Intake
-from framework.receiver.intake import InboxRow
-from framework.receiver.store import insert_rows
 from framework.service import Service
 from framework.settings import Settings
+from framework.sql.inbox import InboxRow, insert_rows
 from framework.worker import Worker, WorkerConfig
 from txbox_tools.bench import instances
 from txbox_tools.bench.receiver import Scratch, add_scratch_options, envelopes

@@ -1,6 +1,13 @@
-"""Named SQL of the outbox relay, kept out of the relay's logic (one function per statement).
+"""All SQL of ``txbox.outbox``: the one INSERT every writer uses, its row codec, and the relay's statements.
 
-The claim is one statement: a CTE picks due rows that are the head of their ordering
+Writing (docs/architecture.md, "Outbox writes"): :class:`OutboxRow` is the one shape of
+a row on its way in and :meth:`OutboxRow.params` its one encoding (JSON columns as text
+by ``framework.jsoncodec``); :func:`insert` is the one statement, with named parameters
+for psycopg, and :func:`insert_text` the same statement with ``$n`` parameters for the
+COMMIT pipeline (framework/outbox_commit.py). The business code's outbox, the worker's
+batches and the dead-letter replay all write through them.
+
+Relaying: the claim is one statement: a CTE picks due rows that are the head of their ordering
 lane, locks them with ``FOR UPDATE SKIP LOCKED`` so concurrent publishers never wait on
 each other, and the outer UPDATE takes the lease and counts the attempt in the same
 round trip. The UPDATE finds the locked rows by ``ctid`` (stable while the CTE holds
@@ -22,38 +29,114 @@ bulk-filled since its last ANALYZE the planner misjudged the partial indexes and
 ``txbox bench e2e``). Since migration 0006 the probe spells "pending" as the segment
 index's predicate, which ``outbox_due_idx`` cannot serve (framework/tables.py), and the
 statements that find rows by id spell it so that neither partial index can. The relay
-still analyzes the outbox itself when the statistics are stale (relay.py): row counts
+still analyzes the outbox itself when the statistics are stale (framework/relay/daemon.py): row counts
 matter for the rest of the plan.
 """
 
 from __future__ import annotations
 
-from psycopg import sql
+import functools
+import uuid
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any, NamedTuple
 
-from framework import names
+import psycopg
+from psycopg import sql
+from psycopg.rows import class_row
+
+from framework import jsoncodec, names
 from framework.tables import pending_by_id, pending_in_segment
 
-# Columns the relay reads back from a claim, in this order (see relay.Claimed).
-CLAIM_COLUMNS = (
-    "id",
-    "message_type",
-    "aggregate_type",
-    "aggregate_id",
-    "message_version",
-    "kind",
-    "routing_key",
-    "payload_json",
-    "context_json",
-    "auth_token",
-    "correlation_id",
-    "priority",
-    "stamp",
-    "epoch",
-    "started_attempts",
-    "finished_attempts",
-    "segment",
-    "concurrency",
-)
+
+@dataclass(frozen=True, kw_only=True)
+class OutboxRow:
+    """A message on its way into txbox.outbox (column values)."""
+
+    id: uuid.UUID
+    message_type: str
+    aggregate_type: str
+    aggregate_id: str
+    message_version: str
+    kind: str
+    routing_key: str
+    payload: dict[str, Any]
+    message_context: dict[str, Any]
+    metadata: dict[str, Any]
+    segment: str
+    concurrency: str
+    priority: int
+    locked_until: datetime | None  # None: due now (the database's clock). Keep it last: see _insert
+
+    def params(self) -> dict[str, Any]:
+        """The parameters of :func:`insert`, JSON columns as text, in column order."""
+        values = {name: getattr(self, name) for name in COLUMNS}
+        for key in _JSON_COLUMNS:
+            values[key] = jsoncodec.dumps(values[key])
+        return values
+
+
+COLUMNS = tuple(f.name for f in fields(OutboxRow))
+_JSON_COLUMNS = ("payload", "message_context", "metadata")
+
+
+def _insert(schema: str, placeholders: list[sql.Composable]) -> sql.Composed:
+    # One statement per row, never a multi-row INSERT: ``created_at`` (``clock_timestamp()``)
+    # orders a segment, and rows of one statement may share a microsecond. The last
+    # column, locked_until, falls back to the database's clock when NULL.
+    assert COLUMNS[-1] == "locked_until"
+    values = [*placeholders[:-1], sql.SQL("COALESCE({}::timestamptz, clock_timestamp())").format(placeholders[-1])]
+    return sql.SQL("INSERT INTO {t} ({cols}) VALUES ({vals})").format(
+        t=_outbox(schema),
+        cols=sql.SQL(", ").join(map(sql.Identifier, COLUMNS)),
+        vals=sql.SQL(", ").join(values),
+    )
+
+
+def insert(schema: str) -> sql.Composed:
+    """The outbox INSERT with named parameters (:meth:`OutboxRow.params`)."""
+    return _insert(schema, [sql.Placeholder(c) for c in COLUMNS])
+
+
+@functools.cache
+def insert_text(schema: str) -> str:
+    """:func:`insert` with ``$1``... parameters in :data:`COLUMNS` order (libpq's own, for the pipeline)."""
+    return _insert(schema, [sql.SQL(f"${n}") for n in range(1, len(COLUMNS) + 1)]).as_string()
+
+
+@functools.cache
+def insert_pyformat(schema: str) -> str:
+    """:func:`insert` as text, for a SQLAlchemy connection's ``exec_driver_sql``."""
+    return insert(schema).as_string()
+
+
+class Claimed(NamedTuple):
+    """One claimed outbox row, read by the names of the claim's columns."""
+
+    id: str
+    message_type: str
+    aggregate_type: str
+    aggregate_id: str
+    message_version: str
+    kind: str
+    routing_key: str
+    payload_json: str
+    context_json: str
+    auth_token: str | None
+    correlation_id: str | None
+    priority: int
+    stamp: str  # created_at as the envelope formats it (UTC, milliseconds, Z)
+    epoch: int  # created_at in whole seconds (the AMQP timestamp property)
+    started_attempts: int
+    finished_attempts: int
+    segment: str = ""  # "" or the default lane (aggregate_type:aggregate_id): no header
+    concurrency: str = "sequential"
+
+
+def fetch_claimed(conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]) -> list[Claimed]:
+    """Run a claim (:func:`claim`, :func:`claim_window`); its rows in claim order, read by name."""
+    with conn.cursor(row_factory=class_row(Claimed)) as cur:
+        return cur.execute(statement, params).fetchall()
 
 
 def _outbox(schema: str) -> sql.Identifier:
@@ -82,7 +165,7 @@ SET locked_until = now() + make_interval(secs => %(lease)s),
     started_attempts = t.started_attempts + 1
 WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
 RETURNING t.id::text AS id, t.message_type, t.aggregate_type, t.aggregate_id, t.message_version,
-    t.kind, t.routing_key, t.payload::text AS payload, t.message_context::text AS context,
+    t.kind, t.routing_key, t.payload::text AS payload_json, t.message_context::text AS context_json,
     t.metadata->>'auth_token' AS auth_token,
     CASE WHEN t.message_context <> '{{}}'::jsonb THEN
         (SELECT c.value FROM jsonb_each_text(t.message_context) c
@@ -91,14 +174,14 @@ RETURNING t.id::text AS id, t.message_type, t.aggregate_type, t.aggregate_id, t.
     to_char(t.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') AS stamp,
     floor(extract(epoch FROM t.created_at))::bigint AS epoch,
     t.started_attempts, t.finished_attempts, t.created_at, t.segment, t.concurrency)
-SELECT id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key, payload,
-    context, auth_token, correlation_id, priority, stamp, epoch, started_attempts, finished_attempts,
+SELECT id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key, payload_json,
+    context_json, auth_token, correlation_id, priority, stamp, epoch, started_attempts, finished_attempts,
     segment, concurrency
 FROM taken ORDER BY priority DESC, created_at, id"""
 
 
 def claim_window(schema: str) -> sql.Composed:
-    """Params: window, limit, lease (seconds). The usual claim: CLAIM_COLUMNS of the claimed rows.
+    """Params: window, limit, lease (seconds). The usual claim (rows: :func:`fetch_claimed`).
 
     Looks only at the ``window`` oldest due rows, and probes only the first row of each
     lane among them (a later row of a lane in the window is never its head). With deep

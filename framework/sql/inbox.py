@@ -1,0 +1,331 @@
+"""All SQL of ``txbox.inbox``: the one INSERT, its row codec, and the worker's statements.
+
+Writing: :class:`InboxRow` is the one shape of a row on its way in (the receiver's
+intake builds it, the dead-letter replay too) and :func:`insert_rows` the one INSERT:
+``INSERT ... SELECT FROM unnest(arrays)`` stores a whole batch in one round trip;
+``ON CONFLICT (id) DO NOTHING`` makes a duplicate delivery a no-op and ``RETURNING id``
+tells duplicates from new rows. :func:`conflicting` tells a true duplicate from an id
+reused for other content (docs/architecture.md, "Receiver intake").
+
+Working (docs/architecture.md, "Worker"): the claim takes due rows that are at the head
+of their sequential segment (no pending sequential row of the segment comes before them;
+parallel rows need no such check), skips rows another worker has locked, and in the same
+statement counts the start and sets the lease. Rows whose previous run never finished
+(``started > finished`` with an expired lease: the process died) are claimed alone.
+Claimed rows are read by the names of :data:`CLAIM_COLUMNS` (:func:`fetch_claimed`).
+
+The claim's UPDATE finds the locked rows by ``ctid`` (stable while ``due`` holds their
+row locks): a TID scan whatever the statistics say. Matched by ``id``, a planner that had
+last analyzed a small inbox scanned the whole table for every claim (3-8 ms per claim
+at 500 msg/s, growing with the table until the next ANALYZE).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from framework import dedup, names
+from framework.tables import pending_by_id, pending_in_segment
+
+
+@dataclass(frozen=True, kw_only=True)
+class InboxRow:
+    """Column values of one txbox.inbox row on its way in."""
+
+    id: uuid.UUID
+    message_type: str
+    aggregate_type: str
+    aggregate_id: str
+    message_version: str
+    kind: str
+    routing_key: str
+    payload: str  # JSON text
+    message_context: str
+    metadata: str
+    segment: str
+    concurrency: str
+    priority: int
+    message_timestamp: datetime
+    queue: str
+    redelivered: bool
+
+
+# The PostgreSQL type of each InboxRow field that is not text, for the arrays of the INSERT.
+_TYPES = {
+    "id": "uuid",
+    "payload": "jsonb",
+    "message_context": "jsonb",
+    "metadata": "jsonb",
+    "priority": "int2",
+    "message_timestamp": "timestamptz",
+    "redelivered": "bool",
+}
+_COLUMNS: tuple[tuple[str, str], ...] = tuple((f.name, _TYPES.get(f.name, "text")) for f in fields(InboxRow))
+
+
+def insert_sql(schema: str) -> sql.Composed:
+    """The inbox INSERT: one array per column (:func:`insert_rows` fills them)."""
+
+    # jsonb arrives as text[] and is cast per element: psycopg has no jsonb[] adapter
+    # for plain strings, and text keeps the JSON exactly as the receiver serialized it.
+    def array_type(t: str) -> str:
+        return "text" if t == "jsonb" else t
+
+    return sql.SQL(
+        "INSERT INTO {table} ({cols}) SELECT {select} FROM unnest({arrays}) AS u({cols}) "
+        "ON CONFLICT (id) DO NOTHING RETURNING id"
+    ).format(
+        table=sql.Identifier(schema, names.INBOX),
+        cols=sql.SQL(", ").join(sql.Identifier(c) for c, _ in _COLUMNS),
+        select=sql.SQL(", ").join(
+            sql.SQL("{}::jsonb").format(sql.Identifier(c)) if t == "jsonb" else sql.Identifier(c) for c, t in _COLUMNS
+        ),
+        arrays=sql.SQL(", ").join(sql.SQL("%b::{}[]").format(sql.SQL(array_type(t))) for _, t in _COLUMNS),
+    )
+
+
+def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow]) -> set[uuid.UUID]:
+    """Store ``rows``; returns the ids that were new (the others were duplicates)."""
+    if not rows:
+        return set()
+    arrays = [[getattr(r, c) for r in rows] for c, _ in _COLUMNS]
+    cur.execute(insert_sql(schema), arrays)
+    return {row[0] for row in cur.fetchall()}
+
+
+# What makes two messages with one id the same message (docs/architecture.md, "Receiver
+# intake"): type, aggregate and payload, the payload compared as jsonb (key order and
+# number spelling do not matter), or by its digest where the archive left a tombstone
+# (framework.dedup). Context, timestamp, version, token and headers may differ between
+# two sends of one message and are not compared.
+def _conflicts_sql(schema: str) -> sql.Composed:
+    u = {c: sql.SQL("u." + c) for c in ("message_type", "aggregate_type", "aggregate_id")}
+    payload = sql.SQL("u.payload::jsonb")
+    return sql.SQL(
+        "SELECT u.n, concat_ws(', ', "
+        "CASE WHEN i.message_type IS DISTINCT FROM u.message_type THEN 'message_type' END, "
+        "CASE WHEN i.aggregate_type IS DISTINCT FROM u.aggregate_type THEN 'aggregate_type' END, "
+        "CASE WHEN i.aggregate_id IS DISTINCT FROM u.aggregate_id THEN 'aggregate_id' END, "
+        "CASE WHEN NOT coalesce({same_payload}, false) THEN 'payload' END) "
+        "FROM unnest(%s::int[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[]) "
+        "AS u(n, id, message_type, aggregate_type, aggregate_id, payload) "
+        "JOIN {table} i ON i.id = u.id WHERE NOT coalesce({same}, false) ORDER BY u.n"
+    ).format(
+        table=sql.Identifier(schema, names.INBOX),
+        same_payload=dedup.same_payload("i", payload),
+        same=dedup.same_content("i", u["message_type"], u["aggregate_type"], u["aggregate_id"], payload),
+    )
+
+
+def conflicting(
+    cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow], new: set[uuid.UUID]
+) -> list[tuple[int, str]]:
+    """(index in ``rows``, fields that differ) of rows whose id is stored with other content.
+
+    Only rows that did not insert are looked at (the first of several rows with one id
+    in ``rows`` is the one that did): with no duplicate in a batch, no statement at all.
+    """
+    inserted: set[uuid.UUID] = set()
+    candidates: list[int] = []
+    for index, row in enumerate(rows):
+        if row.id in new and row.id not in inserted:
+            inserted.add(row.id)
+        else:
+            candidates.append(index)
+    if not candidates:
+        return []
+    picked = [rows[i] for i in candidates]
+    cur.execute(
+        _conflicts_sql(schema),
+        (
+            candidates,
+            [r.id for r in picked],
+            [r.message_type for r in picked],
+            [r.aggregate_type for r in picked],
+            [r.aggregate_id for r in picked],
+            [r.payload for r in picked],
+        ),
+    )
+    return [(int(n), str(fields)) for n, fields in cur.fetchall()]
+
+
+# The message as stored: what the dead letter of a row that cannot be read keeps.
+STORED_COLUMNS = (
+    "id", "message_type", "aggregate_type", "aggregate_id", "message_version", "routing_key", "payload",
+    "message_context", "metadata", "message_timestamp",
+)  # fmt: skip
+# What a claim returns, by name (:func:`fetch_claimed`).
+CLAIM_COLUMNS = (*STORED_COLUMNS, "started_attempts", "finished_attempts", "priority", "created_at", "segment")
+_RETURNING = ", ".join(f"t.{c}" for c in CLAIM_COLUMNS)
+
+_CLAIM = f"""
+WITH due AS (
+    SELECT i.ctid
+    FROM {{inbox}} i
+    WHERE i.processed_at IS NULL AND i.abandoned_at IS NULL
+      AND i.locked_until <= now()
+      AND {{which}}
+      AND (i.concurrency = 'parallel' OR NOT EXISTS (
+            SELECT 1 FROM {{inbox}} p
+            WHERE p.segment = i.segment
+              AND {pending_in_segment("p")}
+              AND p.concurrency = 'sequential'
+              AND (p.priority > i.priority
+                   OR (p.priority = i.priority AND (p.created_at, p.id) < (i.created_at, i.id)))))
+      {{park}}
+    ORDER BY {{order}}
+    LIMIT %(limit)s
+    FOR UPDATE OF i SKIP LOCKED
+)
+UPDATE {{inbox}} t
+SET started_attempts = t.started_attempts + 1,
+    locked_until = now() + make_interval(secs => %(lease)s)
+WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
+RETURNING {{returning}}
+"""
+
+# Parked: an abandoned sequential message of the segment whose dead letter is still open.
+_PARK = """
+      AND NOT EXISTS (
+            SELECT 1 FROM {inbox} a
+            JOIN {dead_letters} d ON d.message_id = a.id AND d.source = 'inbox'
+            WHERE a.abandoned_at IS NOT NULL AND a.segment = i.segment AND a.concurrency = 'sequential'
+              AND d.replayed_at IS NULL AND d.discarded_at IS NULL)
+"""
+
+
+def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
+    """Params: limit, lease (seconds). Rows: :data:`CLAIM_COLUMNS` (:func:`fetch_claimed`)."""
+    # Suspects are found through inbox_suspect_idx (oldest expired lease first); the
+    # others in priority, then arrival order through inbox_due_idx.
+    which = "i.started_attempts > i.finished_attempts" if suspects else "i.started_attempts <= i.finished_attempts"
+    order = "i.locked_until" if suspects else "i.priority DESC, i.created_at"
+    inbox = sql.Identifier(schema, names.INBOX)
+    park_sql = (
+        sql.SQL(_PARK).format(inbox=inbox, dead_letters=sql.Identifier(schema, names.DEAD_LETTERS))
+        if park
+        else sql.SQL("")
+    )
+    return sql.SQL(_CLAIM).format(
+        inbox=inbox, which=sql.SQL(which), park=park_sql, order=sql.SQL(order), returning=sql.SQL(_RETURNING)
+    )
+
+
+def fetch_claimed(
+    conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Run a claim; its rows by column name, in priority, then arrival order."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(statement, params).fetchall()
+    rows.sort(key=lambda r: (-r["priority"], r["created_at"]))
+    return rows
+
+
+# Our claims that still carry the started_attempts they had when we claimed them (the
+# fencing token); params ``ids`` and ``started``. Each is looked up through the primary
+# key by a scalar subquery, then updated by ``ctid`` (a TID scan). Both spell "pending"
+# so that it matches no partial index's predicate (framework/tables.py): with statistics
+# taken while the inbox was small, the planner picked one of them and scanned every
+# pending row per id (0.8 s per batch); a plain join to the unnest hashed the whole inbox
+# per batch instead.
+_FENCE = f"""t.ctid = ANY(ARRAY(
+    SELECT (SELECT i.ctid FROM {{inbox}} i WHERE i.id = c.id AND i.started_attempts = c.started
+              AND {pending_by_id("i")})
+    FROM unnest(%(ids)s::uuid[], %(started)s::int2[]) AS c(id, started)))
+    AND {pending_by_id("t")}"""
+
+
+# The presumption drops the message's auth_token (no longer needed once processed: no
+# token at rest, docs/architecture.md "Secrets"); a run that did not succeed gets it back
+# from the claimed row (param: the token or NULL) for its next run.
+_TOKEN_BACK = "jsonb_strip_nulls(jsonb_build_object('auth_token', %s::text))"
+
+
+def presume_processed(schema: str) -> sql.Composed:
+    """First statement of the processing transaction: mark our claims processed, lock them.
+
+    It is the fence (a row whose ``started_attempts`` moved on was claimed again by
+    someone else after our lease ran out, and is left alone; a row locked by us cannot
+    be claimed while we work) and the success mark in one pass over the rows. The few
+    that do not succeed are corrected by the statements below before the commit, so
+    nobody ever sees the presumption. ``processed_at`` is thus when the batch started.
+
+    Each row comes back as ``id`` and ``frees``: whether a later sequential row of its
+    segment waits behind it. The batch's commit makes that row due, and only then is a
+    claim worth making before the next NOTIFY. The probe reads the statement's snapshot, in which the batch
+    is still pending, so it skips the batch's own rows.
+    """
+    return sql.SQL(
+        "UPDATE {inbox} t SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, "
+        "locked_until = clock_timestamp(), metadata = t.metadata - 'auth_token' "
+        f"WHERE {_FENCE} "
+        "RETURNING t.id, t.concurrency = 'sequential' AND EXISTS ("
+        "SELECT 1 FROM {inbox} p WHERE p.segment = t.segment AND p.concurrency = 'sequential' "
+        f"AND {pending_in_segment('p')} AND p.id <> ALL(%(ids)s::uuid[])) AS frees"
+    ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
+def mark_failed(schema: str) -> sql.Composed:
+    """Undo the presumption for a failed run: due again after the backoff (the run counted)."""
+    return sql.SQL(
+        "UPDATE {inbox} SET processed_at = NULL, "
+        "locked_until = clock_timestamp() + make_interval(secs => %(delay)s), last_error = %(error)s, "
+        f"metadata = metadata || {_TOKEN_BACK % '%(auth_token)s'} "
+        "WHERE id = %(id)s"
+    ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
+def mark_abandoned(schema: str) -> sql.Composed:
+    """Undo the presumption for an abandon; ``finished`` is how many runs it settles in all."""
+    return sql.SQL(
+        "UPDATE {inbox} SET processed_at = NULL, finished_attempts = finished_attempts - 1 + %(finished)s, "
+        "abandoned_at = clock_timestamp(), locked_until = clock_timestamp(), last_error = %(error)s "
+        "WHERE id = %(id)s"
+    ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
+def unclaim(schema: str) -> sql.Composed:
+    """Undo the presumption *and* the claim of messages that were never run (lease too short)."""
+    return sql.SQL(
+        "UPDATE {inbox} t SET processed_at = NULL, finished_attempts = t.finished_attempts - 1, "
+        "started_attempts = t.started_attempts - 1, locked_until = clock_timestamp(), "
+        f"metadata = t.metadata || {_TOKEN_BACK % 'c.token'} "
+        "FROM unnest(%s::uuid[], %s::text[]) AS c(id, token) WHERE t.id = c.id"
+    ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
+def release(schema: str) -> sql.Composed:
+    """Give back claims that were never run (stop, lost database): not an attempt, not poison."""
+    return sql.SQL(
+        "UPDATE {inbox} t SET started_attempts = t.started_attempts - 1, locked_until = clock_timestamp() "
+        f"WHERE {_FENCE}"
+    ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
+def backlog(schema: str) -> sql.Composed:
+    return sql.SQL(
+        "SELECT count(*), COALESCE(extract(epoch FROM now() - min(locked_until) "
+        "FILTER (WHERE locked_until <= now())), 0) FROM {inbox} WHERE processed_at IS NULL AND abandoned_at IS NULL"
+    ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
+def holds(schema: str) -> sql.Composed:
+    """Params: id. One row if the inbox holds the message (live or tombstone)."""
+    return sql.SQL("SELECT 1 FROM {t} WHERE id = %(id)s").format(t=sql.Identifier(schema, names.INBOX))
+
+
+def restore_tombstone(schema: str) -> sql.Composed:
+    """Params: id, payload, message_context, metadata. A tombstone filled in again (its id,
+    type and aggregate already match; framework/dedup.py)."""
+    return sql.SQL(
+        """UPDATE {t} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
+               archived_at = NULL WHERE id = %(id)s"""
+    ).format(t=sql.Identifier(schema, names.INBOX))

@@ -1,0 +1,32 @@
+"""The row codecs of framework/sql name real columns of the tables the migrations build."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+from sqlalchemy import Table
+
+from framework import tables
+from framework.sql import dead_letters, inbox, outbox
+
+
+@pytest.mark.parametrize(
+    ("table", "columns"),
+    [
+        (tables.outbox, outbox.COLUMNS),
+        (tables.inbox, tuple(f.name for f in fields(inbox.InboxRow))),
+        (tables.inbox, inbox.CLAIM_COLUMNS),
+        (tables.dead_letters, dead_letters.COLUMNS),
+    ],
+)
+def test_every_column_a_statement_names_is_in_its_table(table: Table, columns: tuple[str, ...]) -> None:
+    assert set(columns) - set(table.c.keys()) == set()
+
+
+def test_the_outbox_insert_writes_every_column_a_writer_sets() -> None:
+    # Left to their defaults: what the relay and the worker set later.
+    later = {"created_at", "started_attempts", "finished_attempts", "processed_at", "abandoned_at", "last_error"}
+    assert set(outbox.COLUMNS) == set(tables.outbox.c.keys()) - later
+    text = outbox.insert_text("txbox")
+    assert text.count("$") == len(outbox.COLUMNS) and "COALESCE($14::timestamptz, clock_timestamp())" in text
