@@ -31,6 +31,7 @@ STORED = {
     "max_attempts",
     "permanent_error",
     "poison",
+    "no_handler",
     "unroutable",
     "nacked",
     "internal_error",
