@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup setup-test demo test lint bench fuzz
+.PHONY: setup setup-test demo test lint bench fuzz rabbit-cluster
 
 # What the demo needs; `setup-test` adds the test tools, Chromium and the Node test peer.
 setup:
@@ -24,6 +24,11 @@ FUZZ_LOGS ?= artifacts/fuzz-logs
 fuzz: setup-test
 	TXBOX_FUZZ_SEED=$(SEED) TXBOX_FUZZ_EXAMPLES=$(EXAMPLES) TXBOX_FUZZ_BATCH=$(BATCH) TXBOX_FUZZ_LOG_DIR=$(FUZZ_LOGS) \
 		.venv/bin/pytest -p no:cacheprovider --timeout=$(FUZZ_TIMEOUT) tests/fuzz
+
+# A private three-node RabbitMQ cluster loses the node leading the inbox queues mid-run
+# (about two minutes; not part of `make test`):  make rabbit-cluster SEED=3
+rabbit-cluster: setup-test
+	TXBOX_RABBIT_CLUSTER=1 TXBOX_CHAOS_SEED=$(SEED) .venv/bin/pytest -p no:cacheprovider tests/acceptance/test_rabbit_cluster.py
 
 lint:
 	.venv/bin/ruff check framework tests migrations examples tools && .venv/bin/mypy

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import random
 import re
 import struct
 import threading
@@ -14,7 +16,7 @@ import pika.data
 import pika.exceptions
 
 from framework.errors import BrokerUnavailable, ConfigurationError
-from framework.settings import mask_url
+from framework.settings import amqp_urls, mask_url
 
 TABLE_DEPTH_LIMIT = 32
 """Header tables and arrays nested deeper than this are decoded as :data:`TOO_DEEP_FIELD`."""
@@ -73,6 +75,24 @@ def parameters(amqp_url: str, *, name: str = "txbox", heartbeat: int = 30) -> pi
     return params
 
 
+@functools.cache
+def _process_order(amqp_url: str) -> tuple[str, ...]:
+    """The URLs of ``TXBOX_AMQP_URL`` in this process's order, drawn once per process."""
+    urls = amqp_urls(amqp_url)
+    return tuple(random.sample(urls, len(urls)))
+
+
+def parameters_list(amqp_url: str, *, name: str = "txbox") -> list[pika.URLParameters]:
+    """Connection parameters for every node of ``TXBOX_AMQP_URL``, in this process's order.
+
+    The order is shuffled once per process, so the daemons of a deployment spread over a
+    cluster's nodes instead of all crowding the first one, while one process keeps
+    going back to the node it prefers; a connect tries them in turn
+    (docs/architecture.md, "A RabbitMQ cluster").
+    """
+    return [parameters(url, name=name) for url in _process_order(amqp_url)]
+
+
 def username(amqp_url: str) -> str:
     """The broker user an AMQP URL logs in as with a password, else "".
 
@@ -81,16 +101,17 @@ def username(amqp_url: str) -> str:
     Not for EXTERNAL (certificate) logins, whose user the URL does not name: a wrong
     ``user_id`` would make RabbitMQ close the channel.
     """
-    credentials = parameters(amqp_url.split(",", maxsplit=1)[0].strip()).credentials
+    credentials = parameters(amqp_urls(amqp_url)[0]).credentials
     if isinstance(credentials, pika.PlainCredentials):
         return str(credentials.username)
     return ""
 
 
 def connect(amqp_url: str, *, name: str = "txbox") -> pika.BlockingConnection:
-    """A blocking connection; failures become BrokerUnavailable with the URL (masked)."""
+    """A blocking connection to the first node that answers (see :func:`parameters_list`);
+    failures become BrokerUnavailable with the URLs (masked)."""
     try:
-        return pika.BlockingConnection(parameters(amqp_url, name=name))
+        return pika.BlockingConnection(parameters_list(amqp_url, name=name))
     except pika.exceptions.ProbableAuthenticationError as exc:
         raise BrokerUnavailable(f"RabbitMQ at {mask_url(amqp_url)} refused the credentials: {exc}") from exc
     except pika.exceptions.AMQPError as exc:

@@ -150,7 +150,7 @@ class Settings:
         "TXBOX_AMQP_URL",
         "amqp://guest:guest@127.0.0.1:5672/%2F",
         default="amqp://guest:guest@127.0.0.1:5672/%2F",
-        help="RabbitMQ URL",
+        help="RabbitMQ URL; several, comma-separated, for the nodes of one cluster",
     )
     contracts_dir: Path = setting(
         "TXBOX_CONTRACTS_DIR",
@@ -190,11 +190,7 @@ class Settings:
                 f"TXBOX_DATABASE_URL={_mask(self.database_url)!r} is not a PostgreSQL URL. "
                 "Example: TXBOX_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/orders"
             )
-        if not self.amqp_url.startswith(("amqp://", "amqps://")):
-            raise ConfigurationError(
-                f"TXBOX_AMQP_URL={_mask(self.amqp_url)!r} is not an AMQP URL. "
-                "Example: TXBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2F"
-            )
+        amqp_urls(self.amqp_url)  # raises ConfigurationError naming the bad entry
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -207,6 +203,31 @@ def _mask(url: str) -> str:
 
 
 mask_url = _mask
+
+MAX_AMQP_URLS = 64
+"""More broker addresses than this is a pasting accident, not a cluster."""
+
+
+def amqp_urls(value: str) -> list[str]:
+    """The broker addresses in ``TXBOX_AMQP_URL``: one URL, or several separated by commas.
+
+    Several URLs name the nodes of one RabbitMQ cluster; a daemon tries them in turn
+    (docs/architecture.md, "A RabbitMQ cluster"). Blanks around commas are ignored.
+    """
+    example = (
+        "Example: TXBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2F or, for a cluster, "
+        "amqp://guest:guest@mq1:5672/%2F,amqp://guest:guest@mq2:5672/%2F"
+    )
+    urls = [part.strip() for part in value.split(",", maxsplit=MAX_AMQP_URLS)]
+    if len(urls) > MAX_AMQP_URLS:
+        raise ConfigurationError(f"TXBOX_AMQP_URL holds more than {MAX_AMQP_URLS} URLs. {example}")
+    urls = [url for url in urls if url]
+    if not urls:
+        raise ConfigurationError(f"TXBOX_AMQP_URL is empty. {example}")
+    for url in urls:
+        if not url.startswith(("amqp://", "amqps://")):
+            raise ConfigurationError(f"TXBOX_AMQP_URL: {_mask(url)!r} is not an AMQP URL. {example}")
+    return urls
 
 
 @dataclass(frozen=True, kw_only=True)

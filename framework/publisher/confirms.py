@@ -12,6 +12,8 @@ Completion semantics (the Jakarta Messaging async-send rules, docs/architecture.
 - a send completes when the broker confirms it (``basic.ack``), or fails with
   :class:`~framework.errors.PublishError` when it is nacked, returned as unroutable
   (``mandatory``), not confirmed within ``confirm_timeout``, or the connection is lost;
+- a streak of :data:`NACK_STREAK` nacks breaks the publisher as a lost connection
+  does (the sends still waiting fail as ``connection_lost``): make a new one;
 - completions run in send order, on the I/O thread (never on the sending thread), even
   if the broker confirms out of order: a confirm is recorded on its entry and entries
   are completed from the head of the send-ordered queue only;
@@ -52,6 +54,9 @@ _PENDING: Any = object()  # outcome not known yet (None = confirmed)
 TIMEOUT = "timeout"
 CONNECTION_LOST = "connection_lost"
 CLOSED = "closed"
+
+NACK_STREAK = 3
+"""Nacks in a row (no ack between) after which a Publisher gives up its channel (_renew_after_nacks)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -111,6 +116,7 @@ class Publisher:
         self._pending: deque[Outgoing] = deque()
         self._by_id: dict[str, Outgoing] = {}
         self._next_tag = 1
+        self._nacks_in_a_row = 0
 
     # ---- caller side ---------------------------------------------------------------
 
@@ -143,7 +149,8 @@ class Publisher:
 
     @property
     def broken(self) -> bool:
-        """The connection was lost: every incomplete send failed; make a new Publisher."""
+        """The connection was lost (or nacks came in a streak): every incomplete send failed;
+        make a new Publisher."""
         return self._state == "broken"
 
     @property
@@ -274,13 +281,22 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            self._conn = pika.SelectConnection(
-                amqp.parameters(self.amqp_url, name=self.name),
-                on_open_callback=self._on_open,
-                on_open_error_callback=self._on_open_error,
-                on_close_callback=self._on_closed,
-            )
-            self._conn.ioloop.start()
+            # The nodes of a cluster in turn, until one opens (docs/architecture.md,
+            # "A RabbitMQ cluster"); start() gives up after connect_timeout in all.
+            for params in amqp.parameters_list(self.amqp_url, name=self.name):
+                if self._state != "new":
+                    return
+                self._conn = pika.SelectConnection(
+                    params,
+                    on_open_callback=self._on_open,
+                    on_open_error_callback=self._on_open_error,
+                    on_close_callback=self._on_closed,
+                )
+                self._conn.ioloop.start()
+                if self._ready.is_set():
+                    return  # opened, then closed; or the broker refused the confirm channel
+            self._state = "broken"
+            self._ready.set()
         except Exception as exc:  # pragma: no cover - defensive: never die silently
             log.exception("publisher I/O thread failed")
             self._broken(exc)
@@ -290,9 +306,8 @@ class Publisher:
         conn.channel(on_open_callback=self._on_channel)
 
     def _on_open_error(self, conn: pika.SelectConnection, exc: BaseException) -> None:
+        """This node did not answer: _run tries the next one."""
         self._error = exc
-        self._state = "broken"
-        self._ready.set()
         conn.ioloop.stop()
 
     def _on_channel(self, channel: pika.channel.Channel) -> None:
@@ -422,6 +437,7 @@ class Publisher:
         for item in selected:
             if item.outcome is not _PENDING:
                 continue
+            self._nacks_in_a_row = self._nacks_in_a_row + 1 if nack else 0
             if nack:
                 item.outcome = PublishError(f"the broker nacked message {item.message_id}", Reason.NACKED)
             elif item.returned is not None:
@@ -432,6 +448,22 @@ class Publisher:
             else:
                 item.outcome = None
         self._complete_head()
+        if self._nacks_in_a_row >= NACK_STREAK and self._state == "open":
+            self._renew_after_nacks()
+
+    def _renew_after_nacks(self) -> None:
+        """Give up this channel after a streak of nacks; the caller opens a new Publisher.
+
+        A RabbitMQ 3.10 channel whose first publish to a quorum queue met a dead leader
+        kept getting nacks after a new leader was elected, while a new channel got acks
+        at once (docs/architecture.md, "A RabbitMQ cluster"). The sends still waiting
+        fail as connection_lost: not the messages' fault, so the relay releases them.
+        """
+        streak = self._nacks_in_a_row
+        self._broken(PublishError(f"the broker nacked {streak} messages in a row; renewing the channel", Reason.NACKED))
+        assert self._conn is not None
+        if self._conn.is_open:
+            self._conn.close()
 
     def _check_timeouts(self) -> None:
         if self._state not in ("open", "closing"):

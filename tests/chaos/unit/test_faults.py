@@ -36,3 +36,10 @@ def test_faults_fire_in_progress_order_inside_the_load() -> None:
 
 def test_no_poison_when_asked() -> None:
     assert all(f.kind is not Kind.POISON for f in plan(2, 8, poison=False))
+
+
+def test_on_a_cluster_the_loss_of_a_node_comes_first_and_only_there() -> None:
+    (only,) = plan(4, 1, poison=False, cluster=True)
+    assert only.kind is Kind.RABBITMQ_NODE_KILL and only.down_seconds >= 3.0
+    assert Kind.RABBITMQ_NODE_KILL in {f.kind for f in plan(4, 8, cluster=True)}
+    assert all(f.kind is not Kind.RABBITMQ_NODE_KILL for seed in range(20) for f in plan(seed, 30))

@@ -15,6 +15,7 @@ import pytest
 
 from framework import Publisher
 from framework.errors import BrokerUnavailable, PublisherClosed, PublishError
+from framework.publisher import confirms
 from tests import support
 from tests.support import wait_until
 
@@ -134,3 +135,33 @@ def test_connection_lost_fails_incomplete_sends_and_marks_the_publisher_broken(b
 def test_unreachable_broker_raises_broker_unavailable() -> None:
     with pytest.raises(BrokerUnavailable):
         Publisher("amqp://guest:guest@127.0.0.1:1/%2F", connect_timeout=5).start()
+
+
+def test_a_streak_of_nacks_breaks_the_publisher_so_that_a_new_channel_is_opened(broker: str) -> None:
+    """RabbitMQ 3.10 kept nacking a channel that first met a dead quorum leader; a new one got acks."""
+    with Publisher(broker) as publisher:
+        single = publisher.publish("x", "full", b"{}")
+        publisher.publish("x", "k", b"{}").result(timeout=30)  # an ack ends a streak
+        with pytest.raises(PublishError):
+            single.result(timeout=30)
+        assert publisher.is_open
+        streak = [publisher.publish("x", "full", b"{}") for _ in range(confirms.NACK_STREAK)]
+        for future in streak:
+            with pytest.raises(PublishError) as nacked:
+                future.result(timeout=30)
+            assert nacked.value.reason == "nacked"
+        wait_until(lambda: publisher.broken, 30, message="the publisher gives up the nacking channel")
+        assert "in a row" in str(publisher.error)
+        with pytest.raises(PublisherClosed):
+            publisher.publish("x", "k", b"{}")
+
+
+def test_a_list_of_urls_connects_to_the_first_node_that_answers(broker: str) -> None:
+    """TXBOX_AMQP_URL with a node that is down: the publisher connects to another one."""
+    dead = "amqp://guest:guest@127.0.0.1:1/%2F"
+    for _ in range(4):  # the order is this process's shuffle: whichever comes first
+        urls = f"{dead},{broker}" if _ % 2 else f"{broker},{dead}"
+        with Publisher(urls, connect_timeout=10) as publisher:
+            publisher.publish("x", "k", b"{}").result(timeout=30)
+    with pytest.raises(BrokerUnavailable):
+        Publisher(f"{dead},{dead.replace(':1/', ':2/')}", connect_timeout=5).start()

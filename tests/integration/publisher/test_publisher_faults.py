@@ -6,12 +6,15 @@ import signal
 import subprocess
 from collections.abc import Callable
 
+import pika
 import psycopg
 
+from framework import names, topology
 from framework.db import conninfo
+from framework.publisher.confirms import NACK_STREAK
 from framework.relay import RelayConfig
 from framework.service import Service
-from framework.settings import Settings
+from framework.settings import Seconds, Settings
 from tests import support
 from tests.integration.publisher.conftest import (
     Delivered,
@@ -103,3 +106,34 @@ def test_database_connections_killed_and_the_relay_recovers(
     got = drain_queue(settings.amqp_url, inbox_queue(settings))
     ids = all_ids(settings)
     assert ids <= {d.body["message_id"] for d in got}
+
+
+def test_a_streak_of_nacks_makes_the_relay_publish_again_on_a_new_channel(settings: Settings, service: Service) -> None:
+    """RabbitMQ 3.10 kept nacking a channel that met a dead quorum leader while a new channel got
+    acks (docs/architecture.md, "A RabbitMQ cluster"): here a full queue nacks every publish."""
+    ids = insert_rows(settings, service.registry, orders(10, 1))
+    topology.declare(settings, service.registry)
+    exchange, key = names.COMMAND_EXCHANGE, service.registry.get("PlaceOrder").routing_key
+    conn = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    try:
+        ch = conn.channel()
+        ch.queue_declare("full", durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+        ch.queue_bind("full", exchange, routing_key=key)
+        config = RelayConfig(  # type: ignore[arg-type]
+            poll_interval=0.2, retry_base=Seconds(0.2), retry_cap=Seconds(0.5), max_attempts=1000
+        )
+        with running_relay(settings, service.registry, config) as relay:
+            wait_until(lambda: relay._publisher is not None, 30, message="the relay connects")
+            first = relay._publisher
+            wait_until(
+                lambda: relay.failed >= NACK_STREAK and relay._publisher not in (None, first),
+                60,
+                message="the relay opens a new publisher after a streak of nacks",
+            )
+            assert outbox_state(settings)["processed"] == 0  # nothing marked without an ack
+            ch.queue_unbind("full", exchange, routing_key=key)
+            wait_until(lambda: outbox_state(settings)["processed"] == 10, 60, message="all 10 rows published")
+    finally:
+        conn.close()
+    got = drain_queue(settings.amqp_url, inbox_queue(settings))
+    assert {d.body["message_id"] for d in got} == set(ids)

@@ -24,6 +24,9 @@ class Kind(StrEnum):
     PG_TERMINATE = "pg_terminate"  # pg_terminate_backend on every client connection
     AMQP_CLOSE = "amqp_close"  # management API closes every client connection
     POISON = "poison"  # a message whose handler kills its own process
+    #: kill -9 of the cluster node leading the inbox queues, started again later
+    #: (a run on a RabbitMQ cluster only: ``--rabbit-nodes 3``)
+    RABBITMQ_NODE_KILL = "rabbitmq_node_kill"
 
 
 DAEMON_KINDS = ("publisher", "receiver", "worker")
@@ -40,6 +43,8 @@ PRIORITY: tuple[tuple[Kind, str], ...] = (
     (Kind.PG_TERMINATE, ""),
     (Kind.AMQP_CLOSE, ""),
 )
+#: On a RabbitMQ cluster the loss of a node comes first: ``--faults 1`` is just that.
+CLUSTER_PRIORITY: tuple[tuple[Kind, str], ...] = ((Kind.RABBITMQ_NODE_KILL, ""), *PRIORITY)
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class Fault:
     target: str
     #: Share of the expected messages handled when the fault fires (0..1).
     at_progress: float
-    #: For kills: seconds the crashed daemon stays down before the supervisor restarts it.
+    #: For kills: seconds the crashed daemon (or RabbitMQ node) stays down before it is restarted.
     down_seconds: float = 0.0
 
     def __str__(self) -> str:
@@ -65,17 +70,19 @@ def plan(
     daemons: tuple[str, ...] = DAEMON_KINDS,
     first: float = 0.05,
     last: float = 0.75,
+    cluster: bool = False,
 ) -> list[Fault]:
     """The schedule: ``faults`` faults (plus the poison message) sorted by progress point.
 
-    The first seven follow :data:`PRIORITY`; every further one is a ``kill -9``, cycling
+    The first seven (eight on a RabbitMQ ``cluster``) follow :data:`PRIORITY`
+    (:data:`CLUSTER_PRIORITY`); every further one is a ``kill -9``, cycling
     through the daemon kinds so that each kind is killed about equally often. Targets
     (which service's daemon) and moments are drawn from the seed.
     """
     if faults < 0:
         raise ValueError("faults must be >= 0")
     rng = random.Random(seed)
-    chosen: list[tuple[Kind, str]] = list(PRIORITY[:faults])
+    chosen: list[tuple[Kind, str]] = list((CLUSTER_PRIORITY if cluster else PRIORITY)[:faults])
     extra = faults - len(chosen)
     cycle = [d for d in daemons]
     rng.shuffle(cycle)
@@ -90,6 +97,9 @@ def plan(
         if kind is Kind.KILL:
             target = f"{rng.choice(SERVICES)}-{target}"
             out.append(Fault(kind, target, round(moment, 4), down_seconds=round(rng.uniform(0.0, 1.5), 2)))
+        elif kind is Kind.RABBITMQ_NODE_KILL:
+            # Down long enough for the daemons on the other nodes to carry the load alone.
+            out.append(Fault(kind, target, round(moment, 4), down_seconds=round(rng.uniform(3.0, 8.0), 2)))
         else:
             out.append(Fault(kind, target, round(moment, 4)))
     return out

@@ -17,6 +17,11 @@ Use them as context managers::
         rabbit.restart()                  # graceful stop + start, data kept
         rabbit.close_connections()        # management API: close every client connection
 
+    with PrivateRabbitCluster(3) as cluster:   # three nodes joined into one cluster
+        url = cluster.amqp_url()          # every node's URL, comma-separated (TXBOX_AMQP_URL)
+        node = cluster.kill_leader([...]) # kill -9 of the node leading those queues
+        cluster.bring_back(node)          # it starts again and rejoins
+
 PostgreSQL runs as the ``postgres`` OS user when we are root (``initdb`` refuses root).
 """
 
@@ -27,6 +32,7 @@ import contextlib
 import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -36,6 +42,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -188,12 +196,39 @@ class PrivatePostgres:
         return int(row[0]) if row else 0
 
 
-class PrivateRabbit:
+class _Management:
+    """What the chaos run asks of a broker's management API, for one node or a cluster."""
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        raise NotImplementedError
+
+    def connections(self) -> list[dict[str, Any]]:
+        return list(self.api("GET", "/connections") or [])
+
+    def close_connections(self, name_contains: str = "") -> int:
+        """Force-close client connections from the broker side; returns how many."""
+        closed = 0
+        for conn in self.connections():
+            name = conn.get("client_properties", {}).get("connection_name", "") or ""
+            if name_contains in name:
+                self.api("DELETE", f"/connections/{urllib.parse.quote(conn['name'], safe='')}")
+                closed += 1
+        return closed
+
+    def queue(self, name: str, vhost: str = "/") -> Any:
+        q = urllib.parse.quote
+        return self.api("GET", f"/queues/{q(vhost, safe='')}/{q(name, safe='')}")
+
+
+class PrivateRabbit(_Management):
     """A second RabbitMQ node on this machine: own node name, ports, data and cookie.
 
     Runs ``rabbitmq-server`` in the foreground as our child (its own process group), so
     stopping it is a signal, not a 5-second ``rabbitmqctl`` round trip. The management
-    plugin is on (its API closes connections from the server side).
+    plugin is on (its API closes connections from the server side). ``cookie`` is the
+    Erlang cookie to share with the other nodes of a cluster (else one of its own is
+    made on first start); ``small`` keeps the node to one scheduler that does not spin
+    while idle, for a machine that runs several nodes beside everything else.
     """
 
     def __init__(
@@ -202,17 +237,30 @@ class PrivateRabbit:
         management_port: int | None = None,
         base_dir: Path | None = None,
         management: bool = True,
+        *,
+        cookie: str | None = None,
+        small: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.dist_port = free_port()
         self.management_port = (management_port or free_port()) if management else None
         self._own_dir = base_dir is None
         self.base_dir = base_dir or Path(tempfile.mkdtemp(prefix="txbox-rabbit-"))
+        self.base_dir.mkdir(parents=True, exist_ok=True)
         self.node = f"txbox-chaos-{self.port}@localhost"
         self.log_file = self.base_dir / "rabbitmq.out"
         self.restarts = 0
+        self.small = small
         self._proc: subprocess.Popen[bytes] | None = None
         self._write_config()
+        if cookie is not None:
+            path = self.base_dir / ".erlang.cookie"  # HOME is base_dir (see env)
+            path.write_text(cookie)
+            path.chmod(0o400)  # Erlang refuses a cookie file others may read
+
+    @property
+    def description(self) -> str:
+        return f"RabbitMQ node {self.node} on :{self.port}"
 
     def _write_config(self) -> None:
         lines = [f"listeners.tcp.local = 127.0.0.1:{self.port}", "loopback_users = none"]
@@ -238,9 +286,16 @@ class PrivateRabbit:
             RABBITMQ_LOG_BASE=str(self.base_dir / "log"),
             ERL_EPMD_ADDRESS="127.0.0.1",
         )
+        if self.small:
+            env["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"] = "+S 1:1 +sbwt none +sbwtdcpu none +sbwtdio none"
         return env
 
     def start(self, timeout: float = 90) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the node without waiting for it (nodes of a cluster boot side by side)."""
         if self._proc is not None and self._proc.poll() is None:
             return
         with self.log_file.open("ab") as out:
@@ -253,7 +308,33 @@ class PrivateRabbit:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+
+    def wait_ready(self, timeout: float = 90) -> None:
         _wait(self._ready, timeout, f"RabbitMQ node {self.node} on port {self.port}", self.log_file)
+
+    def ctl(self, *args: str, timeout: float = 120) -> str:
+        """``rabbitmqctl -n <this node> args``; InstanceError (with its output) if it fails."""
+        try:
+            proc = subprocess.run(
+                [str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.node, *args],
+                env=self.env(),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise InstanceError(f"rabbitmqctl {' '.join(args)} on {self.node} took over {timeout:.0f}s") from exc
+        if proc.returncode != 0:
+            raise InstanceError(f"rabbitmqctl {' '.join(args)} on {self.node} failed: {proc.stderr or proc.stdout}")
+        return proc.stdout
+
+    def join(self, seed: str, timeout: float = 120) -> None:
+        """Make this (fresh) node a member of the cluster that node ``seed`` belongs to."""
+        self.ctl("stop_app", timeout=timeout)
+        self.ctl("join_cluster", seed, timeout=timeout)
+        self.ctl("start_app", timeout=timeout)
+        self.wait_ready(timeout)
 
     def _ready(self) -> bool:
         if self._proc is not None and self._proc.poll() is not None:
@@ -347,19 +428,128 @@ class PrivateRabbit:
                 return None
             raise InstanceError(f"management API {method} {path}: HTTP {exc.code} {exc.reason}") from exc
 
-    def connections(self) -> list[dict[str, Any]]:
-        return list(self.api("GET", "/connections") or [])
 
-    def close_connections(self, name_contains: str = "") -> int:
-        """Force-close client connections from the broker side; returns how many."""
-        closed = 0
-        for conn in self.connections():
-            name = conn.get("client_properties", {}).get("connection_name", "") or ""
-            if name_contains in name:
-                self.api("DELETE", f"/connections/{urllib.parse.quote(conn['name'], safe='')}")
-                closed += 1
-        return closed
+class PrivateRabbitCluster(_Management):
+    """Three (or more) private RabbitMQ nodes joined into one cluster on 127.0.0.1.
 
-    def queue(self, name: str, vhost: str = "/") -> Any:
-        q = urllib.parse.quote
-        return self.api("GET", f"/queues/{q(vhost, safe='')}/{q(name, safe='')}")
+    Each node is a :class:`PrivateRabbit` (own node name, ports and data) with a shared
+    Erlang cookie, kept small (one scheduler each); they boot side by side, then the
+    others join the first (``rabbitmqctl stop_app; join_cluster; start_app``). Quorum
+    queues declared afterwards get a member on every node, so the cluster keeps its
+    queues when one node dies: the failover the daemons must survive
+    (docs/architecture.md, "A RabbitMQ cluster").
+    """
+
+    def __init__(self, size: int = 3, base_dir: Path | None = None) -> None:
+        if size < 3:
+            raise InstanceError(f"a cluster that outlives one of its nodes needs three at least, not {size}")
+        self._own_dir = base_dir is None
+        self.base_dir = base_dir or Path(tempfile.mkdtemp(prefix="txbox-rabbit-cluster-"))
+        cookie = secrets.token_hex(20)
+        self.nodes = [
+            PrivateRabbit(base_dir=self.base_dir / f"node{n}", cookie=cookie, small=True) for n in range(1, size + 1)
+        ]
+        self.restarts = 0  # rolling restarts of every node
+        self.node_kills = 0
+
+    @property
+    def description(self) -> str:
+        ports = ", ".join(f":{node.port}" for node in self.nodes)
+        return f"RabbitMQ cluster of {len(self.nodes)} nodes on {ports}"
+
+    def start(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            node.launch()
+        for node in self.nodes:
+            node.wait_ready(max(1.0, deadline - time.monotonic()))
+        seed = self.nodes[0].node
+        with ThreadPoolExecutor(len(self.nodes) - 1) as pool:
+            joins = [pool.submit(node.join, seed, max(1.0, deadline - time.monotonic())) for node in self.nodes[1:]]
+            for join in joins:
+                join.result()
+        self.wait_complete(max(1.0, deadline - time.monotonic()))
+
+    def running_members(self) -> set[str]:
+        """Names of the cluster's nodes that run, as one of them sees it."""
+        return {n["name"] for n in self.api("GET", "/nodes") or [] if n.get("running")}
+
+    def wait_complete(self, timeout: float = 120) -> None:
+        want = {node.node for node in self.nodes}
+        _wait(lambda: _safe(self.running_members) == want, timeout, f"all of {sorted(want)} to run as one cluster")
+
+    def close(self) -> None:
+        try:
+            with ThreadPoolExecutor(len(self.nodes)) as pool:
+                for stopped in [pool.submit(node.stop, 30) for node in self.nodes]:
+                    with contextlib.suppress(InstanceError):
+                        stopped.result()
+        finally:
+            if self._own_dir:
+                shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- faults -----------------------------------------------------------------------
+
+    def leader(self, queue: str, vhost: str = "/") -> PrivateRabbit | None:
+        """The node leading a quorum queue now (None if the queue is unknown or has none)."""
+        info = self.queue(queue, vhost) or {}
+        name = info.get("leader") or info.get("node")
+        return next((node for node in self.nodes if node.node == name), None)
+
+    def kill_leader(self, queues: list[str], vhost: str = "/") -> PrivateRabbit:
+        """``kill -9`` of the node leading most of ``queues``; it stays down until :meth:`bring_back`."""
+        leaders = Counter(node for node in (self.leader(q, vhost) for q in queues) if node is not None)
+        if not leaders:
+            raise InstanceError(f"none of {queues} has a leader to kill")
+        node = leaders.most_common(1)[0][0]
+        node.kill()
+        self.node_kills += 1
+        return node
+
+    def bring_back(self, node: PrivateRabbit, timeout: float = 120) -> None:
+        """Start a killed node again; it rejoins the cluster from its own data."""
+        node.start(timeout)
+        self.wait_complete(timeout)
+
+    def restart(self, hard: bool = False) -> None:
+        """A rolling restart: each node in turn stops and starts, the others keep serving."""
+        for node in self.nodes:
+            node.restart(hard)
+            self.wait_complete()
+        self.restarts += 1
+
+    # --- use --------------------------------------------------------------------------
+
+    def amqp_url(self, vhost: str = "/") -> str:
+        """Every node's URL, comma-separated: a TXBOX_AMQP_URL for the whole cluster."""
+        return ",".join(node.amqp_url(vhost) for node in self.nodes)
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        """The management API of the first node that answers."""
+        error: Exception = InstanceError("no node of the cluster runs")
+        for node in self.nodes:
+            if not node.running():
+                continue
+            try:
+                return node.api(method, path, body)
+            except (OSError, InstanceError) as exc:
+                error = exc
+        raise error
+
+
+def _safe(call: Any) -> Any:
+    try:
+        return call()
+    except (OSError, InstanceError):
+        return None

@@ -2,7 +2,8 @@
 
 The run, in order:
 
-1. starts a private PostgreSQL (fsync on) and a private RabbitMQ node on free ports, so
+1. starts a private PostgreSQL (fsync on) and a private RabbitMQ node (or, with
+   ``--rabbit-nodes 3``, a cluster of three whose URLs every daemon gets) on free ports, so
    restarting them disturbs nothing else on the machine; creates and migrates both
    services' databases and declares the topology;
 2. starts every daemon of both services as its own ``txbox`` process under a
@@ -42,14 +43,14 @@ import psycopg
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from framework import tables, topology
+from framework import names, tables, topology
 from framework.db import conninfo
 from framework.errors import ChaosFailed
 from framework.service import Service
 from txbox_tools import repository
 from txbox_tools.chaos import apps
 from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, plan
-from txbox_tools.chaos.instances import PrivatePostgres, PrivateRabbit
+from txbox_tools.chaos.instances import PrivatePostgres, PrivateRabbit, PrivateRabbitCluster
 from txbox_tools.chaos.supervisor import Spec, Supervisor
 from txbox_tools.chaos.verdict import Verdict, judge
 
@@ -81,6 +82,7 @@ class ChaosOptions:
     stall_timeout: float = 180.0
     queue_type: str = "quorum"
     workers: int = 1  # worker processes per service (they share the inbox with SKIP LOCKED)
+    rabbit_nodes: int = 1  # 3 or more: a RabbitMQ cluster, and the rabbitmq_node_kill fault
     keep_logs: bool = False
     log_dir: Path | None = None
 
@@ -102,6 +104,7 @@ class Report:
     unexpected_exits: dict[str, int]
     pg_restarts: int
     rabbit_restarts: int
+    rabbit_node_kills: int
     connection_kills: int
     wall_seconds: float
     load_seconds: float
@@ -126,6 +129,7 @@ class Report:
             "restarts": self.pg_restarts + self.rabbit_restarts,
             "pg_restarts": self.pg_restarts,
             "rabbitmq_restarts": self.rabbit_restarts,
+            "rabbitmq_node_kills": self.rabbit_node_kills,
             "connection_kills": self.connection_kills,
             "crashes": sum(self.unexpected_exits.values()),
             "lost": v.lost,
@@ -143,6 +147,7 @@ class Report:
         return (
             f"chaos seed={f['seed']}: orders={f['orders']:,} messages={f['messages']:,} kills={f['kills']} "
             f"restarts={f['restarts']} (pg {f['pg_restarts']}, rabbitmq {f['rabbitmq_restarts']}) "
+            f"rabbitmq_node_kills={f['rabbitmq_node_kills']} "
             f"connection_kills={f['connection_kills']} crashes={f['crashes']} lost={f['lost']} "
             f"duplicated={f['duplicated']} abandoned={f['abandoned']} "
             f"rate_between_faults={f['rate_between_faults']:,}/s recovery={f['recovery_s']}s "
@@ -267,15 +272,19 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
     missing = [d for d in DAEMON_KINDS if d not in daemons]
     if missing:
         raise ChaosFailed(f"this checkout lacks the txbox daemon command(s) {', '.join(missing)}: nothing to test")
-    schedule = plan(options.seed, options.faults, poison=options.poison, daemons=tuple(daemons))
+    cluster = options.rabbit_nodes > 1
+    if cluster and options.queue_type != "quorum":
+        raise ChaosFailed("a run on a RabbitMQ cluster needs quorum inbox queues (--queue-type quorum)")
+    schedule = plan(options.seed, options.faults, poison=options.poison, daemons=tuple(daemons), cluster=cluster)
     say(f"txbox chaos: {options.messages:,} orders, seed {options.seed}, schedule: {describe(schedule)}")
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="txbox-chaos-logs-"))
 
     from examples.demo import restock, stocked
     from txbox_tools.processes import ProcessGroup
 
-    with PrivatePostgres() as pg, PrivateRabbit() as rabbit:
-        say(f"  private PostgreSQL on :{pg.port} (fsync on), RabbitMQ node {rabbit.node} on :{rabbit.port}")
+    broker = PrivateRabbitCluster(options.rabbit_nodes) if cluster else PrivateRabbit()
+    with PrivatePostgres() as pg, broker as rabbit:
+        say(f"  private PostgreSQL on :{pg.port} (fsync on), {rabbit.description}")
         urls = {short: pg.create_database(f"chaos_{short}") for short in apps.APPS}
         dsns = {short: conninfo(url) for short, url in urls.items()}
         services: dict[str, Service] = {}
@@ -313,8 +322,9 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
             say(f"  inventory restocked ({len(skus)} SKUs x {per_sku:,}); placing orders at {options.rate:,.0f}/s")
 
             feeder = Feeder(services["orders"], options, skus)
+            inboxes = [names.inbox_queue(service.settings.service) for service in services.values()]
             events, samples, poison_id, load_end = _drive(
-                options, schedule, feeder, supervisor, pg, rabbit, dsns, base_handled, expected, say
+                options, schedule, feeder, supervisor, pg, rabbit, inboxes, dsns, base_handled, expected, say
             )
             drained_at = load_end
             _write_timeline(log_dir / "timeline.json", samples, events)
@@ -351,6 +361,7 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
             unexpected_exits=supervisor.tally.unexpected_exits,
             pg_restarts=pg.restarts,
             rabbit_restarts=rabbit.restarts,
+            rabbit_node_kills=rabbit.node_kills if isinstance(rabbit, PrivateRabbitCluster) else 0,
             connection_kills=sum(1 for e in events if e.fault.kind in (Kind.PG_TERMINATE, Kind.AMQP_CLOSE)),
             wall_seconds=time.monotonic() - wall_start,
             load_seconds=drained_at - samples[0][0] if samples else 0.0,
@@ -406,7 +417,8 @@ def _drive(
     feeder: Feeder,
     supervisor: Supervisor,
     pg: PrivatePostgres,
-    rabbit: PrivateRabbit,
+    rabbit: PrivateRabbit | PrivateRabbitCluster,
+    inboxes: list[str],
     dsns: dict[str, str],
     base_handled: int,
     expected: int,
@@ -440,7 +452,7 @@ def _drive(
         if pending and progress >= pending[0].at_progress and now - last_fault_end >= options.min_gap:
             fault = pending.pop(0)
             started = time.monotonic()
-            detail, fault_poison = _inject(fault, supervisor, pg, rabbit, feeder)
+            detail, fault_poison = _inject(fault, supervisor, pg, rabbit, inboxes, feeder)
             poison_id = poison_id or fault_poison
             last_fault_end = time.monotonic()
             events.append(Event(fault, started, last_fault_end, detail))
@@ -479,7 +491,7 @@ SELECT (SELECT count(*) FROM txbox.outbox WHERE processed_at IS NULL AND abandon
 """
 
 
-def _where_they_sit(dsns: dict[str, str], rabbit: PrivateRabbit) -> str:
+def _where_they_sit(dsns: dict[str, str], rabbit: PrivateRabbit | PrivateRabbitCluster) -> str:
     """Where unhandled messages are when a run stalls: tables per service, then queues."""
     parts = []
     published: dict[uuid.UUID, tuple[str, Any]] = {}
@@ -536,14 +548,29 @@ def _poison_settled(dsn: str, poison_id: uuid.UUID | None) -> bool:
 
 
 def _inject(
-    fault: Fault, supervisor: Supervisor, pg: PrivatePostgres, rabbit: PrivateRabbit, feeder: Feeder
+    fault: Fault,
+    supervisor: Supervisor,
+    pg: PrivatePostgres,
+    rabbit: PrivateRabbit | PrivateRabbitCluster,
+    inboxes: list[str],
+    feeder: Feeder,
 ) -> tuple[str, uuid.UUID | None]:
     if fault.kind is Kind.KILL:
         supervisor.kill(fault.target, fault.down_seconds)
         return f"kill -9, restart after {fault.down_seconds:.1f}s", None
     if fault.kind is Kind.RABBITMQ_RESTART:
         rabbit.restart()
+        if isinstance(rabbit, PrivateRabbitCluster):
+            return "RabbitMQ nodes stopped and started one after the other", None
         return "RabbitMQ node stopped and started", None
+    if fault.kind is Kind.RABBITMQ_NODE_KILL:
+        if not isinstance(rabbit, PrivateRabbitCluster):
+            raise ChaosFailed("the rabbitmq_node_kill fault needs a RabbitMQ cluster (--rabbit-nodes 3)")
+        node = rabbit.kill_leader(inboxes)
+        # The daemons fail over to the other nodes meanwhile: the load goes on.
+        time.sleep(fault.down_seconds)
+        rabbit.bring_back(node)
+        return f"kill -9 of {node.node} (leading the inbox queues), back after {fault.down_seconds:.1f}s", None
     if fault.kind is Kind.POSTGRES_RESTART:
         pg.restart(mode="immediate")
         return "PostgreSQL immediate shutdown (crash) and WAL recovery", None

@@ -27,6 +27,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--workers", type=int, default=1, help="worker processes per service (default 1)")
     parser.add_argument("--no-poison", action="store_true", help="do not send the poison message")
     parser.add_argument("--no-analyze", action="store_true", help="skip `txbox analyze --fail-on-lost`")
+    parser.add_argument(
+        "--rabbit-nodes",
+        type=int,
+        default=1,
+        help="private RabbitMQ nodes: 1 (default) or a cluster of 3 or more, which adds the rabbitmq_node_kill fault",
+    )
     parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum", help="inbox queue type")
     parser.add_argument("--drain-timeout", type=float, default=600.0, help="seconds allowed for the final drain")
     parser.add_argument("--stall-timeout", type=float, default=180.0, help="fail after this many s without progress")
@@ -38,6 +44,10 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.messages < 1 or args.faults < 0 or args.rate <= 0:
         raise ConfigurationError("--messages must be ≥ 1, --faults ≥ 0 and --rate > 0")
+    if args.rabbit_nodes < 1 or args.rabbit_nodes == 2:
+        raise ConfigurationError(
+            f"--rabbit-nodes {args.rabbit_nodes}: give 1, or 3 or more (a cluster of two cannot lose a node)"
+        )
     from txbox_tools.chaos import run as chaos  # finds the clone's examples/ (txbox_tools.repository)
 
     options = chaos.ChaosOptions(
@@ -50,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         analyze=not args.no_analyze,
         queue_type=args.queue_type,
         workers=max(1, args.workers),
+        rabbit_nodes=args.rabbit_nodes,
         drain_timeout=args.drain_timeout,
         stall_timeout=args.stall_timeout,
         log_dir=args.log_dir,
