@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from framework import names
+from framework import db, names
 from framework.errors import ConfigurationError
 
 T = TypeVar("T")
@@ -132,7 +132,8 @@ class Settings:
     database_url: str = setting(
         "TXBOX_DATABASE_URL",
         "postgresql+psycopg://postgres@127.0.0.1:5432/orders",
-        help="SQLAlchemy URL of the service's database",
+        help="SQLAlchemy URL of the service's database; several hosts (failover): "
+        "?host=a:5432&host=b:5432&target_session_attrs=read-write",
     )
     amqp_url: str = setting(
         "TXBOX_AMQP_URL",
@@ -172,6 +173,7 @@ class Settings:
                 f"TXBOX_DATABASE_URL={_mask(self.database_url)!r} is not a PostgreSQL URL. "
                 "Example: TXBOX_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/orders"
             )
+        db.conninfo(self.database_url)  # a bad host list or option fails now, with the fix
         if not self.amqp_url.startswith(("amqp://", "amqps://")):
             raise ConfigurationError(
                 f"TXBOX_AMQP_URL={_mask(self.amqp_url)!r} is not an AMQP URL. "
