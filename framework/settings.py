@@ -132,8 +132,7 @@ class Settings:
     database_url: str = setting(
         "TXBOX_DATABASE_URL",
         "postgresql+psycopg://postgres@127.0.0.1:5432/orders",
-        help="SQLAlchemy URL of the service's database; several hosts (failover): "
-        "?host=a:5432&host=b:5432&target_session_attrs=read-write",
+        help="SQLAlchemy URL of the service's database (several hosts: see PostgreSQL failover)",
     )
     amqp_url: str = setting(
         "TXBOX_AMQP_URL",

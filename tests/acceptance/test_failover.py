@@ -35,6 +35,7 @@ from txbox_tools.processes import Daemon, ProcessGroup
 pytestmark = pytest.mark.slow
 
 MESSAGES = int(os.environ.get("TXBOX_FAILOVER_MESSAGES", "600"))
+SETTLE = 60 + MESSAGES // 50  # seconds for the run to finish after the failover, generously
 APP = ["--app", "tests.apps.counter:service"]
 DAEMONS = {"publisher": "running", "receiver": "consuming", "worker": "processing"}
 
@@ -76,7 +77,7 @@ def send_counts(app: Service, first: int, count: int) -> set[str]:
     return ids
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(180 + SETTLE)
 def test_daemons_follow_a_promoted_standby_and_nothing_is_lost_or_applied_twice(
     servers: tuple[PrivatePostgres, PrivatePostgres], amqp_url: str, processes: ProcessGroup
 ) -> None:
@@ -133,7 +134,7 @@ def test_daemons_follow_a_promoted_standby_and_nothing_is_lost_or_applied_twice(
             )
         )
 
-    support.wait_until(settled, 120, interval=0.2, message=f"every command to be applied\n{logs(processes)}")
+    support.wait_until(settled, SETTLE, interval=0.2, message=f"every command to be applied\n{logs(processes)}")
 
     counts = dict(query(url, "SELECT id::text, n FROM counters"))
     assert set(counts) == expected, f"lost: {len(expected - set(counts))}, unknown: {len(set(counts) - expected)}"
