@@ -20,7 +20,7 @@ import psycopg.sql
 import sqlalchemy as sa
 from psycopg.types.json import set_json_loads
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Dialect, Engine, make_url
 
 from framework import jsoncodec
 from framework.errors import ConfigurationError, DatabaseUnavailable
@@ -57,7 +57,7 @@ EXAMPLE_MULTI_HOST_URL = (
 # server taking writes will do (docs/architecture.md, "PostgreSQL failover").
 _SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
 _WRITABLE_ATTRS = ("read-write", "primary")
-_DIALECT = PGDialect_psycopg()
+_DIALECT: Dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]  # untyped in SQLAlchemy
 
 
 def parse_url(database_url: str) -> URL:
