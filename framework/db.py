@@ -80,7 +80,7 @@ def parse_url(database_url: str) -> URL:
     return url
 
 
-def connect_params(database_url: str) -> dict[str, Any]:
+def connect_params(database_url: str) -> dict[str, str]:
     """libpq keywords of a SQLAlchemy URL: exactly what the engine's own connections use.
 
     The psycopg dialect turns the multi-host forms (``host=a:5432&host=b:5432`` or
