@@ -90,8 +90,8 @@ def test_daemons_follow_a_promoted_standby_and_nothing_is_lost_or_applied_twice(
         "TXBOX_DATABASE_URL": url,
         "TXBOX_AMQP_URL": amqp_url,
         "TXBOX_QUEUE_TYPE": os.environ.get("TXBOX_QUEUE_TYPE", "quorum"),
-        # Leases and marks are committed without waiting (docs/architecture.md): one lost
-        # in the failover holds its rows until the lease ends, so keep leases short.
+        # The daemons commit leases and marks without waiting for the standby: one lost in
+        # the failover holds its rows until the lease ends, so keep leases short.
         "TXBOX_PUBLISHER_LEASE": "6s",
         "TXBOX_PUBLISHER_CONFIRM_TIMEOUT": "3s",
         "TXBOX_WORKER_LEASE": "4s",
