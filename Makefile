@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup setup-test demo test lint bench fuzz rabbit-cluster
+.PHONY: setup setup-test demo test lint bench fuzz rabbit-cluster failover
 
 # What the demo needs; `setup-test` adds the test tools, Chromium and the Node test peer.
 setup:
@@ -35,3 +35,10 @@ lint:
 
 bench: setup
 	for stage in relay receiver worker e2e latency analyze; do .venv/bin/txbox bench $$stage --json; done
+
+# PostgreSQL failover at a larger size than the one of `make test` (docs/architecture.md,
+# "PostgreSQL failover"): kill -9 of a primary with a synchronous standby, mid-run.
+#   make failover FAILOVER_MESSAGES=20000
+FAILOVER_MESSAGES ?= 10000
+failover: setup-test
+	TXBOX_FAILOVER_MESSAGES=$(FAILOVER_MESSAGES) .venv/bin/pytest -p no:cacheprovider -s tests/acceptance/test_failover.py

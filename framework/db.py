@@ -15,21 +15,26 @@ from typing import Any
 
 import psycopg
 import psycopg._queries
+import psycopg.conninfo
 import psycopg.sql
 import sqlalchemy as sa
 from psycopg.types.json import set_json_loads
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.engine import URL, Dialect, Engine, make_url
 
 from framework import jsoncodec
 from framework.errors import ConfigurationError, DatabaseUnavailable
 
 # SQLSTATEs that mean "the database failed", not "this statement (so its message) is bad":
 # connection exceptions (08), insufficient resources (53: disk full, out of memory, too
-# many connections), the server shutting down or refusing connections (57P0x) and system
-# errors (58). Everything else a statement raises is about that statement — psycopg files
-# a program limit (54000), a lock timeout (55P03) or a cancelled statement (57014) under
-# OperationalError too, but retrying them elsewhere would only fail the same way.
-_INFRA_SQLSTATE_PREFIXES = ("08", "53", "57P", "58")
+# many connections), the server shutting down or refusing connections (57P0x), system
+# errors (58), and a read-only transaction (25006): with target_session_attrs=read-write
+# that means the server became a standby under us, so reconnect, which finds the primary
+# (docs/architecture.md, "PostgreSQL failover"). Everything else a statement raises is
+# about that statement — psycopg files a program limit (54000), a lock timeout (55P03) or
+# a cancelled statement (57014) under OperationalError too, but retrying them elsewhere
+# would only fail the same way.
+_INFRA_SQLSTATE_PREFIXES = ("08", "53", "57P", "58", "25006")
 
 
 def widen_statement_cache() -> None:
@@ -49,16 +54,83 @@ def widen_statement_cache() -> None:
         psycopg._queries.MAX_CACHED_STATEMENT_LENGTH = max(psycopg._queries.MAX_CACHED_STATEMENT_LENGTH, 1 << 20)
 
 
-def create_engine(database_url: str, **kwargs: Any) -> Engine:
+EXAMPLE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/orders"
+EXAMPLE_MULTI_HOST_URL = (
+    "postgresql+psycopg://postgres@/orders?host=pg-a:5432&host=pg-b:5432&target_session_attrs=read-write"
+)
+
+# What libpq's target_session_attrs accepts; with several hosts only the two that reach a
+# server taking writes will do (docs/architecture.md, "PostgreSQL failover").
+_SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
+_WRITABLE_ATTRS = ("read-write", "primary")
+_DIALECT: Dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]  # untyped in SQLAlchemy
+
+
+def parse_url(database_url: str) -> URL:
+    """The SQLAlchemy URL of ``TXBOX_DATABASE_URL`` (driver psycopg); a bad form fails with the fix."""
     try:
         url = make_url(database_url)
-    except sa.exc.ArgumentError as exc:
+        url.port  # noqa: B018 - a libpq-style host list ('a:5432,b:5432') fails only here
+    except (sa.exc.ArgumentError, ValueError) as exc:
+        if "," in database_url.partition("?")[0]:
+            raise ConfigurationError(
+                "TXBOX_DATABASE_URL lists several hosts before the database name, which SQLAlchemy cannot "
+                "read: give them as query parameters (host=HOST:PORT once per host, or host=a,b&port=p1,p2). "
+                f"Example: TXBOX_DATABASE_URL={EXAMPLE_MULTI_HOST_URL}"
+            ) from None
         raise ConfigurationError(
-            f"TXBOX_DATABASE_URL is not a valid URL ({exc}). "
-            "Example: TXBOX_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/orders"
+            f"TXBOX_DATABASE_URL is not a valid URL ({exc}). Example: TXBOX_DATABASE_URL={EXAMPLE_URL}"
         ) from None
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def connect_params(database_url: str) -> dict[str, str]:
+    """libpq keywords of a SQLAlchemy URL: exactly what the engine's own connections use.
+
+    The psycopg dialect turns the multi-host forms (``host=a:5432&host=b:5432`` or
+    ``host=a,b&port=5432,5432``) into libpq's ``host=a,b port=5432,5432``, so the raw
+    connections (hot paths, LISTEN) reach the same server as the engine's pool.
+    """
+    url = parse_url(database_url)
+    try:
+        _, params = _DIALECT.create_connect_args(url)
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(
+            f"TXBOX_DATABASE_URL: {exc}. Example: TXBOX_DATABASE_URL={EXAMPLE_MULTI_HOST_URL}"
+        ) from None
+    attrs = params.get("target_session_attrs")
+    if attrs is not None and attrs not in _SESSION_ATTRS:
+        raise ConfigurationError(
+            f"TXBOX_DATABASE_URL: target_session_attrs={attrs!r} is not one of {', '.join(_SESSION_ATTRS)}. "
+            f"Example: TXBOX_DATABASE_URL={EXAMPLE_MULTI_HOST_URL}"
+        )
+    if len(str(params.get("host") or "").split(",")) > 1 and attrs not in _WRITABLE_ATTRS:
+        # Without it libpq takes the first server that answers, a standby as well: every
+        # write would then fail as "read-only transaction" until someone restarts us.
+        raise ConfigurationError(
+            "TXBOX_DATABASE_URL lists several hosts but not target_session_attrs=read-write (or primary): "
+            "the daemons write, so they must reach the primary whichever host it is. "
+            f"Example: TXBOX_DATABASE_URL={EXAMPLE_MULTI_HOST_URL}"
+        )
+    return {k: str(v) for k, v in params.items()}
+
+
+def conninfo(database_url: str) -> str:
+    """libpq connection string (keyword form) of a SQLAlchemy URL: see :func:`connect_params`."""
+    try:
+        return psycopg.conninfo.make_conninfo("", **connect_params(database_url))
+    except psycopg.ProgrammingError as exc:  # an option libpq does not know
+        raise ConfigurationError(
+            f"TXBOX_DATABASE_URL: {str(exc).strip()}. Example: TXBOX_DATABASE_URL={EXAMPLE_URL}"
+        ) from None
+
+
+def create_engine(database_url: str, **kwargs: Any) -> Engine:
+    url = parse_url(database_url)
+    # A pooled connection may be to a server that died or failed over: the ping finds it
+    # before a statement does (docs/architecture.md, "PostgreSQL failover").
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("json_deserializer", jsoncodec.loads)
     engine = sa.create_engine(url, **kwargs)
@@ -66,13 +138,16 @@ def create_engine(database_url: str, **kwargs: Any) -> Engine:
     # as multi-row INSERT ... VALUES statements, as SQLAlchemy does for psycopg2, instead of
     # one pipelined statement per row: several times less work for PostgreSQL and psycopg.
     engine.dialect.use_insertmanyvalues_wo_returning = True
+    sa.event.listen(engine, "handle_error", _read_only_is_a_disconnect)
     return engine
 
 
-def conninfo(database_url: str) -> str:
-    """libpq connection string of a SQLAlchemy URL (drops the `+driver` part)."""
-    url = make_url(database_url).set(drivername="postgresql")
-    return url.render_as_string(hide_password=False)
+def _read_only_is_a_disconnect(context: sa.engine.ExceptionContext) -> None:
+    """A server refusing writes is a standby now: drop the pool, whose next connections
+    (target_session_attrs=read-write) find the primary."""
+    orig = context.original_exception
+    if isinstance(orig, psycopg.errors.ReadOnlySqlTransaction):
+        context.is_disconnect = True
 
 
 def connect(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar, get_args, get_origin
 
-from framework import names
+from framework import db, names
 from framework.errors import ConfigurationError
 
 T = TypeVar("T")
@@ -144,7 +144,7 @@ class Settings:
     database_url: str = setting(
         "TXBOX_DATABASE_URL",
         "postgresql+psycopg://postgres@127.0.0.1:5432/orders",
-        help="SQLAlchemy URL of the service's database",
+        help="SQLAlchemy URL of the service's database (several hosts: see PostgreSQL failover)",
     )
     amqp_url: str = setting(
         "TXBOX_AMQP_URL",
@@ -190,6 +190,7 @@ class Settings:
                 f"TXBOX_DATABASE_URL={_mask(self.database_url)!r} is not a PostgreSQL URL. "
                 "Example: TXBOX_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/orders"
             )
+        db.conninfo(self.database_url)  # a bad host list or option fails now, with the fix
         amqp_urls(self.amqp_url)  # raises ConfigurationError naming the bad entry
 
     @classmethod

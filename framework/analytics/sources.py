@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 from sqlalchemy.engine import make_url
 
-from framework import names
+from framework import db, names
 from framework.errors import ConfigurationError
 
 JDBC_DRIVER = "org.postgresql.Driver"
@@ -56,8 +56,24 @@ class JdbcTarget:
         return opts
 
 
+# libpq's target_session_attrs → pgjdbc's targetServerType (pgjdbc ignores the former).
+_JDBC_SERVER_TYPE = {
+    "any": "any",
+    "read-write": "primary",
+    "primary": "primary",
+    "read-only": "secondary",
+    "standby": "secondary",
+    "prefer-standby": "preferSecondary",
+}
+
+
 def jdbc_target(database_url: str) -> JdbcTarget:
-    """``postgresql+psycopg://u:p@h:5432/db?sslmode=x`` → ``jdbc:postgresql://h:5432/db?sslmode=x``."""
+    """``postgresql+psycopg://u:p@h:5432/db?sslmode=x`` → ``jdbc:postgresql://h:5432/db?sslmode=x``.
+
+    Several hosts (``?host=a:5432&host=b:5432&target_session_attrs=read-write``) become
+    pgjdbc's ``jdbc:postgresql://a:5432,b:5432/db?targetServerType=primary``, so the job
+    follows a failover as the daemons do (docs/architecture.md, "PostgreSQL failover").
+    """
     try:
         url = make_url(database_url)
     except Exception as exc:  # sqlalchemy raises ArgumentError, but be liberal about input
@@ -69,17 +85,23 @@ def jdbc_target(database_url: str) -> JdbcTarget:
         raise ConfigurationError(f"{url.drivername}: only PostgreSQL sources are supported")
     if not url.database:
         raise ConfigurationError(f"{url.render_as_string()}: the URL names no database")
-    host = url.host or "localhost"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"  # IPv6 literal
-    port = url.port or 5432
-    query = {k: v if isinstance(v, str) else v[-1] for k, v in url.query.items()}
+    params = db.connect_params(database_url)
+    hosts = params.pop("host", "localhost").split(",")
+    ports = params.pop("port", "").split(",")  # as many as hosts: SQLAlchemy checks
+    addresses = ",".join(f"{_bracketed(h or 'localhost')}:{p or 5432}" for h, p in zip(hosts, ports, strict=True))
+    query = {k: v for k, v in params.items() if k not in ("dbname", "user", "password", "target_session_attrs")}
+    if "target_session_attrs" in params:
+        query["targetServerType"] = _JDBC_SERVER_TYPE[params["target_session_attrs"]]
     suffix = f"?{urllib.parse.urlencode(query)}" if query else ""
     return JdbcTarget(
-        url=f"jdbc:postgresql://{host}:{port}/{urllib.parse.quote(url.database)}{suffix}",
+        url=f"jdbc:postgresql://{addresses}/{urllib.parse.quote(url.database)}{suffix}",
         user=url.username,
         password=url.password if isinstance(url.password, str) else None,
     )
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
 
 
 def parse_source(text: str) -> Source:

@@ -21,6 +21,13 @@ Use them as context managers::
         url = cluster.amqp_url()          # every node's URL, comma-separated (TXBOX_AMQP_URL)
         node = cluster.kill_leader([...]) # kill -9 of the node leading those queues
         cluster.bring_back(node)          # it starts again and rejoins
+A primary with a synchronous streaming standby, for failover::
+
+    with PrivatePostgres(settings={"synchronous_standby_names": "*"}) as primary:
+        with primary.standby() as standby:  # pg_basebackup -R, then started
+            primary.wait_for_sync_standby()
+            primary.kill()                    # kill -9 of the postmaster and every backend
+            standby.promote()                 # pg_ctl promote: the standby takes writes
 
 PostgreSQL runs as the ``postgres`` OS user when we are root (``initdb`` refuses root).
 """
@@ -43,6 +50,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -85,8 +93,15 @@ def _wait(predicate: Any, timeout: float, what: str, log: Path | None = None) ->
 class PrivatePostgres:
     """A throw-away PostgreSQL cluster on its own port, in its own directory."""
 
-    def __init__(self, port: int | None = None, base_dir: Path | None = None, max_connections: int = 200) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        base_dir: Path | None = None,
+        max_connections: int = 200,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
         self.port = port or free_port()
+        self.settings = dict(settings or {})  # written to postgresql.conf before the first start
         self._own_dir = base_dir is None
         self.base_dir = base_dir or Path(tempfile.mkdtemp(prefix="txbox-pg-"))
         self.data_dir = self.base_dir / "data"
@@ -106,12 +121,45 @@ class PrivatePostgres:
             raise InstanceError(f"{' '.join(args[:2])} failed ({proc.returncode}): {proc.stderr or proc.stdout}")
         return proc
 
-    def init(self) -> None:
+    def _own_base_dir(self) -> None:
         if self._user:
             uid = pwd.getpwnam(self._user)
             os.chown(self.base_dir, uid.pw_uid, uid.pw_gid)
+
+    def init(self) -> None:
+        self._own_base_dir()
         # --no-sync only skips flushing initdb's own files once; the server keeps fsync on.
+        # initdb's pg_hba.conf lets local replication connections in (trust), as pg_basebackup needs.
         self._run("initdb", "-D", str(self.data_dir), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
+        self._write_settings()
+
+    def _write_settings(self) -> None:
+        """Append :attr:`settings` to postgresql.conf (the last line of a name wins)."""
+        if not self.settings:
+            return
+        lines = "".join(f"{name} = '{value.replace(chr(39), chr(39) * 2)}'\n" for name, value in self.settings.items())
+        with (self.data_dir / "postgresql.conf").open("a") as conf:
+            conf.write(lines)
+
+    def standby(self, settings: Mapping[str, str] | None = None) -> PrivatePostgres:
+        """A streaming standby of this running server: ``pg_basebackup -R`` (so it follows
+        this one), on its own port and directory; a context manager that starts it.
+
+        It never asks for a synchronous standby itself (``synchronous_standby_names`` is
+        cleared unless ``settings`` say otherwise): once promoted with nobody behind it,
+        every commit would wait forever.
+        """
+        replica = PrivatePostgres(
+            max_connections=self.max_connections, settings={"synchronous_standby_names": "", **(settings or {})}
+        )
+        replica._own_base_dir()
+        replica._run(
+            "pg_basebackup",
+            *("-D", str(replica.data_dir), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres"),
+            *("-R", "-X", "stream", "-c", "fast", "--no-sync"),
+        )
+        replica._write_settings()
+        return replica
 
     def start(self) -> None:
         if not self.data_dir.exists():
@@ -134,6 +182,41 @@ class PrivatePostgres:
         self.stop(mode)
         self.start()
         self.restarts += 1
+
+    def kill(self) -> None:
+        """``kill -9`` of the postmaster and all its backends at once, as a power cut would.
+
+        ``pg_ctl`` starts the postmaster in a session of its own, so its process group is
+        exactly the server. Nothing is shut down cleanly; the data directory stays.
+        """
+        pid_file = self.data_dir / "postmaster.pid"
+        if not self.running():
+            return
+        pid = int(pid_file.read_text().split("\n", 1)[0])
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        _wait(lambda: not self.running(), 30, f"PostgreSQL on port {self.port} to die")
+
+    def promote(self) -> None:
+        """``pg_ctl promote`` of a standby, waiting until it takes writes."""
+        self._run("pg_ctl", "-D", str(self.data_dir), "-w", "-t", "60", "promote")
+
+    def in_recovery(self) -> bool:
+        with psycopg.connect(self.admin_url, connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+        return bool(row and row[0])
+
+    def wait_for_sync_standby(self, timeout: float = 60) -> None:
+        """Until a standby streams from this server as a synchronous one (commits wait for it)."""
+
+        def synchronous() -> bool:
+            with psycopg.connect(self.admin_url, connect_timeout=5) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming' AND sync_state = 'sync'"
+                ).fetchone()
+            return bool(row and row[0])
+
+        _wait(synchronous, timeout, f"a synchronous standby of PostgreSQL on port {self.port}", self.log_file)
 
     def running(self) -> bool:
         return (self.data_dir / "postmaster.pid").exists() and self._run(
