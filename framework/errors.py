@@ -113,6 +113,10 @@ class PermanentError(HandlerOutcome):
     """REJECTED: roll back and abandon at once; the message goes to the dead letters."""
 
 
+class VersionNotHandled(PermanentError):
+    """The handler neither takes the message's ``message_version`` nor has an upcaster for it."""
+
+
 class DeadLetterUnstorable(DatabaseUnavailable):
     """PostgreSQL refused even the minimal row of a dead letter: the database is at fault,
     so the delivery is not acknowledged and is tried again once the database is fixed."""
