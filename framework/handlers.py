@@ -108,10 +108,10 @@ def as_handled(handler: Handler, message: Message, spec: MessageSpec) -> Message
         return message
     upcaster = handler.upcasters.get(version)
     if upcaster is None:
-        takes = sorted(handler.versions) if handler.versions is not None else [spec.version or "any"]
+        takes = ", ".join(sorted(handler.versions)) if handler.versions is not None else str(spec.version)
         raise VersionNotHandled(
             f"{handler.name} does not take {message.message_type} version {version[:40]!r} (it takes "
-            f"{', '.join(takes)}): add the version to its `versions`, or an upcaster for it to its `upcasters`"
+            f"{takes}): add the version to its `versions`, or an upcaster for it to its `upcasters`"
         )
     payload = upcaster(dict(message.payload))
     try:
