@@ -18,6 +18,11 @@ to a service built with Mosaic's libraries (docs/architecture.md, "Mosaic compat
   and the generator's name are accepted as aliases of that type when no other message
   claims them: a received alias is stored under the message's one type.
 - ``tags: [{name: "aggregate-type:<x>"}]`` gives the aggregate type.
+- Versions (docs/architecture.md, "Message versions"): ``x-message-version`` names the
+  version ``payload`` describes (the current one, the only schema Mosaic's tools read);
+  ``x-previous-versions`` maps each older version a service may still receive to its
+  payload schema. A message without them takes any ``message_version``, as Mosaic's own
+  libraries do (they send every message as version ``1.1``).
 
 The registry is built once per process; each payload schema is compiled into one
 validator that is reused for every message of that type.
@@ -27,9 +32,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -86,6 +91,31 @@ class MessageSpec:
     source: str = field(compare=False)  # file and JSON path, for messages to people
     validator: Draft7Validator = field(repr=False, compare=False)
     channel: str = field(default="", compare=False)  # the contract's `entity.action`
+    # The version `schema` describes (`x-message-version`); None: the contract names none.
+    version: str | None = field(default=None, compare=False)
+    # Older version → its spec (`x-previous-versions`); each has its own schema and validator.
+    previous: Mapping[str, MessageSpec] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        """Every version the contract declares, the current one first; () when it names none."""
+        return (self.version, *self.previous) if self.version is not None else ()
+
+    def at_version(self, version: str | None) -> MessageSpec:
+        """The spec whose schema payloads of ``version`` follow (None: the current one).
+
+        A version the contract does not declare raises PayloadValidationError: there is no
+        schema to check such a payload against (docs/architecture.md, "Message versions").
+        """
+        if version is None or self.version is None or version == self.version:
+            return self
+        older = self.previous.get(version)
+        if older is None:
+            raise PayloadValidationError(
+                self.message_type,
+                [f"message_version: {version[:40]!r} is not declared by the contract ({', '.join(self.versions)})"],
+            )
+        return older
 
     @cached_property
     def _fast(self) -> Any:
@@ -100,18 +130,22 @@ class MessageSpec:
         except Exception:  # a schema it cannot compile: the reference validator does it all
             return None
 
-    def validate(self, payload: Any) -> None:
+    def validate(self, payload: Any, version: str | None = None) -> None:
         """Raise PayloadValidationError listing every violation (path: message).
+
+        ``version`` is the envelope's ``message_version``: the payload is checked against
+        that version's schema (None: the current one).
 
         jsonschema-rs answers first; a payload it does not accept (or cannot read) goes to
         the reference validator, which words the errors and has the last word.
         """
-        fast = self._fast
+        spec = self.at_version(version)
+        fast = spec._fast
         if fast is not None:
             with suppress(Exception):  # e.g. a value that is not JSON: let the reference judge
                 if fast.is_valid(payload):
                     return
-        errors = sorted(self.validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
+        errors = sorted(spec.validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
         if errors:
             raise PayloadValidationError(
                 self.message_type,
@@ -405,7 +439,11 @@ class _Loader:
             )
         if kind == "command" and _is_past_tense(message_type):
             self.problem(where, f"command {message_type!r} should be named imperatively (e.g. PlaceOrder)", "warning")
-        return MessageSpec(
+        versions = self._versions(msg, where)
+        if versions is None:
+            return None
+        version, older = versions
+        spec = MessageSpec(
             message_type=message_type,
             kind=kind,
             routing_key=names.wire_routing_key(service, channel),
@@ -415,7 +453,56 @@ class _Loader:
             source=f"{self.label}: {where}",
             validator=validator,
             channel=channel,
+            version=version,
         )
+        previous = {
+            old: replace(
+                spec, schema=s, validator=v, source=f"{self.label}: {where}.x-previous-versions.{old}", version=old
+            )
+            for old, (s, v) in older.items()
+        }
+        return replace(spec, previous=previous)
+
+    def _versions(
+        self, msg: dict[str, Any], where: str
+    ) -> tuple[str | None, dict[str, tuple[dict[str, Any], Draft7Validator]]] | None:
+        """(`x-message-version`, older version → its compiled schema), or None on a problem."""
+        version, previous = msg.get("x-message-version"), msg.get("x-previous-versions")
+        if version is None:
+            if previous is not None:
+                self.problem(
+                    f"{where}.x-previous-versions",
+                    "needs `x-message-version` beside it, the version `payload` describes "
+                    '(e.g. x-message-version: "2")',
+                )
+                return None
+            return None, {}
+        if not isinstance(version, str) or not version:
+            self.problem(
+                f"{where}.x-message-version",
+                f'{version!r} is not a version: give it as a string, quoted in YAML (e.g. x-message-version: "2")',
+            )
+            return None
+        if previous is None:
+            previous = {}
+        if not isinstance(previous, dict):
+            self.problem(f"{where}.x-previous-versions", "must map each older version to its payload schema")
+            return None
+        older: dict[str, tuple[dict[str, Any], Draft7Validator]] = {}
+        for old, payload in previous.items():
+            vwhere = f"{where}.x-previous-versions.{old}"
+            if not isinstance(old, str) or old == version:
+                self.problem(
+                    vwhere,
+                    f"{old!r} is not an older version: quote it in YAML, and leave out the current one "
+                    f"({version!r}, whose schema is `payload`)",
+                )
+                return None
+            schema = self._schema(payload, vwhere)
+            if schema is None:
+                return None
+            older[old] = schema
+        return version, older
 
     def _schema(self, payload: Any, where: str) -> tuple[dict[str, Any], Draft7Validator] | None:
         if not isinstance(payload, dict):

@@ -101,6 +101,11 @@ class PublisherClosed(PublishError):
     """The publisher is closed or closing; nothing more may be sent through it."""
 
 
+class PublisherOverflow(PublishError):
+    """A direct send found ``max_unconfirmed`` sends awaiting their confirm: with overflow
+    ``fail`` at once, with ``block`` after waiting ``overflow_timeout`` for room. Nothing was sent."""
+
+
 class HandlerOutcome(TxboxError):
     """Base of the exceptions a handler raises to choose its settlement."""
 
@@ -111,6 +116,10 @@ class RetryableError(HandlerOutcome):
 
 class PermanentError(HandlerOutcome):
     """REJECTED: roll back and abandon at once; the message goes to the dead letters."""
+
+
+class VersionNotHandled(PermanentError):
+    """The handler neither takes the message's ``message_version`` nor has an upcaster for it."""
 
 
 class DeadLetterUnstorable(DatabaseUnavailable):

@@ -5,6 +5,11 @@ whatever it writes through ``session`` and ``outbox`` commits exactly once with 
 mark, or not at all. Raise RetryableError (or anything else) to retry later,
 PermanentError to abandon at once.
 
+Message versions (docs/architecture.md, "Message versions"): a handler takes the
+contract's current version of its message type unless ``versions`` names the versions it
+takes as they are; ``upcasters`` turns an older version's payload into the current one
+before ``handle`` sees it.
+
 ``handle`` must be a plain function for now: the worker does not await coroutines, so
 ``Service.check()`` and the worker refuse an ``async def handle`` rather than mark its
 message processed with its effects never run.
@@ -13,13 +18,22 @@ message processed with its effects never run.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from framework.errors import PayloadValidationError, PermanentError, VersionNotHandled
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
+    from framework.contracts import MessageSpec
     from framework.envelope import Message
     from framework.outbox import Outbox
+
+#: Turns the payload of an older message version into a payload of the current version.
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class Handler:
@@ -31,6 +45,12 @@ class Handler:
     timeout: ClassVar[float | None] = None
     #: Attempts before the message is abandoned (None: the worker default).
     max_attempts: ClassVar[int | None] = None
+    #: The ``message_version`` values ``handle`` takes as they are (None: the contract's
+    #: current version, or any version when the contract declares none).
+    versions: ClassVar[Collection[str] | None] = None
+    #: Older version → function returning its payload as the current version's; ``handle``
+    #: then gets the message as the current version.
+    upcasters: ClassVar[Mapping[str, Upcaster]] = MappingProxyType({})
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement handle()")
@@ -62,3 +82,43 @@ ASYNC_HANDLE_FIX = (
 def is_coroutine_handler(handler: Handler) -> bool:
     """``handler.handle`` is ``async def`` (or another coroutine function): the worker refuses it."""
     return inspect.iscoroutinefunction(handler.handle)
+
+
+def takes_as_is(handler: Handler, spec: MessageSpec, version: str) -> bool:
+    """``handle`` takes messages of ``version`` without an upcaster."""
+    if handler.versions is not None:
+        return version in handler.versions
+    return spec.version is None or version == spec.version
+
+
+def unhandled_versions(handler: Handler, spec: MessageSpec) -> list[str]:
+    """Versions the contract declares that ``handler`` neither takes nor upcasts."""
+    return [v for v in spec.versions if not takes_as_is(handler, spec, v) and v not in handler.upcasters]
+
+
+def as_handled(handler: Handler, message: Message, spec: MessageSpec) -> Message:
+    """``message`` in a version ``handler`` takes: as it is, or upcast to the current version.
+
+    Raises VersionNotHandled (a PermanentError: the message is dead-lettered at once, a
+    retry would not change it) when the handler has no way to take the version, and
+    PermanentError when an upcaster returns a payload the current schema refuses.
+    """
+    version = message.message_version
+    if takes_as_is(handler, spec, version):
+        return message
+    upcaster = handler.upcasters.get(version)
+    if upcaster is None:
+        takes = ", ".join(sorted(handler.versions)) if handler.versions is not None else str(spec.version)
+        raise VersionNotHandled(
+            f"{handler.name} does not take {message.message_type} version {version[:40]!r} (it takes "
+            f"{takes}): add the version to its `versions`, or an upcaster for it to its `upcasters`"
+        )
+    payload = upcaster(dict(message.payload))
+    try:
+        spec.validate(payload)
+    except PayloadValidationError as exc:
+        raise PermanentError(
+            f"the upcaster of {message.message_type} version {version[:40]!r} returned a payload the current "
+            f"version's schema refuses: {exc}"
+        ) from None
+    return replace(message, payload=payload, message_version=spec.version or version)

@@ -70,6 +70,11 @@ class Outbox:
         self._deferred = defer_to
         self.written: list[OutboxRow] = []
 
+    @property
+    def registry(self) -> Registry:
+        """The contracts this outbox writes by (the worker reads message versions from it)."""
+        return self._registry
+
     def send_command(self, message_type: str, **kwargs: Any) -> uuid.UUID:
         """Send a command to the one service that accepts it. Returns the message id."""
         return self._write(self._spec(message_type, "command"), **kwargs)
@@ -95,16 +100,23 @@ class Outbox:
         payload: Mapping[str, Any],
         message_context: Mapping[str, Any] | None = None,
         message_id: uuid.UUID | None = None,
-        message_version: str = DEFAULT_MESSAGE_VERSION,
+        message_version: str | None = None,
         auth_token: str | None = None,
         not_before: datetime | None = None,
         priority: int = 0,
         segment: str | None = None,
         concurrency: Concurrency = "sequential",
     ) -> OutboxRow:
-        """Validate and shape one row without writing it (the worker batches these)."""
+        """Validate and shape one row without writing it (the worker batches these).
+
+        ``message_version`` defaults to the contract's current version of the message
+        (``x-message-version``), else 1.0; the payload is validated against the schema of
+        the version it is written as (docs/architecture.md, "Message versions").
+        """
         payload = dict(payload)
-        spec.validate(payload)
+        if message_version is None:
+            message_version = spec.version or DEFAULT_MESSAGE_VERSION
+        spec.validate(payload, message_version)
         if concurrency not in ("sequential", "parallel"):
             raise ValueError(f"concurrency must be 'sequential' or 'parallel', not {concurrency!r}")
         if not -32768 <= priority <= 32767:

@@ -7,9 +7,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from framework.contracts import Registry, ServiceContract, load_registry
+from framework.contracts import MessageSpec, Registry, ServiceContract, load_registry
 from framework.errors import AssemblyError, ContractError, Problem
-from framework.handlers import ASYNC_HANDLE_FIX, Handler, is_coroutine_handler
+from framework.handlers import ASYNC_HANDLE_FIX, Handler, is_coroutine_handler, unhandled_versions
 from framework.outbox import Outbox
 from framework.settings import Settings
 
@@ -159,6 +159,8 @@ class Service:
                     else f"add {spec.routing_key!r} to `x-subscribes` in {registry.services[self.name].path}"
                 )
                 problems.append(Problem("error", handler.name, f"{self.name} does not receive {message_type} ({how})"))
+                continue
+            problems += _version_problems(self.name, handler, spec)
         for message_type, spec in sorted(accepted.items()):
             if message_type not in self._handlers:
                 what = "accepts command" if spec.kind == "command" else "subscribes to event"
@@ -180,3 +182,29 @@ class Service:
 
     def __repr__(self) -> str:
         return f"Service(name={self.name!r}, handlers={sorted(self._handlers)})"
+
+
+def _version_problems(service: str, handler: Handler, spec: MessageSpec) -> list[Problem]:
+    """A version the service receives that its handler cannot take is an error (its messages
+    would be dead-lettered); naming one the contract does not declare is a warning (a typo,
+    or a version no receiver admits)."""
+    problems = [
+        Problem(
+            "error",
+            handler.name,
+            f"{service} receives {spec.message_type} version {version!r} but the handler cannot take it: "
+            f"add {version!r} to its `versions`, or an upcaster for it to its `upcasters`",
+        )
+        for version in unhandled_versions(handler, spec)
+    ]
+    unknown = sorted({*(handler.versions or ()), *handler.upcasters} - set(spec.versions))
+    if unknown:
+        problems.append(
+            Problem(
+                "warning",
+                handler.name,
+                f"names {spec.message_type} version(s) {', '.join(map(repr, unknown))} that its contract does not "
+                f"declare (declared: {', '.join(spec.versions) or 'none, see x-message-version'})",
+            )
+        )
+    return problems

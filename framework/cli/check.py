@@ -81,8 +81,9 @@ def routing_report(registry: Registry) -> str:
                 else ""
             )
             verb = "accepts" if spec.kind == "command" else "emits"
+            versions = f" (versions {', '.join(spec.versions)})" if spec.versions else ""
             lines.append(
-                f"    {verb} {spec.kind} {spec.message_type}{also}: "
+                f"    {verb} {spec.kind} {spec.message_type}{versions}{also}: "
                 f"{names.exchange_for(spec.kind)} / {spec.routing_key}"
             )
         for pattern in contract.subscribes:

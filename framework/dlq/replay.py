@@ -283,7 +283,7 @@ def _validated(registry: Registry, letter: dict[str, Any]) -> tuple[Message, Mes
     try:
         message = message_from_dict(envelope)
         spec = registry.get(message.message_type)
-        spec.validate(message.payload)
+        spec.validate(message.payload, message.message_version)
     except TxboxError as exc:
         raise ReplayRefused(f"cannot replay: {exc}") from None
     if message.message_id != letter["message_id"]:

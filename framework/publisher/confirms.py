@@ -20,11 +20,18 @@ Completion semantics (the Jakarta Messaging async-send rules, docs/architecture.
 - :meth:`Publisher.flush` and :meth:`Publisher.close` block until every incomplete send
   has completed; calling either from inside a completion callback raises, since it
   would wait for itself.
+
+Bounds (docs/architecture.md, "Direct sends"): :meth:`Publisher.publish` lets at most
+``max_unconfirmed`` sends await their confirm; beyond that it waits for room (overflow
+``block``, up to ``overflow_timeout``) or raises :class:`PublisherOverflow` at once
+(``fail``). What the caller passes is copied at the call: the caller may reuse or change
+its properties, headers and body afterwards without changing what is sent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import logging
 import threading
@@ -43,7 +50,8 @@ import pika.frame
 import pika.spec
 
 from framework import amqp
-from framework.errors import BrokerUnavailable, PublisherClosed, PublishError
+from framework.errors import BrokerUnavailable, PublisherClosed, PublisherOverflow, PublishError
+from framework.publisher.config import Overflow, PublisherConfig
 from framework.reasons import Reason
 from framework.settings import mask_url
 
@@ -52,6 +60,7 @@ log = logging.getLogger("txbox.publisher.confirms")
 _PENDING: Any = object()  # outcome not known yet (None = confirmed)
 
 TIMEOUT = "timeout"
+OVERFLOW = "overflow"
 CONNECTION_LOST = "connection_lost"
 CLOSED = "closed"
 
@@ -85,7 +94,12 @@ class Publisher:
 
     ``Publisher(url).start()`` (or ``with Publisher(url) as p:``), then
     ``p.publish(exchange, routing_key, body)`` → a Future. The relay uses
-    :meth:`submit` with batches and a per-message callback instead of futures.
+    :meth:`submit` with batches and a per-message callback instead of futures (and
+    bounds its own batches: ``max_unconfirmed`` holds for :meth:`publish` only).
+
+    ``max_unconfirmed``, ``overflow`` and ``overflow_timeout`` default to
+    ``TXBOX_PUBLISHER_MAX_UNCONFIRMED`` (1000), ``TXBOX_PUBLISHER_OVERFLOW`` (``block``)
+    and ``TXBOX_PUBLISHER_OVERFLOW_TIMEOUT`` (30s).
     """
 
     def __init__(
@@ -95,7 +109,13 @@ class Publisher:
         name: str = "txbox publisher",
         confirm_timeout: float = 30.0,
         connect_timeout: float = 10.0,
+        max_unconfirmed: int | None = None,
+        overflow: Overflow | None = None,
+        overflow_timeout: float | None = None,
     ) -> None:
+        self.limits = PublisherConfig.from_env(
+            max_unconfirmed=max_unconfirmed, overflow=overflow, overflow_timeout=overflow_timeout
+        )
         self.amqp_url = amqp_url
         self.name = name
         self.confirm_timeout = confirm_timeout
@@ -166,7 +186,7 @@ class Publisher:
         self,
         exchange: str,
         routing_key: str,
-        body: bytes,
+        body: bytes | bytearray | memoryview,
         *,
         properties: pika.BasicProperties | None = None,
         message_id: str | None = None,
@@ -180,17 +200,14 @@ class Publisher:
         sent, so it always runs on the I/O thread, in send order. One added later with
         ``add_done_callback`` runs at once, on the caller's thread, if the send has
         completed meanwhile.
+
+        ``properties``, ``headers`` (added to the properties' own) and ``body`` are copied
+        here: neither is changed, kept or read after the call. With ``max_unconfirmed``
+        sends awaiting their confirm, it waits for room or raises PublisherOverflow (the
+        overflow policy); PublisherClosed if the publisher is not open.
         """
-        if properties is None:
-            properties = pika.BasicProperties(
-                content_type="application/json",
-                delivery_mode=2,
-                message_id=message_id or str(uuid.uuid4()),
-                timestamp=int(time.time()),
-                headers=headers,
-            )
-        elif properties.message_id is None:
-            properties.message_id = message_id or str(uuid.uuid4())
+        body = bytes(body)
+        properties = _own_properties(properties, headers, message_id)
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
         if callback is not None:
@@ -202,7 +219,14 @@ class Publisher:
             else:
                 future.set_exception(error)
 
-        self.submit([Outgoing(exchange, routing_key, body, properties, mandatory, on_done=done)])
+        self._reserve()
+        try:
+            self._enqueue([Outgoing(exchange, routing_key, body, properties, mandatory, on_done=done)], reserved=True)
+        except PublisherClosed:
+            with self._done_cond:
+                self._incomplete -= 1
+                self._done_cond.notify_all()
+            raise
         return future
 
     def submit(self, items: Iterable[Outgoing]) -> None:
@@ -210,14 +234,50 @@ class Publisher:
 
         Raises PublisherClosed (nothing was sent) when the publisher is not open.
         """
-        batch = list(items)
+        self._enqueue(list(items), reserved=False)
+
+    def _reserve(self) -> None:
+        """Count one more incomplete send once there is room under ``max_unconfirmed``.
+
+        Waiting and counting happen under one lock, so senders on several threads never
+        overshoot the bound together.
+        """
+        limits = self.limits
+        with self._done_cond:
+            if self._incomplete >= limits.max_unconfirmed and self._state == "open":
+                if limits.overflow == "fail":
+                    raise PublisherOverflow(
+                        f"{self._incomplete} sends await their confirm, the limit (max_unconfirmed="
+                        f"{limits.max_unconfirmed}); nothing was sent. Wait for earlier futures or flush(), raise "
+                        "TXBOX_PUBLISHER_MAX_UNCONFIRMED, or use overflow='block' to wait for room",
+                        OVERFLOW,
+                    )
+                # The I/O thread completes sends; waiting on it from a callback would never end.
+                self._refuse_in_callback("publish")
+                deadline = time.monotonic() + limits.overflow_timeout
+                while self._incomplete >= limits.max_unconfirmed and self._state == "open":
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise PublisherOverflow(
+                            f"no room for a send within {limits.overflow_timeout:g}s: {self._incomplete} sends "
+                            f"still await their confirm (max_unconfirmed={limits.max_unconfirmed}); the broker is "
+                            "slow or blocked. Nothing was sent: retry later, or raise "
+                            "TXBOX_PUBLISHER_OVERFLOW_TIMEOUT or TXBOX_PUBLISHER_MAX_UNCONFIRMED",
+                            OVERFLOW,
+                        )
+                    self._done_cond.wait(remaining)
+            self._incomplete += 1
+
+    def _enqueue(self, batch: list[Outgoing], *, reserved: bool) -> None:
+        """Queue ``batch`` for the I/O thread; ``reserved``: it is counted already (:meth:`_reserve`)."""
         if not batch:
             return
         with self._lock:
             if self._state != "open":
                 raise PublisherClosed(self._closed_text(), CONNECTION_LOST if self._state == "broken" else CLOSED)
-            with self._done_cond:
-                self._incomplete += len(batch)
+            if not reserved:
+                with self._done_cond:
+                    self._incomplete += len(batch)
             self._outq.extend(batch)
             wake = not self._scheduled
             self._scheduled = True
@@ -503,6 +563,25 @@ class Publisher:
                 self._incomplete -= completed
                 if self._incomplete <= 0:
                     self._done_cond.notify_all()
+
+
+def _own_properties(
+    properties: pika.BasicProperties | None, headers: dict[str, Any] | None, message_id: str | None
+) -> pika.BasicProperties:
+    """Properties of this send alone: the caller's object is neither changed nor kept.
+
+    A shallow copy suffices for every property but ``headers`` (strings and numbers);
+    headers are copied deeply, since a caller may reuse nested tables.
+    """
+    if properties is None:
+        own = pika.BasicProperties(content_type="application/json", delivery_mode=2, timestamp=int(time.time()))
+    else:
+        own = copy.copy(properties)
+    if own.headers is not None or headers is not None:
+        own.headers = copy.deepcopy({**(own.headers or {}), **(headers or {})})
+    if own.message_id is None:
+        own.message_id = message_id or str(uuid.uuid4())
+    return own
 
 
 _COALESCED_CHUNK = 256 * 1024

@@ -277,7 +277,7 @@ class Intake:
         if route_error is not None:
             return self.reject(delivery, Reason.WRONG_ROUTE, route_error, data=data)
         try:
-            spec.validate(message.payload)
+            spec.validate(message.payload, message.message_version)
         except PayloadValidationError as exc:
             return self.reject(delivery, Reason.SCHEMA_INVALID, str(exc), data=data)
         segment, concurrency, priority = delivery.lane(default_segment(message.aggregate_type, message.aggregate_id))

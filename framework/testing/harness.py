@@ -120,11 +120,16 @@ class Harness:
         payload: Mapping[str, Any],
         message_context: Mapping[str, Any] | None = None,
         message_id: uuid.UUID | None = None,
-        message_version: str = DEFAULT_MESSAGE_VERSION,
+        message_version: str | None = None,
         auth_token: str | None = None,
     ) -> Message:
-        """A message of ``message_type`` with the routing facts its contract gives it (not yet validated)."""
+        """A message of ``message_type`` with the routing facts its contract gives it (not yet validated).
+
+        ``message_version`` defaults to the contract's current version of the type.
+        """
         spec = self._spec(message_type)
+        if message_version is None:
+            message_version = spec.version or DEFAULT_MESSAGE_VERSION
         return Message(
             message_id=message_id or uuid.uuid4(),
             message_type=spec.message_type,

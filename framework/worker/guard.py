@@ -35,7 +35,7 @@ from sqlalchemy import Connection, NestedTransaction, Transaction
 from sqlalchemy.orm import Session
 
 from framework.errors import HandlerMisuse
-from framework.handlers import ASYNC_HANDLE_FIX
+from framework.handlers import ASYNC_HANDLE_FIX, as_handled
 
 if TYPE_CHECKING:
     from framework.envelope import Message
@@ -106,7 +106,10 @@ def run_handler(
     raise :class:`HandlerMisuse` if it returned an awaitable or broke the transaction.
 
     The one way a handler is invoked: the worker and ``framework.testing`` both call it.
+    The message reaches ``handle`` in a version the handler takes (upcast if need be;
+    docs/architecture.md, "Message versions").
     """
+    message = as_handled(handler, message, outbox.registry.get(message.message_type))
     with session.handler_running():
         # Typed None, but a handler may still hand back a coroutine.
         result: object = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
