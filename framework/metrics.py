@@ -6,12 +6,12 @@ the unit (``total`` for counters, ``seconds``, ``bytes``, ``rows``, ``messages``
 carries a ``service`` label, so the daemons of several services can share one
 Prometheus without relabelling (docs/architecture.md, "Daemons: one shape"). The
 constructors below enforce both. Everything lives in prometheus_client's default
-registry; ``--metrics-port`` serves it at ``http://127.0.0.1:<port>/metrics``.
+registry; ``--metrics-port`` serves it at ``/metrics`` beside the probes (framework/probes.py).
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 _SERVICE = "service"
 
@@ -22,11 +22,6 @@ def _counter(daemon: str, what: str, doc: str, *labels: str) -> Counter:
 
 def _gauge(daemon: str, what: str, unit: str, doc: str) -> Gauge:
     return Gauge(f"txbox_{daemon}_{what}_{unit}", doc, [_SERVICE])
-
-
-def serve(port: int | None, addr: str = "127.0.0.1") -> None:
-    if port:
-        start_http_server(port, addr=addr)
 
 
 # ---- publisher (the outbox relay) ----------------------------------------------------

@@ -60,11 +60,11 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from framework import db, jsoncodec, metrics, names, redaction
+from framework import db, jsoncodec, logs, metrics, names, redaction
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot, Listener
-from framework.daemon import Daemon, Reconnect
+from framework.daemon import POSTGRESQL, Daemon, Reconnect
 from framework.envelope import Message
 from framework.errors import AssemblyError, HandlerMisuse, HandlerTimeout, PermanentError, Problem
 from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
@@ -145,6 +145,7 @@ class Worker(Daemon):
     """``Worker(service, config).run()`` until :meth:`stop` (or SIGTERM via the CLI)."""
 
     name = "worker"
+    needs = (POSTGRESQL,)  # the worker never talks to RabbitMQ
 
     def __init__(
         self, service: Service, config: WorkerConfig | None = None, *, stop_event: threading.Event | None = None
@@ -194,6 +195,7 @@ class Worker(Daemon):
         self.listener.start()
         try:
             while not self.stopping:
+                self.progress()
                 # Cleared before the claim: a NOTIFY for a row the claim's snapshot missed
                 # sets it again, so the wait below returns at once.
                 self._wake.clear()
@@ -413,7 +415,8 @@ class Worker(Daemon):
             for claimed in batch:
                 claimed.outcome = WorkerOutcome.PENDING
             try:
-                self._run_batch(batch, dict(known or {}))
+                with logs.bind(batch_size=len(batch)):
+                    self._run_batch(batch, dict(known or {}))
                 break
             except _Split as split:
                 return sum(self._process([c], _only(split.known, c)) for c in batch)
@@ -532,7 +535,8 @@ class Worker(Daemon):
                     elif claimed.id in known:
                         self._classify(claimed, known[claimed.id])
                     else:
-                        self._run_one(claimed, conn, session, transaction, outbox_rows)
+                        with logs.bind(message_id=str(claimed.id)):  # the handler's own log lines too
+                            self._run_one(claimed, conn, session, transaction, outbox_rows)
                 if outbox_rows is not None:
                     try:
                         if outbox_rows:
