@@ -16,9 +16,10 @@ import contextvars
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 from framework import redaction
@@ -31,7 +32,9 @@ DAEMONS = ("publisher", "receiver", "worker", "collector")
 #: holding a whole payload helps nobody.
 MAX_MESSAGE_CHARS = 32_000
 
-_context: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("txbox_log_context", default={})
+_context: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "txbox_log_context", default=MappingProxyType({})
+)
 _service = ""
 _trace_id_source: Callable[[], str | None] | None = None
 # scheme://user:password@ → scheme://user:••••@ (each part bounded: linear on any input).
@@ -53,7 +56,7 @@ def set_trace_id_source(source: Callable[[], str | None] | None) -> None:
 @contextmanager
 def bind(**fields: Any) -> Iterator[None]:
     """Add ``fields`` to every record logged in this thread (or task) within the block."""
-    token = _context.set({**_context.get(), **fields})
+    token = _context.set(MappingProxyType({**_context.get(), **fields}))
     try:
         yield
     finally:

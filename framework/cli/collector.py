@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
-from framework.liveness import watch
 from framework.dlq.collector import Collector, CollectorConfig
+from framework.liveness import watch
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:

@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from framework.errors import ConfigurationError
