@@ -91,7 +91,8 @@ class Heartbeat:
 
     def close(self) -> None:
         self._closed.set()
-        self._thread.join(float(self.config.heartbeat_interval) + 5)
+        if self._thread.is_alive():
+            self._thread.join(float(self.config.heartbeat_interval) + 5)
         try:
             conn = self._db.get()
             for daemon in self.daemons:
