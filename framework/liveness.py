@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from framework import heartbeats
+from framework import heartbeats, metrics
 from framework.connections import ConnectionSlot
 from framework.daemon import POSTGRESQL, Daemon
 from framework.errors import ConfigurationError, DatabaseUnavailable
@@ -36,7 +36,7 @@ _PRUNE_EVERY = 60
 
 @dataclass(frozen=True, kw_only=True)
 class LivenessConfig(FromEnv):
-    """Probes and heartbeat of every daemon (``TXBOX_METRICS_ADDR``, ``TXBOX_STUCK_AFTER``, ...)."""
+    """Every daemon: where its probes listen, when it counts as stuck, how often it beats."""
 
     metrics_addr: str = setting(
         "TXBOX_METRICS_ADDR",
@@ -155,6 +155,10 @@ def watch(
     The commands run each daemon inside one; code that embeds daemons can do the same.
     """
     config = config or LivenessConfig.from_env()
+    for daemon in daemons:
+        gauge = metrics.SINCE_PROGRESS.get(daemon.name)
+        if gauge is not None:
+            gauge.labels(daemon.settings.service).set_function(daemon.idle_for)
     server = ProbeServer(daemons, port, config.metrics_addr, float(config.stuck_after)).start() if port else None
     heartbeat = Heartbeat(daemons, config).start()
     try:

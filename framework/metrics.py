@@ -24,6 +24,15 @@ def _gauge(daemon: str, what: str, unit: str, doc: str) -> Gauge:
     return Gauge(f"txbox_{daemon}_{what}_{unit}", doc, [_SERVICE])
 
 
+# ---- every daemon ------------------------------------------------------------------
+
+#: Seconds since the daemon's loop last turned, read at scrape time (framework/liveness.py):
+#: above TXBOX_STUCK_AFTER the daemon is stuck (docs/architecture.md, "Probes, logs and liveness").
+SINCE_PROGRESS = {
+    daemon: _gauge(daemon, "since_progress", "seconds", "Seconds since the daemon's loop last made progress")
+    for daemon in ("publisher", "receiver", "worker", "collector")
+}
+
 # ---- publisher (the outbox relay) ----------------------------------------------------
 
 PUBLISHER_PUBLISHED = _counter(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -100,6 +101,11 @@ def test_a_blocked_handler_turns_healthz_503_while_an_idle_worker_stays_200(
     assert body["daemons"]["worker"]["seconds_since_progress"] > STUCK_AFTER
     assert probe(receiver_port, "/healthz")[0] == 200  # the receiver stored it and goes on
     assert probe(worker_port, "/readyz")[0] == 200  # stuck, not disconnected: restart it, do not just unroute it
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{worker_port}/metrics", timeout=5) as resp:
+        scraped = resp.read().decode()
+    match = re.search(r'^txbox_worker_since_progress_seconds\{service="counter-service"\} (\S+)$', scraped, re.M)
+    assert match and float(match.group(1)) > STUCK_AFTER  # what the alert rule in the README watches
 
     rows = query(database_url, "SELECT kind, now() - last_progress > interval '2 seconds' FROM txbox.daemon_heartbeats")
     assert sorted(rows) == [("receiver", False), ("worker", True)]
