@@ -28,9 +28,16 @@ def _gauge(daemon: str, what: str, unit: str, doc: str) -> Gauge:
 
 #: Seconds since the daemon's loop last turned, read at scrape time (framework/liveness.py):
 #: above TXBOX_STUCK_AFTER the daemon is stuck (docs/architecture.md, "Probes, logs and liveness").
+_SINCE_PROGRESS_DOC = "Seconds since the daemon's loop last made progress"
+PUBLISHER_SINCE_PROGRESS = _gauge("publisher", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
+RECEIVER_SINCE_PROGRESS = _gauge("receiver", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
+WORKER_SINCE_PROGRESS = _gauge("worker", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
+COLLECTOR_SINCE_PROGRESS = _gauge("collector", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
 SINCE_PROGRESS = {
-    daemon: _gauge(daemon, "since_progress", "seconds", "Seconds since the daemon's loop last made progress")
-    for daemon in ("publisher", "receiver", "worker", "collector")
+    "publisher": PUBLISHER_SINCE_PROGRESS,
+    "receiver": RECEIVER_SINCE_PROGRESS,
+    "worker": WORKER_SINCE_PROGRESS,
+    "collector": COLLECTOR_SINCE_PROGRESS,
 }
 
 # ---- publisher (the outbox relay) ----------------------------------------------------
