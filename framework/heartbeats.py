@@ -33,7 +33,7 @@ def _table(schema: str) -> sql.Composed:
 def upsert(schema: str) -> sql.Composed:
     """One row per (service, kind, host, pid); ``beat_at`` is the database's clock."""
     return sql.SQL(
-        "INSERT INTO {t} AS h (service, kind, host, pid, started_at, last_progress, beat_at, beat_interval, "
+        "INSERT INTO {t} (service, kind, host, pid, started_at, last_progress, beat_at, beat_interval, "
         "stuck_after, ready) VALUES (%(service)s, %(kind)s, %(host)s, %(pid)s, %(started_at)s, %(last_progress)s, "
         "clock_timestamp(), %(beat_interval)s, %(stuck_after)s, %(ready)s) "
         "ON CONFLICT (service, kind, host, pid) DO UPDATE SET started_at = excluded.started_at, "

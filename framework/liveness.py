@@ -30,7 +30,7 @@ from framework.settings import FromEnv, Seconds, setting
 
 log = logging.getLogger("txbox.liveness")
 
-#: Prune at most this often: one DELETE per process every few minutes is plenty.
+#: Prune on every 60th beat (5 minutes at the default interval): rows live for a day anyway.
 _PRUNE_EVERY = 60
 
 
@@ -142,7 +142,8 @@ class Heartbeat:
             "last_progress": datetime.fromtimestamp(daemon.last_progress_wall, UTC),
             "beat_interval": float(self.config.heartbeat_interval),
             "stuck_after": float(self.config.stuck_after),
-            "ready": daemon.ready(),
+            # This very write shows PostgreSQL reachable; the flag itself is set after it.
+            "ready": all(ok for dependency, ok in daemon.readiness().items() if dependency != POSTGRESQL),
         }
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from framework.daemon import POSTGRESQL, Daemon
+from framework.daemon import POSTGRESQL, RABBITMQ, Daemon
 from framework.dashboard.app import DashboardSettings, Source, create_app
 from framework.dashboard.server import serving
 from framework.db import conninfo
@@ -39,9 +39,11 @@ def test_a_beat_upserts_the_row_and_sets_postgres_readiness(settings: Settings, 
     daemon = _daemon(settings)
     heartbeat = Heartbeat([daemon], CONFIG)
     heartbeat.beat()
-    heartbeat.beat()  # an upsert: still one row
     assert daemon.readiness()[POSTGRESQL]
     assert _rows(database_url) == [("order-service", "publisher", socket.gethostname(), os.getpid(), False)]
+    daemon.set_ready(RABBITMQ, True)
+    heartbeat.beat()  # an upsert: still one row, now ready
+    assert _rows(database_url) == [("order-service", "publisher", socket.gethostname(), os.getpid(), True)]
     heartbeat.close()  # a clean stop takes the row away: stopped is not missing
     assert _rows(database_url) == []
 
