@@ -1,8 +1,11 @@
-"""What every daemon shares: stop on SIGTERM/SIGINT, state-change logging, metrics port.
+"""What every daemon shares: stop on SIGTERM/SIGINT, state-change logging, progress and readiness.
 
 A daemon's loop checks :attr:`Daemon.stopping` between units of work and waits with
 :meth:`Daemon.wait`, which returns early when a stop is requested, so shutdown is
-prompt without sleeping in a busy loop.
+prompt without sleeping in a busy loop. Each turn of the loop calls
+:meth:`Daemon.progress` (an idle turn too: the loop ticks at least every poll interval),
+and the connect steps call :meth:`Daemon.set_ready`; the probes and the heartbeat read
+both (docs/architecture.md, "Probes, logs and liveness").
 """
 
 from __future__ import annotations
@@ -10,14 +13,21 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from framework import logs
 from framework.backoff import backoff_seconds
 from framework.drivers import tune_drivers
 
 if TYPE_CHECKING:
     from framework.service import Service
+
+
+#: The dependencies a daemon reports in ``/readyz``.
+POSTGRESQL = "postgresql"
+RABBITMQ = "rabbitmq"
 
 
 class Daemon:
@@ -29,15 +39,22 @@ class Daemon:
     """
 
     name = "daemon"
+    #: What :meth:`ready` requires: the worker talks to PostgreSQL only.
+    needs: tuple[str, ...] = (POSTGRESQL, RABBITMQ)
 
     def __init__(self, service: Service, *, stop_event: threading.Event | None = None) -> None:
         # Process-wide, so here and not at import (docs/architecture.md, "What txbox changes in a process").
         tune_drivers()
         self.service = service
         self.settings = service.settings
+        logs.set_service(self.settings.service)
         self.stop_event = stop_event if stop_event is not None else threading.Event()
         self.log = logging.getLogger(f"txbox.{self.name}")
         self._state = ""
+        self.started = time.time()
+        self.last_progress = time.monotonic()  # monotonic: a clock step must not look like a hang
+        self.last_progress_wall = self.started  # the same moment on the wall clock, for the heartbeat row
+        self._ready = dict.fromkeys(self.needs, False)
 
     @property
     def stopping(self) -> bool:
@@ -59,6 +76,31 @@ class Daemon:
         if state != self._state:
             self._state = state
             self.log.info("%s%s", state, f": {detail}" if detail else "")
+
+    def progress(self) -> None:
+        """The loop turned (work done, or an idle tick): the daemon is not stuck."""
+        self.last_progress = time.monotonic()
+        self.last_progress_wall = time.time()
+
+    def set_ready(self, dependency: str, ok: bool) -> None:
+        """``dependency`` (:data:`POSTGRESQL`, :data:`RABBITMQ` with the topology declared) is usable or not."""
+        if dependency in self._ready:
+            self._ready[dependency] = ok
+
+    def readiness(self) -> dict[str, bool]:
+        return dict(self._ready)
+
+    def ready(self) -> bool:
+        return all(self._ready.values())
+
+    def idle_for(self) -> float:
+        """Seconds since the last :meth:`progress`."""
+        return time.monotonic() - self.last_progress
+
+    def stuck_for(self, bound: float) -> float | None:
+        """Seconds since the last progress if that exceeds ``bound``, else None."""
+        idle = self.idle_for()
+        return idle if idle > bound else None
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT request a graceful stop; a second one is not needed to stop."""

@@ -6,12 +6,12 @@ the unit (``total`` for counters, ``seconds``, ``bytes``, ``rows``, ``messages``
 carries a ``service`` label, so the daemons of several services can share one
 Prometheus without relabelling (docs/architecture.md, "Daemons: one shape"). The
 constructors below enforce both. Everything lives in prometheus_client's default
-registry; ``--metrics-port`` serves it at ``http://127.0.0.1:<port>/metrics``.
+registry; ``--metrics-port`` serves it at ``/metrics`` beside the probes (framework/probes.py).
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 _SERVICE = "service"
 
@@ -24,10 +24,21 @@ def _gauge(daemon: str, what: str, unit: str, doc: str) -> Gauge:
     return Gauge(f"txbox_{daemon}_{what}_{unit}", doc, [_SERVICE])
 
 
-def serve(port: int | None, addr: str = "127.0.0.1") -> None:
-    if port:
-        start_http_server(port, addr=addr)
+# ---- every daemon ------------------------------------------------------------------
 
+#: Seconds since the daemon's loop last turned, read at scrape time (framework/liveness.py):
+#: above TXBOX_STUCK_AFTER the daemon is stuck (docs/architecture.md, "Probes, logs and liveness").
+_SINCE_PROGRESS_DOC = "Seconds since the daemon's loop last made progress"
+PUBLISHER_SINCE_PROGRESS = _gauge("publisher", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
+RECEIVER_SINCE_PROGRESS = _gauge("receiver", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
+WORKER_SINCE_PROGRESS = _gauge("worker", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
+COLLECTOR_SINCE_PROGRESS = _gauge("collector", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
+SINCE_PROGRESS = {
+    "publisher": PUBLISHER_SINCE_PROGRESS,
+    "receiver": RECEIVER_SINCE_PROGRESS,
+    "worker": WORKER_SINCE_PROGRESS,
+    "collector": COLLECTOR_SINCE_PROGRESS,
+}
 
 # ---- publisher (the outbox relay) ----------------------------------------------------
 

@@ -80,6 +80,7 @@ OUTBOX = "outbox"
 INBOX = "inbox"
 REDELIVERIES = "redeliveries"
 DEAD_LETTERS = "dead_letters"
+DAEMON_HEARTBEATS = "daemon_heartbeats"
 ALEMBIC_VERSION_TABLE = "txbox_alembic_version"
 
 _SERVICE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]*$")

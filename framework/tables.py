@@ -152,6 +152,23 @@ dead_letters = Table(
     comment="Every message that gave up anywhere, one row each, written where it was abandoned.",
 )
 
+# Migration 0008: one row per running daemon process (framework/heartbeats.py).
+daemon_heartbeats = Table(
+    names.DAEMON_HEARTBEATS,
+    metadata,
+    Column("service", Text, primary_key=True),
+    Column("kind", Text, primary_key=True),
+    Column("host", Text, primary_key=True),
+    Column("pid", Integer, primary_key=True),
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("last_progress", DateTime(timezone=True), nullable=False),
+    Column("beat_at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
+    Column("beat_interval", Double, nullable=False),
+    Column("stuck_after", Double, nullable=False),
+    Column("ready", Boolean, nullable=False),
+    comment="Liveness of the daemons: upserted every few seconds by each running daemon.",
+)
+
 # Hot queries only ever look at pending rows: keep their indexes partial and small.
 for _t in (outbox, inbox):
     Index(f"{_t.name}_due_idx", _t.c.priority.desc(), _t.c.created_at, postgresql_where=PENDING)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from types import ModuleType
 
-from framework import redaction
+from framework import logs, redaction
 from framework.errors import TxboxError
 
 # name → (module, one-line help). The public command names first.
@@ -125,14 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     module.configure(parser, name)
     ns = parser.parse_args(args[1:])
     ns.command = name
-    logging.basicConfig(
-        level=logging.DEBUG if ns.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not ns.verbose:
-        logging.getLogger("pika").setLevel(logging.WARNING)  # pika narrates every socket event
     try:
         redaction.sensitive_keys()  # a bad TXBOX_SENSITIVE_KEYS fails at start, not at the first dead letter
+        logs.configure(logging.DEBUG if ns.verbose else logging.INFO, os.environ.get("TXBOX_LOG_FORMAT"))
+        if not ns.verbose:
+            logging.getLogger("pika").setLevel(logging.WARNING)  # pika narrates every socket event
         result: int = module.run(ns)
         return result
     except TxboxError as exc:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from framework import metrics
-from framework.cli.common import add_service_options, load_service
+from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
 from framework.dlq.collector import Collector, CollectorConfig
+from framework.liveness import watch
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_service_options(parser)
     parser.add_argument("--batch-size", type=int, help="deliveries per transaction (TXBOX_COLLECTOR_BATCH_SIZE)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    add_probe_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,6 +20,6 @@ def run(args: argparse.Namespace) -> int:
     config = CollectorConfig.from_env(batch_size=args.batch_size)
     collector = Collector(service, config)
     collector.install_signal_handlers()
-    metrics.serve(args.metrics_port)
-    collector.run()
+    with watch([collector], port=args.metrics_port, config=liveness_config(args)):
+        collector.run()
     return 0

@@ -8,10 +8,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from framework.errors import ConfigurationError
 from framework.service import Service
 from framework.settings import Settings
+
+if TYPE_CHECKING:
+    from framework.liveness import LivenessConfig
 
 
 def add_service_options(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +29,20 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--contracts-dir", type=Path, help="contracts folder (TXBOX_CONTRACTS_DIR)")
     group.add_argument("--schema", help="schema of the framework's tables (TXBOX_SCHEMA)")
     group.add_argument("--queue-type", choices=("quorum", "classic"), help="inbox queue type (TXBOX_QUEUE_TYPE)")
+
+
+def add_probe_options(parser: argparse.ArgumentParser, what: str = "the daemon's") -> None:
+    """``--metrics-port`` / ``--metrics-addr``: where :func:`framework.liveness.watch` serves the probes."""
+    parser.add_argument("--metrics-port", type=int, help=f"serve {what} /metrics, /healthz and /readyz on this port")
+    parser.add_argument(
+        "--metrics-addr", help="address to bind the --metrics-port to (TXBOX_METRICS_ADDR; default 127.0.0.1)"
+    )
+
+
+def liveness_config(args: argparse.Namespace) -> LivenessConfig:
+    from framework.liveness import LivenessConfig  # daemon commands only: `txbox migrate` stays light
+
+    return LivenessConfig.from_env(metrics_addr=args.metrics_addr)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:

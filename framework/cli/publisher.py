@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from framework import metrics
-from framework.cli.common import add_service_options, load_service, quiet_pika
+from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service, quiet_pika
+from framework.liveness import watch
 from framework.relay import Relay, RelayConfig
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_service_options(parser)
+    add_probe_options(parser)
     group = parser.add_argument_group("publisher (default: TXBOX_PUBLISHER_* or built-in)")
-    group.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     group.add_argument("--batch-size", help="rows per claim (TXBOX_PUBLISHER_BATCH_SIZE)")
     group.add_argument("--max-in-flight", help="unconfirmed messages at most (TXBOX_PUBLISHER_MAX_IN_FLIGHT)")
     group.add_argument("--lease", help="claim lease, e.g. 60s (TXBOX_PUBLISHER_LEASE)")
@@ -41,6 +41,6 @@ def run(args: argparse.Namespace) -> int:
     config = config_from(args)
     relay = Relay(service, config)
     relay.install_signal_handlers()
-    metrics.serve(args.metrics_port)
-    relay.run()
+    with watch([relay], port=args.metrics_port, config=liveness_config(args)):
+        relay.run()
     return 0

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from framework import metrics
-from framework.cli.common import add_service_options, load_service
+from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
+from framework.liveness import watch
 from framework.receiver import Receiver, ReceiverConfig
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_service_options(parser)
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    add_probe_options(parser)
     parser.add_argument("--prefetch", type=int, help="unacked deliveries in flight (TXBOX_RECEIVER_PREFETCH)")
     parser.add_argument("--batch-size", type=int, help="deliveries per transaction (TXBOX_RECEIVER_BATCH_SIZE)")
     parser.add_argument(
@@ -25,8 +25,8 @@ def run(args: argparse.Namespace) -> int:
     config = ReceiverConfig.from_env(
         prefetch=args.prefetch, batch_size=args.batch_size, retry_schedule=args.retry_schedule
     )
-    metrics.serve(args.metrics_port)
     receiver = Receiver(service, config)
     receiver.install_signal_handlers()
-    receiver.run()
+    with watch([receiver], port=args.metrics_port, config=liveness_config(args)):
+        receiver.run()
     return 0

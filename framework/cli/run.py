@@ -19,8 +19,8 @@ import threading
 from types import FrameType
 from typing import Any
 
-from framework import metrics
-from framework.cli.common import add_service_options, load_service
+from framework import logs
+from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
 from framework.daemon import Daemon
 from framework.service import Service
 
@@ -31,7 +31,7 @@ PARTS = ("publisher", "receiver", "worker", "collector")
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_service_options(parser)
-    parser.add_argument("--metrics-port", type=int, help="serve the Prometheus metrics of all daemons on this port")
+    add_probe_options(parser, "all daemons'")
     parser.add_argument(
         "--without",
         action="append",
@@ -83,7 +83,8 @@ class Supervisor:
 
     def _run(self, daemon: Daemon) -> None:
         try:
-            daemon.run()
+            with logs.bind(daemon=daemon.name):  # its helper threads' records name it by logger
+                daemon.run()
         except BaseException as exc:  # any daemon dying takes the others down cleanly
             log.error("%s failed: %s", daemon.name, exc, exc_info=not isinstance(exc, Exception) or None)
             self.failures.append((daemon.name, exc))
@@ -134,10 +135,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    metrics.serve(args.metrics_port)
-    supervisor.start()
-    supervisor.wait()
-    stuck = supervisor.join(args.stop_timeout)
+    from framework.liveness import watch
+
+    with watch(daemons, port=args.metrics_port, config=liveness_config(args)):
+        supervisor.start()
+        supervisor.wait()
+        stuck = supervisor.join(args.stop_timeout)
     if stuck:
         log.error("still running after %.0fs: %s; exiting anyway", args.stop_timeout, ", ".join(stuck))
         _exit_now(1)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from framework import metrics
-from framework.cli.common import add_service_options, load_service
+from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
+from framework.liveness import watch
 from framework.worker import Worker, WorkerConfig
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_service_options(parser)
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    add_probe_options(parser)
     parser.add_argument("--batch-size", type=int, help="messages per transaction (TXBOX_WORKER_BATCH_SIZE)")
     parser.add_argument(
         "--segment-policy",
@@ -25,8 +25,8 @@ def run(args: argparse.Namespace) -> int:
     for warning in service.check():  # assembly validation: fail fast naming the misfit
         print(f"txbox worker: {warning}")
     config = WorkerConfig.from_env(batch_size=args.batch_size, segment_policy=args.segment_policy)
-    metrics.serve(args.metrics_port)
     worker = Worker(service, config)
     worker.install_signal_handlers()
-    worker.run()
+    with watch([worker], port=args.metrics_port, config=liveness_config(args)):
+        worker.run()
     return 0

@@ -33,7 +33,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from framework import jsoncodec
+from framework import heartbeats, jsoncodec
 from framework.contracts import Registry, load_registry
 from framework.dashboard import charts, latency
 from framework.dashboard.security import (
@@ -285,6 +285,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                             "timeline": queries.timeline(conn, s.schema, window),
                             "groups": masked(queries.groups(conn, s.schema, queries.Filters(), limit=5)),
                             "analytics": analytics_of(s, conn),
+                            "daemons": [b.view() for b in heartbeats.read(conn, s.schema, s.name)],
                             "error": None,
                         }
                     )

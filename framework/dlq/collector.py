@@ -30,7 +30,7 @@ import psycopg
 
 from framework import amqp, jsoncodec, metrics, names, reasons, topology
 from framework.connections import ConnectionSlot
-from framework.daemon import Daemon, Reconnect
+from framework.daemon import RABBITMQ, Daemon, Reconnect
 from framework.dead_letters import (
     BODY_LIMIT,
     ERROR_LIMIT,
@@ -331,6 +331,7 @@ class Collector(Daemon):
         reconnect = Reconnect(self)
         try:
             while not self.stopping:
+                self.progress()
                 try:
                     self._session(reconnect)
                 except (BrokerUnavailable, pika.exceptions.AMQPError) as exc:
@@ -357,11 +358,13 @@ class Collector(Daemon):
                 topology.declare(self.settings, self.service.registry, channel)
                 channel.basic_qos(prefetch_count=self.config.batch_size)
             reconnect.succeeded()
+            self.set_ready(RABBITMQ, True)
             self.state("collecting", f"from {self.queue}")
             self._loop(conn, channel)
             with amqp.broker_errors("collector"):
                 channel.cancel()  # requeues nothing: every delivery taken was stored and acked
         finally:
+            self.set_ready(RABBITMQ, False)
             self._db.close()
             amqp.close_quietly(connection)
 
@@ -374,6 +377,7 @@ class Collector(Daemon):
         with amqp.broker_errors("collector"):
             deliveries = channel.consume(self.queue, inactivity_timeout=float(self.config.flush_interval))
             for method, properties, body in deliveries:
+                self.progress()  # an idle consume still yields None every flush_interval
                 if method is not None:
                     if not batch:
                         oldest = time.monotonic()

@@ -33,7 +33,7 @@ import psycopg
 from framework import amqp, db, metrics, names, topology
 from framework import dead_letters as dl
 from framework.connections import ConnectionSlot
-from framework.daemon import Daemon, Reconnect
+from framework.daemon import RABBITMQ, Daemon, Reconnect
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
 from framework.reasons import Reason
@@ -105,6 +105,7 @@ class Receiver(Daemon):
         reconnect = Reconnect(self)
         try:
             while not self.stopping:
+                self.progress()
                 try:
                     self._consume(reconnect)
                 except BrokerUnavailable as exc:
@@ -129,6 +130,7 @@ class Receiver(Daemon):
                 self._warn_if_not_alone(channel)
                 tag = channel.basic_consume(self.queue, self._on_delivery)
                 reconnect.succeeded()
+                self.set_ready(RABBITMQ, True)
                 self.state("consuming", self.queue)
                 self._loop(connection, channel, publish_channel, careful=careful)
                 if careful and not self.stopping:
@@ -140,6 +142,7 @@ class Receiver(Daemon):
                 # Undispatched deliveries are nacked (requeued) by pika on cancel.
                 channel.basic_cancel(tag)
         finally:
+            self.set_ready(RABBITMQ, False)
             self._buffer = []  # unacked: the broker requeues them when the channel closes
             self._buffered = self._writing = 0
             amqp.close_quietly(connection)
@@ -171,6 +174,7 @@ class Receiver(Daemon):
         inflight: tuple[list[Delivery], Future[None]] | None = None
         try:
             while not self.stopping and not (careful and self._careful <= 0):
+                self.progress()  # _fill returns at least every _IDLE_WAIT
                 self._fill(connection, busy=inflight[1] if inflight is not None else None)
                 if not self._buffer:
                     if inflight is not None:

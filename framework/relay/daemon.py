@@ -37,7 +37,7 @@ import psycopg
 from framework import amqp, db, metrics, names, topology
 from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot, Listener
-from framework.daemon import Daemon, Reconnect
+from framework.daemon import RABBITMQ, Daemon, Reconnect
 from framework.dead_letters import DeadLetter
 from framework.envelope import CONTENT_TYPE
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, PublishError
@@ -209,6 +209,7 @@ class Relay(Daemon):
         listener = Listener(self, names.notify_channel(self.schema, names.OUTBOX), self._notice).start()
         try:
             while not self.stopping:
+                self.progress()
                 self._wake.clear()
                 if not self._step() and not self._wake.wait(self.config.poll_interval):
                     self._claim_hint = True  # the poll fallback: look again
@@ -225,6 +226,7 @@ class Relay(Daemon):
 
     def _declare(self) -> bool:
         while not self.stopping:
+            self.progress()
             try:
                 topology.declare(self.settings, self.service.registry)
                 self._broker_retry.succeeded()
@@ -453,6 +455,7 @@ class Relay(Daemon):
             # Its incomplete sends have failed as connection_lost: record their releases first.
             self._publisher.close(timeout=0)
             self._publisher = None
+            self.set_ready(RABBITMQ, False)
             return None
         try:
             self._publisher = Publisher(
@@ -461,6 +464,7 @@ class Relay(Daemon):
                 confirm_timeout=float(self.config.confirm_timeout),
             ).start()
             self._broker_retry.succeeded()
+            self.set_ready(RABBITMQ, True)  # the topology was declared before the first connect (run)
             self.state("running")
             return self._publisher
         except BrokerUnavailable as exc:

@@ -55,7 +55,7 @@ import sqlalchemy as sa
 from psycopg.rows import dict_row
 from sqlalchemy import Connection
 
-from framework import db, jsoncodec, metrics, redaction
+from framework import db, jsoncodec, logs, metrics, redaction
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.envelope import Message
@@ -259,7 +259,8 @@ class BatchRunner:
             for claimed in batch:
                 claimed.outcome = WorkerOutcome.PENDING
             try:
-                self._run_batch(batch, dict(known or {}))
+                with logs.bind(batch_size=len(batch)):
+                    self._run_batch(batch, dict(known or {}))
                 break
             except _Split as split:
                 return sum(self._process([c], _only(split.known, c)) for c in batch)
@@ -378,7 +379,8 @@ class BatchRunner:
                     elif claimed.id in known:
                         self._classify(claimed, known[claimed.id])
                     else:
-                        self._run_one(claimed, conn, session, transaction, outbox_rows)
+                        with logs.bind(message_id=str(claimed.id)):  # the handler's own log lines too
+                            self._run_one(claimed, conn, session, transaction, outbox_rows)
                 if outbox_rows is not None:
                     try:
                         if outbox_rows:

@@ -31,7 +31,7 @@ from sqlalchemy import Connection
 
 from framework import db, metrics, names
 from framework.connections import ConnectionSlot, Listener
-from framework.daemon import Daemon, Reconnect
+from framework.daemon import POSTGRESQL, Daemon, Reconnect
 from framework.errors import AssemblyError, Problem
 from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
 from framework.outcomes import WorkerOutcome
@@ -50,6 +50,7 @@ class Worker(Daemon):
     """``Worker(service, config).run()`` until :meth:`stop` (or SIGTERM via the CLI)."""
 
     name = "worker"
+    needs = (POSTGRESQL,)  # the worker never talks to RabbitMQ
 
     def __init__(
         self, service: Service, config: WorkerConfig | None = None, *, stop_event: threading.Event | None = None
@@ -101,6 +102,7 @@ class Worker(Daemon):
         self.listener.start()
         try:
             while not self.stopping:
+                self.progress()
                 # Cleared before the claim: a NOTIFY for a row the claim's snapshot missed
                 # sets it again, so the wait below returns at once.
                 self._wake.clear()

@@ -1,0 +1,128 @@
+"""Log records as text (the default) or one JSON object per line (``TXBOX_LOG_FORMAT=json``).
+
+Fields beyond the record's own come from a context variable: :func:`bind` adds some for
+a block (the worker binds ``batch_size`` around a batch and ``message_id`` around a
+handler run), :func:`set_service` names the process's service once. ``daemon`` is the
+bound one, else the daemon a ``txbox.<daemon>`` logger is named for. ``trace_id`` comes
+from the record (``extra={"trace_id": ...}``), the context, or the source that tracing
+registers with :func:`set_trace_id_source`. Both formats pass the whole line through
+:mod:`framework.redaction` and mask URL passwords, so no token or password reaches a log
+(docs/architecture.md, "Probes, logs and liveness").
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+
+from framework import redaction
+from framework.errors import ConfigurationError
+
+FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DAEMONS = ("publisher", "receiver", "worker", "collector")
+#: Longest message text formatted: the redaction runs over bounded text, and a log line
+#: holding a whole payload helps nobody.
+MAX_MESSAGE_CHARS = 32_000
+
+_context: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "txbox_log_context", default=MappingProxyType({})
+)
+_service = ""
+_trace_id_source: Callable[[], str | None] | None = None
+# scheme://user:password@ → scheme://user:••••@ (each part bounded: linear on any input).
+_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]{0,32}://[^\s:/@]{0,256}:)[^\s@/]{1,256}@")
+
+
+def set_service(service: str) -> None:
+    """The process's service, in every JSON line (one service per process)."""
+    global _service
+    _service = service
+
+
+def set_trace_id_source(source: Callable[[], str | None] | None) -> None:
+    """Where ``trace_id`` comes from when neither the record nor the context has one (tracing)."""
+    global _trace_id_source
+    _trace_id_source = source
+
+
+@contextmanager
+def bind(**fields: Any) -> Iterator[None]:
+    """Add ``fields`` to every record logged in this thread (or task) within the block."""
+    token = _context.set(MappingProxyType({**_context.get(), **fields}))
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def scrub(text: str) -> str:
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[:MAX_MESSAGE_CHARS] + "… (cut)"
+    return _URL_PASSWORD.sub(r"\1••••@", redaction.redact_text(text))
+
+
+class TextFormatter(logging.Formatter):
+    """The classic one-line format, redacted."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return scrub(super().format(record))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, service, daemon and the bound fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = _context.get()
+        line: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": scrub(record.getMessage()),
+            "service": fields.get("service") or _service or None,
+            "daemon": fields.get("daemon") or _daemon_of(record.name),
+        }
+        line.update((k, v) for k, v in fields.items() if k not in line)
+        trace_id = getattr(record, "trace_id", None) or fields.get("trace_id") or _current_trace_id()
+        if trace_id:
+            line["trace_id"] = trace_id
+        if record.exc_info:
+            line["exception"] = scrub(self.formatException(record.exc_info))
+        elif record.exc_text:
+            line["exception"] = scrub(record.exc_text)
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def _daemon_of(logger: str) -> str | None:
+    parts = logger.split(".", 2)
+    return parts[1] if len(parts) > 1 and parts[0] == "txbox" and parts[1] in DAEMONS else None
+
+
+def _current_trace_id() -> str | None:
+    if _trace_id_source is None:
+        return None
+    try:
+        return _trace_id_source()
+    except Exception:  # a log line must not fail for its trace id
+        return None
+
+
+def configure(level: int, log_format: str | None) -> None:
+    """The root handler on stderr, in ``log_format`` (``TXBOX_LOG_FORMAT``; ``text`` when empty)."""
+    chosen = (log_format or "text").strip().lower()
+    if chosen not in FORMATS:
+        raise ConfigurationError(f"TXBOX_LOG_FORMAT={log_format!r} is not valid: use text or json. Example: "
+                                 "TXBOX_LOG_FORMAT=json")  # fmt: skip
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if chosen == "json" else TextFormatter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)
