@@ -13,6 +13,7 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from framework import tracing
 from framework.backoff import backoff_seconds
 from framework.drivers import tune_drivers
 
@@ -33,6 +34,8 @@ class Daemon:
     def __init__(self, service: Service, *, stop_event: threading.Event | None = None) -> None:
         # Process-wide, so here and not at import (docs/architecture.md, "What txbox changes in a process").
         tune_drivers()
+        # Also process-wide; fails at start on a misconfigured OTEL_* (docs/architecture.md, "Tracing").
+        tracing.setup(service.settings.service)
         self.service = service
         self.settings = service.settings
         self.stop_event = stop_event if stop_event is not None else threading.Event()

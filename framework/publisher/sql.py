@@ -53,6 +53,7 @@ CLAIM_COLUMNS = (
     "finished_attempts",
     "segment",
     "concurrency",
+    "trace",
 )
 
 
@@ -90,10 +91,11 @@ RETURNING t.id::text AS id, t.message_type, t.aggregate_type, t.aggregate_id, t.
     t.priority,
     to_char(t.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') AS stamp,
     floor(extract(epoch FROM t.created_at))::bigint AS epoch,
-    t.started_attempts, t.finished_attempts, t.created_at, t.segment, t.concurrency)
+    t.started_attempts, t.finished_attempts, t.created_at, t.segment, t.concurrency,
+    t.metadata->'trace' AS trace)
 SELECT id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key, payload,
     context, auth_token, correlation_id, priority, stamp, epoch, started_attempts, finished_attempts,
-    segment, concurrency
+    segment, concurrency, trace
 FROM taken ORDER BY priority DESC, created_at, id"""
 
 

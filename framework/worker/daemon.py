@@ -58,9 +58,10 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from opentelemetry import trace
 from sqlalchemy import Connection
 
-from framework import db, jsoncodec, metrics, names, redaction
+from framework import db, jsoncodec, metrics, names, redaction, tracing
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot, Listener
@@ -612,7 +613,7 @@ class Worker(Daemon):
         started = time.perf_counter()
         assert self._watchdog is not None
         try:
-            with self._watchdog.guard(timeout, hard, raw.cancel_safe):
+            with self._watchdog.guard(timeout, hard, raw.cancel_safe), handler_span(claimed, handler.name):
                 outbox = Outbox(
                     session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
                 )
@@ -845,6 +846,25 @@ class Worker(Daemon):
         if row is not None:
             metrics.WORKER_BACKLOG.labels(**self._labels).set(row[0])
             metrics.WORKER_OLDEST_DUE_AGE.labels(**self._labels).set(float(row[1]))
+
+
+def handler_span(claimed: Claimed, handler: str) -> contextlib.AbstractContextManager[trace.Span]:
+    """The CONSUMER span of one handler run, current while it runs: child of the receiver's
+    span kept with the inbox row, so what the handler sends continues the message's trace
+    (docs/architecture.md, "Tracing"). An exception out of the handler marks it failed."""
+    return tracing.tracer.start_as_current_span(
+        f"handle {claimed.message_type}",
+        context=tracing.extract(claimed.metadata.get(names.METADATA_TRACE)),
+        kind=trace.SpanKind.CONSUMER,
+        attributes={
+            "messaging.system": tracing.MESSAGING_SYSTEM,
+            "messaging.operation.type": "process",
+            "messaging.message.id": str(claimed.id),
+            "txbox.message_type": claimed.message_type,
+            "txbox.handler": handler,
+            "txbox.attempt": claimed.message.attempt,
+        },
+    )
 
 
 def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -> tuple[float, float] | None:
