@@ -119,9 +119,6 @@ def setup(service: str) -> bool:
         if disabled or not wanted or wanted == ["none"]:
             _set_up = True
             return False
-        if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-            _set_up = True
-            return False  # configured by the application: keep its choice
         try:
             from opentelemetry.sdk.resources import SERVICE_NAME, Resource
             from opentelemetry.sdk.trace import TracerProvider
@@ -131,21 +128,27 @@ def setup(service: str) -> bool:
                 f"OTEL_TRACES_EXPORTER={','.join(wanted)} but the OpenTelemetry SDK is not installed: "
                 "pip install 'txbox[otel]' (or unset OTEL_TRACES_EXPORTER)"
             ) from None
-        exporters = [_exporter(name) for name in wanted if name != "none"]
-        attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service}
-        provider = TracerProvider(resource=Resource.create(attributes))
+        exporters = [_exporter(name) for name in wanted if name != "none"]  # a wrong name fails first
+        if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            _set_up = True
+            return False  # configured by the application: keep its choice
+        resource = Resource.create()  # OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME
+        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: service}))
+        provider = TracerProvider(resource=resource)
         for exporter in exporters:
-            provider.add_span_processor(BatchSpanProcessor(exporter))
+            provider.add_span_processor(BatchSpanProcessor(exporter()))
         trace.set_tracer_provider(provider)
         _set_up = True
         return True
 
 
 def _exporter(name: str) -> Any:
+    """The exporter class registered as ``name`` (the SDK's own way to find them by name)."""
     found = importlib_metadata.entry_points(group=_EXPORTER_GROUP, name=name)
     if not found:
         known = sorted(ep.name for ep in importlib_metadata.entry_points(group=_EXPORTER_GROUP))
         package = _EXPORTER_HINTS.get(name)
         fix = f"pip install {package}" if package else f"install the package providing it (installed: {known})"
         raise ConfigurationError(f"OTEL_TRACES_EXPORTER names {name!r}, which no installed exporter provides: {fix}")
-    return next(iter(found)).load()()
+    return next(iter(found)).load()
