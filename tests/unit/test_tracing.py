@@ -60,6 +60,19 @@ def test_an_outbox_row_keeps_the_current_span() -> None:
     assert carrier[names.HEADER_TRACEPARENT].startswith(f"00-{ids.trace_id:032x}-{ids.span_id:016x}-")
 
 
+def test_the_outbox_row_metadata_holds_the_writers_span() -> None:
+    from examples.orders.app import service
+    from framework.outbox import Outbox
+
+    outbox = Outbox(None, service.registry)  # type: ignore[arg-type]  # build() writes nothing
+    spec = service.registry.get("PlaceOrder")
+    payload = {"customer": "ada", "sku": "BOOK-1", "quantity": 1}
+    assert names.METADATA_TRACE not in outbox.build(spec, aggregate_id="o-1", payload=payload).metadata
+    with TRACER.start_as_current_span("business"):
+        row = outbox.build(spec, aggregate_id="o-1", payload=payload)
+        assert row.metadata[names.METADATA_TRACE] == tracing.current()
+
+
 def test_the_inbox_row_keeps_the_receivers_span() -> None:
     delivery = Delivery(delivery_tag=1, body=b"{}", trace={"traceparent": PARENT})
     assert delivery.metadata(None)[names.METADATA_TRACE] == {"traceparent": PARENT}
