@@ -17,7 +17,7 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from framework import logs
+from framework import logs, tracing
 from framework.backoff import backoff_seconds
 from framework.drivers import tune_drivers
 
@@ -45,6 +45,8 @@ class Daemon:
     def __init__(self, service: Service, *, stop_event: threading.Event | None = None) -> None:
         # Process-wide, so here and not at import (docs/architecture.md, "What txbox changes in a process").
         tune_drivers()
+        # Also process-wide; fails at start on a misconfigured OTEL_* (docs/architecture.md, "Tracing").
+        tracing.setup(service.settings.service)
         self.service = service
         self.settings = service.settings
         logs.set_service(self.settings.service)

@@ -33,6 +33,11 @@ HEADER_SEGMENT = "x-txbox-segment"
 HEADER_CONCURRENCY = "x-txbox-concurrency"
 # The outbox row's priority (a smallint; the AMQP priority property holds only 0-255).
 HEADER_PRIORITY = "x-txbox-priority"
+# W3C trace context (docs/architecture.md, "Tracing"); a foreign publisher's are joined too.
+HEADER_TRACEPARENT = "traceparent"
+HEADER_TRACESTATE = "tracestate"
+# Key of the trace context in the outbox and inbox rows' ``metadata``.
+METADATA_TRACE = "trace"
 # Control headers only our own daemons may set: a receiver honours them from trusted broker
 # users only (docs/architecture.md, "Receiver intake").
 CONTROL_HEADERS = (

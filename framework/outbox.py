@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import Connection, insert
 from sqlalchemy.orm import Session
 
-from framework import outbox_commit, tables
+from framework import names, outbox_commit, tables, tracing
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import DEFAULT_MESSAGE_VERSION
 from framework.errors import ContractError
@@ -129,6 +129,10 @@ class Outbox:
         metadata: dict[str, Any] = {}
         if auth_token is not None:
             metadata["auth_token"] = auth_token
+        # The span current now is the message's parent (docs/architecture.md, "Tracing").
+        trace = tracing.current()
+        if trace is not None:
+            metadata[names.METADATA_TRACE] = trace
         return OutboxRow(
             id=message_id or uuid.uuid4(),
             message_type=spec.message_type,

@@ -29,8 +29,9 @@ from typing import Any
 import pika
 import pika.exceptions
 import psycopg
+from opentelemetry import trace
 
-from framework import amqp, db, metrics, names, topology
+from framework import amqp, db, metrics, names, topology, tracing
 from framework import dead_letters as dl
 from framework.connections import ConnectionSlot
 from framework.daemon import RABBITMQ, Daemon, Reconnect
@@ -66,6 +67,7 @@ class _Prepared:
     pairs: list[tuple[Delivery, InboxRow]]
     letters: list[tuple[Delivery, dl.DeadLetter]]
     settled_keys: list[str]
+    spans: list[trace.Span]  # one per delivery, linked from the batch's store span
 
 
 class Receiver(Daemon):
@@ -331,13 +333,36 @@ class Receiver(Daemon):
         """Parse and validate (CPU only, no database): rows to store and dead letters."""
         pairs: list[tuple[Delivery, InboxRow]] = []
         letters: list[tuple[Delivery, dl.DeadLetter]] = []
+        spans: list[trace.Span] = []
         for delivery in group:
+            span = self._receive_span(delivery)
+            delivery.trace = tracing.carrier_of(span)
             outcome = forced.get(delivery.delivery_tag) or self.intake.admit(delivery)
             if isinstance(outcome, InboxRow):
                 pairs.append((delivery, outcome))
+                span.set_attribute("txbox.message_type", outcome.message_type)
             else:
                 letters.append((delivery, outcome))
-        return _Prepared(pairs, letters, [d.counter_key for d in group if d.redelivered])
+                span.set_status(trace.StatusCode.ERROR, f"rejected: {outcome.reason}")
+            span.end()
+            spans.append(span)
+        return _Prepared(pairs, letters, [d.counter_key for d in group if d.redelivered], spans)
+
+    def _receive_span(self, delivery: Delivery) -> trace.Span:
+        """The CONSUMER span of one delivery, child of the sender's ``traceparent`` (ours or a
+        foreign publisher's); the inbox row keeps it for the handler (docs/architecture.md, "Tracing")."""
+        return tracing.tracer.start_span(
+            f"receive {self.queue}",
+            context=tracing.extract(delivery.headers),
+            kind=trace.SpanKind.CONSUMER,
+            attributes={
+                "messaging.system": tracing.MESSAGING_SYSTEM,
+                "messaging.operation.type": "receive",
+                "messaging.destination.name": self.queue,
+                "messaging.rabbitmq.destination.routing_key": delivery.routing_key,
+                "messaging.message.id": str(delivery.properties.get("message_id", ""))[:200],
+            },
+        )
 
     def _write(self, prepared: _Prepared) -> None:
         """One statement for the rows, one for the dead letters, one for the counters; one commit.
@@ -346,6 +371,14 @@ class Receiver(Daemon):
         (one more statement, for those ids alone): a true duplicate is quiet, a different
         message under that id is an ``id_conflict`` letter.
         """
+        with tracing.tracer.start_as_current_span(
+            f"store {self.queue}",
+            links=tracing.links(prepared.spans),
+            attributes={"messaging.batch.message_count": len(prepared.spans)},
+        ):
+            self._write_batch(prepared)
+
+    def _write_batch(self, prepared: _Prepared) -> None:
         pairs, settled_keys = prepared.pairs, prepared.settled_keys
         rows = [row for _, row in pairs]
         schema = self.settings.schema

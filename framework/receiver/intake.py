@@ -45,6 +45,9 @@ class Delivery:
     # Came from the broker (:meth:`from_pika`): its route is checked. Rows built in
     # process from an envelope (tests, benchmarks, tools) have no route to check.
     wire: bool = False
+    # The receiver's span for this delivery as a W3C carrier, kept with the inbox row: the
+    # handler's span continues it (docs/architecture.md, "Tracing").
+    trace: dict[str, str] | None = None
 
     @classmethod
     def from_pika(cls, method: Any, props: Any, body: bytes, trusted_users: frozenset[str] = frozenset()) -> Delivery:
@@ -149,6 +152,8 @@ class Delivery:
         }
         if auth_token is not None:
             out["auth_token"] = auth_token
+        if self.trace:
+            out[names.METADATA_TRACE] = self.trace
         return out
 
 

@@ -33,8 +33,9 @@ from typing import Any
 
 import pika
 import psycopg
+from opentelemetry import trace
 
-from framework import amqp, db, metrics, names, topology
+from framework import amqp, db, metrics, names, topology, tracing
 from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot, Listener
 from framework.daemon import RABBITMQ, Daemon, Reconnect
@@ -130,6 +131,32 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
     return Outgoing(names.exchange_for(row.kind), row.routing_key, envelope_body(row), props, True, row)
 
 
+def publish_span(item: Outgoing) -> trace.Span:
+    """The PRODUCER span of one publish, child of the span that wrote the row (if any);
+    its context goes out in the ``traceparent``/``tracestate`` headers (docs/architecture.md, "Tracing").
+
+    It ends with the broker's confirm. A row written outside any span starts a trace here.
+    """
+    row: Claimed = item.token
+    span = tracing.tracer.start_span(
+        f"publish {row.message_type}",
+        context=tracing.extract(row.trace),
+        kind=trace.SpanKind.PRODUCER,
+        attributes={
+            "messaging.system": tracing.MESSAGING_SYSTEM,
+            "messaging.operation.type": "publish",
+            "messaging.destination.name": item.exchange,
+            "messaging.rabbitmq.destination.routing_key": item.routing_key,
+            "messaging.message.id": row.id,
+            "txbox.message_type": row.message_type,
+        },
+    )
+    carrier = tracing.carrier_of(span)
+    if carrier is not None:
+        item.properties.headers = {**(item.properties.headers or {}), **carrier}
+    return span
+
+
 def relay_outcome(row: Claimed, error: PublishError | None) -> RelayOutcome:
     """What one publish's result means for its row (the list at the top of this module)."""
     if error is None or (error.reason == Reason.UNROUTABLE and row.kind == "event"):
@@ -173,6 +200,7 @@ class Relay(Daemon):
         self._wake = threading.Event()
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
+        self._spans: dict[str, trace.Span] = {}  # publish spans until their confirm (by message id)
         # A claim lost to a database crash only loses a lease: the row is claimed (and
         # maybe published) again, which at-least-once delivery allows. Losing the last
         # marks only means those rows are published again (the inbox dedups). So neither
@@ -306,17 +334,28 @@ class Relay(Daemon):
         items = [outgoing(r, self._user) for r in rows]  # in claim order: priority, then creation
         for item in items:
             item.on_done = self._done
+            self._spans[item.message_id] = publish_span(item)
         try:
             publisher.submit(items)
-        except PublishError:
+        except PublishError as exc:
+            for item in items:
+                self._end_span(item, exc)
             conn.execute(self._sql_release, {"ids": [r.id for r in rows]})
             return 0
         return len(items)
 
     def _done(self, item: Outgoing, error: PublishError | None) -> None:
         """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
+        self._end_span(item, error)
         self._results.append((item, error))
         self._wake.set()
+
+    def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
+        span = self._spans.pop(item.message_id, None)
+        if span is not None:
+            if relay_outcome(item.token, error) is not RelayOutcome.PUBLISHED:
+                span.set_status(trace.StatusCode.ERROR, str(error))
+            span.end()
 
     def _start_write(self) -> None:
         """Hand the outcomes gathered so far to the writer thread (one batch at a time)."""

@@ -131,6 +131,7 @@ class Claimed(NamedTuple):
     finished_attempts: int
     segment: str = ""  # "" or the default lane (aggregate_type:aggregate_id): no header
     concurrency: str = "sequential"
+    trace: dict[str, Any] | None = None  # the writer's span (docs/architecture.md, "Tracing")
 
 
 def fetch_claimed(conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]) -> list[Claimed]:
@@ -173,10 +174,11 @@ RETURNING t.id::text AS id, t.message_type, t.aggregate_type, t.aggregate_id, t.
     t.priority,
     to_char(t.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') AS stamp,
     floor(extract(epoch FROM t.created_at))::bigint AS epoch,
-    t.started_attempts, t.finished_attempts, t.created_at, t.segment, t.concurrency)
+    t.started_attempts, t.finished_attempts, t.created_at, t.segment, t.concurrency,
+    t.metadata->'trace' AS trace)
 SELECT id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key, payload_json,
     context_json, auth_token, correlation_id, priority, stamp, epoch, started_attempts, finished_attempts,
-    segment, concurrency
+    segment, concurrency, trace
 FROM taken ORDER BY priority DESC, created_at, id"""
 
 

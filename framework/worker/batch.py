@@ -41,6 +41,7 @@ ends the process if it still runs at the end of its lease (framework/worker/time
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
@@ -52,10 +53,11 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from opentelemetry import trace
 from psycopg.rows import dict_row
 from sqlalchemy import Connection
 
-from framework import db, jsoncodec, logs, metrics, redaction
+from framework import db, jsoncodec, logs, metrics, names, redaction, tracing
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.envelope import Message
@@ -460,7 +462,7 @@ class BatchRunner:
         started = time.perf_counter()
         assert self._watchdog is not None
         try:
-            with self._watchdog.guard(timeout, hard, raw.cancel_safe):
+            with self._watchdog.guard(timeout, hard, raw.cancel_safe), handler_span(claimed, handler.name):
                 outbox = Outbox(
                     session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
                 )
@@ -642,6 +644,25 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
     """The psycopg connection under a SQLAlchemy one."""
     raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
     return raw
+
+
+def handler_span(claimed: Claimed, handler: str) -> contextlib.AbstractContextManager[trace.Span]:
+    """The CONSUMER span of one handler run, current while it runs: child of the receiver's
+    span kept with the inbox row, so what the handler sends continues the message's trace
+    (docs/architecture.md, "Tracing"). An exception out of the handler marks it failed."""
+    return tracing.tracer.start_as_current_span(
+        f"handle {claimed.message_type}",
+        context=tracing.extract(claimed.metadata.get(names.METADATA_TRACE)),
+        kind=trace.SpanKind.CONSUMER,
+        attributes={
+            "messaging.system": tracing.MESSAGING_SYSTEM,
+            "messaging.operation.type": "process",
+            "messaging.message.id": str(claimed.id),
+            "txbox.message_type": claimed.message_type,
+            "txbox.handler": handler,
+            "txbox.attempt": claimed.message.attempt,
+        },
+    )
 
 
 def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -> tuple[float, float] | None:

@@ -24,13 +24,14 @@ built on first access from the ``TXBOX_*`` environment the bench gives its daemo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
 import uuid
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pika
 import psycopg
@@ -312,44 +313,87 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=3_000, help="unhandled Pings at most (default 3000)")
     parser.add_argument("--batch", type=int, default=500, help="Pings per business transaction (default 500)")
     parser.add_argument("--raw-messages", type=int, default=30_000, help="messages of the raw measurement")
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="run twice, without then with spans recorded (SDK, batch processor, discarding exporter); "
+        "the result is the traced run, tracing_ratio its rate over the untraced one",
+    )
     add_common_options(parser)
 
 
+class _Measured(NamedTuple):
+    seconds: float
+    total: int
+    raw_publish: float
+    raw_consume: float
+    body_size: int
+
+    @property
+    def rate(self) -> float:
+        return self.total / self.seconds if self.seconds > 0 else 0.0
+
+
 def run(args: argparse.Namespace) -> Result:
+    extra: dict[str, Any] = {}
+    if args.tracing:
+        from opentelemetry import trace
+
+        from txbox_tools.bench import tracing
+
+        plain = _measure(args, traced=False)
+        trace.set_tracer_provider(tracing.driver_provider())  # the business spans of _drive
+        measured = _measure(args, traced=True, exporter=tracing.EXPORTER)
+        extra = {"untraced_rate": round(plain.rate, 1), "tracing_ratio": round(measured.rate / plain.rate, 3)}
+    else:
+        measured = _measure(args, traced=False)
+    seconds, total, raw_publish, raw_consume, body_size = measured
+    raw = min(raw_publish, raw_consume)
+    return Result(
+        stage="e2e",
+        messages=total,
+        seconds=seconds,
+        raw_limit_rate=raw,
+        raw_limit=(
+            "slower of plain pika publish with streamed confirms and plain pika consume "
+            "(prefetch 1000, multiple acks), same queue and size, no database"
+        ),
+        extra={
+            "raw_publish_rate": round(raw_publish, 1),
+            "raw_consume_rate": round(raw_consume, 1),
+            "pings": args.pings,
+            "message_bytes": body_size,
+            "workers": args.workers,
+            "queue_type": args.queue_type,
+            "bar_rate": 3000,
+            **extra,
+        },
+    )
+
+
+def _measure(args: argparse.Namespace, *, traced: bool, exporter: str = "none") -> _Measured:
+    """One run on a scratch service of its own; ``exporter`` is the daemons' OTEL_TRACES_EXPORTER."""
     with Scratch(args, "e2e") as scratch:
         service = scratch.service()
         topology.declare(service.settings, service.registry)
         body_size = _envelope_size(service)
         raw_publish, raw_consume = raw_pipe(scratch.amqp_url, names.inbox_queue(SERVICE), body_size, args.raw_messages)
         log_dir = args.log_dir or Path(scratch.tmp.name) / "logs"
-        group = ProcessGroup(log_dir, env=scratch.env)
+        group = ProcessGroup(log_dir, env={**scratch.env, "OTEL_TRACES_EXPORTER": exporter})
         try:
             scratch.start_daemons(group, args.workers)
             wait_ready(scratch, group)
-            seconds, total = _drive(service, scratch, group, args)
+            seconds, total = _drive(service, scratch, group, args, traced=traced)
         finally:
             group.stop_all()
             service.engine.dispose()
-        raw = min(raw_publish, raw_consume)
-        return Result(
-            stage="e2e",
-            messages=total,
-            seconds=seconds,
-            raw_limit_rate=raw,
-            raw_limit=(
-                "slower of plain pika publish with streamed confirms and plain pika consume "
-                "(prefetch 1000, multiple acks), same queue and size, no database"
-            ),
-            extra={
-                "raw_publish_rate": round(raw_publish, 1),
-                "raw_consume_rate": round(raw_consume, 1),
-                "pings": args.pings,
-                "message_bytes": body_size,
-                "workers": args.workers,
-                "queue_type": args.queue_type,
-                "bar_rate": 3000,
-            },
-        )
+    return _Measured(seconds, total, raw_publish, raw_consume, body_size)
+
+
+def _business_span() -> contextlib.AbstractContextManager[Any]:
+    from opentelemetry import trace
+
+    return trace.get_tracer("txbox.bench").start_as_current_span("write pings")
 
 
 def _envelope_size(service: Service) -> int:
@@ -366,7 +410,9 @@ def _envelope_size(service: Service) -> int:
     return len(message.to_json())
 
 
-def _drive(service: Service, scratch: Scratch, group: ProcessGroup, args: argparse.Namespace) -> tuple[float, int]:
+def _drive(
+    service: Service, scratch: Scratch, group: ProcessGroup, args: argparse.Namespace, *, traced: bool = False
+) -> tuple[float, int]:
     expected = 2 * args.pings
     written = done = 0
     stalled_since = time.monotonic()
@@ -376,7 +422,9 @@ def _drive(service: Service, scratch: Scratch, group: ProcessGroup, args: argpar
         while done < expected:
             allowed = min(args.pings - written, args.batch, args.window - (written - done // 2))
             if allowed > 0:
-                write_pings(service, written, allowed, echo=True)
+                # Traced: each business transaction in a span, the parent of its Pings.
+                with _business_span() if traced else contextlib.nullcontext():
+                    write_pings(service, written, allowed, echo=True)
                 written += allowed
             done = handled(conn)
             if done != last:

@@ -1,0 +1,154 @@
+"""W3C trace context across the outbox, the broker and the inbox (docs/architecture.md, "Tracing").
+
+Built on the OpenTelemetry API alone: without an SDK its spans record nothing, yet a
+context that came in still goes out (the API's no-op spans carry their parent's ids), so
+a traced sender's trace survives an untraced txbox. With the SDK (the ``otel`` extra)
+:func:`setup` makes the daemons record and export spans, configured from ``OTEL_*``.
+
+The trace context travels as a carrier: a dict holding ``traceparent`` and, if any,
+``tracestate``, stored as ``metadata->'trace'`` of outbox and inbox rows and sent as the
+AMQP headers of those names.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from framework import names
+from framework.errors import ConfigurationError
+
+# The W3C propagator itself rather than the global one: the headers are fixed by name
+# whatever OTEL_PROPAGATORS says (docs/architecture.md, "Tracing").
+_W3C = TraceContextTextMapPropagator()
+
+# A version-00 traceparent has 55 characters; later versions may only append fields.
+MAX_TRACEPARENT_CHARS = 256
+# W3C asks to pass on at least 512 characters of tracestate; a longer one is dropped whole
+# (cutting it could split a member), and the propagator never parses more than this.
+MAX_TRACESTATE_CHARS = 1024
+
+MESSAGING_SYSTEM = "rabbitmq"
+
+tracer = trace.get_tracer("txbox")
+
+Carrier = dict[str, str]
+
+
+def carrier_from(headers: Mapping[str, Any] | None) -> Carrier:
+    """The trace headers of ``headers`` (AMQP headers, or a stored carrier) fit to parse.
+
+    Anything else is dropped here: values that are not text, or longer than the limits,
+    so the propagator only ever sees bounded strings; a malformed value it ignores itself.
+    """
+    out: Carrier = {}
+    if not isinstance(headers, Mapping):
+        return out
+    parent = headers.get(names.HEADER_TRACEPARENT)
+    if not (isinstance(parent, str) and len(parent) <= MAX_TRACEPARENT_CHARS):
+        return out
+    out[names.HEADER_TRACEPARENT] = parent
+    state = headers.get(names.HEADER_TRACESTATE)
+    if isinstance(state, str) and 0 < len(state) <= MAX_TRACESTATE_CHARS:
+        out[names.HEADER_TRACESTATE] = state
+    return out
+
+
+def extract(headers: Mapping[str, Any] | None) -> Context:
+    """The context whose span is the remote parent in ``headers`` (an empty context if none is valid)."""
+    carrier = carrier_from(headers)
+    return _W3C.extract(carrier, context=Context()) if carrier else Context()
+
+
+def carrier_of(span: trace.Span) -> Carrier | None:
+    """The carrier naming ``span`` as the parent, or None for a span without a valid context."""
+    if not span.get_span_context().is_valid:
+        return None
+    carrier: Carrier = {}
+    _W3C.inject(carrier, context=trace.set_span_in_context(span, Context()))
+    return carrier
+
+
+def current() -> Carrier | None:
+    """The carrier of the current span, or None when there is none (what an outbox row keeps)."""
+    return carrier_of(trace.get_current_span())
+
+
+def links(spans: Sequence[trace.Span]) -> list[trace.Link]:
+    """Links to the valid spans among ``spans`` (a batch span covering many traces)."""
+    return [trace.Link(s.get_span_context()) for s in spans if s.get_span_context().is_valid]
+
+
+# ---- SDK set-up at daemon start -------------------------------------------------------
+
+_setup_lock = threading.Lock()
+_set_up = False
+
+_EXPORTER_GROUP = "opentelemetry_traces_exporter"
+_EXPORTER_HINTS = {
+    "otlp": "opentelemetry-exporter-otlp-proto-grpc",
+    "otlp_proto_grpc": "opentelemetry-exporter-otlp-proto-grpc",
+    "otlp_proto_http": "opentelemetry-exporter-otlp-proto-http",
+    "zipkin": "opentelemetry-exporter-zipkin",
+}
+
+
+def setup(service: str) -> bool:
+    """Record and export spans if ``OTEL_TRACES_EXPORTER`` names exporters; True if this call did.
+
+    Once per process, and never over a tracer provider the application set itself (a
+    test, ``txbox bench e2e --tracing``). The SDK reads the rest of ``OTEL_*`` itself:
+    sampler, resource attributes, batch processor and exporter settings. Unlike the
+    SDK's auto-configuration, an unset ``OTEL_TRACES_EXPORTER`` means no export (not
+    OTLP to localhost): installing the extra changes nothing until asked.
+    A misconfiguration fails here, at start, saying what to install or set.
+    """
+    global _set_up
+    with _setup_lock:
+        if _set_up:
+            return False
+        wanted = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+        disabled = os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+        if disabled or not wanted or wanted == ["none"]:
+            _set_up = True
+            return False
+        try:
+            from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        except ImportError:
+            raise ConfigurationError(
+                f"OTEL_TRACES_EXPORTER={','.join(wanted)} but the OpenTelemetry SDK is not installed: "
+                "pip install 'txbox[otel]' (or unset OTEL_TRACES_EXPORTER)"
+            ) from None
+        exporters = [_exporter(name) for name in wanted if name != "none"]  # a wrong name fails first
+        if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            _set_up = True
+            return False  # configured by the application: keep its choice
+        resource = Resource.create()  # OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME
+        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: service}))
+        provider = TracerProvider(resource=resource)
+        for exporter in exporters:
+            provider.add_span_processor(BatchSpanProcessor(exporter()))
+        trace.set_tracer_provider(provider)
+        _set_up = True
+        return True
+
+
+def _exporter(name: str) -> Any:
+    """The exporter class registered as ``name`` (the SDK's own way to find them by name)."""
+    found = importlib_metadata.entry_points(group=_EXPORTER_GROUP, name=name)
+    if not found:
+        known = sorted(ep.name for ep in importlib_metadata.entry_points(group=_EXPORTER_GROUP))
+        package = _EXPORTER_HINTS.get(name)
+        fix = f"pip install {package}" if package else f"install the package providing it (installed: {known})"
+        raise ConfigurationError(f"OTEL_TRACES_EXPORTER names {name!r}, which no installed exporter provides: {fix}")
+    return next(iter(found)).load()

@@ -1,0 +1,204 @@
+"""W3C trace context across the example saga: both services' relay, receiver and worker
+run in this process (threads), spans recorded by the SDK's in-memory exporter.
+
+The chain asserted: business span → order-service outbox → relay publish → receiver →
+handler → its outbox → relay publish → inventory receiver → handler → ... → order-service
+handler, every span the child of the one before, all in one trace; and a plain AMQP
+publisher's ``traceparent`` is joined, a malformed one ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy.orm import Session
+
+from examples.inventory.app import service as inventory_app
+from examples.orders.app import service as orders_app
+from framework import names, topology
+from framework.envelope import Message
+from framework.receiver import Receiver, ReceiverConfig
+from framework.relay import Relay, RelayConfig
+from framework.service import Service
+from framework.worker import Worker, WorkerConfig
+from tests.apps.helpers import running
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ORDERS_INBOX = names.inbox_queue("order-service")
+INVENTORY_INBOX = names.inbox_queue("inventory-service")
+
+
+@pytest.fixture(scope="module")
+def exporter() -> InMemorySpanExporter:
+    """The process's tracer provider, set once (OpenTelemetry allows no second one)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    return memory
+
+
+@pytest.fixture
+def spans(exporter: InMemorySpanExporter) -> InMemorySpanExporter:
+    exporter.clear()
+    return exporter
+
+
+def copy(app: Service, database_url: str, amqp_url: str) -> Service:
+    """The example service with its handlers, on this test's database and vhost."""
+    service = Service(settings=replace(app.settings, database_url=database_url, amqp_url=amqp_url))
+    for handler in dict.fromkeys(app.handlers.values()):
+        service.register(handler)
+    return service
+
+
+@pytest.fixture
+def services(txbox_database: Callable[..., str], amqp_url: str) -> Iterator[tuple[Service, Service]]:
+    orders = copy(orders_app, txbox_database(EXAMPLES / "orders" / "alembic.ini"), amqp_url)
+    inventory = copy(inventory_app, txbox_database(EXAMPLES / "inventory" / "alembic.ini"), amqp_url)
+    for service in (orders, inventory):
+        topology.declare(service.settings, service.registry)
+    with contextlib.ExitStack() as stack:
+        for service in (orders, inventory):
+            stack.enter_context(running(Relay(service, RelayConfig(poll_interval=0.2), declare_topology=False)))
+            stack.enter_context(running(Receiver(service, ReceiverConfig())))
+            stack.enter_context(running(Worker(service, WorkerConfig(poll_interval=0.2))))
+        yield orders, inventory
+        for service in (orders, inventory):
+            service.engine.dispose()
+
+
+def wait_for(exporter: InMemorySpanExporter, name: str, timeout: float = 60.0) -> list[ReadableSpan]:
+    """The finished spans once one named ``name`` is among them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        finished = list(exporter.get_finished_spans())
+        if any(s.name == name for s in finished):
+            return finished
+        time.sleep(0.05)  # polling the exporter: the daemons run in other threads
+    raise AssertionError(f"no span {name!r} within {timeout}s; got {sorted({s.name for s in finished})}")
+
+
+def child_of(finished: list[ReadableSpan], parent: ReadableSpan, name: str) -> ReadableSpan:
+    parent_id = parent.get_span_context().span_id
+    found = [s for s in finished if s.name == name and s.parent is not None and s.parent.span_id == parent_id]
+    assert len(found) == 1, f"{name!r} children of {parent.name!r}: {[s.name for s in finished if s.parent]}"
+    return found[0]
+
+
+def test_one_trace_runs_through_both_services(spans: InMemorySpanExporter, services: tuple[Service, Service]) -> None:
+    orders, _ = services
+    business_span = trace.get_tracer("test").start_as_current_span("checkout")
+    with business_span as business, Session(orders.engine) as session, session.begin():
+        orders.outbox(session).send_command(
+            "PlaceOrder", aggregate_id="o-1", payload={"customer": "ada", "sku": "BOOK-1", "quantity": 2}
+        )
+
+    finished = wait_for(spans, "publish OrderCancelled")  # no stock: the saga cancels
+
+    chain = [
+        "publish PlaceOrder",
+        f"receive {ORDERS_INBOX}",
+        "handle PlaceOrder",
+        "publish OrderPlaced",
+        f"receive {INVENTORY_INBOX}",
+        "handle OrderPlaced",
+        "publish StockRejected",
+        f"receive {ORDERS_INBOX}",
+        "handle StockRejected",
+        "publish OrderCancelled",
+    ]
+    span: ReadableSpan = next(s for s in finished if s.name == "checkout")
+    assert span.get_span_context().span_id == business.get_span_context().span_id
+    walked = [span]
+    for name in chain:
+        span = child_of(finished, span, name)
+        walked.append(span)
+    assert {s.get_span_context().trace_id for s in walked} == {business.get_span_context().trace_id}
+    kinds = {s.name.split()[0]: s.kind for s in walked[1:]}
+    assert kinds == {
+        "publish": trace.SpanKind.PRODUCER,
+        "receive": trace.SpanKind.CONSUMER,
+        "handle": trace.SpanKind.CONSUMER,
+    }
+    # The receiver's batch span links every delivery it stored.
+    inventory_receive = walked[5].get_span_context().span_id
+    stores = [s for s in finished if s.name == f"store {INVENTORY_INBOX}"]
+    assert any(link.context.span_id == inventory_receive for s in stores for link in s.links)
+
+
+def publish_plain(amqp_url: str, headers: dict[str, Any]) -> uuid.UUID:
+    """PlaceOrder from a plain AMQP publisher (no txbox), with the given headers."""
+    message = Message(
+        message_id=uuid.uuid4(),
+        message_type="PlaceOrder",
+        aggregate_type="order",
+        aggregate_id=f"o-{uuid.uuid4().hex[:8]}",
+        payload={"customer": "bob", "sku": "BOOK-1", "quantity": 1},
+    )
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(
+            names.COMMAND_EXCHANGE,
+            orders_app.registry.get("PlaceOrder").routing_key,
+            message.to_json(),
+            pika.BasicProperties(content_type="application/json", message_id=str(message.message_id), headers=headers),
+            mandatory=True,
+        )
+    finally:
+        connection.close()
+    return message.message_id
+
+
+def handled(spans: InMemorySpanExporter, message_id: uuid.UUID) -> tuple[ReadableSpan, list[ReadableSpan]]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        finished = list(spans.get_finished_spans())
+        for span in finished:
+            if span.name == "handle PlaceOrder" and (span.attributes or {}).get("messaging.message.id") == str(
+                message_id
+            ):
+                return span, finished
+        time.sleep(0.05)  # polling the exporter: the daemons run in other threads
+    raise AssertionError(f"PlaceOrder {message_id} was not handled within 60 s")
+
+
+def parent_of(finished: list[ReadableSpan], span: ReadableSpan) -> ReadableSpan:
+    assert span.parent is not None
+    return next(s for s in finished if s.get_span_context().span_id == span.parent.span_id)
+
+
+def test_a_foreign_traceparent_is_joined_and_a_malformed_one_ignored(
+    spans: InMemorySpanExporter, services: tuple[Service, Service], amqp_url: str
+) -> None:
+    foreign_trace, foreign_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    joined = publish_plain(amqp_url, {"traceparent": f"00-{foreign_trace}-{foreign_span}-01", "tracestate": "v=1"})
+    malformed = publish_plain(amqp_url, {"traceparent": "00-" + "z" * 5000, "tracestate": 7})
+
+    span, finished = handled(spans, joined)
+    assert format(span.get_span_context().trace_id, "032x") == foreign_trace
+    receive = parent_of(finished, span)
+    assert receive.name == f"receive {ORDERS_INBOX}"
+    assert receive.parent is not None and format(receive.parent.span_id, "016x") == foreign_span
+    assert receive.get_span_context().trace_state.get("v") == "1"
+
+    span, finished = handled(spans, malformed)
+    receive = parent_of(finished, span)
+    assert receive.name == f"receive {ORDERS_INBOX}"
+    assert receive.parent is None  # a new trace starts at the receiver

@@ -1,0 +1,115 @@
+"""framework.tracing: bounded carriers, malformed headers ignored, the SDK set-up from OTEL_*."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from framework import names, tracing
+from framework.errors import ConfigurationError
+from framework.receiver.intake import Delivery
+
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+# A tracer of its own provider: these tests need recording spans without touching the global one.
+TRACER = TracerProvider().get_tracer("test")
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        None,
+        {},
+        {"traceparent": 7},
+        {"traceparent": b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},
+        {"traceparent": "00-" + "a" * 10_000},
+        {"traceparent": "garbage"},
+        {"traceparent": "00-00000000000000000000000000000000-00f067aa0ba902b7-01"},  # all-zero trace id
+        {"traceparent": "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},  # forbidden version
+        "not a mapping",
+    ],
+)
+def test_a_malformed_traceparent_gives_no_parent(headers: Any) -> None:
+    assert not trace.get_current_span(tracing.extract(headers)).get_span_context().is_valid
+
+
+def test_a_valid_traceparent_is_the_remote_parent() -> None:
+    context = trace.get_current_span(tracing.extract({"traceparent": PARENT, "tracestate": "v=1"})).get_span_context()
+    assert context.is_remote
+    assert format(context.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert context.trace_state.get("v") == "1"
+
+
+def test_the_carrier_keeps_only_bounded_text() -> None:
+    long_state = "v=" + "x" * tracing.MAX_TRACESTATE_CHARS
+    assert tracing.carrier_from({"traceparent": PARENT, "tracestate": long_state, "other": "x"}) == {
+        "traceparent": PARENT
+    }
+    assert tracing.carrier_from({"tracestate": "v=1"}) == {}  # no state without a parent
+
+
+def test_an_outbox_row_keeps_the_current_span() -> None:
+    assert tracing.current() is None
+    with TRACER.start_as_current_span("business") as span:
+        carrier = tracing.current()
+    assert carrier is not None
+    ids = span.get_span_context()
+    assert carrier[names.HEADER_TRACEPARENT].startswith(f"00-{ids.trace_id:032x}-{ids.span_id:016x}-")
+
+
+def test_the_outbox_row_metadata_holds_the_writers_span() -> None:
+    from examples.orders.app import service
+    from framework.outbox import Outbox
+
+    outbox = Outbox(None, service.registry)  # type: ignore[arg-type]  # build() writes nothing
+    spec = service.registry.get("PlaceOrder")
+    payload = {"customer": "ada", "sku": "BOOK-1", "quantity": 1}
+    assert names.METADATA_TRACE not in outbox.build(spec, aggregate_id="o-1", payload=payload).metadata
+    with TRACER.start_as_current_span("business"):
+        row = outbox.build(spec, aggregate_id="o-1", payload=payload)
+        assert row.metadata[names.METADATA_TRACE] == tracing.current()
+
+
+def test_the_inbox_row_keeps_the_receivers_span() -> None:
+    delivery = Delivery(delivery_tag=1, body=b"{}", trace={"traceparent": PARENT})
+    assert delivery.metadata(None)[names.METADATA_TRACE] == {"traceparent": PARENT}
+    assert names.METADATA_TRACE not in Delivery(delivery_tag=1, body=b"{}").metadata(None)
+
+
+@pytest.fixture
+def fresh_setup(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(tracing, "_set_up", False)
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+
+
+@pytest.mark.usefixtures("fresh_setup")
+def test_setup_does_nothing_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tracing.setup("order-service") is False
+    monkeypatch.setattr(tracing, "_set_up", False)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert tracing.setup("order-service") is False
+
+
+@pytest.mark.usefixtures("fresh_setup")
+def test_an_unknown_exporter_fails_at_start_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp_proto_http")
+    with pytest.raises(ConfigurationError, match="pip install opentelemetry-exporter-otlp-proto-http"):
+        tracing.setup("order-service")
+
+
+@pytest.mark.usefixtures("fresh_setup")
+def test_setup_installs_a_provider_with_the_named_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_to: list[Any] = []
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)
+    monkeypatch.setattr(trace, "set_tracer_provider", set_to.append)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert tracing.setup("order-service") is True
+    (provider,) = set_to
+    assert isinstance(provider, TracerProvider)
+    assert provider.resource.attributes["service.name"] == "order-service"
+    assert tracing.setup("order-service") is False  # once per process
