@@ -29,7 +29,7 @@ import pika
 import pika.exceptions
 import psycopg
 
-from framework import amqp, db, names, topology
+from framework import amqp, db, delivery_limit, names, topology
 from framework import dead_letters as dl
 from framework.daemon import Daemon, Reconnect
 from framework.envelope import decode_json
@@ -106,6 +106,7 @@ class Receiver(Daemon):
         self.peak_held_bytes = 0
         # Deliveries still to take one at a time after a lost connection (see _consume).
         self._careful = 0
+        self._limit_checked = False
 
     # --- the loop -----------------------------------------------------------------
 
@@ -130,6 +131,7 @@ class Receiver(Daemon):
                 channel = connection.channel()
                 topology.declare(self.settings, self.service.registry, channel)
                 self._declare_extra_delays(channel)
+                self._ensure_delivery_limit()
                 publish_channel = connection.channel()
                 publish_channel.confirm_delivery()
                 careful = self._careful > 0
@@ -153,6 +155,17 @@ class Receiver(Daemon):
             if connection.is_open:
                 with contextlib.suppress(pika.exceptions.AMQPError):
                     connection.close()
+
+    def _ensure_delivery_limit(self) -> None:
+        """Once per process: the broker's last net under this receiver (framework.delivery_limit)."""
+        if self._limit_checked:
+            return
+        self._limit_checked = True
+        outcome = delivery_limit.ensure(self.settings)
+        if outcome.held:
+            self.log.info("%s", outcome.message)
+        else:
+            self.log.warning("%s", outcome.message)
 
     def _warn_if_not_alone(self, channel: Any) -> None:
         """Two receivers on one queue may store a segment's messages out of order (README "Scaling")."""
