@@ -37,6 +37,7 @@ from framework.errors import BrokerUnavailable
 from framework.receiver import metrics, store
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import (
+    BROKER_DEATH_HEADERS,
     CONTROL_HEADERS,
     ID_CONFLICT,
     INTERNAL_ERROR,
@@ -546,10 +547,15 @@ class Receiver(Daemon):
             metrics.GAVE_UP.labels(**self._labels).inc()
 
     def _copied_headers(self, delivery: Delivery) -> dict[str, Any]:
-        """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go."""
+        """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go.
+
+        So do a stranger's death headers: the broker dead-letters our copy (the delay
+        queue's TTL) and would choke on malformed ones, stopping the delay queue's
+        dead-lettering for every message in it. Those of our own chain are the broker's.
+        """
         headers = dict(delivery.headers)
         if not delivery.trusted:
-            for name in CONTROL_HEADERS:
+            for name in (*CONTROL_HEADERS, *BROKER_DEATH_HEADERS):
                 headers.pop(name, None)
         return headers
 

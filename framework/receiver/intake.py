@@ -38,6 +38,19 @@ CONTROL_HEADERS = (
     names.HEADER_DEAD_REASON,
     names.HEADER_DEAD_ERROR,
 )
+# Headers RabbitMQ writes when it dead-letters a message. A sender's own (forged, or
+# malformed: an ``x-death`` list holding a string) make RabbitMQ 3.10's dead-lettering
+# crash when that message next dies, e.g. when a copy expires from a delay queue
+# (docs/architecture.md, "Receiver intake"): copies of a stranger's delivery drop them.
+BROKER_DEATH_HEADERS = (
+    "x-death",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-first-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+    "x-last-death-exchange",
+)
 MAX_SEGMENT_CHARS = 1024  # a longer lane name would not fit the inbox's segment index
 MAX_HEADER_DEPTH = 16  # deeper header tables are kept as a marker string (docs/architecture.md)
 _MAX_KEY_CHARS = 200  # a redelivery counter key is the message id, or a digest

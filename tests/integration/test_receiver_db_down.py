@@ -22,6 +22,7 @@ import psycopg
 import pytest
 
 from framework import migrate, names, topology
+from framework.chaos.instances import PrivateRabbit
 from framework.receiver import Receiver, ReceiverConfig
 from framework.receiver import metrics as receiver_metrics
 from framework.service import Service
@@ -168,3 +169,43 @@ def test_when_the_chain_runs_out_the_delivery_is_dead_lettered_with_a_confirm(cl
         assert "(attempt 4)" in headers[names.HEADER_DEAD_ERROR]
         assert all(death["reason"] == "expired" for death in headers["x-death"]), "only the delay hops"
     assert queue_depth(amqp_url, names.inbox_queue("order-service")) == 0
+
+
+@pytest.fixture
+def private_rabbit() -> Iterator[PrivateRabbit]:
+    """A node of this test's own: with the fix undone, the test kills the node's dead-letter workers."""
+    with PrivateRabbit(management=False) as node:
+        yield node
+
+
+def test_a_senders_malformed_death_headers_do_not_stop_the_delay_chain(
+    cluster: Cluster, private_rabbit: PrivateRabbit
+) -> None:
+    """RabbitMQ 3.10 crashes dead-lettering a message whose ``x-death`` holds a non-table.
+
+    The delay queue dead-letters every parked copy when its TTL runs out. A copy carrying
+    the sender's malformed ``x-death`` crashed the queue's dead-letter worker until its
+    supervisor gave up: every retry parked behind it (of every service on the node) stayed
+    in the delay queue for good. The copies now leave a stranger's death headers behind.
+    """
+    amqp_url = private_rabbit.amqp_url()
+    service = Service(
+        settings=Settings(service="order-service", database_url=cluster.url, amqp_url=amqp_url, contracts_dir=CONTRACTS)
+    )
+    topology.declare(service.settings, service.registry)
+    config = ReceiverConfig(retry_schedule="1s*4", db_connect_timeout=2)
+    forged = place_order(aggregate_id="forged")
+    others = [place_order(aggregate_id=str(i)) for i in range(5)]
+    headers = {"x-death": ["not a table"], "x-first-death-reason": 5, "x-first-death-queue": {"a": 1}}
+    props = [pika.BasicProperties(content_type="application/json", headers=headers)] + [None] * len(others)
+    cluster.stop()
+    with running(Receiver(service, config)):
+        start = delayed()
+        publish(amqp_url, [encode(m) for m in (forged, *others)], properties=props)  # type: ignore[arg-type]
+        # Twice round the chain: the first lap's copies have expired out of the delay queue.
+        support.wait_until(lambda: delayed() - start >= 2 * 6, 40, message="two laps of the delay chain")
+        cluster.start()
+        expected = {m["message_id"] for m in (forged, *others)}
+        support.wait_until(lambda: set(stored(cluster)) == expected, 30, message="every message stored")
+    kept = stored(cluster)[forged["message_id"]]["properties"]["headers"]  # type: ignore[index]
+    assert {death["queue"] for death in kept["x-death"]} == {names.delay_queue(1)}, "only our chain's deaths"
