@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
+import shlex
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -30,13 +30,10 @@ from framework import names
 from framework.errors import ConfigurationError
 from framework.settings import Settings, mask_url
 
-log = logging.getLogger("txbox.delivery_limit")
-
 # Well above the receiver's own redelivery counter: RabbitMQ also counts the returns of
 # messages that were only prefetched when a receiver stopped. RabbitMQ 4 gives quorum
 # queues a delivery limit of 20 by default.
 INBOX_DELIVERY_LIMIT = 20
-POLICY_NAME = "txbox-inbox-limit"
 TIMEOUT_SECONDS = 5.0
 # The management API's default port beside AMQP's default port. A broker on other ports
 # has its management API who knows where: it must be configured, never guessed (a guess
@@ -65,7 +62,7 @@ def policy_command(vhost: str) -> str:
     """The line an operator runs once per vhost when txbox cannot apply the policy itself."""
     definition = json.dumps(policy_definition()["definition"])
     return (
-        f"rabbitmqctl set_policy -p {vhost} --apply-to queues --priority 0 {POLICY_NAME} "
+        f"rabbitmqctl set_policy -p {shlex.quote(vhost)} --apply-to queues --priority 0 {names.INBOX_LIMIT_POLICY} "
         f"'{names.INBOX_QUEUE_PATTERN}' '{definition}'"
     )
 
@@ -82,6 +79,9 @@ class Management:
     @classmethod
     def from_settings(cls, settings: Settings) -> Management | None:
         """None when TXBOX_AMQP_MANAGEMENT_URL=off (the operator manages policies)."""
+        configured = (settings.amqp_management_url or "").strip()
+        if configured.lower() == "off":
+            return None
         first = settings.amqp_url.split(",", maxsplit=1)[0].strip()
         try:
             amqp = pika.URLParameters(first)
@@ -90,9 +90,6 @@ class Management:
         credentials = amqp.credentials
         username = getattr(credentials, "username", "guest")
         password = getattr(credentials, "password", "guest")
-        configured = (settings.amqp_management_url or "").strip()
-        if configured.lower() == "off":
-            return None
         if not configured:
             if amqp.port not in MANAGEMENT_PORTS:
                 raise ConfigurationError(
@@ -169,15 +166,16 @@ def _ensure(management: Management, inbox: str) -> Outcome:
     effective = queue.get("effective_policy_definition") or {}
     if isinstance(effective, dict) and "delivery-limit" in effective:
         return Outcome(True, f"{inbox} has delivery-limit {effective['delivery-limit']} (policy {in_force})")
-    if in_force and in_force != POLICY_NAME:
+    if in_force and in_force != names.INBOX_LIMIT_POLICY:
         return Outcome(
             False,
             f"policy {in_force!r} applies to {inbox} and sets no delivery-limit; RabbitMQ applies one policy "
             f'per queue, so add "delivery-limit": {INBOX_DELIVERY_LIMIT} to its definition',
         )
-    wanted = policy_definition()
-    current = management.request("GET", management.path("policies", POLICY_NAME))
+    wanted, path = policy_definition(), management.path("policies", names.INBOX_LIMIT_POLICY)
+    current = management.request("GET", path)
+    verb = "has"
     if not (current and all(current.get(k) == v for k, v in wanted.items())):
-        management.request("PUT", management.path("policies", POLICY_NAME), wanted)
-        log.info("applied policy %s (delivery-limit %d) to the inbox queues", POLICY_NAME, INBOX_DELIVERY_LIMIT)
-    return Outcome(True, f"policy {POLICY_NAME} gives the inbox queues delivery-limit {INBOX_DELIVERY_LIMIT}")
+        management.request("PUT", path, wanted)
+        verb = "now has"
+    return Outcome(True, f"{inbox} {verb} delivery-limit {INBOX_DELIVERY_LIMIT} (policy {names.INBOX_LIMIT_POLICY})")

@@ -55,6 +55,7 @@ def inbox_queue(service: str) -> str:
 
 
 INBOX_QUEUE_PATTERN = "^[^:]+:inbox$"  # every service's inbox queue (a policy's pattern)
+INBOX_LIMIT_POLICY = "txbox-inbox-limit"  # the policy giving them the delivery limit (framework.delivery_limit)
 
 
 def dead_letter_queue(service: str) -> str:

@@ -70,18 +70,18 @@ def test_ensure_is_idempotent_and_never_displaces_an_operators_policy(service: S
     topology.declare(service.settings, service.registry)
     first = delivery_limit.ensure(service.settings)
     assert first.held, first.message
-    policy = support.mgmt("GET", f"/policies/{support.vhost_path(vhost)}/{delivery_limit.POLICY_NAME}")
+    policy = support.mgmt("GET", f"/policies/{support.vhost_path(vhost)}/{names.INBOX_LIMIT_POLICY}")
     assert policy["definition"] == {"delivery-limit": delivery_limit.INBOX_DELIVERY_LIMIT}
     assert delivery_limit.ensure(service.settings).held
 
-    support.mgmt("DELETE", f"/policies/{support.vhost_path(vhost)}/{delivery_limit.POLICY_NAME}")
+    support.mgmt("DELETE", f"/policies/{support.vhost_path(vhost)}/{names.INBOX_LIMIT_POLICY}")
     operators = {"pattern": ".*", "definition": {"max-length": 1_000_000}, "apply-to": "queues", "priority": 5}
     support.mgmt("PUT", f"/policies/{support.vhost_path(vhost)}/operators", operators)
     inbox = names.inbox_queue(service.name)
     support.wait_until(lambda: (support.queue_info(vhost, inbox) or {}).get("policy") == "operators", 30)
     shadowed = delivery_limit.ensure(service.settings)
     assert not shadowed.held and "'operators'" in shadowed.message and '"delivery-limit": 20' in shadowed.message
-    assert support.mgmt("GET", f"/policies/{support.vhost_path(vhost)}/{delivery_limit.POLICY_NAME}") is None
+    assert support.mgmt("GET", f"/policies/{support.vhost_path(vhost)}/{names.INBOX_LIMIT_POLICY}") is None
 
 
 def test_without_the_management_api_the_message_gives_the_command(service: Service, vhost: str) -> None:

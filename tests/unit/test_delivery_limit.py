@@ -48,7 +48,7 @@ def test_the_command_sets_the_same_policy_the_api_would() -> None:
     words = shlex.split(delivery_limit.policy_command("orders"))
     assert words[:4] == ["rabbitmqctl", "set_policy", "-p", "orders"]
     wanted = delivery_limit.policy_definition()
-    assert words[-3:] == [delivery_limit.POLICY_NAME, names.INBOX_QUEUE_PATTERN, json.dumps(wanted["definition"])]
+    assert words[-3:] == [names.INBOX_LIMIT_POLICY, names.INBOX_QUEUE_PATTERN, json.dumps(wanted["definition"])]
     assert words[words.index("--apply-to") + 1] == wanted["apply-to"]
     assert int(words[words.index("--priority") + 1]) == wanted["priority"]
 
