@@ -59,6 +59,9 @@ class Cluster:
     def stop(self) -> None:
         self._ctl("-m", "fast", "-w", "stop")
 
+    def running(self) -> bool:
+        return (self.data / "postmaster.pid").exists()
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -66,8 +69,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
+@pytest.fixture(scope="module")
+def pg_cluster() -> Iterator[Cluster]:
+    """One private cluster for the module (initdb is the slow part); each test gets a fresh database."""
     if os.geteuid() != 0 or not (BIN / "initdb").exists():
         pytest.fail("this test runs initdb as the postgres user: needs root and PostgreSQL 15 binaries in " + str(BIN))
     root = Path(tempfile.mkdtemp(prefix="txbox-pg-"))
@@ -80,9 +84,6 @@ def cluster() -> Iterator[Cluster]:
     )  # fmt: skip
     cluster.start()
     try:
-        with psycopg.connect(f"host=127.0.0.1 port={cluster.port} user=postgres dbname=postgres", autocommit=True) as c:
-            c.execute("CREATE DATABASE orders")
-        migrate.upgrade(cluster.url)
         yield cluster
     finally:
         subprocess.run(
@@ -91,6 +92,19 @@ def cluster() -> Iterator[Cluster]:
             check=False, capture_output=True, timeout=60,
         )  # fmt: skip
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(pg_cluster: Cluster) -> Cluster:
+    """The module's cluster running (a failed test may have left it stopped), with a new `orders` database."""
+    if not pg_cluster.running():
+        pg_cluster.start()
+    admin = f"host=127.0.0.1 port={pg_cluster.port} user=postgres dbname=postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS orders WITH (FORCE)")
+        conn.execute("CREATE DATABASE orders")
+    migrate.upgrade(pg_cluster.url)
+    return pg_cluster
 
 
 @pytest.fixture
