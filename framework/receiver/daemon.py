@@ -550,8 +550,9 @@ class Receiver(Daemon):
         """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go.
 
         So do a stranger's death headers: the broker dead-letters our copy (the delay
-        queue's TTL) and would choke on malformed ones, stopping the delay queue's
-        dead-lettering for every message in it. Those of our own chain are the broker's.
+        queue's TTL) and RabbitMQ 3.10 chokes on malformed ones, which stops every
+        at-least-once queue of the node from dead-lettering. Those of our own chain are
+        the broker's.
         """
         headers = dict(delivery.headers)
         if not delivery.trusted:

@@ -42,7 +42,12 @@ def _nack_until_gone(amqp_url: str, queue: str, most: int) -> int:
         connection.close()
 
 
-@pytest.mark.skipif(os.environ.get("TXBOX_QUEUE_TYPE", "quorum") != "quorum", reason="classic queues have no limit")
+QUORUM_ONLY = pytest.mark.skipif(
+    os.environ.get("TXBOX_QUEUE_TYPE", "quorum") != "quorum", reason="classic queues have no delivery limit"
+)
+
+
+@QUORUM_ONLY
 def test_a_message_nobody_acks_is_dead_lettered_after_the_limit_and_collected(
     service: Service, database_url: str, amqp_url: str, vhost: str
 ) -> None:
@@ -66,6 +71,7 @@ def test_a_message_nobody_acks_is_dead_lettered_after_the_limit_and_collected(
     assert queue_depth(amqp_url, names.dead_letter_queue(service.name)) == 0
 
 
+@QUORUM_ONLY
 def test_ensure_is_idempotent_and_never_displaces_an_operators_policy(service: Service, vhost: str) -> None:
     topology.declare(service.settings, service.registry)
     first = delivery_limit.ensure(service.settings)
