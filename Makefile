@@ -42,3 +42,13 @@ bench: setup
 FAILOVER_MESSAGES ?= 10000
 failover: setup-test
 	TXBOX_FAILOVER_MESSAGES=$(FAILOVER_MESSAGES) .venv/bin/pytest -p no:cacheprovider -s tests/acceptance/test_failover.py
+# The heavy suites at full size; `make test` runs each bounded (fewer messages and kills,
+# the same assertions). README "Running the heavy suites", RELIABILITY.md "In CI, and the heavy suites".
+.PHONY: chaos heavy
+CHAOS_MESSAGES ?= 5000
+chaos: setup
+	TXBOX_CHAOS_MESSAGES=$(CHAOS_MESSAGES) .venv/bin/pytest -p no:cacheprovider --durations=5 tests/acceptance/test_chaos_short.py
+
+heavy: setup
+	TXBOX_CHAOS_MESSAGES=$(CHAOS_MESSAGES) TXBOX_EXACTLY_ONCE_MESSAGES=10000 TXBOX_EXACTLY_ONCE_KILLS=5 \
+		.venv/bin/pytest -p no:cacheprovider --durations=10 tests/acceptance/test_chaos_short.py tests/acceptance/test_exactly_once.py

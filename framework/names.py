@@ -58,6 +58,22 @@ HEADER_DEATH = "x-death"
 HEADER_FIRST_DEATH_QUEUE = "x-first-death-queue"
 HEADER_FIRST_DEATH_REASON = "x-first-death-reason"
 HEADER_FIRST_DEATH_EXCHANGE = "x-first-death-exchange"
+HEADER_LAST_DEATH_QUEUE = "x-last-death-queue"
+HEADER_LAST_DEATH_REASON = "x-last-death-reason"
+HEADER_LAST_DEATH_EXCHANGE = "x-last-death-exchange"
+# Headers RabbitMQ writes when it dead-letters a message. A sender's own (forged, or
+# malformed: an ``x-death`` list holding a string) make RabbitMQ 3.10's dead-lettering
+# crash when that message next dies, e.g. when a copy expires from a delay queue
+# (docs/architecture.md, "Receiver intake"): copies of a stranger's delivery drop them.
+BROKER_DEATH_HEADERS = (
+    HEADER_DEATH,
+    HEADER_FIRST_DEATH_QUEUE,
+    HEADER_FIRST_DEATH_REASON,
+    HEADER_FIRST_DEATH_EXCHANGE,
+    HEADER_LAST_DEATH_QUEUE,
+    HEADER_LAST_DEATH_REASON,
+    HEADER_LAST_DEATH_EXCHANGE,
+)
 
 # The AMQP basic properties but ``headers``, in the order of the AMQP specification: what
 # the receiver and the collector keep of a delivery.
@@ -102,6 +118,7 @@ def inbox_queue(service: str) -> str:
 
 
 INBOX_QUEUE_PATTERN = "^[^:]+:inbox$"  # every service's inbox queue (a policy's pattern)
+INBOX_LIMIT_POLICY = "txbox-inbox-limit"  # the policy giving them the delivery limit (framework.delivery_limit)
 
 
 def dead_letter_queue(service: str) -> str:

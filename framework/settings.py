@@ -173,6 +173,13 @@ class Settings:
         default=True,
         help="send outbox rows with the transaction's COMMIT in one round trip (false: a plain INSERT each)",
     )
+    amqp_management_url: str | None = setting(
+        "TXBOX_AMQP_MANAGEMENT_URL",
+        "http://127.0.0.1:15672/api",
+        default=None,
+        help="RabbitMQ management API, where the receiver and `txbox topology` apply the inbox delivery-limit "
+        "policy; default: the AMQP URL's host and credentials, port 15672 (15671 for amqps); `off`: operator sets it",
+    )
 
     def __post_init__(self) -> None:
         if not names.valid_service_id(self.service):

@@ -26,24 +26,6 @@ from framework.settings import Settings
 
 log = logging.getLogger("txbox.topology")
 
-# The inbox queue's last net is RabbitMQ's delivery limit (quorum queues): a message
-# delivered that many times without an ack is dead-lettered to ``<service>:dead_letter``
-# even when no receiver survives reading it. It is set by a policy, never as a queue
-# argument: Mosaic's libraries declare ``<service>:inbox`` of a service they send commands
-# to with exactly the dead-letter arguments and the queue type, and RabbitMQ refuses (406)
-# a declaration whose arguments differ, so an argument here would stop whichever side
-# starts second. RabbitMQ 4 gives quorum queues a delivery limit of 20 by default.
-# docs/architecture.md, "Receiver intake".
-INBOX_DELIVERY_LIMIT = 20
-
-
-def delivery_limit_policy(vhost: str = "/") -> str:
-    """The command an operator runs once per vhost to give every inbox queue the limit."""
-    return (
-        f"rabbitmqctl set_policy -p {vhost} --apply-to queues txbox-inbox-limit "
-        f"'{names.INBOX_QUEUE_PATTERN}' '{{\"delivery-limit\": {INBOX_DELIVERY_LIMIT}}}'"
-    )
-
 
 @dataclass(frozen=True)
 class QueueSpec:
@@ -61,6 +43,9 @@ class Topology:
 def plan(settings: Settings, registry: Registry) -> Topology:
     """What the service needs on the broker (pure: a test compares the broker against it)."""
     service = settings.service
+    # No x-delivery-limit: Mosaic declares the inbox queues with exactly these arguments and
+    # RabbitMQ refuses (406) a second declaration with others; the limit is a policy
+    # (framework.delivery_limit).
     inbox_arguments: dict[str, Any] = {
         "x-queue-type": settings.queue_type,
         "x-dead-letter-exchange": names.DEAD_LETTER_EXCHANGE,

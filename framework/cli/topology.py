@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from framework import topology
+from framework import delivery_limit, topology
 from framework.cli.common import add_service_options, load_service, quiet_pika
 
 
@@ -20,4 +21,6 @@ def run(args: argparse.Namespace) -> int:
     for queue in declared.queues:
         binds = ", ".join(f"{e}:{k}" for e, k in queue.bindings)
         print(f"queue {queue.name} {queue.arguments} ← {binds}")
+    limit = delivery_limit.ensure(service.settings)
+    print(limit.message if limit.held else f"warning: {limit.message}", file=sys.stdout if limit.held else sys.stderr)
     return 0

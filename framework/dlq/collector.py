@@ -143,10 +143,17 @@ def _letter_from_delivery(
         first_queue = first_queue or _text(first.get("queue"))
         first_reason = first_reason or _text(first.get("reason"))
     total = sum(_count(d) for d in deaths)
-    reason = _reason_code(headers.get(names.HEADER_DEAD_REASON)) or reasons.broker(_reason_code(first_reason))
+    # Why it is here is the latest death, the entry RabbitMQ puts first; the first death may
+    # be a delay queue's expiry of our retry chain, or a sender's own x-death entry (RabbitMQ
+    # sets no x-first-death-* then).
+    latest = deaths[0] if deaths else {}
+    died_in, died_for = _text(latest.get("queue")), _text(latest.get("reason"))
+    if died_for is None:
+        died_in, died_for = first_queue, first_reason
+    reason = _reason_code(headers.get(names.HEADER_DEAD_REASON)) or reasons.broker(_reason_code(died_for))
     error = _text(headers.get(names.HEADER_DEAD_ERROR)) or (
-        f"RabbitMQ dead-lettered the message from queue {first_queue} ({first_reason}, {total} time(s))"
-        if first_queue
+        f"RabbitMQ dead-lettered the message from queue {died_in} ({died_for}, {total} time(s))"
+        if died_in
         else "published to the dead_letter exchange without x-death facts"
     )
     if names.HEADER_DEAD_REASON not in headers and headers.get(names.HEADER_FINAL_ATTEMPT):

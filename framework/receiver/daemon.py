@@ -31,7 +31,7 @@ import pika.exceptions
 import psycopg
 from opentelemetry import trace
 
-from framework import amqp, db, metrics, names, topology, tracing
+from framework import amqp, db, delivery_limit, metrics, names, topology, tracing
 from framework import dead_letters as dl
 from framework.connections import ConnectionSlot
 from framework.daemon import RABBITMQ, Daemon, Reconnect
@@ -100,6 +100,7 @@ class Receiver(Daemon):
         self.peak_held_bytes = 0
         # Deliveries still to take one at a time after a lost connection (see _consume).
         self._careful = 0
+        self._limit_checked = False
 
     # --- the loop -----------------------------------------------------------------
 
@@ -125,6 +126,7 @@ class Receiver(Daemon):
                 channel = connection.channel()
                 topology.declare(self.settings, self.service.registry, channel)
                 self._declare_extra_delays(channel)
+                self._ensure_delivery_limit()
                 publish_channel = connection.channel()
                 publish_channel.confirm_delivery()
                 careful = self._careful > 0
@@ -148,6 +150,17 @@ class Receiver(Daemon):
             self._buffer = []  # unacked: the broker requeues them when the channel closes
             self._buffered = self._writing = 0
             amqp.close_quietly(connection)
+
+    def _ensure_delivery_limit(self) -> None:
+        """Once per process: the broker's last net under this receiver (framework.delivery_limit)."""
+        if self._limit_checked:
+            return
+        self._limit_checked = True
+        outcome = delivery_limit.ensure(self.settings)
+        if outcome.held:
+            self.log.info("%s", outcome.message)
+        else:
+            self.log.warning("%s", outcome.message)
 
     def _warn_if_not_alone(self, channel: Any) -> None:
         """Two receivers on one queue may store a segment's messages out of order (README "Scaling")."""
@@ -562,10 +575,16 @@ class Receiver(Daemon):
             metrics.RECEIVER_GAVE_UP.labels(**self._labels).inc()
 
     def _copied_headers(self, delivery: Delivery) -> dict[str, Any]:
-        """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go."""
+        """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go.
+
+        So do a stranger's death headers: the broker dead-letters our copy (the delay
+        queue's TTL) and RabbitMQ 3.10 chokes on malformed ones, which stops every
+        at-least-once queue of the node from dead-lettering. Those of our own chain are
+        the broker's.
+        """
         headers = dict(delivery.headers)
         if not delivery.trusted:
-            for name in names.CONTROL_HEADERS:
+            for name in (*names.CONTROL_HEADERS, *names.BROKER_DEATH_HEADERS):
                 headers.pop(name, None)
         return headers
 

@@ -28,6 +28,9 @@ from tests.apps.helpers import publish, query, scalar
 from txbox_tools.processes import Daemon, ProcessGroup
 
 APP = ["--app", "tests.apps.counter:service"]
+# `make test` runs a bounded load; `make heavy` the full one (10,000 messages, 5 kills of each kind).
+MESSAGES = int(os.environ.get("TXBOX_EXACTLY_ONCE_MESSAGES", "3000"))
+KILLS_EACH = int(os.environ.get("TXBOX_EXACTLY_ONCE_KILLS", "3"))
 
 
 @pytest.fixture
@@ -131,17 +134,17 @@ def settle_and_stop(chaos: Chaos, url: str, expected: int, processes: ProcessGro
 
 
 @pytest.mark.slow
-def test_ten_thousand_messages_exactly_once_through_kill_9s(
+def test_messages_exactly_once_through_kill_9s(
     database_url: str, amqp_url: str, env: dict[str, str], processes: ProcessGroup
 ) -> None:
-    bodies = [counter.envelope(n, aggregate_id=str(n % 200)) for n in range(10_000)]
+    bodies = [counter.envelope(n, aggregate_id=str(n % 200)) for n in range(MESSAGES)]
     ids = {json.loads(b)["message_id"] for b in bodies}
     sender = publish_in_background(amqp_url, bodies)
     chaos = Chaos(processes, env, seed=int(time.time()))
-    chaos.run(done=lambda: not sender.is_alive(), kills_each=5)
+    chaos.run(done=lambda: not sender.is_alive(), kills_each=KILLS_EACH)
     settle_and_stop(chaos, database_url, len(bodies), processes)
 
-    assert chaos.kills["receiver"] >= 5 and chaos.kills["worker"] >= 5
+    assert chaos.kills["receiver"] >= KILLS_EACH and chaos.kills["worker"] >= KILLS_EACH
     counts = dict(query(database_url, "SELECT id::text, n FROM counters"))
     assert set(counts) == ids, f"missing: {len(ids - set(counts))}, unexpected: {len(set(counts) - ids)}"
     twice = {k: v for k, v in counts.items() if v != 1}
@@ -164,7 +167,7 @@ def test_a_handler_that_kills_the_process_ends_as_poison_and_nothing_else_suffer
     def poison_abandoned() -> bool:
         return bool(scalar(database_url, "SELECT count(*) FROM txbox.dead_letters WHERE reason = 'poison'"))
 
-    chaos.run(done=lambda: not sender.is_alive() and poison_abandoned(), kills_each=5)
+    chaos.run(done=lambda: not sender.is_alive() and poison_abandoned(), kills_each=KILLS_EACH)
     settle_and_stop(chaos, database_url, len(bodies), processes)
 
     assert chaos.crashes >= 3, "the poison handler ends the worker process each time it runs"

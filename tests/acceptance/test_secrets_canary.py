@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -308,11 +309,16 @@ def test_the_canary_token_is_in_no_output_and_no_table(
         # --- outputs -----------------------------------------------------------------------
         ids = [r["id"] for r in conn.execute("SELECT id FROM txbox.dead_letters ORDER BY id")]
         fingerprints = [r["fingerprint"] for r in conn.execute("SELECT DISTINCT fingerprint FROM txbox.dead_letters")]
-        for args in (["list"], ["list", "--json"], ["list", "--groups"], ["list", "--groups", "--json"]):
-            _txbox(outputs, env, "dlq", *args, "--status", "all")
+        # Two dozen commands that only read: run side by side (each is mostly its interpreter's start).
+        commands = [
+            ["dlq", *args, "--status", "all"]
+            for args in (["list"], ["list", "--json"], ["list", "--groups"], ["list", "--groups", "--json"])
+        ]
+        commands += [["dlq", "show", str(lid), *json_flag] for lid in ids for json_flag in ([], ["--json"])]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            shown = dict(zip(map(tuple, commands), pool.map(lambda a: _txbox(outputs, env, *a), commands), strict=True))
         for lid in ids:
-            assert f"{lid}" in _txbox(outputs, env, "dlq", "show", str(lid))
-            _txbox(outputs, env, "dlq", "show", str(lid), "--json")
+            assert f"{lid}" in shown[("dlq", "show", str(lid))]
 
         dashboard_port = free_port()
         _start(daemons, tmp_path, "dashboard", ["dashboard", "--app", APP, "--port", str(dashboard_port)], env)

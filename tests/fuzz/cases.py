@@ -199,6 +199,11 @@ def plain_properties(draw: st.DrawFn, *, hostile: bool) -> dict[str, Any]:
         props["message_id"] = draw(st.none() | st.text(max_size=60) | st.uuids().map(str))
         props["type"] = draw(st.none() | st.text(max_size=30))
         props["expiration"] = draw(st.none() | st.sampled_from(("0", "1", "60000")))
+        if "expiration" in props:
+            # RabbitMQ 3.10 itself loses a message with a malformed x-death that expires in the
+            # inbox queue (its dead-lettering crashes the queue's leader), before any txbox
+            # daemon sees it (docs/architecture.md, "Receiver intake"): not a case to judge.
+            props["headers"].pop("x-death", None)
         props["user_id"] = None  # the broker refuses a user_id other than the connection's
     else:
         props["content_type"] = draw(

@@ -27,6 +27,7 @@ from framework.service import Service
 from framework.settings import Settings
 from tests import support
 from tests.apps.helpers import encode, place_order, publish, queue_depth, running
+from txbox_tools.chaos.instances import PrivateRabbit
 
 BIN = Path("/usr/lib/postgresql/15/bin")
 CONTRACTS = Path(__file__).resolve().parents[2] / "contracts"
@@ -57,6 +58,9 @@ class Cluster:
     def stop(self) -> None:
         self._ctl("-m", "fast", "-w", "stop")
 
+    def running(self) -> bool:
+        return (self.data / "postmaster.pid").exists()
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -64,8 +68,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
+@pytest.fixture(scope="module")
+def pg_cluster() -> Iterator[Cluster]:
+    """One private cluster for the module (initdb is the slow part); each test gets a fresh database."""
     if os.geteuid() != 0 or not (BIN / "initdb").exists():
         pytest.fail("this test runs initdb as the postgres user: needs root and PostgreSQL 15 binaries in " + str(BIN))
     root = Path(tempfile.mkdtemp(prefix="txbox-pg-"))
@@ -78,9 +83,6 @@ def cluster() -> Iterator[Cluster]:
     )  # fmt: skip
     cluster.start()
     try:
-        with psycopg.connect(f"host=127.0.0.1 port={cluster.port} user=postgres dbname=postgres", autocommit=True) as c:
-            c.execute("CREATE DATABASE orders")
-        migrate.upgrade(cluster.url)
         yield cluster
     finally:
         subprocess.run(
@@ -89,6 +91,19 @@ def cluster() -> Iterator[Cluster]:
             check=False, capture_output=True, timeout=60,
         )  # fmt: skip
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(pg_cluster: Cluster) -> Cluster:
+    """The module's cluster running (a failed test may have left it stopped), with a new `orders` database."""
+    if not pg_cluster.running():
+        pg_cluster.start()
+    admin = f"host=127.0.0.1 port={pg_cluster.port} user=postgres dbname=postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS orders WITH (FORCE)")
+        conn.execute("CREATE DATABASE orders")
+    migrate.upgrade(pg_cluster.url)
+    return pg_cluster
 
 
 @pytest.fixture
@@ -167,3 +182,43 @@ def test_when_the_chain_runs_out_the_delivery_is_dead_lettered_with_a_confirm(cl
         assert "(attempt 4)" in headers[names.HEADER_DEAD_ERROR]
         assert all(death["reason"] == "expired" for death in headers["x-death"]), "only the delay hops"
     assert queue_depth(amqp_url, names.inbox_queue("order-service")) == 0
+
+
+@pytest.fixture
+def private_rabbit() -> Iterator[PrivateRabbit]:
+    """A node of this test's own: with the fix undone, the test kills the node's dead-letter workers."""
+    with PrivateRabbit(management=False) as node:
+        yield node
+
+
+def test_a_senders_malformed_death_headers_do_not_stop_the_delay_chain(
+    cluster: Cluster, private_rabbit: PrivateRabbit
+) -> None:
+    """RabbitMQ 3.10 crashes dead-lettering a message whose ``x-death`` holds a non-table.
+
+    The delay queue dead-letters every parked copy when its TTL runs out. A copy carrying
+    the sender's malformed ``x-death`` crashed the queue's dead-letter worker until its
+    supervisor gave up: every retry parked behind it (of every service on the node) stayed
+    in the delay queue for good. The copies now leave a stranger's death headers behind.
+    """
+    amqp_url = private_rabbit.amqp_url()
+    service = Service(
+        settings=Settings(service="order-service", database_url=cluster.url, amqp_url=amqp_url, contracts_dir=CONTRACTS)
+    )
+    topology.declare(service.settings, service.registry)
+    config = ReceiverConfig(retry_schedule="1s*4", db_connect_timeout=2)
+    forged = place_order(aggregate_id="forged")
+    others = [place_order(aggregate_id=str(i)) for i in range(5)]
+    headers = {"x-death": ["not a table"], "x-first-death-reason": 5, "x-first-death-queue": {"a": 1}}
+    props = [pika.BasicProperties(content_type="application/json", headers=headers)] + [None] * len(others)
+    cluster.stop()
+    with running(Receiver(service, config)):
+        start = delayed()
+        publish(amqp_url, [encode(m) for m in (forged, *others)], properties=props)  # type: ignore[arg-type]
+        # Twice round the chain: the first lap's copies have expired out of the delay queue.
+        support.wait_until(lambda: delayed() - start >= 2 * 6, 40, message="two laps of the delay chain")
+        cluster.start()
+        expected = {m["message_id"] for m in (forged, *others)}
+        support.wait_until(lambda: set(stored(cluster)) == expected, 30, message="every message stored")
+    kept = stored(cluster)[forged["message_id"]]["properties"]["headers"]  # type: ignore[index]
+    assert {death["queue"] for death in kept["x-death"]} == {names.delay_queue(1)}, "only our chain's deaths"

@@ -2,9 +2,6 @@
 
 - Header tables nested deeper than pika's own decoder recursion are decoded (framework.amqp
   bounds it), so the delivery is judged and what is queued around it is stored.
-- With the documented delivery-limit policy, a message no receiver ever acks is
-  dead-lettered by RabbitMQ into ``<service>:dead_letter`` (the inbox queue's own
-  dead-letter arguments route it there).
 - Body bytes held unacked are bounded, whatever the prefetch count allows.
 """
 
@@ -77,32 +74,6 @@ def test_header_tables_deeper_than_pika_decodes_are_judged_and_the_rest_is_store
         support.wait_until(lambda: len(query(database_url, ids)) == 11, 60, message="every delivery settled")
     assert sorted(r[0] for r in query(database_url, ids)) == sorted(m["message_id"] for m in (*before, deep, *after))
     assert queue_depth(amqp_url, names.inbox_queue(service.name)) == 0
-
-
-def test_the_delivery_limit_policy_dead_letters_what_no_receiver_acks(service: Service, amqp_url: str) -> None:
-    topology.declare(service.settings, service.registry)
-    vhost = pika.URLParameters(amqp_url).virtual_host
-    policy = {"pattern": names.INBOX_QUEUE_PATTERN, "definition": {"delivery-limit": 2}, "apply-to": "queues"}
-    support.mgmt("PUT", f"/policies/{support.vhost_path(vhost)}/txbox-inbox-limit", policy)
-    inbox = names.inbox_queue(service.name)
-    support.wait_until(
-        lambda: support.queue_info(vhost, inbox).get("effective_policy_definition"), 30, message="policy applied"
-    )
-    publish(amqp_url, [json.dumps(place_order()).encode()])
-    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
-    try:
-        channel = connection.channel()
-        for _ in range(10):  # a receiver that dies holding it, again and again
-            method, _, _ = channel.basic_get(inbox)
-            if method is None:
-                break
-            channel.basic_nack(method.delivery_tag, requeue=True)
-    finally:
-        connection.close()
-    support.wait_until(
-        lambda: queue_depth(amqp_url, names.dead_letter_queue(service.name)) == 1, 30, message="dead-lettered"
-    )
-    assert queue_depth(amqp_url, inbox) == 0
 
 
 def test_body_bytes_held_unacked_are_bounded_while_the_database_is_slow(

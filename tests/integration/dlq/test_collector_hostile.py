@@ -280,3 +280,35 @@ def test_a_delivery_no_row_can_hold_is_not_acked_and_stored_once_the_database_ta
     [row] = support.wait_until(lambda: _letters(conn), message="the row once the database takes it")
     assert row["reason"] == "poison" and row["raw_body"] == "kept in the queue"
     support.wait_until(lambda: _depth(service) == 0, message="the delivery acked")
+
+
+def test_a_message_that_expires_in_the_inbox_queue_is_collected(
+    service: Service, collector: Collector, channel: Any, conn: Any
+) -> None:
+    """A sender's AMQP ``expiration`` runs out before any receiver takes the message: RabbitMQ
+    dead-letters it through the inbox queue's arguments, and it ends as a letter, never vanishes."""
+    inbox = names.inbox_queue(SERVICE)
+    envelope = {"message_id": str(uuid.uuid4()), "message_type": "PlaceOrder", "payload": {"n": 1}}
+    odd_death = [{"count": "many", "queue": 7}]  # a sender's x-death of tables: RabbitMQ adds its own entry
+    for case, body in (("envelope", json.dumps(envelope).encode()), ("junk", b"\xff junk")):
+        headers = {"x-case": case, "x-death": odd_death}
+        channel.basic_publish("", inbox, body, pika.BasicProperties(expiration="1", headers=headers), mandatory=True)
+
+    def expired_and_collected() -> list[dict[str, Any]]:
+        # A quorum queue drops what expired when it is at the head and a delivery is asked for;
+        # one asked for before it expired goes back (requeued, as a receiver that died would).
+        method = channel.basic_get(inbox)[0]
+        if method is not None:
+            channel.basic_nack(method.delivery_tag, requeue=True)
+        rows = _letters(conn)
+        return rows if len(rows) == 2 else []
+
+    rows = support.wait_until(expired_and_collected, message="both messages expired and collected")
+    by_case = {row["headers"]["x-case"]: row for row in rows}
+    assert {row["reason"] for row in rows} == {"broker_expired"}
+    assert str(by_case["envelope"]["message_id"]) == envelope["message_id"]
+    junk = by_case["junk"]
+    assert by_case["envelope"]["message"] == envelope
+    assert dead_letters.decode_body(junk["raw_body"], junk["raw_encoding"]) == b"\xff junk"
+    assert all(inbox in row["error"] and "expired" in row["error"] for row in rows)
+    support.wait_until(lambda: _depth(service) == 0, message="every delivery acked")
