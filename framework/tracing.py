@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from framework import names
+from framework import names, redaction
 from framework.errors import ConfigurationError
 
 # The W3C propagator itself rather than the global one: the headers are fixed by name
@@ -79,6 +79,21 @@ def carrier_of(span: trace.Span) -> Carrier | None:
 def current() -> Carrier | None:
     """The carrier of the current span, or None when there is none (what an outbox row keeps)."""
     return carrier_of(trace.get_current_span())
+
+
+def failed(span: trace.Span, exc: BaseException) -> None:
+    """Mark ``span`` failed by ``exc``; never raises, and the text is redacted and bounded.
+
+    An exception's ``__str__`` is a handler's code and may fail, and its text may carry a
+    secret (docs/architecture.md, "Secrets"): spans leave the process with the exporter.
+    """
+    try:
+        text = str(exc)
+    except Exception:
+        text = ""
+    description = f"{type(exc).__name__}: {redaction.redact_text(text)}" if text else type(exc).__name__
+    span.set_attribute("exception.type", type(exc).__name__)
+    span.set_status(trace.StatusCode.ERROR, description[:1000])
 
 
 def links(spans: Sequence[trace.Span]) -> list[trace.Link]:

@@ -46,7 +46,7 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -646,11 +646,14 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
     return raw
 
 
-def handler_span(claimed: Claimed, handler: str) -> contextlib.AbstractContextManager[trace.Span]:
+@contextlib.contextmanager
+def handler_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
     """The CONSUMER span of one handler run, current while it runs: child of the receiver's
     span kept with the inbox row, so what the handler sends continues the message's trace
-    (docs/architecture.md, "Tracing"). An exception out of the handler marks it failed."""
-    return tracing.tracer.start_as_current_span(
+    (docs/architecture.md, "Tracing"). An exception out of the handler marks it failed,
+    through :func:`framework.tracing.failed`: the SDK's own recording calls ``str()`` on
+    the exception, and one whose ``__str__`` raises would replace the handler's failure."""
+    with tracing.tracer.start_as_current_span(
         f"handle {claimed.message_type}",
         context=tracing.extract(claimed.metadata.get(names.METADATA_TRACE)),
         kind=trace.SpanKind.CONSUMER,
@@ -662,7 +665,14 @@ def handler_span(claimed: Claimed, handler: str) -> contextlib.AbstractContextMa
             "txbox.handler": handler,
             "txbox.attempt": claimed.message.attempt,
         },
-    )
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            tracing.failed(span, exc)
+            raise
 
 
 def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -> tuple[float, float] | None:

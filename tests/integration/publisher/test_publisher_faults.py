@@ -122,7 +122,7 @@ def test_a_streak_of_nacks_makes_the_relay_publish_again_on_a_new_channel(settin
         config = RelayConfig(  # type: ignore[arg-type]
             poll_interval=0.2, retry_base=Seconds(0.2), retry_cap=Seconds(0.5), max_attempts=1000
         )
-        with running_relay(settings, service.registry, config) as relay:
+        with running_relay(service, config) as relay:
             wait_until(lambda: relay._publisher is not None, 30, message="the relay connects")
             first = relay._publisher
             wait_until(
