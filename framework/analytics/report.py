@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import BigInteger, DateTime, Double, Integer, Text
 
 from framework import names, tables
+from framework.analytics.locations import Storage
 from framework.analytics.sources import jdbc_target
 from framework.db import connect, database_errors
 from framework.errors import ConfigurationError
@@ -62,7 +62,7 @@ class Writer:
     spark: SparkSession
     report_url: str | None
     schema: str
-    parquet: Path | None
+    parquet: Storage | None
     written: dict[str, int] = field(default_factory=dict)
 
     def _jdbc(self, df: DataFrame, table: str) -> None:
@@ -81,7 +81,9 @@ class Writer:
         if self.report_url is not None:
             self._jdbc(df, table)
         if self.parquet is not None:
-            df.drop("run_id").write.mode("overwrite").parquet(str(self.parquet / table / f"run_id={run_id}"))
+            relative = f"{table}/run_id={run_id}"
+            df.drop("run_id").write.mode("overwrite").parquet(f"{self.parquet.uri}/{relative}")
+            self.parquet.check_written(relative)
 
     def run_row(self, row: dict[str, Any]) -> None:
         """The analytics_runs row: written last, it marks the run complete."""
