@@ -16,6 +16,7 @@ from sqlalchemy import BigInteger, DateTime, Double, Integer, Text
 
 from framework import names, tables
 from framework.analytics.locations import Storage
+from framework.analytics.session import local_frame
 from framework.analytics.sources import jdbc_target
 from framework.db import connect, database_errors
 from framework.errors import ConfigurationError
@@ -88,6 +89,6 @@ class Writer:
     def run_row(self, row: dict[str, Any]) -> None:
         """The analytics_runs row: written last, it marks the run complete."""
         columns = [c for c in tables.analytics_runs.columns]
-        schema = ", ".join(f"{c.name} {spark_type(c.type)}" for c in columns)
-        df = self.spark.createDataFrame([tuple(row[c.name] for c in columns)], schema)
+        schema = [(c.name, spark_type(c.type)) for c in columns]
+        df = local_frame(self.spark, [[row[c.name] for c in columns]], schema)
         self.table(RUNS, df, str(row["run_id"]))

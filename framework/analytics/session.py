@@ -20,16 +20,16 @@ import os
 import re
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from framework.analytics.settings import AnalyzeSettings
 from framework.analytics.sources import is_loopback
 from framework.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 MASTER_EXAMPLES = "local[*], local[4], spark://HOST:7077, k8s://https://HOST:6443, yarn"
 CONNECT_TIMEOUT = 3.0  # seconds per master address
@@ -123,6 +123,21 @@ def check_jar(settings: AnalyzeSettings) -> None:
             f"PostgreSQL JDBC driver not found at {settings.jdbc_jar}. Install it "
             "(apt-get install libpostgresql-jdbc-java) or point TXBOX_JDBC_JAR / --jdbc-jar at the jar"
         )
+
+
+def local_frame(spark: SparkSession, rows: Sequence[Sequence[Any]], columns: Sequence[tuple[str, str]]) -> DataFrame:
+    """Python values as a DataFrame the JVM builds from literals.
+
+    ``createDataFrame`` of Python rows is a Python RDD: the executor that computes it
+    starts a Python worker, and the executors then need a Python with pyspark. Literals
+    keep the executors free of Python (docs/architecture.md, "The Spark job on a cluster").
+    """
+    from pyspark.sql import functions as F
+
+    if not rows:
+        return spark.range(0).select(*[F.lit(None).cast(t).alias(n) for n, t in columns])
+    structs = [F.struct(*[F.lit(v).cast(t).alias(n) for v, (n, t) in zip(row, columns, strict=True)]) for row in rows]
+    return spark.range(1).select(F.inline(F.array(*structs)))
 
 
 def spark_conf(text: str) -> tuple[str, str]:
