@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test lint bench fuzz
+.PHONY: setup demo test lint bench fuzz spark-cluster
 
 setup:
 	bash scripts/setup.sh
@@ -26,3 +26,8 @@ lint:
 
 bench: setup
 	for stage in relay receiver worker e2e latency analyze; do .venv/bin/txbox bench $$stage --json; done
+
+# `txbox analyze` on a private Spark standalone cluster (a master and two workers on 127.0.0.1,
+# from the pyspark package) against local mode: a few minutes, so not part of `make test`.
+spark-cluster: setup
+	TXBOX_SPARK_CLUSTER=1 .venv/bin/pytest -p no:cacheprovider tests/spark/test_cluster.py
