@@ -27,8 +27,8 @@ from framework.errors import ConfigurationError
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-# Hadoop file systems people point the job at; any other scheme is most likely a typo.
 LISTING_LIMIT = 100_000  # entries looked at when searching a tree for a Parquet file
+# Hadoop file systems people point the job at; any other scheme is most likely a typo.
 SCHEMES = ("file", "hdfs", "s3a", "abfs", "abfss", "gs", "viewfs", "wasb", "wasbs")
 EXAMPLES = "file:///srv/shared/txbox, hdfs://namenode:8020/txbox, s3a://bucket/txbox or a plain path"
 

@@ -30,7 +30,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from framework import names
-from framework.analytics.locations import Storage
+from framework.analytics.locations import Storage, join
 from framework.analytics.settings import AnalyzeSettings
 from framework.analytics.sources import Source
 from framework.db import connect, database_errors
@@ -169,7 +169,7 @@ class Reader:
         relative = f"{source.service}/{table}"
         if storage.parquet_files(relative) == 0:
             return None
-        path = f"{storage.uri}/{relative}"
+        path = join(storage.uri, relative)
         archived = self.spark.read.option("basePath", path).parquet(path)
         columns = [F.col(f.name).cast(f.dataType).alias(f.name) for f in like.schema.fields if f.name != "service"]
         return archived.select(*columns).withColumn("service", F.lit(source.service))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import BigInteger, DateTime, Double, Integer, Text
 
 from framework import names, tables
-from framework.analytics.locations import Storage
+from framework.analytics.locations import Storage, join
 from framework.analytics.session import local_frame
 from framework.analytics.sources import jdbc_target
 from framework.db import connect, database_errors
@@ -83,7 +83,7 @@ class Writer:
             self._jdbc(df, table)
         if self.parquet is not None:
             relative = f"{table}/run_id={run_id}"
-            df.drop("run_id").write.mode("overwrite").parquet(f"{self.parquet.uri}/{relative}")
+            df.drop("run_id").write.mode("overwrite").parquet(join(self.parquet.uri, relative))
             self.parquet.check_written(relative)
 
     def run_row(self, row: dict[str, Any]) -> None:
