@@ -12,6 +12,7 @@ from framework.analytics.locations import local_directory, location
 from framework.analytics.read import partition_count, range_predicates
 from framework.analytics.session import check_master, parse_master, spark_conf
 from framework.analytics.settings import AnalyzeSettings
+from framework.analytics.sources import warn_if_loopback
 from framework.errors import ConfigurationError
 
 
@@ -119,3 +120,11 @@ def test_spark_conf() -> None:
     assert spark_conf("spark.executor.memory = 512m") == ("spark.executor.memory", "512m")
     with pytest.raises(ConfigurationError, match=r"spark\.KEY=VALUE"):
         spark_conf("executor.memory=512m")
+
+
+def test_loopback_sources_are_named_on_a_cluster(caplog: pytest.LogCaptureFixture) -> None:
+    warn_if_loopback("postgresql://u@db.internal:5432/orders")
+    assert not caplog.records
+    warn_if_loopback("postgresql://u@127.0.0.1:5432/orders")
+    warn_if_loopback("postgresql://u@localhost/orders")
+    assert [r.message.count("each executor's own machine") for r in caplog.records] == [1, 1]
