@@ -140,6 +140,23 @@ def local_frame(spark: SparkSession, rows: Sequence[Sequence[Any]], columns: Seq
     return spark.range(1).select(F.inline(F.array(*structs)))
 
 
+def join_jars(*lists: str) -> str:
+    """Comma-separated jar lists joined, each jar once (by file name: spark-submit adds ``file:``)."""
+    seen: dict[str, str] = {}
+    for jar in (j.strip() for jars in lists for j in jars.split(",")):
+        if jar:
+            seen.setdefault(jar.rsplit("/", 1)[-1], jar)
+    return ",".join(seen.values())
+
+
+def _submitted_jars() -> str:
+    """spark.jars as spark-submit set it (``--jars``, ``--packages``): kept, so executors get them too."""
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM, whose properties hold the conf
+    return SparkConf().get("spark.jars", "") or ""
+
+
 def spark_conf(text: str) -> tuple[str, str]:
     """``KEY=VALUE`` of ``--conf`` (as spark-submit takes it)."""
     key, sep, value = text.partition("=")
@@ -165,7 +182,7 @@ def spark_session(
         builder = builder.master(master.url)
     # Executors are started after the session, even under spark-submit: their options still apply.
     builder = builder.config("spark.executor.extraJavaOptions", "-Duser.timezone=UTC")
-    jars = ",".join(j for j in (extra.pop("spark.jars", ""), str(settings.jdbc_jar)) if j)
+    jars = join_jars(_submitted_jars() if submitted else "", extra.pop("spark.jars", ""), str(settings.jdbc_jar))
     builder = (
         builder.config("spark.jars", jars)
         .config("spark.ui.enabled", "false")

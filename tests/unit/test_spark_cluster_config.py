@@ -10,7 +10,7 @@ import pytest
 
 from framework.analytics.locations import local_directory, location
 from framework.analytics.read import partition_count, range_predicates
-from framework.analytics.session import check_master, parse_master, spark_conf
+from framework.analytics.session import check_master, join_jars, parse_master, spark_conf
 from framework.analytics.settings import AnalyzeSettings
 from framework.analytics.sources import warn_if_loopback
 from framework.errors import ConfigurationError
@@ -128,3 +128,13 @@ def test_loopback_sources_are_named_on_a_cluster(caplog: pytest.LogCaptureFixtur
     warn_if_loopback("postgresql://u@127.0.0.1:5432/orders")
     warn_if_loopback("postgresql://u@localhost/orders")
     assert [r.message.count("each executor's own machine") for r in caplog.records] == [1, 1]
+
+
+def test_jars_of_spark_submit_and_conf_are_kept_once() -> None:
+    submitted = "file:///usr/share/java/postgresql.jar,file:///root/.ivy2/jars/hadoop-aws-3.4.1.jar"
+    assert join_jars(submitted, "", "/usr/share/java/postgresql.jar") == submitted
+    assert join_jars("", "/opt/a.jar, /opt/b.jar", "/usr/share/java/postgresql.jar").split(",") == [
+        "/opt/a.jar",
+        "/opt/b.jar",
+        "/usr/share/java/postgresql.jar",
+    ]
