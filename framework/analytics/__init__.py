@@ -2,11 +2,13 @@
 (`txbox archive`).
 
 Modules: ``sources`` (service → database URL, JDBC URLs), ``session`` (the Spark
-session: local mode, Debian's JDBC jar via ``spark.jars``), ``read`` (short partitioned
-JDBC reads + archived history), ``reconcile`` (lost / in flight / stuck / abandoned /
-unexpected / redelivered), ``stats`` (latency, throughput, attempts, failures,
-fingerprints, dead-letter trend), ``report`` (tables, Parquet), ``job`` (one run; also a
-spark-submit script), ``archive`` (Parquet archive of old rows; no Spark).
+session: local mode or a cluster's master, checked before the JVM starts; Debian's JDBC
+jar via ``spark.jars``), ``locations`` (output and history URIs: file://, hdfs://,
+s3a://), ``read`` (short JDBC reads split at created_at quantiles + archived history),
+``reconcile`` (lost / in flight / stuck / abandoned / unexpected / redelivered),
+``stats`` (latency, throughput, attempts, failures, fingerprints, dead-letter trend),
+``report`` (tables, Parquet), ``job`` (one run; also a spark-submit script), ``archive``
+(Parquet archive of old rows; no Spark).
 Nothing here imports pyspark at module import time except inside functions, so
 `txbox migrate` and `txbox archive` never start a JVM.
 
@@ -15,7 +17,7 @@ Running::
     txbox analyze --source order-service=postgresql://postgres@127.0.0.1:5432/orders \
                   --source inventory-service=postgresql://postgres@127.0.0.1:5432/inventory \
                   [--sources-file sources.yml] [--master spark://host:7077] [--every 5m] \
-                  [--parquet DIR] [--history DIR] [--fail-on-lost]
+                  [--conf spark.executor.memory=2g] [--parquet URI] [--history URI] [--fail-on-lost]
 
     # the same job through spark-submit (venv active, so spark-submit finds pyspark):
     spark-submit --master 'local[*]' --driver-memory 2g --jars /usr/share/java/postgresql.jar \

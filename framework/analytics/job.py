@@ -8,24 +8,29 @@ spark-submit (the script owns no master: spark-submit's ``--master`` applies)::
         --source order-service=postgresql://postgres@127.0.0.1:5432/orders \\
         --source inventory-service=postgresql://postgres@127.0.0.1:5432/inventory
 
-The arguments after the script are those of `txbox analyze`. Run it with the venv active
-(spark-submit locates its Spark home through the ``python`` on PATH, or set SPARK_HOME /
-PYSPARK_PYTHON). Under spark-submit the session takes master, memory and jars from
-spark-submit; ``--master`` after the script still overrides the master.
+On a standalone cluster the same line takes ``--master spark://HOST:7077 --deploy-mode
+client`` (Spark runs Python drivers on a standalone cluster in client mode only); on
+Kubernetes, ``--deploy-mode cluster`` and an image with ``txbox[spark]`` (README, "The
+Spark job on a cluster"). The arguments after the script are those of `txbox analyze`.
+Run it with the venv active (spark-submit locates its Spark home through the ``python``
+on PATH, or set SPARK_HOME / PYSPARK_PYTHON). Under spark-submit the session takes
+master, memory and jars from spark-submit; ``--master`` after the script still
+overrides the master.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from framework.analytics import reconcile as rc
+from framework.analytics.locations import Storage, location
 from framework.analytics.read import load
 from framework.analytics.report import Writer
 from framework.analytics.settings import AnalyzeSettings
@@ -84,20 +89,28 @@ def run_once(
     settings: AnalyzeSettings,
     schema: str = "txbox",
     report_url: str | None = None,
-    parquet: Path | None = None,
-    history: Path | None = None,
+    parquet: str | os.PathLike[str] | None = None,
+    history: str | os.PathLike[str] | None = None,
     now: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> RunResult:
-    """One reconciliation + analytics pass; writes the report and returns the summary."""
+    """One reconciliation + analytics pass; writes the report and returns the summary.
+
+    ``parquet`` and ``history`` are URIs or plain paths (see ``locations``); on a cluster
+    they must name storage that the driver and every executor share.
+    """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
+
+    # Resolved before the first read: a location this Spark cannot reach fails now.
+    out = None if parquet is None else Storage(spark, location(os.fspath(parquet), "--parquet"), "--parquet")
+    archive = None if history is None else Storage(spark, location(os.fspath(history), "--history"), "--history")
 
     started = now()
     run_at = started
     since = started - timedelta(seconds=settings.window)
     run_id = f"{started:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
     services = [s.service for s in sources]
-    frames = load(spark, sources, settings, schema, since, history)
+    frames = load(spark, sources, settings, schema, since, archive)
     phases: dict[str, float] = {}
     mark = time.perf_counter()
 
@@ -133,7 +146,7 @@ def run_once(
     notes += rec.notes
 
     an = analyze(frames, since, settings.ids_per_group)
-    writer = Writer(spark, report_url, schema, parquet)
+    writer = Writer(spark, report_url, schema, out)
     from framework.analytics.report import conform
 
     outputs: list[tuple[str, DataFrame]] = [

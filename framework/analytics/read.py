@@ -5,9 +5,12 @@ VACUUM of the queue tables (outbox/inbox churn fast), which then bloat and slow 
 daemons' claims. So the job never opens one long transaction:
 
 - each table is read in ``ceil(rows / partition_rows)`` partitions split on ``created_at``
-  (lowerBound/upperBound from one quick ``min/max/count``), each partition being one
-  statement on its own connection, streamed with a fetch size — its snapshot lives only
-  as long as that slice (~100k rows, about a second);
+  at its quantiles (one quick ``count`` and one ``percentile_disc``), each partition being
+  one statement on its own connection, streamed with a fetch size — its snapshot lives
+  only as long as that slice (~100k rows, about a second). Quantiles, not equal strides
+  between min and max: traffic comes in bursts and one old pending row stretches the
+  range, and equal strides would then put nearly every row in one partition, read by one
+  executor while the others wait (docs/architecture.md, "The Spark job on a cluster");
 - only a bounded window is read (``created_at >= now - window``, plus rows still
   pending, which sit on the small partial index), so the cost does not grow with history;
 - sessions are read-only and carry a statement timeout, so a stuck read cannot pin a
@@ -20,13 +23,14 @@ against ``as_of``, taken before the first read, so later reads only ever see mor
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from framework import names
+from framework.analytics.locations import Storage, join
 from framework.analytics.settings import AnalyzeSettings
 from framework.analytics.sources import Source
 from framework.db import connect, database_errors
@@ -65,9 +69,23 @@ def _ts(value: datetime) -> str:
     return f"'{value.isoformat()}'::timestamptz"
 
 
-def _spark_ts(value: datetime) -> str:
-    """A timestamp literal as Spark parses lowerBound/upperBound (session time zone UTC)."""
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+def range_predicates(column: str, bounds: list[datetime]) -> list[str]:
+    """Disjoint predicates that together cover every row: ``< b1``, ``[b1, b2)``, …, ``>= bn``.
+
+    ``bounds`` may repeat (many rows with one timestamp): a repeated bound would make an
+    empty partition, so it is dropped.
+    """
+    cuts = sorted(set(bounds))
+    if not cuts:
+        return ["TRUE"]
+    preds = [f"{column} < {_ts(cuts[0])}"]
+    preds += [f"{column} >= {_ts(lo)} AND {column} < {_ts(hi)}" for lo, hi in itertools.pairwise(cuts)]
+    preds.append(f"{column} >= {_ts(cuts[-1])}")
+    return preds
+
+
+def partition_count(rows: int, settings: AnalyzeSettings) -> int:
+    return min(settings.max_partitions, max(1, math.ceil(rows / settings.partition_rows)))
 
 
 class Reader:
@@ -90,33 +108,40 @@ class Reader:
             )
         )
 
-    def _bounds(self, source: Source, table: str, where: str) -> tuple[int, datetime | None, datetime | None]:
+    def _cuts(self, source: Source, table: str, where: str) -> list[datetime]:
+        """The ``created_at`` values that split the rows of ``where`` into equal partitions."""
+        qualified = names.qualified(self.schema, table)
         with database_errors(f"cannot read {source.service}"), connect(source.url, autocommit=True) as conn:
+            row = conn.execute(f"SELECT count(*) FROM {qualified} WHERE {where}").fetchone()
+            parts = partition_count(int(row[0]) if row else 0, self.settings)
+            if parts == 1:
+                return []
+            fractions = [i / parts for i in range(1, parts)]
             row = conn.execute(
-                f"SELECT count(*), min(created_at), max(created_at) FROM {names.qualified(self.schema, table)} "
-                f"WHERE {where}"
+                f"SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY created_at) FROM {qualified} "
+                f"WHERE {where}",
+                (fractions,),
             ).fetchone()
-        assert row is not None
-        return int(row[0]), row[1], row[2]
+        return [c for c in (row[0] if row and row[0] else []) if c is not None]
 
     def messages(self, source: Source, table: str, since: datetime) -> DataFrame:
         """The outbox or inbox of ``source``: rows of the window plus every pending row."""
-        columns = OUTBOX_COLUMNS if table == names.OUTBOX else INBOX_COLUMNS
-        where = f"created_at >= {_ts(since)} OR {PENDING}"
-        count, low, high = self._bounds(source, table, where)
-        query = f"SELECT {columns} FROM {names.qualified(self.schema, table)} WHERE {where}"
-        reader = self._jdbc(source, query)
-        partitions = min(self.settings.max_partitions, max(1, math.ceil(count / self.settings.partition_rows)))
-        if partitions > 1 and low is not None and high is not None and high > low:
-            reader = (
-                reader.option("partitionColumn", "created_at")
-                .option("lowerBound", _spark_ts(low))
-                .option("upperBound", _spark_ts(high + timedelta(microseconds=1)))
-                .option("numPartitions", str(partitions))
-            )
         from pyspark.sql import functions as F
 
-        return reader.load().withColumn("service", F.lit(source.service))
+        columns = OUTBOX_COLUMNS if table == names.OUTBOX else INBOX_COLUMNS
+        where = f"created_at >= {_ts(since)} OR {PENDING}"
+        query = f"SELECT {columns} FROM {names.qualified(self.schema, table)} WHERE {where}"
+        reader = self._jdbc(source, query)
+        cuts = self._cuts(source, table, where)
+        if not cuts:
+            frame = reader.load()
+        else:
+            # url and dbtable again because jdbc() takes them as arguments; the options
+            # set above (credentials, fetch size, session init) still apply.
+            frame = reader.jdbc(
+                source.jdbc.url, f"({query}) AS t", predicates=range_predicates("created_at", cuts), properties={}
+            )
+        return frame.withColumn("service", F.lit(source.service))
 
     def dead_letters(self, source: Source, since: datetime) -> DataFrame:
         from pyspark.sql import functions as F
@@ -137,14 +162,15 @@ class Reader:
         )
         return self._jdbc(source, query).load().withColumn("service", F.lit(source.service))
 
-    def history(self, directory: Path, source: Source, table: str, like: DataFrame) -> DataFrame | None:
+    def history(self, storage: Storage, source: Source, table: str, like: DataFrame) -> DataFrame | None:
         """Archived rows of ``source`` (written by `txbox archive`), shaped like ``like``."""
         from pyspark.sql import functions as F
 
-        path = directory / source.service / table
-        if not path.is_dir() or not any(path.rglob("*.parquet")):
+        relative = f"{source.service}/{table}"
+        if storage.parquet_files(relative) == 0:
             return None
-        archived = self.spark.read.option("basePath", str(path)).parquet(str(path))
+        path = join(storage.uri, relative)
+        archived = self.spark.read.option("basePath", path).parquet(path)
         columns = [F.col(f.name).cast(f.dataType).alias(f.name) for f in like.schema.fields if f.name != "service"]
         return archived.select(*columns).withColumn("service", F.lit(source.service))
 
@@ -155,7 +181,7 @@ def load(
     settings: AnalyzeSettings,
     schema: str,
     since: datetime,
-    history: Path | None = None,
+    history: Storage | None = None,
 ) -> Frames:
     from pyspark import StorageLevel
 

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from framework.analytics.read import Frames
+from framework.analytics.session import local_frame
 from framework.contracts import Registry
 
 if TYPE_CHECKING:
@@ -78,8 +79,8 @@ def contract_frames(spark: SparkSession, registry: Registry) -> tuple[DataFrame,
     expected = [(spec.message_type, sub) for spec in registry.messages.values() for sub in registry.subscribers(spec)]
     types = [(spec.message_type, spec.kind, spec.service) for spec in registry.messages.values()]
     return (
-        spark.createDataFrame(expected, "message_type string, subscriber string"),
-        spark.createDataFrame(types, "message_type string, contract_kind string, owner string"),
+        local_frame(spark, expected, [("message_type", "string"), ("subscriber", "string")]),
+        local_frame(spark, types, [("message_type", "string"), ("contract_kind", "string"), ("owner", "string")]),
     )
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import BigInteger, DateTime, Double, Integer, Text
 
 from framework import names, tables
+from framework.analytics.locations import Storage, join
+from framework.analytics.session import local_frame
 from framework.analytics.sources import jdbc_target
 from framework.db import connect, database_errors
 from framework.errors import ConfigurationError
@@ -62,7 +63,7 @@ class Writer:
     spark: SparkSession
     report_url: str | None
     schema: str
-    parquet: Path | None
+    parquet: Storage | None
     written: dict[str, int] = field(default_factory=dict)
 
     def _jdbc(self, df: DataFrame, table: str) -> None:
@@ -81,11 +82,13 @@ class Writer:
         if self.report_url is not None:
             self._jdbc(df, table)
         if self.parquet is not None:
-            df.drop("run_id").write.mode("overwrite").parquet(str(self.parquet / table / f"run_id={run_id}"))
+            relative = f"{table}/run_id={run_id}"
+            df.drop("run_id").write.mode("overwrite").parquet(join(self.parquet.uri, relative))
+            self.parquet.check_written(relative)
 
     def run_row(self, row: dict[str, Any]) -> None:
         """The analytics_runs row: written last, it marks the run complete."""
         columns = [c for c in tables.analytics_runs.columns]
-        schema = ", ".join(f"{c.name} {spark_type(c.type)}" for c in columns)
-        df = self.spark.createDataFrame([tuple(row[c.name] for c in columns)], schema)
+        schema = [(c.name, spark_type(c.type)) for c in columns]
+        df = local_frame(self.spark, [[row[c.name] for c in columns]], schema)
         self.table(RUNS, df, str(row["run_id"]))

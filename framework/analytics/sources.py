@@ -13,6 +13,8 @@ No pyspark import here: the CLI validates sources before the JVM starts.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from framework import db, names
 from framework.errors import ConfigurationError
 
 JDBC_DRIVER = "org.postgresql.Driver"
+log = logging.getLogger("txbox.analyze")
 
 
 @dataclass(frozen=True)
@@ -150,3 +153,25 @@ def check_unique(sources: list[Source]) -> list[Source]:
             "TXBOX_SERVICE and TXBOX_DATABASE_URL for a single service"
         )
     return sources
+
+
+def is_loopback(host: str | None) -> bool:
+    """True for a host that names the machine it is resolved on (None: libpq's localhost)."""
+    if host is None or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_loopback(database_url: str) -> None:
+    """On a cluster the executors open the JDBC connections: loopback is their own machine."""
+    host = make_url(database_url).host
+    if is_loopback(host):
+        log.warning(
+            "%s: the database host %s is a loopback address, which on a cluster means each executor's own "
+            "machine; give the address the executors reach it at",
+            make_url(database_url).render_as_string(),
+            host or "localhost",
+        )

@@ -15,8 +15,10 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+from framework.analytics.locations import location
+from framework.analytics.session import parse_master, spark_conf
 from framework.analytics.settings import AnalyzeSettings
-from framework.analytics.sources import Source, check_unique, load_sources_file, parse_source
+from framework.analytics.sources import Source, check_unique, load_sources_file, parse_source, warn_if_loopback
 from framework.errors import ConfigurationError
 from framework.settings import load, parse_duration
 
@@ -35,9 +37,18 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     src.add_argument("--sources-file", type=Path, help="YAML: `sources: {service: url}` and optional `report: url`")
     src.add_argument("--contracts-dir", type=Path, help="contracts folder (TXBOX_CONTRACTS_DIR, default contracts)")
     src.add_argument("--schema", help="schema of the framework's tables (TXBOX_SCHEMA, default txbox)")
-    src.add_argument("--history", type=Path, help="also read rows archived by `txbox archive --to DIR`")
+    src.add_argument(
+        "--history", metavar="URI", help="also read rows archived by `txbox archive --to DIR` (a URI or a path)"
+    )
     job = parser.add_argument_group("job")
-    job.add_argument("--master", help="Spark master (TXBOX_ANALYZE_MASTER; default local[*])")
+    job.add_argument("--master", help="Spark master, e.g. spark://HOST:7077 (TXBOX_ANALYZE_MASTER; default local[*])")
+    job.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="spark.KEY=VALUE",
+        help="a Spark setting, as spark-submit takes it (repeatable), e.g. spark.executor.memory=512m",
+    )
     job.add_argument("--jdbc-jar", type=Path, help="PostgreSQL JDBC jar (TXBOX_JDBC_JAR)")
     job.add_argument("--window", help="analyze rows created within this window, e.g. 24h (TXBOX_ANALYZE_WINDOW, 7d)")
     job.add_argument("--grace", help="published but not received after this → lost (TXBOX_ANALYZE_GRACE, 5m)")
@@ -47,7 +58,11 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--report-url", help="database of the analytics_* tables (default: the first source)")
     out.add_argument("--no-report", action="store_true", help="do not write the analytics_* tables")
-    out.add_argument("--parquet", type=Path, help="also write the report tables as Parquet under DIR")
+    out.add_argument(
+        "--parquet",
+        metavar="URI",
+        help="also write the report tables as Parquet under URI: file:///shared/dir, hdfs://…, s3a://… or a path",
+    )
     out.add_argument("--fail-on-lost", action="store_true", help="exit 1 when lost messages exist (cron, alerting)")
 
 
@@ -86,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
     report_url = None if args.no_report else (settings.report_url or file_report or sources[0].url)
     if report_url is not None:
         check_report_database(report_url, schema)
+    parquet = location(args.parquet, "--parquet") if args.parquet else None
+    history = location(args.history, "--history") if args.history else None
+    conf = dict(spark_conf(c) for c in args.conf)
+    master = parse_master(settings.master) if settings.master else None
+    if master is not None and not master.on_loopback:
+        for url in [s.url for s in sources] + ([report_url] if report_url else []):
+            warn_if_loopback(url)
     every = parse_duration(args.every) if args.every else None
     if every is not None and every <= 0:
         raise ConfigurationError(f"--every {args.every!r} must be a positive duration (example: --every 5m)")
@@ -93,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     from framework.analytics.job import run_once
     from framework.analytics.session import spark_session
 
-    spark = spark_session(settings)
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # py4j narrates every gateway connection
+    spark = spark_session(settings, conf=conf)
     stop = threading.Event()
     if every is not None:
 
@@ -113,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
                     settings=settings,
                     schema=schema,
                     report_url=report_url,
-                    parquet=args.parquet,
-                    history=args.history,
+                    parquet=parquet,
+                    history=history,
                 )
             except Exception as exc:
                 if every is None:

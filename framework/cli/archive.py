@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
-from pathlib import Path
 
+from framework.analytics.locations import local_directory
 from framework.analytics.settings import ArchiveSettings
 from framework.cli.common import add_service_options, settings_only
 from framework.errors import ConfigurationError
@@ -23,7 +23,9 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help="archive rows created before now - DURATION (e.g. 7d); inbox ids finished within "
         "TXBOX_DEDUP_WINDOW stay in the inbox for dedup",
     )
-    parser.add_argument("--to", required=True, type=Path, help="archive root folder (Parquet, Hive layout)")
+    parser.add_argument(
+        "--to", required=True, metavar="DIR", help="archive root folder (Parquet, Hive layout): a path or file:///..."
+    )
     parser.add_argument("--batch-size", type=int, help="rows per batch (TXBOX_ARCHIVE_BATCH_SIZE, default 50000)")
     add_service_options(parser)
 
@@ -31,6 +33,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from framework.analytics.archive import Archiver
 
+    root = local_directory(args.to, "--to")
     try:
         older = parse_duration(args.older_than)
     except ValueError:
@@ -43,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
     archiver = Archiver(
         database_url=settings.database_url,
         service=settings.service,
-        root=args.to,
+        root=root,
         schema=settings.schema,
         batch_size=opts.batch_size,
         dedup_window=timedelta(seconds=window),
     )
     result = archiver.run(timedelta(seconds=older))
-    print(result.summary(settings.service, args.to), flush=True)
+    print(result.summary(settings.service, root), flush=True)
     return 0

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,6 +66,21 @@ def test_misconfiguration_fails_before_spark_naming_the_fix(
     assert out.returncode == 2 and "no sources" in out.stderr
     out = txbox("analyze", "--source", f"order-service={url}", "--report-url", empty_database_url)
     assert out.returncode == 2 and "run `txbox migrate` against it" in out.stderr
+    out = txbox("analyze", "--source", f"order-service={url}", "--parquet", "s3://bucket/report")
+    assert out.returncode == 2 and "s3a://bucket/report" in out.stderr
+
+
+def test_an_unreachable_master_fails_in_seconds_in_one_line(make_database: Callable[[], str]) -> None:
+    """Spark itself retries for a minute and prints some 200 lines of Java before giving up."""
+    url = make_database()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound but not listening: refused
+        master = f"spark://127.0.0.1:{sock.getsockname()[1]}"
+        started = time.monotonic()
+        out = txbox("analyze", "--source", f"order-service={url}", "--master", master, timeout=30)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and f"{master} is unreachable" in out.stderr
+    assert time.monotonic() - started < 20
 
 
 def _driver_pid(spark_submit: int) -> int | None:
