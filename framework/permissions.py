@@ -59,7 +59,10 @@ class JwtSettings:
         help="a JWKS file, or its https:// URL (fetched and cached for 5 minutes)",
     )
     audience: str = setting(
-        "TXBOX_JWT_AUDIENCE", "inventory-service", default="", help="the `aud` a token must name (required)"
+        "TXBOX_JWT_AUDIENCE",
+        "inventory-service",
+        default="",
+        help="the `aud` a token must name; required once a handler declares permissions",
     )
     issuer: str = setting("TXBOX_JWT_ISSUER", "https://issuer.example/", default="", help="the `iss` a token must name")
     algorithms: str = setting(
