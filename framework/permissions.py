@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from framework.errors import ConfigurationError, RetryableError, Unauthorized
 from framework.middleware import Middleware
@@ -37,6 +38,7 @@ MAX_TOKEN_CHARS = 16 * 1024
 MAX_PERMISSIONS = 1000
 MIN_SECRET_BYTES = 32  # RFC 7518 §3.2: an HS256 key at least as long as the hash
 JWKS_TIMEOUT = 5.0
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 #: Key type (JWK ``kty``) each algorithm family verifies with: a key is only tried for its own
 #: family, so a public key is never taken for an HMAC secret (algorithm confusion).
 FAMILY = {"HS": "oct", "RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
@@ -108,6 +110,12 @@ class TokenVerifier:
         self._jwks: list[Any] = []
         self._client: Any = None
         if settings.jwks.startswith(("https://", "http://")):
+            if urlsplit(settings.jwks).scheme == "http" and urlsplit(settings.jwks).hostname not in LOOPBACK:
+                # Keys fetched in the clear could be swapped on the way: anyone could sign tokens.
+                raise ConfigurationError(
+                    f"TXBOX_JWT_JWKS={settings.jwks!r}: fetch the keys over https (plain http only on loopback). "
+                    "Example: TXBOX_JWT_JWKS=https://issuer.example/.well-known/jwks.json"
+                )
             self._client = jwt.PyJWKClient(settings.jwks, lifespan=300, timeout=JWKS_TIMEOUT)
         elif settings.jwks:
             self._jwks = _jwks_file(jwt, Path(settings.jwks))
@@ -199,10 +207,10 @@ class TokenVerifier:
         if self._client is not None:
             try:
                 jwks = self._client.get_signing_keys()
-            except self._jwt.PyJWKClientConnectionError as exc:
-                raise RetryableError(f"the JWKS at {self.settings.jwks} cannot be fetched: {exc}") from None
-            except self._jwt.PyJWKClientError:
-                jwks = []
+            except (
+                self._jwt.PyJWKClientError
+            ) as exc:  # unreachable, or no keys: the issuer's trouble, not the message's
+                raise RetryableError(f"the JWKS at {self.settings.jwks} gives no keys: {exc}") from None
         for jwk in jwks:
             if jwk.key_type == kty and (kid is None or jwk.key_id in (None, kid)):
                 keys.append(jwk.key)

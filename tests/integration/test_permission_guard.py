@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from framework import Message, Outbox, PermanentError
+from framework.errors import ConfigurationError
 from framework.middleware import Middleware
 from framework.permissions import JwtSettings
 from framework.service import Service
@@ -102,6 +103,8 @@ def test_a_handler_declaring_permissions_needs_the_settings_at_start(service: Se
     service.register(Guarded())
     problems = [str(p) for p in service.problems() if p.severity == "error"]
     assert any("TXBOX_JWT_AUDIENCE is not set" in p for p in problems), problems
+    with pytest.raises(ConfigurationError, match="TXBOX_JWT_AUDIENCE is not set"):
+        worker(service).run()  # also when started without the check
 
 
 class Hook(Middleware):
