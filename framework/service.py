@@ -194,11 +194,10 @@ class Service:
                 continue
             problems += _version_problems(self.name, handler, spec)
             problems += _permission_problems(handler)
-        if any(h.permissions is not None for h in self._handlers.values()):
-            try:
-                self.permission_guard  # noqa: B018 -- built now, so bad settings fail at start
-            except ConfigurationError as exc:
-                problems.append(Problem("error", "permissions", str(exc)))
+        try:
+            self.middleware  # noqa: B018 -- builds the permission guard if needed: bad settings fail at start
+        except ConfigurationError as exc:
+            problems.append(Problem("error", "permissions", str(exc)))
         for message_type, spec in sorted(accepted.items()):
             if message_type not in self._handlers:
                 what = "accepts command" if spec.kind == "command" else "subscribes to event"
