@@ -47,7 +47,7 @@ from psycopg import sql
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
-from examples import migrate
+from examples import _defaults, migrate
 from framework import Service
 from framework.errors import ConfigurationError, TxboxError
 from txbox_tools.processes import ProcessGroup, txbox_command
@@ -205,11 +205,14 @@ def load_app(spec: str, database_url: str, amqp_url: str) -> Service:
 
 
 def restock(inventory: Service, stock: dict[str, int]) -> None:
-    """RestockItem commands sent through the inventory's own outbox, one transaction."""
+    """RestockItem commands sent through the inventory's own outbox, one transaction, with a
+    token granting ``inventory:restock`` (the handler requires it)."""
+    token = _defaults.demo_token("inventory:restock")
     with Session(inventory.engine) as session, session.begin():
         outbox = inventory.outbox(session)
         for sku, quantity in stock.items():
-            outbox.send_command("RestockItem", aggregate_id=sku, payload={"sku": sku, "quantity": quantity})
+            payload = {"sku": sku, "quantity": quantity}
+            outbox.send_command("RestockItem", aggregate_id=sku, payload=payload, auth_token=token)
 
 
 def stocked(inventory: Service, stock: dict[str, int]) -> bool:

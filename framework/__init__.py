@@ -1,9 +1,11 @@
 """txbox: exactly-once messaging over PostgreSQL and RabbitMQ (transactional outbox + inbox)."""
 
 from framework.envelope import Message
-from framework.errors import PermanentError, RetryableError, TxboxError
+from framework.errors import PermanentError, RetryableError, TxboxError, Unauthorized
 from framework.handlers import CommandHandler, EventHandler, Handler
+from framework.middleware import Middleware
 from framework.outbox import Outbox
+from framework.permissions import JwtSettings
 from framework.publisher import Publisher
 from framework.service import Service
 from framework.settings import Settings
@@ -12,7 +14,9 @@ __all__ = [
     "CommandHandler",
     "EventHandler",
     "Handler",
+    "JwtSettings",
     "Message",
+    "Middleware",
     "Outbox",
     "PermanentError",
     "Publisher",
@@ -20,5 +24,6 @@ __all__ = [
     "Service",
     "Settings",
     "TxboxError",
+    "Unauthorized",
 ]
 __version__ = "0.1.0"

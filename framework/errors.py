@@ -11,6 +11,9 @@ Two branches are control flow for handler authors rather than faults of txbox:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from framework.reasons import Reason
 
 
 class TxboxError(Exception):
@@ -116,6 +119,17 @@ class RetryableError(HandlerOutcome):
 
 class PermanentError(HandlerOutcome):
     """REJECTED: roll back and abandon at once; the message goes to the dead letters."""
+
+    #: The reason its dead letter carries (subclasses of txbox's own give a more precise one).
+    dead_letter_reason: ClassVar[Reason] = Reason.PERMANENT_ERROR
+
+
+class Unauthorized(PermanentError):
+    """The message's ``auth_token`` is missing, invalid, expired, for another audience, or
+    lacks a permission the handler requires (docs/architecture.md, "Handler middleware and
+    the permission guard"). Its text never contains the token."""
+
+    dead_letter_reason = Reason.UNAUTHORIZED
 
 
 class VersionNotHandled(PermanentError):

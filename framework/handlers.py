@@ -51,6 +51,11 @@ class Handler:
     #: Older version → function returning its payload as the current version's; ``handle``
     #: then gets the message as the current version.
     upcasters: ClassVar[Mapping[str, Upcaster]] = MappingProxyType({})
+    #: Permissions the message's ``auth_token`` must grant before ``handle`` runs (None: no
+    #: token needed; empty: a valid token, no particular permission), else its message is
+    #: dead-lettered as ``unauthorized``
+    #: (docs/architecture.md, "Handler middleware and the permission guard").
+    permissions: ClassVar[Collection[str] | None] = None
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement handle()")

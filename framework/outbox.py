@@ -45,7 +45,7 @@ class Outbox:
     """Writes messages into the outbox within ``session``'s current transaction.
 
     Get one from ``service.outbox(session)``; inside a handler the worker passes one in,
-    which copies the incoming ``message_context`` into everything written.
+    which copies the incoming ``message_context`` and ``auth_token`` into everything written.
     """
 
     def __init__(
@@ -125,9 +125,13 @@ class Outbox:
             raise ValueError("not_before must be timezone-aware (e.g. datetime.now(UTC) + timedelta(...))")
         if message_context is None:
             message_context = self._incoming.message_context if self._incoming is not None else {}
+        if auth_token is None and self._incoming is not None:
+            # A handler's messages act for whoever sent its message; auth_token="" sends none
+            # (docs/architecture.md, "Handler middleware and the permission guard").
+            auth_token = self._incoming.auth_token
         aggregate = str(aggregate_id)
         metadata: dict[str, Any] = {}
-        if auth_token is not None:
+        if auth_token:
             metadata["auth_token"] = auth_token
         # The span current now is the message's parent (docs/architecture.md, "Tracing").
         trace = tracing.current()

@@ -40,6 +40,7 @@ class Reason(StrEnum):
     PERMANENT_ERROR = "permanent_error"
     POISON = "poison"
     NO_HANDLER = "no_handler"  # a message type this process has no handler for
+    UNAUTHORIZED = "unauthorized"  # auth_token missing, invalid or short of the handler's permissions
     # The relay gave up: the broker's answer to a publish (also PublishError.reason).
     UNROUTABLE = "unroutable"
     NACKED = "nacked"

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from framework.contracts import MessageSpec, Registry, ServiceContract, load_registry
-from framework.errors import AssemblyError, ContractError, Problem
+from framework.errors import AssemblyError, ConfigurationError, ContractError, Problem
 from framework.handlers import ASYNC_HANDLE_FIX, Handler, is_coroutine_handler, unhandled_versions
+from framework.middleware import Middleware
 from framework.outbox import Outbox
-from framework.settings import Settings
+from framework.permissions import JwtSettings, PermissionGuard, TokenVerifier
+from framework.settings import Settings, load
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -54,6 +57,10 @@ class Service:
         self.settings = settings
         self._handlers: dict[str, Handler] = {}
         self._claims: dict[str, list[Handler]] = defaultdict(list)
+        self._middleware: list[Middleware] = []
+        #: How the permission guard verifies tokens; None: the ``TXBOX_JWT_*`` variables,
+        #: read when the guard is first needed (``check()`` at start).
+        self.jwt: JwtSettings | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Service:
@@ -92,6 +99,31 @@ class Service:
 
     def handler_for(self, message_type: str) -> Handler | None:
         return self._handlers.get(message_type)
+
+    def add_middleware(self, middleware: Middleware) -> Middleware:
+        """Append ``middleware`` to the hooks around every handler run (framework/middleware.py)."""
+        if not isinstance(middleware, Middleware):
+            raise TypeError(f"{type(middleware).__name__} is not a framework.middleware.Middleware subclass instance")
+        self._middleware.append(middleware)
+        return middleware
+
+    @property
+    def middleware(self) -> tuple[Middleware, ...]:
+        """The hooks around every handler run, in order: the permission guard first when a
+        handler declares permissions (no other hook sees a message it refuses), then those added."""
+        if any(h.permissions is not None for h in self._handlers.values()):
+            return (self.permission_guard, *self._middleware)
+        return tuple(self._middleware)
+
+    @cached_property
+    def permission_guard(self) -> PermissionGuard:
+        """Verifies tokens for handlers that declare permissions; raises ConfigurationError
+        (naming the variable and the fix) when ``TXBOX_JWT_*`` does not add up."""
+        return PermissionGuard(self._permissions_for, TokenVerifier(self.jwt or load(JwtSettings)))
+
+    def _permissions_for(self, message_type: str) -> Collection[str] | None:
+        handler = self._handlers.get(message_type)
+        return handler.permissions if handler is not None else None
 
     def outbox(self, session: Session | Connection, *, incoming: Message | None = None) -> Outbox:
         """An outbox writing into ``session``'s current transaction."""
@@ -161,6 +193,11 @@ class Service:
                 problems.append(Problem("error", handler.name, f"{self.name} does not receive {message_type} ({how})"))
                 continue
             problems += _version_problems(self.name, handler, spec)
+            problems += _permission_problems(handler)
+        try:
+            self.middleware  # noqa: B018 -- builds the permission guard if needed: bad settings fail at start
+        except ConfigurationError as exc:
+            problems.append(Problem("error", "permissions", str(exc)))
         for message_type, spec in sorted(accepted.items()):
             if message_type not in self._handlers:
                 what = "accepts command" if spec.kind == "command" else "subscribes to event"
@@ -182,6 +219,23 @@ class Service:
 
     def __repr__(self) -> str:
         return f"Service(name={self.name!r}, handlers={sorted(self._handlers)})"
+
+
+def _permission_problems(handler: Handler) -> list[Problem]:
+    """``permissions = "orders:write"`` would be read as letters: a collection of names is needed."""
+    permissions = handler.permissions
+    if permissions is None:
+        return []
+    if isinstance(permissions, str | bytes) or not all(isinstance(p, str) and p.strip() for p in permissions):
+        return [
+            Problem(
+                "error",
+                handler.name,
+                f"permissions = {permissions!r}: name them in a collection of non-empty strings, "
+                "e.g. permissions = {'inventory:restock'}",
+            )
+        ]
+    return []
 
 
 def _version_problems(service: str, handler: Handler, spec: MessageSpec) -> list[Problem]:

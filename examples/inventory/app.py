@@ -1,8 +1,9 @@
 """The inventory service: keeps stock, reserves it for placed orders or rejects them.
 
 Run its daemons with ``txbox run --app examples.inventory.app:service``. It accepts
-RestockItem commands and consumes the order service's OrderPlaced events; it never
-calls the order service, it only publishes StockReserved / StockRejected.
+RestockItem commands (their token must grant ``inventory:restock``) and consumes the order
+service's OrderPlaced events; it never calls the order service, it only publishes
+StockReserved / StockRejected.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ service = Service.from_env(
     database_url=_defaults.database_url("txbox_demo_inventory"),
     contracts_dir=_defaults.contracts_dir(),
 )
+# Verifies the tokens of RestockItem commands: TXBOX_JWT_* if set, else the demo's secret.
+service.jwt = _defaults.jwt_settings()
 
 
 # Statements built once, with bind parameters, on the tables rather than the mapped
@@ -41,6 +44,9 @@ _AVAILABLE = select(_stock.c.available).where(_stock.c.sku == bindparam("sku_"))
 
 class RestockItem(CommandHandler):
     message_type = "RestockItem"
+    # Only a sender whose token grants it may add stock; others' commands are dead-lettered
+    # as `unauthorized` before this handler runs.
+    permissions = frozenset({"inventory:restock"})
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
         restock = message.payload_as(messages.RestockItem)  # typed by `txbox codegen`

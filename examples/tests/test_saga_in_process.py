@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from examples._defaults import demo_token
 from examples.inventory.app import service as inventory
 from examples.orders.app import service as orders
 from examples.orders.models import CANCELLED, COMPLETED, Order
@@ -34,7 +35,12 @@ def order_status(harness: Harness, order_id: str) -> str | None:
     ("in_stock", "final", "last"), [(5, COMPLETED, "OrderCompleted"), (1, CANCELLED, "OrderCancelled")]
 )
 def test_an_order_runs_through_both_services(harness: Harness, in_stock: int, final: str, last: str) -> None:
-    harness.deliver("RestockItem", aggregate_id="BOOK-1", payload={"sku": "BOOK-1", "quantity": in_stock})
+    harness.deliver(
+        "RestockItem",
+        aggregate_id="BOOK-1",
+        payload={"sku": "BOOK-1", "quantity": in_stock},
+        auth_token=demo_token("inventory:restock"),
+    )
     harness.deliver(
         "PlaceOrder",
         aggregate_id="o-1",

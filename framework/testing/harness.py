@@ -263,7 +263,9 @@ class Harness:
                 cur.execute(guard.create_guard())
                 cur.execute(guard.arm())
                 try:
-                    guard.run_handler(handler, message, session, outbox, conn, raw, transaction, None)
+                    guard.run_handler(
+                        handler, message, session, outbox, conn, raw, transaction, None, target.service.middleware
+                    )
                 except Exception as exc:
                     # As the worker words it: a handler that ended the transaction (the commit
                     # guard refused its COMMIT, say) misused it, whatever it raised then.

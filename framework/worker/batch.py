@@ -466,7 +466,9 @@ class BatchRunner:
                 outbox = Outbox(
                     session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
                 )
-                guard.run_handler(handler, message, session, outbox, conn, raw, transaction, savepoint)
+                guard.run_handler(
+                    handler, message, session, outbox, conn, raw, transaction, savepoint, self.service.middleware
+                )
                 if careful:
                     session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
             if savepoint is not None:
@@ -527,7 +529,7 @@ class BatchRunner:
         token = claimed.message.auth_token
         text = redaction.scrub_values(redaction.redact_text(_describe(exc)), [token] if token else [])
         if isinstance(exc, PermanentError):
-            self._abandon(claimed, Reason.PERMANENT_ERROR, text, error_type=type(exc).__name__)
+            self._abandon(claimed, exc.dead_letter_reason, text, error_type=type(exc).__name__)
             return
         if claimed.message.is_final_attempt:
             self._abandon(

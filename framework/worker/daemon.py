@@ -96,6 +96,7 @@ class Worker(Daemon):
 
     def run(self) -> None:
         self.refuse_async_handlers()
+        self.service.middleware  # noqa: B018 -- builds the permission guard: bad TXBOX_JWT_* stops the worker now
         self._watchdog = Watchdog()
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-claim")
         reconnect = Reconnect(self)

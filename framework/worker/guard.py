@@ -24,7 +24,7 @@ writes commit in a new transaction (their work applied twice). Three layers stop
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, NestedTransaction, Transaction
 from sqlalchemy.orm import Session
 
+from framework import middleware
 from framework.errors import HandlerMisuse
 from framework.handlers import ASYNC_HANDLE_FIX, as_handled
 
@@ -101,22 +102,25 @@ def run_handler(
     raw: psycopg.Connection[Any],
     transaction: Transaction,
     savepoint: NestedTransaction | None,
+    chain: Sequence[middleware.Middleware] = (),
 ) -> None:
     """Run one handler for one message in the transaction the caller armed (:func:`arm`);
     raise :class:`HandlerMisuse` if it returned an awaitable or broke the transaction.
 
     The one way a handler is invoked: the worker and ``framework.testing`` both call it.
     The message reaches ``handle`` in a version the handler takes (upcast if need be;
-    docs/architecture.md, "Message versions").
+    docs/architecture.md, "Message versions"). ``chain`` is the service's middleware
+    (``Service.middleware``), its hooks run around the handler, under the same guard
+    (docs/architecture.md, "Handler middleware and the permission guard").
     """
     message = as_handled(handler, message, outbox.registry.get(message.message_type))
-    with session.handler_running():
+    with session.handler_running(), middleware.hooks(chain, message, session, outbox):
         # Typed None, but a handler may still hand back a coroutine.
         result: object = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
-    _refuse_awaitable(result)
-    found = misuse(session, conn, raw, transaction, savepoint)
-    if found is not None:
-        raise HandlerMisuse(found[0])
+        _refuse_awaitable(result)
+        found = misuse(session, conn, raw, transaction, savepoint)
+        if found is not None:
+            raise HandlerMisuse(found[0])
 
 
 def _refuse_awaitable(result: object) -> None:

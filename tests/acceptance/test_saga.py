@@ -27,7 +27,7 @@ import psycopg
 import pytest
 from sqlalchemy.orm import Session
 
-from examples import demo, migrate
+from examples import _defaults, demo, migrate
 from examples.demo import load_app
 from framework import Service
 from framework.envelope import format_timestamp
@@ -160,7 +160,10 @@ def place(orders: Service, order_id: str, sku: str, quantity: int, correlation_i
 def restock(inventory: Service, sku: str, quantity: int) -> None:
     with Session(inventory.engine) as session, session.begin():
         inventory.outbox(session).send_command(
-            "RestockItem", aggregate_id=sku, payload={"sku": sku, "quantity": quantity}
+            "RestockItem",
+            aggregate_id=sku,
+            payload={"sku": sku, "quantity": quantity},
+            auth_token=_defaults.demo_token("inventory:restock"),
         )
 
 

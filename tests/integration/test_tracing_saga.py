@@ -61,6 +61,7 @@ def spans(exporter: InMemorySpanExporter) -> InMemorySpanExporter:
 def copy(app: Service, database_url: str, amqp_url: str) -> Service:
     """The example service with its handlers, on this test's database and vhost."""
     service = Service(settings=replace(app.settings, database_url=database_url, amqp_url=amqp_url))
+    service.jwt = app.jwt
     for handler in dict.fromkeys(app.handlers.values()):
         service.register(handler)
     return service

@@ -30,6 +30,7 @@ _TITLES = {
     "CollectorConfig": "`txbox collector`",
     "AnalyzeSettings": "`txbox analyze`",
     "ArchiveSettings": "`txbox archive`",
+    "JwtSettings": "The permission guard: tokens of messages whose handler declares `permissions`",
 }
 
 

@@ -32,6 +32,7 @@ STORED = {
     "permanent_error",
     "poison",
     "no_handler",
+    "unauthorized",
     "unroutable",
     "nacked",
     "internal_error",

@@ -81,6 +81,7 @@ def _service(name: str, default_db: str, handlers: list[Handler]) -> Service:
         database_url=os.environ.get("TXBOX_DATABASE_URL") or _defaults.database_url(default_db),
         contracts_dir=_defaults.contracts_dir(),
     )
+    service.jwt = _defaults.jwt_settings()  # RestockItem requires a token (examples/inventory/app.py)
     for handler in handlers:
         service.register(handler)
     return service
