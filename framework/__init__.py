@@ -4,11 +4,12 @@ from framework.envelope import Message
 from framework.errors import PermanentError, RetryableError, TxboxError
 from framework.handlers import CommandHandler, EventHandler, Handler
 from framework.outbox import Outbox
-from framework.publisher import Publisher
+from framework.publisher import AsyncPublisher, Publisher
 from framework.service import Service
 from framework.settings import Settings
 
 __all__ = [
+    "AsyncPublisher",
     "CommandHandler",
     "EventHandler",
     "Handler",
