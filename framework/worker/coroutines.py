@@ -21,6 +21,7 @@ loop's ``select`` would not arrive before the loop wakes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
 from collections.abc import Callable, Coroutine
@@ -116,6 +117,13 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
         if loop.cancelled:
             raise HandlerTimeout("the handler's task was cancelled at its timeout") from None
         raise
+    except BaseException:
+        if loop.task is None or not loop.task.done():
+            # Interrupted outside the task (a timeout raised into the thread just before the
+            # task began): the task is still pending on the loop and must never run with a
+            # later message. Drop the loop unrun; the next run gets a new one.
+            _drop(loop)
+        raise
     finally:
         loop.task = None
 
@@ -143,6 +151,14 @@ def _loop() -> _Loop:
                 _loops.pop(dead).runner.close()
             loop = _loops[ident] = _Loop()
     return loop
+
+
+def _drop(loop: _Loop) -> None:
+    with _loops_lock:
+        if _loops.get(threading.get_ident()) is loop:
+            del _loops[threading.get_ident()]
+    with contextlib.suppress(Exception):
+        loop.runner.get_loop().close()  # closes without running what is pending
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

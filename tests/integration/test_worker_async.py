@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from framework import CommandHandler, Message, Outbox, PermanentError, RetryableError
+from framework import CommandHandler, Message, Outbox, PermanentError, RetryableError, logs
 from framework.service import Service
 from framework.worker import Worker, WorkerConfig
 from tests import support
@@ -25,7 +25,9 @@ from tests.integration.test_worker import business, done, letters, row, worker  
 
 def test_an_async_handler_commits_with_the_processed_mark(service: Service, business: str) -> None:  # noqa: F811
     async def publish(message: Message, session: AsyncSession, outbox: Outbox) -> None:
-        # The AsyncSession is the worker's transaction: it sees the row the handler just wrote.
+        # The handler runs in the worker's context (its log fields, its span) ...
+        assert logs._context.get().get("message_id") == str(message.message_id)
+        # ... and the AsyncSession is the worker's transaction: it sees the row the handler just wrote.
         assert await session.scalar(text("SELECT count(*) FROM seen WHERE id = :id"), {"id": message.message_id}) == 1
         outbox.publish_event(
             "OrderPlaced",
