@@ -136,7 +136,10 @@ def cancel_running(thread_id: int) -> bool:
     if loop is None or task is None or task.done():
         return False
     loop.cancelled = True
-    loop.runner.get_loop().call_soon_threadsafe(task.cancel)
+    try:
+        loop.runner.get_loop().call_soon_threadsafe(task.cancel)
+    except RuntimeError:  # the loop was closed meanwhile (dropped): nothing of it runs
+        return False
     return True
 
 
@@ -145,10 +148,10 @@ def _loop() -> _Loop:
     loop = _loops.get(ident)
     if loop is None:
         with _loops_lock:
-            # A thread id may be reused once its thread ended: drop the loops of dead threads.
+            # Threads end (a worker per test, say): their loops go when a new one is made.
             alive = {t.ident for t in threading.enumerate()}
             for dead in [i for i in _loops if i not in alive]:
-                _loops.pop(dead).runner.close()
+                _close_unrun(_loops.pop(dead))
             loop = _loops[ident] = _Loop()
     return loop
 
@@ -157,8 +160,14 @@ def _drop(loop: _Loop) -> None:
     with _loops_lock:
         if _loops.get(threading.get_ident()) is loop:
             del _loops[threading.get_ident()]
+    _close_unrun(loop)
+
+
+def _close_unrun(loop: _Loop) -> None:
+    """Close without running what is pending (``Runner.close`` would run the cancelled
+    tasks' cleanup: a handler's code, outside any transaction)."""
     with contextlib.suppress(Exception):
-        loop.runner.get_loop().close()  # closes without running what is pending
+        loop.runner.get_loop().close()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
