@@ -6,11 +6,12 @@ from framework.handlers import CommandHandler, EventHandler, Handler
 from framework.middleware import Middleware
 from framework.outbox import Outbox
 from framework.permissions import JwtSettings
-from framework.publisher import Publisher
+from framework.publisher import AsyncPublisher, Publisher
 from framework.service import Service
 from framework.settings import Settings
 
 __all__ = [
+    "AsyncPublisher",
     "CommandHandler",
     "EventHandler",
     "Handler",

@@ -10,9 +10,10 @@ contract's current version of its message type unless ``versions`` names the ver
 takes as they are; ``upcasters`` turns an older version's payload into the current one
 before ``handle`` sees it.
 
-``handle`` must be a plain function for now: the worker does not await coroutines, so
-``Service.check()`` and the worker refuse an ``async def handle`` rather than mark its
-message processed with its effects never run.
+``handle`` may be ``async def handle(self, message, session, outbox)``: its ``session``
+is then an ``AsyncSession`` joined to the same transaction, and every worker guarantee
+holds as for a plain handler (docs/architecture.md, "Async handlers"). Sync and async
+handlers mix in one service.
 """
 
 from __future__ import annotations
@@ -77,15 +78,16 @@ class EventHandler(Handler):
     kind = "event"
 
 
-ASYNC_HANDLE_FIX = (
-    "`handle` is a coroutine function (async def), which the worker does not await yet: its message "
-    "would be marked processed without its effects. Define it as a plain "
-    "`def handle(self, message, session, outbox)`"
+AWAITABLE_FIX = (
+    "`handle` is a plain function that returned an awaitable: nothing of it ran, and its session is the "
+    "synchronous one. Define it as `async def handle(self, message, session, outbox)` to be awaited with an "
+    "AsyncSession, or return nothing"
 )
 
 
 def is_coroutine_handler(handler: Handler) -> bool:
-    """``handler.handle`` is ``async def`` (or another coroutine function): the worker refuses it."""
+    """``handler.handle`` is ``async def`` (or another coroutine function): it runs awaited, with an
+    ``AsyncSession`` (docs/architecture.md, "Async handlers")."""
     return inspect.iscoroutinefunction(handler.handle)
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from framework.contracts import MessageSpec, Registry, ServiceContract, load_registry
 from framework.errors import AssemblyError, ConfigurationError, ContractError, Problem
-from framework.handlers import ASYNC_HANDLE_FIX, Handler, is_coroutine_handler, unhandled_versions
+from framework.handlers import Handler, unhandled_versions
 from framework.middleware import Middleware
 from framework.outbox import Outbox
 from framework.permissions import JwtSettings, PermissionGuard, TokenVerifier
@@ -165,8 +165,6 @@ class Service:
                     Problem("error", where, f"{len(claimants)} handlers claim message type {message_type!r}; keep one")
                 )
             handler = claimants[0]
-            if is_coroutine_handler(handler):
-                problems.append(Problem("error", handler.name, ASYNC_HANDLE_FIX))
             spec = registry.messages.get(message_type)
             if spec is None:
                 one_type = registry.aliases.get(message_type)

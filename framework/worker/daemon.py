@@ -32,8 +32,6 @@ from sqlalchemy import Connection
 from framework import db, metrics, names
 from framework.connections import ConnectionSlot, Listener
 from framework.daemon import POSTGRESQL, Daemon, Reconnect
-from framework.errors import AssemblyError, Problem
-from framework.handlers import ASYNC_HANDLE_FIX, is_coroutine_handler
 from framework.outcomes import WorkerOutcome
 from framework.service import Service
 from framework.sql import inbox as q
@@ -95,7 +93,6 @@ class Worker(Daemon):
     # --- the loop -----------------------------------------------------------------
 
     def run(self) -> None:
-        self.refuse_async_handlers()
         self.service.middleware  # noqa: B018 -- builds the permission guard: bad TXBOX_JWT_* stops the worker now
         self._watchdog = Watchdog()
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-claim")
@@ -127,16 +124,6 @@ class Worker(Daemon):
             self.listener.close()
             self._drop_connections()
             self.state("stopped")
-
-    def refuse_async_handlers(self) -> None:
-        """Fail at start on an ``async def handle``: run, it would be marked processed unawaited."""
-        problems = [
-            Problem("error", handler.name, ASYNC_HANDLE_FIX)
-            for handler in self.service.handlers.values()
-            if is_coroutine_handler(handler)
-        ]
-        if problems:
-            raise AssemblyError(problems)
 
     def run_once(self) -> int:
         """One batch: claimed now (suspects first) or ahead during the previous one; processed."""

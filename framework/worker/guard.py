@@ -36,7 +36,8 @@ from sqlalchemy.orm import Session
 
 from framework import middleware
 from framework.errors import HandlerMisuse
-from framework.handlers import ASYNC_HANDLE_FIX, as_handled
+from framework.handlers import AWAITABLE_FIX, as_handled, is_coroutine_handler
+from framework.worker import coroutines
 
 if TYPE_CHECKING:
     from framework.envelope import Message
@@ -66,6 +67,13 @@ class HandlerSession(Session):
         super().__init__(*args, **kwargs)
         self.txbox_running = False
         self.txbox_refused = ""
+        self._txbox_async: coroutines.HandlerAsyncSession | None = None
+
+    def as_async(self) -> coroutines.HandlerAsyncSession:
+        """This session as the ``AsyncSession`` an async handler gets (the same transaction)."""
+        if self._txbox_async is None:
+            self._txbox_async = coroutines.HandlerAsyncSession(self)
+        return self._txbox_async
 
     @contextmanager
     def handler_running(self) -> Iterator[None]:
@@ -105,7 +113,9 @@ def run_handler(
     chain: Sequence[middleware.Middleware] = (),
 ) -> None:
     """Run one handler for one message in the transaction the caller armed (:func:`arm`);
-    raise :class:`HandlerMisuse` if it returned an awaitable or broke the transaction.
+    raise :class:`HandlerMisuse` if it broke the transaction, or is a plain function that
+    returned an awaitable. An ``async def handle`` gets the session as an ``AsyncSession``
+    and runs to its end here (framework/worker/coroutines.py).
 
     The one way a handler is invoked: the worker and ``framework.testing`` both call it.
     The message reaches ``handle`` in a version the handler takes (upcast if need be;
@@ -115,8 +125,12 @@ def run_handler(
     """
     message = as_handled(handler, message, outbox.registry.get(message.message_type))
     with session.handler_running(), middleware.hooks(chain, message, session, outbox):
-        # Typed None, but a handler may still hand back a coroutine.
-        result: object = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
+        if is_coroutine_handler(handler):
+            coroutines.run_handle(handler, message, session, outbox)
+            result: object = None
+        else:
+            # Typed None, but a plain function may still hand back a coroutine.
+            result = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
         _refuse_awaitable(result)
         found = misuse(session, conn, raw, transaction, savepoint)
         if found is not None:
@@ -124,12 +138,12 @@ def run_handler(
 
 
 def _refuse_awaitable(result: object) -> None:
-    """A handler whose ``handle`` returned an awaitable did nothing yet: its message fails."""
+    """A plain ``handle`` that returned an awaitable did nothing yet: its message fails."""
     if inspect.isawaitable(result):
         close = getattr(result, "close", None)
         if callable(close):
             close()  # no "never awaited" warning; nothing of it ran
-        raise HandlerMisuse(ASYNC_HANDLE_FIX)
+        raise HandlerMisuse(AWAITABLE_FIX)
 
 
 def misuse(

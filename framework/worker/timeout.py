@@ -3,7 +3,8 @@
 A handler runs in the worker's own thread (it needs the worker's transaction). When its
 time is up the watchdog (1) cancels the statement running on the worker's connection,
 which interrupts a handler waiting on PostgreSQL, and (2) raises :class:`HandlerTimeout`
-inside the worker thread, which interrupts a handler running Python code. A handler
+inside the worker thread, which interrupts a handler running Python code (an async
+handler's task is cancelled instead, framework/worker/coroutines.py). A handler
 stuck in C code that ignores both would outlive its lease; rather than let a second
 worker run the message beside it, the watchdog ends the process at the lease's end
 (the claim makes it count towards the poison threshold).
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from framework.errors import HandlerTimeout
+from framework.worker import coroutines
 
 log = logging.getLogger("txbox.worker")
 
@@ -86,7 +88,10 @@ class Watchdog:
                         self._cancel()
                     except Exception as exc:  # the cancel is best effort, the async raise follows
                         log.debug("cancelling the running statement failed: %r", exc)
-                    _raise_in(self._thread_id, HandlerTimeout)
+                    # An async handler's task is cancelled on its loop instead: a raise
+                    # would not reach a thread blocked in the loop's select.
+                    if not coroutines.cancel_running(self._thread_id):
+                        _raise_in(self._thread_id, HandlerTimeout)
                     continue
                 log.critical("a handler ignored its timeout and reached the end of its lease: exiting")
                 logging.shutdown()

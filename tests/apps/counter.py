@@ -5,9 +5,10 @@ worker's transaction: a message applied twice shows as 2, a lost one as a missin
 A payload with ``"crash": true`` ends the process inside the handler (``os._exit``), the
 way a segfault or the OOM killer would: the poison case (docs/architecture.md,
 "Guarantees and how they are kept"). ``"sleep": s`` blocks the handler in C for ``s``
-seconds (a timeout that cannot interrupt it).
+seconds (a timeout that cannot interrupt it). ``async_service`` is the same service with
+the handler written as ``async def handle`` (docs/architecture.md, "Async handlers").
 
-Run: ``txbox worker --app tests.apps.counter:service`` with ``TXBOX_DATABASE_URL`` and
+Run: ``txbox worker --app tests.apps.counter:service`` (or ``:async_service``) with ``TXBOX_DATABASE_URL`` and
 ``TXBOX_AMQP_URL`` set (the contracts folder is this app's own).
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from framework import CommandHandler, Message, Outbox, Service
@@ -33,6 +35,10 @@ ROUTING_KEY = "counter-service.counter.count"
 CRASH_EXIT_CODE = 3
 
 TABLE = "CREATE TABLE IF NOT EXISTS counters (id uuid PRIMARY KEY, n integer NOT NULL, handled_at timestamptz)"
+UPSERT = (
+    "INSERT INTO counters (id, n, handled_at) VALUES (:id, 1, clock_timestamp()) "
+    "ON CONFLICT (id) DO UPDATE SET n = counters.n + 1"
+)
 
 
 class Count(CommandHandler):
@@ -43,19 +49,24 @@ class Count(CommandHandler):
             os._exit(CRASH_EXIT_CODE)
         if message.payload.get("sleep"):
             time.sleep(message.payload["sleep"])  # blocked in C: no Python-level interruption reaches it
-        session.execute(
-            text(
-                "INSERT INTO counters (id, n, handled_at) VALUES (:id, 1, clock_timestamp()) "
-                "ON CONFLICT (id) DO UPDATE SET n = counters.n + 1"
-            ),
-            {"id": message.message_id},
-        )
+        session.execute(text(UPSERT), {"id": message.message_id})
 
 
-def build(environ: dict[str, str] | None = None) -> Service:
+class AsyncCount(CommandHandler):
+    """:class:`Count` as an async handler, on an ``AsyncSession``."""
+
+    message_type = "Count"
+
+    async def handle(self, message: Message, session: AsyncSession, outbox: Outbox) -> None:  # type: ignore[override]
+        if message.payload.get("crash"):
+            os._exit(CRASH_EXIT_CODE)
+        await session.execute(text(UPSERT), {"id": message.message_id})
+
+
+def build(environ: dict[str, str] | None = None, *, asynchronous: bool = False) -> Service:
     settings = Settings.from_env(environ, service=SERVICE, contracts_dir=CONTRACTS)
     app = Service(settings=settings)
-    app.register(Count())
+    app.register(AsyncCount() if asynchronous else Count())
     return app
 
 
@@ -79,3 +90,4 @@ def envelope(n: int, *, crash: bool = False, sleep: float = 0, aggregate_id: str
 # Built from TXBOX_* when imported by `txbox ... --app tests.apps.counter:service`; other
 # importers (tests) call build() with their own environment.
 service = build() if os.environ.get("TXBOX_DATABASE_URL") else None
+async_service = build(asynchronous=True) if os.environ.get("TXBOX_DATABASE_URL") else None

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from framework import CommandHandler, Message, Outbox, Service
@@ -244,3 +245,22 @@ def test_the_readme_tutorial_ends_with_a_handler_test_that_passes(tmp_path: Path
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
+
+
+class AsyncCount(CommandHandler):
+    """``Count`` as an async handler: framework.testing runs it as the worker does."""
+
+    message_type = "Count"
+
+    async def handle(self, message: Message, session: AsyncSession, outbox: Outbox) -> None:  # type: ignore[override]
+        n = message.payload["n"]
+        await session.execute(text("INSERT INTO counters (id, n) VALUES (:id, :n)"), {"id": message.message_id, "n": n})
+        if n < 2:
+            outbox.send_command("Count", aggregate_id="c", payload={"n": n + 1})
+
+
+def test_the_harness_runs_async_handlers(counted: str) -> None:
+    with Harness(counter_service(counted, AsyncCount()), database_url=counted) as harness:  # type: ignore[arg-type]
+        harness.deliver("Count", aggregate_id="c", payload={"n": 1})
+        harness.run_until_idle()
+    assert count_rows(counted) == [(1,), (2,)]

@@ -43,8 +43,9 @@ def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
         group.stop_all(timeout=10)
 
 
+@pytest.mark.parametrize("app_name", ["service", "async_service"])
 def test_a_handler_that_kills_its_process_is_poison_and_its_batch_mates_run_once(
-    database_url: str, amqp_url: str, processes: ProcessGroup
+    database_url: str, amqp_url: str, processes: ProcessGroup, app_name: str
 ) -> None:
     query(database_url, counter.TABLE)
     env = {
@@ -65,14 +66,14 @@ def test_a_handler_that_kills_its_process_is_poison_and_its_batch_mates_run_once
         daemon = processes.daemons[-1]
         if not daemon.alive:
             exits.append(daemon.process.returncode)
-            processes.start(f"worker-{len(exits)}", ["worker", "--app", "tests.apps.counter:service"], env=env)
+            processes.start(f"worker-{len(exits)}", ["worker", "--app", f"tests.apps.counter:{app_name}"], env=env)
         return bool(
             scalar(
                 database_url, "SELECT bool_and(processed_at IS NOT NULL OR abandoned_at IS NOT NULL) FROM txbox.inbox"
             )
         )
 
-    processes.start("worker-0", ["worker", "--app", "tests.apps.counter:service"], env=env)
+    processes.start("worker-0", ["worker", "--app", f"tests.apps.counter:{app_name}"], env=env)
     support.wait_until(
         settled, 90, interval=0.2, message="every message settled, the worker restarted after each crash"
     )

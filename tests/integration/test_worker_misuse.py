@@ -4,7 +4,6 @@ never a crash of the worker. Judged from the database."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -14,9 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from framework import CommandHandler, Message, Outbox
-from framework.errors import AssemblyError
 from framework.service import Service
-from framework.worker import Worker
 from tests import support
 from tests.apps.helpers import place_order, query, running, scalar, store_in_inbox
 from tests.integration.test_worker import Recorder, done, letters, row, worker
@@ -148,22 +145,6 @@ def test_a_handler_that_only_commits_in_sql_cannot_make_its_batch_durable_halfwa
     with running(worker(service, batch_size=10, max_attempts=1)):
         support.wait_until(lambda: done(business) == 3, 30, message="every message settled")
     assert seen_from_outside and set(seen_from_outside) == {0}
-
-
-def test_an_async_handler_is_refused_by_check_and_by_the_worker(service: Service, business: str) -> None:
-    class AsyncPlaceOrder(CommandHandler):
-        message_type = "PlaceOrder"
-
-        async def handle(self, message: Message, session: Session, outbox: Outbox) -> None:  # type: ignore[override]
-            await asyncio.sleep(0)
-
-    service.register(AsyncPlaceOrder())
-    with pytest.raises(AssemblyError, match="async def"):
-        service.check()
-    store_in_inbox(service, [place_order()])
-    with pytest.raises(AssemblyError, match="def handle"):
-        Worker(service, worker(service).config).run()
-    assert scalar(business, "SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL") == 0
 
 
 def test_a_handler_returning_an_awaitable_is_a_failure_not_processed(service: Service, business: str) -> None:

@@ -4,6 +4,10 @@ Scratch database of its own (created and dropped). The raw limit, measured in th
 run on the same rows: plain SQL with no framework — claim 500 pending rows ``FOR UPDATE
 SKIP LOCKED``, ``executemany`` the same business rows, mark them processed, commit —
 i.e. the database's own claim + write + update rate for this work on this machine now.
+
+``--async-handler`` then runs the same rows again through the same handler written as
+``async def handle`` (its session an ``AsyncSession``; docs/architecture.md, "Async
+handlers") and reports its rate beside the sync one's, and their ratio.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from framework import CommandHandler, Message, Outbox, metrics, names
@@ -55,6 +60,16 @@ class StoreOrder(CommandHandler):
         session.add(BenchOrder(id=message.message_id, customer=p["customer"], sku=p["sku"], quantity=p["quantity"]))
 
 
+class AsyncStoreOrder(CommandHandler):
+    """:class:`StoreOrder` as an async handler: what the event loop per run costs."""
+
+    message_type = "PlaceOrder"
+
+    async def handle(self, message: Message, session: AsyncSession, outbox: Outbox) -> None:  # type: ignore[override]
+        p = message.payload
+        session.add(BenchOrder(id=message.message_id, customer=p["customer"], sku=p["sku"], quantity=p["quantity"]))
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     add_scratch_options(parser)
     parser.add_argument("--messages", type=int, default=50_000, help="inbox rows (default 50000)")
@@ -62,12 +77,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--instances", type=int, default=2, help="worker processes sharing the inbox (default 2, one per core)"
     )
+    parser.add_argument(
+        "--async-handler",
+        action="store_true",
+        help="also run the rows through an async def handler and report its rate against the sync one's",
+    )
 
 
-def worker_instance(settings: Settings, batch_size: int) -> tuple[Worker, Any]:
+def worker_instance(settings: Settings, batch_size: int, async_handler: bool = False) -> tuple[Worker, Any]:
     """One bench worker (built in its own process by :func:`instances.timed`)."""
     service = Service(settings=settings)
-    service.register(StoreOrder())
+    service.register(AsyncStoreOrder() if async_handler else StoreOrder())
     worker = Worker(service, WorkerConfig(batch_size=batch_size))
     return worker, metrics.WORKER_PROCESSED.labels(service=service.name, message_type="PlaceOrder")
 
@@ -132,12 +152,25 @@ def run(args: argparse.Namespace) -> Result:
             worker_instance, (scratch.settings, args.batch_size), instances=args.instances, target=args.messages
         )
 
-        check: Any = scratch.execute(
-            "SELECT (SELECT count(*) FROM bench_orders), "
-            "(SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL)"
-        )[0]
-        if tuple(check) != (args.messages, args.messages):
-            raise TxboxError(f"bench check failed: business rows, processed rows = {tuple(check)}")
+        _check(scratch, args.messages)
+        extra: dict[str, Any] = {}
+        if args.async_handler:
+            scratch.execute("TRUNCATE txbox.inbox, bench_orders")
+            fill_inbox(service, args.messages)
+            scratch.execute("VACUUM ANALYZE txbox.inbox")
+            service.engine.dispose()
+            async_seconds = instances.timed(
+                worker_instance,
+                (scratch.settings, args.batch_size, True),
+                instances=args.instances,
+                target=args.messages,
+            )
+            _check(scratch, args.messages)
+            sync_rate, async_rate = args.messages / seconds, args.messages / async_seconds
+            extra = {
+                "async_handler_rate": round(async_rate, 1),
+                "async_to_sync_ratio": round(async_rate / sync_rate, 3),
+            }
         return Result(
             stage="worker",
             messages=args.messages,
@@ -149,5 +182,14 @@ def run(args: argparse.Namespace) -> Result:
                 "batch_size": args.batch_size,
                 "instances": args.instances,
                 "handler": "session.add() of one ORM business row",
+                **extra,
             },
         )
+
+
+def _check(scratch: Scratch, messages: int) -> None:
+    check: Any = scratch.execute(
+        "SELECT (SELECT count(*) FROM bench_orders), (SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL)"
+    )[0]
+    if tuple(check) != (messages, messages):
+        raise TxboxError(f"bench check failed: business rows, processed rows = {tuple(check)}")

@@ -1,0 +1,68 @@
+"""framework/worker/coroutines.py without a database: the per-thread loop, the cancel at the
+timeout, the refusals (docs/architecture.md, "Async handlers")."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from framework.errors import HandlerMisuse, HandlerTimeout
+from framework.worker import coroutines
+
+
+def test_runs_reuse_one_loop_per_thread() -> None:
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def record() -> None:
+        loops.append(asyncio.get_running_loop())
+
+    coroutines.run(record())
+    coroutines.run(record())
+    assert loops[0] is loops[1]
+
+
+def test_a_cancel_from_another_thread_wakes_a_sleeping_handler_as_a_timeout() -> None:
+    started = threading.Event()
+    me = threading.get_ident()
+
+    async def sleep() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    def cancel() -> None:
+        started.wait(10)
+        assert coroutines.cancel_running(me)
+
+    canceller = threading.Thread(target=cancel)
+    canceller.start()
+    with pytest.raises(HandlerTimeout):
+        coroutines.run(sleep())
+    canceller.join()
+    assert not coroutines.cancel_running(me), "nothing runs any more"
+
+
+def test_running_inside_a_running_loop_is_refused_with_the_fix() -> None:
+    async def nothing() -> None:
+        pass
+
+    async def outer() -> None:
+        with pytest.raises(HandlerMisuse, match="plain"):
+            coroutines.run(nothing())
+
+    asyncio.run(outer())
+
+
+def test_streaming_and_connection_are_refused_with_the_fix() -> None:
+    session = coroutines.HandlerAsyncSession(Session())
+
+    async def use() -> None:
+        with pytest.raises(HandlerMisuse, match="execute"):
+            await session.stream(text("SELECT 1"))
+        with pytest.raises(HandlerMisuse, match="run_sync"):
+            await session.connection()
+
+    coroutines.run(use())
