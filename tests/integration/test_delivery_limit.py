@@ -16,7 +16,7 @@ import pika
 import pytest
 
 from framework import delivery_limit, names, topology
-from framework.dlq.collector import Collector, CollectorSettings
+from framework.dlq.collector import Collector, CollectorConfig
 from framework.receiver import Receiver, ReceiverConfig
 from framework.service import Service
 from tests import support
@@ -60,7 +60,7 @@ def test_a_message_nobody_acks_is_dead_lettered_after_the_limit_and_collected(
     delivered = _nack_until_gone(amqp_url, inbox, most=3 * delivery_limit.INBOX_DELIVERY_LIMIT)
     assert delivery_limit.INBOX_DELIVERY_LIMIT <= delivered < 3 * delivery_limit.INBOX_DELIVERY_LIMIT
     assert queue_depth(amqp_url, inbox) == 0
-    collector = Collector(service.settings, service.registry, CollectorSettings(flush_interval=0.05))  # type: ignore[arg-type]
+    collector = Collector(service, CollectorConfig(flush_interval=0.05))  # type: ignore[arg-type]
     with running(collector):
         rows = support.wait_until(
             lambda: query(database_url, "SELECT message_id, reason, source FROM txbox.dead_letters"),
