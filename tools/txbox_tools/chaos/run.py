@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import psycopg
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from framework import names, tables, topology
+from framework import names, topology
 from framework.db import conninfo
 from framework.errors import ChaosFailed
 from framework.service import Service
+from framework.sql import outbox as outbox_sql
 from txbox_tools import repository
 from txbox_tools.chaos import apps
 from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, plan, replica_name
@@ -188,7 +188,7 @@ class Feeder(threading.Thread):
         self.finished_at: float | None = None
         self.error: BaseException | None = None
         self.stop_event = threading.Event()
-        self._insert = pg_insert(tables.outbox).on_conflict_do_nothing(index_elements=["id"])
+        self._insert = outbox_sql.insert_pyformat(service.settings.schema) + " ON CONFLICT (id) DO NOTHING"
 
     def build(self, first: int, count: int, *, customer: str | None = None) -> list[dict[str, Any]]:
         spec = self.service.registry.get("PlaceOrder")
@@ -211,8 +211,10 @@ class Feeder(threading.Thread):
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         def once() -> None:
-            with Session(self.service.engine) as session, session.begin():
-                session.execute(self._insert, rows)
+            # The outbox's own INSERT: its rows' JSON columns are text and a NULL
+            # ``locked_until`` means "due now" (framework/sql/outbox.py).
+            with self.service.engine.begin() as conn:
+                conn.exec_driver_sql(self._insert, rows)
 
         _retrying(once, time.monotonic() + self.options.stall_timeout, "writing PlaceOrder commands")
 
