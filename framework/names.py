@@ -107,7 +107,7 @@ def receiver_lock_key(service: str) -> int:
 
     A signed 64-bit number (``pg_try_advisory_lock(bigint)``) derived from the inbox
     queue's name, so every replica of the receiver computes the same key
-    (docs/architecture.md, "Receiver replicas: one consumes, the others stand by").
+    (docs/architecture.md, "Replicas of every daemon").
     """
     digest = hashlib.blake2b(f"txbox receiver {inbox_queue(service)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)

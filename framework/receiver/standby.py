@@ -1,5 +1,5 @@
-"""One consuming receiver per inbox queue; other replicas stand by (docs/architecture.md,
-"Receiver replicas: one consumes, the others stand by").
+"""One consuming receiver per inbox queue; other replicas stand by
+(docs/architecture.md, "Replicas of every daemon").
 
 The receiver stores deliveries in the order they arrive and the worker orders a segment
 by that order, so two receivers consuming one queue would interleave a segment's
