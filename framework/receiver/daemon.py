@@ -110,6 +110,7 @@ class Receiver(Daemon):
             else None
         )
         self.consuming = False  # between basic_consume and leaving it: for tests and logs
+        self._standing_down = False  # another replica took the turn: stop consuming (_our_turn)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -122,6 +123,9 @@ class Receiver(Daemon):
                     self._consume(reconnect)
                 except BrokerUnavailable as exc:
                     self._careful = self.config.prefetch
+                    if self._turn is not None:
+                        # A replica that still reaches the broker may consume meanwhile.
+                        self._turn.release()
                     if reconnect.failed("RabbitMQ", exc):
                         break
         finally:
@@ -195,21 +199,21 @@ class Receiver(Daemon):
                 # chain going until it can check the turn (_our_turn).
                 others = channel.queue_declare(self.queue, passive=True).method.consumer_count
                 if not others:
+                    self._standing_down = False
                     return True
-                self.state("taking over", f"waiting for {others} consumer(s) to leave {self.queue}")
+                self.state("taking over" if held else "standby", f"{others} other consumer(s) on {self.queue}")
             else:
                 self.state("standby", f"another receiver consumes {self.queue}")
             connection.process_data_events(time_limit=POLL_SECONDS)  # keeps the broker connection alive
         return False
 
     def _our_turn(self) -> bool:
-        """While consuming: False once another replica took the turn (checked every POLL_SECONDS)."""
-        if self._turn is None or not self._turn.due():
-            return True
-        if self._turn.still_held():
-            return True
-        self.state("standing down", f"another receiver took over {self.queue}")
-        return False
+        """While consuming: False once another replica took the turn (checked every POLL_SECONDS),
+        and from then on until :meth:`_await_turn` gets it back."""
+        if self._turn is not None and not self._standing_down and self._turn.due() and not self._turn.still_held():
+            self._standing_down = True
+            self.state("standing down", f"another receiver took over {self.queue}")
+        return not self._standing_down
 
     def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any, *, careful: bool) -> None:
         """Consume and settle until stopped; batch N is written while batch N+1 is collected.
