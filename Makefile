@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup setup-test demo test lint bench fuzz rabbit-cluster failover spark-cluster
+.PHONY: setup setup-test demo test lint bench fuzz rabbit-cluster failover spark-cluster chaos-replicas
 
 # What the demo needs; `setup-test` adds the test tools, Chromium and the Node test peer.
 setup:
@@ -29,6 +29,12 @@ fuzz: setup-test
 # (about two minutes; not part of `make test`):  make rabbit-cluster SEED=3
 rabbit-cluster: setup-test
 	TXBOX_RABBIT_CLUSTER=1 TXBOX_CHAOS_SEED=$(SEED) .venv/bin/pytest -p no:cacheprovider tests/acceptance/test_rabbit_cluster.py
+
+# Two replicas of every daemon per service, the seeded kills picking among them
+# (docs/architecture.md, "Replicas of every daemon"; a few minutes, not part of `make test`):
+#   make chaos-replicas SEED=7
+chaos-replicas: setup-test
+	.venv/bin/txbox chaos --replicas 2 --messages 2000 --faults 5 --seed $(SEED)
 
 lint:
 	.venv/bin/ruff check framework tests migrations examples tools && .venv/bin/mypy

@@ -6,6 +6,7 @@ so they must not be spelled anywhere else.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 # Exchanges (fixed: shared with Mosaic services).
@@ -115,6 +116,17 @@ def exchange_for(kind: str) -> str:
 
 def inbox_queue(service: str) -> str:
     return f"{service}:inbox"
+
+
+def receiver_lock_key(service: str) -> int:
+    """The PostgreSQL advisory lock key held by the one consuming receiver of ``service``.
+
+    A signed 64-bit number (``pg_try_advisory_lock(bigint)``) derived from the inbox
+    queue's name, so every replica of the receiver computes the same key
+    (docs/architecture.md, "Replicas of every daemon").
+    """
+    digest = hashlib.blake2b(f"txbox receiver {inbox_queue(service)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
 
 
 INBOX_QUEUE_PATTERN = "^[^:]+:inbox$"  # every service's inbox queue (a policy's pattern)

@@ -78,6 +78,13 @@ class ReceiverConfig(FromEnv):
         help="RabbitMQ users whose x-txbox-* headers count, besides the receiver's own (comma-separated)",
     )
 
+    standby: bool = setting(
+        "TXBOX_RECEIVER_STANDBY",
+        "true",
+        default=True,
+        help="one receiver per inbox queue consumes, replicas stand by (false: all consume, order not kept)",
+    )
+
     def __post_init__(self) -> None:
         try:
             parse_schedule(self.retry_schedule)

@@ -43,6 +43,7 @@ from framework.receiver.intake import (
     Delivery,
     Intake,
 )
+from framework.receiver.standby import POLL_SECONDS, ConsumerTurn
 from framework.service import Service
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as inbox_sql
@@ -101,6 +102,16 @@ class Receiver(Daemon):
         # Deliveries still to take one at a time after a lost connection (see _consume).
         self._careful = 0
         self._limit_checked = False
+        # The one consuming replica per inbox queue (framework/receiver/standby.py).
+        self._turn = (
+            ConsumerTurn(
+                self.settings.database_url, self.settings.service, connect_timeout=self.config.db_connect_timeout
+            )
+            if self.config.standby
+            else None
+        )
+        self.consuming = False  # between basic_consume and leaving it: for tests and logs
+        self._standing_down = False  # another replica took the turn: stop consuming (_our_turn)
 
     # --- the loop -----------------------------------------------------------------
 
@@ -113,10 +124,15 @@ class Receiver(Daemon):
                     self._consume(reconnect)
                 except BrokerUnavailable as exc:
                     self._careful = self.config.prefetch
+                    if self._turn is not None:
+                        # A replica that still reaches the broker may consume meanwhile.
+                        self._turn.release()
                     if reconnect.failed("RabbitMQ", exc):
                         break
         finally:
             self._drop_db()
+            if self._turn is not None:
+                self._turn.release()
             self.state("stopped")
 
     def _consume(self, reconnect: Reconnect) -> None:
@@ -131,13 +147,15 @@ class Receiver(Daemon):
                 publish_channel.confirm_delivery()
                 careful = self._careful > 0
                 channel.basic_qos(prefetch_count=1 if careful else self.config.prefetch)
-                self._warn_if_not_alone(channel)
-                tag = channel.basic_consume(self.queue, self._on_delivery)
                 reconnect.succeeded()
-                self.set_ready(RABBITMQ, True)
+                self.set_ready(RABBITMQ, True)  # a standby is ready: standing by is its job
+                if not self._await_turn(connection, channel):
+                    return
+                tag = channel.basic_consume(self.queue, self._on_delivery)
+                self.consuming = True
                 self.state("consuming", self.queue)
                 self._loop(connection, channel, publish_channel, careful=careful)
-                if careful and not self.stopping:
+                if careful and not self.stopping and self._our_turn():
                     # The deliveries held when the connection was lost are settled: full speed.
                     channel.basic_cancel(tag)
                     channel.basic_qos(prefetch_count=self.config.prefetch)
@@ -146,6 +164,7 @@ class Receiver(Daemon):
                 # Undispatched deliveries are nacked (requeued) by pika on cancel.
                 channel.basic_cancel(tag)
         finally:
+            self.consuming = False
             self.set_ready(RABBITMQ, False)
             self._buffer = []  # unacked: the broker requeues them when the channel closes
             self._buffered = self._writing = 0
@@ -162,16 +181,52 @@ class Receiver(Daemon):
         else:
             self.log.warning("%s", outcome.message)
 
-    def _warn_if_not_alone(self, channel: Any) -> None:
-        """Two receivers on one queue may store a segment's messages out of order (README "Scaling")."""
-        others = channel.queue_declare(self.queue, passive=True).method.consumer_count
-        if others:
-            self.log.warning(
-                "%d other consumer(s) on %s: messages of one sequential segment may be stored, and handled, "
-                "out of order; run one receiver per inbox queue unless the service's messages are parallel",
-                others,
-                self.queue,
-            )
+    def _await_turn(self, connection: pika.BlockingConnection, channel: Any) -> bool:
+        """Stand by until this replica holds the turn and the queue has no other consumer.
+
+        The second condition closes the gap of a holder whose session was lost while its
+        consumer still holds deliveries: taking over before those are requeued would store
+        later messages first. Returns False when stopped meanwhile.
+        """
+        if self._turn is None:
+            others = channel.queue_declare(self.queue, passive=True).method.consumer_count
+            if others:
+                self.log.warning(
+                    "%d other consumer(s) on %s and TXBOX_RECEIVER_STANDBY=false: messages of one sequential "
+                    "segment may be stored, and handled, out of order",
+                    others,
+                    self.queue,
+                )
+            return True
+        while not self.stopping:
+            self.progress()
+            try:
+                held: bool | None = self._turn.check()
+            except Exception as exc:
+                if not db.is_infrastructure_error(exc):
+                    raise
+                held = None  # unknown: the database cannot be reached
+            if held is not False:
+                # Held, or the database cannot be reached: a replica that can take the
+                # turn must still wait for our consumer to leave, and ours keeps the retry
+                # chain going until it can check the turn (_our_turn).
+                others = channel.queue_declare(self.queue, passive=True).method.consumer_count
+                if not others:
+                    self._standing_down = False
+                    return True
+                self.state("taking over" if held else "standby", f"{others} other consumer(s) on {self.queue}")
+            else:
+                self.state("standby", f"another receiver consumes {self.queue}")
+            connection.process_data_events(time_limit=POLL_SECONDS)  # keeps the broker connection alive
+        return False
+
+    def _our_turn(self) -> bool:
+        """While consuming: False once another replica took the turn (checked every POLL_SECONDS),
+        and from then on until :meth:`_await_turn` gets it back."""
+        if self._turn is not None and not self._standing_down and self._turn.due() and not self._turn.still_held():
+            self._standing_down = True
+            self.state("standing down", f"another receiver took over {self.queue}")
+        return not self._standing_down
 
     def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any, *, careful: bool) -> None:
         """Consume and settle until stopped; batch N is written while batch N+1 is collected.
@@ -188,7 +243,7 @@ class Receiver(Daemon):
         pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-receiver-db")
         inflight: tuple[list[Delivery], Future[None]] | None = None
         try:
-            while not self.stopping and not (careful and self._careful <= 0):
+            while not self.stopping and not (careful and self._careful <= 0) and self._our_turn():
                 self.progress()  # _fill returns at least every _IDLE_WAIT
                 self._fill(connection, busy=inflight[1] if inflight is not None else None)
                 if not self._buffer:

@@ -257,15 +257,16 @@ def test_json_of_metadata_is_valid_for_binary_headers(service: Service, database
     assert uuid.UUID(str(scalar(database_url, "SELECT id FROM txbox.inbox"))) == uuid.UUID(message["message_id"])
 
 
-def test_a_second_receiver_on_the_queue_is_warned_about_ordering(
+def test_a_second_receiver_without_standby_is_warned_about_ordering(
     service: Service, database_url: str, amqp_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """TXBOX_RECEIVER_STANDBY=false: every replica consumes (test_receiver_replicas.py: the default)."""
     topology.declare(service.settings, service.registry)
     caplog.set_level("WARNING", logger="txbox.receiver")
-    with running(Receiver(service, config())):
+    with running(Receiver(service, config(standby=False))):
         support.wait_until(lambda: _consumers(amqp_url) == 1, 20, message="the first receiver consuming")
         assert "out of order" not in caplog.text  # alone on the queue
-        with running(Receiver(service, config())):
+        with running(Receiver(service, config(standby=False))):
             support.wait_until(lambda: _consumers(amqp_url) == 2, 20, message="the second receiver consuming")
     assert "1 other consumer(s) on order-service:inbox" in caplog.text
 

@@ -43,3 +43,9 @@ def test_on_a_cluster_the_loss_of_a_node_comes_first_and_only_there() -> None:
     assert only.kind is Kind.RABBITMQ_NODE_KILL and only.down_seconds >= 3.0
     assert Kind.RABBITMQ_NODE_KILL in {f.kind for f in plan(4, 8, cluster=True)}
     assert all(f.kind is not Kind.RABBITMQ_NODE_KILL for seed in range(20) for f in plan(seed, 30))
+
+
+def test_with_replicas_kills_pick_among_them_and_one_replica_keeps_the_old_schedule() -> None:
+    targets = {f.target for f in plan(4, 40, replicas=2) if f.kind is Kind.KILL}
+    assert any(t.endswith("-2") for t in targets) and any(not t.endswith("-2") for t in targets)
+    assert plan(4, 40, replicas=1) == plan(4, 40)

@@ -170,14 +170,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--instances",
         type=int,
         default=1,
-        help="receiver processes consuming the queue (default 1: per-segment order across the broker "
-        "holds with one receiver per queue; see README 'Scaling')",
+        help="receiver processes consuming the queue (default 1; more run with TXBOX_RECEIVER_STANDBY=false, "
+        "as competing consumers that do not keep per-segment order; see README 'Scaling')",
     )
 
 
-def receiver_instance(settings: Settings, prefetch: int, batch_size: int) -> tuple[Receiver, Any]:
+def receiver_instance(settings: Settings, prefetch: int, batch_size: int, standby: bool) -> tuple[Receiver, Any]:
     """One bench receiver (built in its own process by :func:`instances.timed`)."""
-    receiver = Receiver(Service(settings=settings), ReceiverConfig(prefetch=prefetch, batch_size=batch_size))
+    config = ReceiverConfig(prefetch=prefetch, batch_size=batch_size, standby=standby)
+    receiver = Receiver(Service(settings=settings), config)
     return receiver, metrics.RECEIVER_STORED.labels(service=settings.service)
 
 
@@ -195,7 +196,7 @@ def run(args: argparse.Namespace) -> Result:
         fill_queue(scratch.amqp_url, bodies, spec.routing_key)
         seconds = instances.timed(
             receiver_instance,
-            (scratch.settings, args.prefetch, args.batch_size),
+            (scratch.settings, args.prefetch, args.batch_size, args.instances == 1),
             instances=args.instances,
             target=args.messages,
         )

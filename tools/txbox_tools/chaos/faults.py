@@ -71,13 +71,15 @@ def plan(
     first: float = 0.05,
     last: float = 0.75,
     cluster: bool = False,
+    replicas: int = 1,
 ) -> list[Fault]:
     """The schedule: ``faults`` faults (plus the poison message) sorted by progress point.
 
     The first seven (eight on a RabbitMQ ``cluster``) follow :data:`PRIORITY`
     (:data:`CLUSTER_PRIORITY`); every further one is a ``kill -9``, cycling
     through the daemon kinds so that each kind is killed about equally often. Targets
-    (which service's daemon) and moments are drawn from the seed.
+    (which service's daemon and, with ``replicas`` > 1, which replica of it:
+    :func:`replica_name`) and moments are drawn from the seed.
     """
     if faults < 0:
         raise ValueError("faults must be >= 0")
@@ -96,6 +98,8 @@ def plan(
     for (kind, target), moment in zip(chosen, moments, strict=True):
         if kind is Kind.KILL:
             target = f"{rng.choice(SERVICES)}-{target}"
+            if replicas > 1:  # drawn only then: the schedules of earlier seeds stay as they were
+                target = replica_name(target, rng.randint(1, replicas))
             out.append(Fault(kind, target, round(moment, 4), down_seconds=round(rng.uniform(0.0, 1.5), 2)))
         elif kind is Kind.RABBITMQ_NODE_KILL:
             # Down long enough for the daemons on the other nodes to carry the load alone.
@@ -103,6 +107,11 @@ def plan(
         else:
             out.append(Fault(kind, target, round(moment, 4)))
     return out
+
+
+def replica_name(daemon: str, n: int) -> str:
+    """The supervisor's name of replica ``n`` (from 1) of ``orders-worker``: the first has no suffix."""
+    return daemon if n == 1 else f"{daemon}-{n}"
 
 
 def describe(schedule: list[Fault]) -> str:

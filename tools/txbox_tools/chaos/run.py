@@ -40,16 +40,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import psycopg
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from framework import names, tables, topology
+from framework import names, topology
 from framework.db import conninfo
 from framework.errors import ChaosFailed
 from framework.service import Service
+from framework.sql import outbox as outbox_sql
 from txbox_tools import repository
 from txbox_tools.chaos import apps
-from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, plan
+from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, plan, replica_name
 from txbox_tools.chaos.instances import PrivatePostgres, PrivateRabbit, PrivateRabbitCluster
 from txbox_tools.chaos.supervisor import Spec, Supervisor
 from txbox_tools.chaos.verdict import Verdict, judge
@@ -82,6 +82,7 @@ class ChaosOptions:
     stall_timeout: float = 180.0
     queue_type: str = "quorum"
     workers: int = 1  # worker processes per service (they share the inbox with SKIP LOCKED)
+    replicas: int = 1  # processes of every daemon per service; kills pick among them
     rabbit_nodes: int = 1  # 3 or more: a RabbitMQ cluster, and the rabbitmq_node_kill fault
     keep_logs: bool = False
     log_dir: Path | None = None
@@ -187,7 +188,7 @@ class Feeder(threading.Thread):
         self.finished_at: float | None = None
         self.error: BaseException | None = None
         self.stop_event = threading.Event()
-        self._insert = pg_insert(tables.outbox).on_conflict_do_nothing(index_elements=["id"])
+        self._insert = outbox_sql.insert_pyformat(service.settings.schema) + " ON CONFLICT (id) DO NOTHING"
 
     def build(self, first: int, count: int, *, customer: str | None = None) -> list[dict[str, Any]]:
         spec = self.service.registry.get("PlaceOrder")
@@ -210,8 +211,10 @@ class Feeder(threading.Thread):
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         def once() -> None:
-            with Session(self.service.engine) as session, session.begin():
-                session.execute(self._insert, rows)
+            # The outbox's own INSERT: its rows' JSON columns are text and a NULL
+            # ``locked_until`` means "due now" (framework/sql/outbox.py).
+            with self.service.engine.begin() as conn:
+                conn.exec_driver_sql(self._insert, rows)
 
         _retrying(once, time.monotonic() + self.options.stall_timeout, "writing PlaceOrder commands")
 
@@ -275,7 +278,14 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
     cluster = options.rabbit_nodes > 1
     if cluster and options.queue_type != "quorum":
         raise ChaosFailed("a run on a RabbitMQ cluster needs quorum inbox queues (--queue-type quorum)")
-    schedule = plan(options.seed, options.faults, poison=options.poison, daemons=tuple(daemons), cluster=cluster)
+    schedule = plan(
+        options.seed,
+        options.faults,
+        poison=options.poison,
+        daemons=tuple(daemons),
+        cluster=cluster,
+        replicas=options.replicas,
+    )
     say(f"txbox chaos: {options.messages:,} orders, seed {options.seed}, schedule: {describe(schedule)}")
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="txbox-chaos-logs-"))
 
@@ -304,9 +314,9 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
                 "TXBOX_QUEUE_TYPE": options.queue_type,
             }
             for daemon in daemons:
-                copies = options.workers if daemon == "worker" else 1
-                for n in range(1, copies + 1):  # kills target the first copy: `orders-worker`
-                    specs[f"{short}-{daemon}" + (f"-{n}" if n > 1 else "")] = Spec([daemon, "--app", app], env)
+                copies = max(options.replicas, options.workers if daemon == "worker" else 1)
+                for n in range(1, copies + 1):
+                    specs[replica_name(f"{short}-{daemon}", n)] = Spec([daemon, "--app", app], env)
         supervisor = Supervisor(ProcessGroup(log_dir), specs)
         feeder: Feeder | None = None
         try:

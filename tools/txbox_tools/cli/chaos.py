@@ -25,6 +25,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--rate", type=float, default=600.0, help="orders/s offered (default 600)")
     parser.add_argument("--skus", type=int, default=20, help="distinct products")
     parser.add_argument("--workers", type=int, default=1, help="worker processes per service (default 1)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="processes of every daemon per service (default 1); kills pick among them",
+    )
     parser.add_argument("--no-poison", action="store_true", help="do not send the poison message")
     parser.add_argument("--no-analyze", action="store_true", help="skip `txbox analyze --fail-on-lost`")
     parser.add_argument(
@@ -60,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         analyze=not args.no_analyze,
         queue_type=args.queue_type,
         workers=max(1, args.workers),
+        replicas=max(1, args.replicas),
         rabbit_nodes=args.rabbit_nodes,
         drain_timeout=args.drain_timeout,
         stall_timeout=args.stall_timeout,
