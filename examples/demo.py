@@ -44,7 +44,6 @@ from typing import Any, TextIO
 
 import psycopg
 from psycopg import sql
-from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 from examples import _defaults, migrate
@@ -190,15 +189,11 @@ def recreate_vhost(options: DemoOptions) -> str:
 
 def load_app(spec: str, database_url: str, amqp_url: str) -> Service:
     """The example app with the demo's database and vhost (what the daemons get via env)."""
-    import dataclasses
     import importlib
 
     module, _, attr = spec.partition(":")
     service: Service = getattr(importlib.import_module(module), attr)
-    fresh = Service(settings=dataclasses.replace(service.settings, database_url=database_url, amqp_url=amqp_url))
-    for handler in service.handlers.values():
-        fresh.register(handler)
-    return fresh
+    return service.with_settings(database_url=database_url, amqp_url=amqp_url)
 
 
 # --- driving the saga ------------------------------------------------------------------
@@ -227,9 +222,10 @@ def place_orders(orders: Service, first: int, count: int, skus: list[str], rng: 
     """One business transaction writing ``count`` PlaceOrder commands into the outbox.
 
     Built with the public ``Outbox.build`` (contract lookup + payload validation) and
-    written as one multi-row INSERT, as a busy front end batching requests would.
+    written with the outbox's own INSERT in one transaction, as a busy front end batching
+    requests would (JSON columns as text, a NULL ``locked_until`` meaning "due now").
     """
-    from framework import tables
+    from framework.sql import outbox as outbox_sql
 
     with Session(orders.engine) as session, session.begin():
         outbox = orders.outbox(session)
@@ -243,7 +239,7 @@ def place_orders(orders: Service, first: int, count: int, skus: list[str], rng: 
             ).params()
             for i in range(first, first + count)
         ]
-        session.execute(insert(tables.outbox), rows)
+        session.connection().exec_driver_sql(outbox_sql.insert_pyformat(orders.settings.schema), rows)
 
 
 def order_id(i: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Collection
 from functools import cached_property
@@ -65,6 +66,16 @@ class Service:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Service:
         return cls(settings=Settings.from_env(environ, **overrides))
+
+    def with_settings(self, **changes: Any) -> Service:
+        """The same service — handlers, middleware, token settings — with other settings
+        (``database_url=…``, ``amqp_url=…``): how tools point an app at their own servers."""
+        fresh = Service(settings=dataclasses.replace(self.settings, **changes))
+        for handler in self._handlers.values():
+            fresh.register(handler)
+        fresh._middleware = list(self._middleware)
+        fresh.jwt = self.jwt
+        return fresh
 
     @property
     def name(self) -> str:

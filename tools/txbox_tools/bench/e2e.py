@@ -36,13 +36,14 @@ from typing import Any, NamedTuple
 import pika
 import psycopg
 from psycopg import sql
-from sqlalchemy import DateTime, Text, func, insert
+from sqlalchemy import DateTime, Text, func
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from framework import CommandHandler, EventHandler, Message, Outbox, Service, migrate, names, tables, topology
+from framework import CommandHandler, EventHandler, Message, Outbox, Service, migrate, names, topology
 from framework.db import conninfo, create_engine
 from framework.errors import TxboxError
 from framework.settings import Settings
+from framework.sql import outbox as outbox_sql
 from txbox_tools.bench.result import Result
 from txbox_tools.processes import ProcessGroup
 
@@ -248,7 +249,8 @@ def write_pings(service: Service, first: int, count: int, *, echo: bool, pad: st
             outbox.build(spec, aggregate_id=f"p{i}", payload={"n": i, **payload}).params()
             for i in range(first, first + count)
         ]
-        session.execute(insert(tables.outbox), rows)
+        # The outbox's own INSERT: JSON columns as text, a NULL locked_until meaning "due now".
+        session.connection().exec_driver_sql(outbox_sql.insert_pyformat(service.settings.schema), rows)
 
 
 def handled(conn: psycopg.Connection[Any]) -> int:

@@ -111,12 +111,7 @@ def prepare(example: str, database_url: str) -> None:
 
 def with_urls(service: Service, database_url: str, amqp_url: str) -> Service:
     """The same service (same handlers) pointed at the run's private servers."""
-    import dataclasses
-
-    fresh = Service(settings=dataclasses.replace(service.settings, database_url=database_url, amqp_url=amqp_url))
-    for handler in service.handlers.values():
-        fresh.register(handler)
-    return fresh
+    return service.with_settings(database_url=database_url, amqp_url=amqp_url)
 
 
 def __getattr__(name: str) -> Any:  # pragma: no cover - a clear error for a typo in --app
