@@ -315,7 +315,10 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         out = []
         for s in wanted:
             with queries.connection(s.engine) as conn:
-                out += [{"service": s.name, **g} for g in masked(dead_letters_sql.groups(conn, s.schema, filters, limit=100))]
+                out += [
+                    {"service": s.name, **g}
+                    for g in masked(dead_letters_sql.groups(conn, s.schema, filters, limit=100))
+                ]
         out.sort(key=lambda g: (-g["count"], g["service"]))
         return out
 
@@ -325,7 +328,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         page = page_of(request)
         with queries.connection(s.engine) as conn:
             total = dead_letters_sql.count_letters(conn, s.schema, filters)
-            rows = dead_letters_sql.list_letters(conn, s.schema, filters, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
+            rows = dead_letters_sql.list_letters(
+                conn, s.schema, filters, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+            )
             choices = {c: cached_choices(conn, s, c) for c in ("message_type", "reason")}
         return {
             "service": s.name,
@@ -469,7 +474,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         s = source(name)
         ids = group_ids(s, fp)
         with queries.connection(s.engine) as conn:
-            preview = masked(dead_letters_sql.list_letters(conn, s.schema, queries.Filters(fingerprint=fp), limit=20, offset=0))
+            preview = masked(
+                dead_letters_sql.list_letters(conn, s.schema, queries.Filters(fingerprint=fp), limit=20, offset=0)
+            )
         return render(
             request,
             "confirm.html",

@@ -15,7 +15,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import psycopg
-from psycopg import sql
 from psycopg.rows import dict_row, tuple_row
 from sqlalchemy.engine import Engine
 
@@ -135,5 +134,3 @@ def timeline(conn: psycopg.Connection[Any], schema: str, window: str = "1h") -> 
         "buckets": [b.isoformat() for b in buckets],
         "series": {name: [values.get(b, 0) for b in buckets] for name, values in series.items()},
     }
-
-

@@ -57,7 +57,7 @@ from psycopg import sql
 from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
-from framework import dedup, jsoncodec, names
+from framework import jsoncodec, names
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import Message, message_from_dict
 from framework.errors import ReplayRefused, TxboxError
@@ -230,7 +230,7 @@ def _current_row(
     if comparable:
         params.update({k: envelope[k] for k in keys[:3]}, payload=Jsonb(envelope["payload"]))
         text = {k: sql.SQL("{}::text").format(sql.Placeholder(k)) for k in keys[:3]}
-        same = dedup.same_content(
+        same = inbox_sql.same_content(
             "r", text["message_type"], text["aggregate_type"], text["aggregate_id"], sql.Placeholder("payload")
         )
     return _x(conn, messages_sql.current(schema, table, same), params).fetchone()

@@ -22,6 +22,7 @@ from psycopg import sql
 
 from framework import names
 from framework.dead_letters import DeadLetter
+from framework.sql.inbox import same_content
 
 if TYPE_CHECKING:
     from framework.dlq.queries import Filters
@@ -115,6 +116,31 @@ def resolve_processed(schema: str) -> sql.Composed:
     ).format(dl=_letters(schema))
 
 
+def resolve_forgotten(schema: str) -> sql.Composed:
+    """Params: ids (inbox ids about to be forgotten). Their open or replayed inbox and
+    broker letters whose message was processed with the same content, resolved (so a
+    later replay cannot run it again; framework/dedup.py). A letter with other content
+    (an id conflict) stays open."""
+    letter = "d.message"
+    return sql.SQL(
+        """UPDATE {dl} d SET resolved_at = i.processed_at FROM {inbox} i
+           WHERE i.id = ANY(%(ids)s::uuid[]) AND i.processed_at IS NOT NULL AND d.message_id = i.id
+             AND d.source IN ('inbox', 'broker') AND d.resolved_at IS NULL AND d.discarded_at IS NULL
+             AND jsonb_typeof({m}) = 'object' AND {same}"""
+    ).format(
+        dl=_letters(schema),
+        inbox=sql.Identifier(schema, names.INBOX),
+        m=sql.SQL(letter),
+        same=same_content(
+            "i",
+            sql.SQL(f"{letter} ->> 'message_type'"),
+            sql.SQL(f"{letter} ->> 'aggregate_type'"),
+            sql.SQL(f"{letter} ->> 'aggregate_id'"),
+            sql.SQL(f"{letter} -> 'payload'"),
+        ),
+    )
+
+
 # --- reads: txbox dlq and the dashboard (framework/dlq/queries.py) ----------------------
 
 # The status of a row, as SQL over its own columns (the partial indexes use the same text).
@@ -135,7 +161,7 @@ LIST_COLUMNS = (
 )
 
 
-def where(filters: Filters) -> tuple[sql.Composable, dict[str, Any]]:
+def where_clause(filters: Filters) -> tuple[sql.Composable, dict[str, Any]]:
     """The WHERE clause ``filters`` select, and its parameters."""
     parts: list[sql.Composable] = [sql.SQL(STATUS_SQL[filters.status])]
     params: dict[str, Any] = {}
@@ -160,19 +186,17 @@ def where(filters: Filters) -> tuple[sql.Composable, dict[str, Any]]:
 def list_letters(
     conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limit: int = 50, offset: int = 0
 ) -> list[dict[str, Any]]:
-    where, params = where(filters)
+    where, params = where_clause(filters)
     query = sql.SQL(
         "SELECT "
         + LIST_COLUMNS
         + " FROM {t} WHERE {where} ORDER BY died_at DESC, id DESC LIMIT {limit} OFFSET {offset}"
-    ).format(
-        t=_letters(schema), where=where, limit=sql.Placeholder("limit"), offset=sql.Placeholder("offset")
-    )
+    ).format(t=_letters(schema), where=where, limit=sql.Placeholder("limit"), offset=sql.Placeholder("offset"))
     return list(conn.execute(query, {**params, "limit": limit, "offset": offset}).fetchall())
 
 
 def count_letters(conn: psycopg.Connection[Any], schema: str, filters: Filters) -> int:
-    where, params = where(filters)
+    where, params = where_clause(filters)
     query = sql.SQL("SELECT count(*) AS n FROM {t} WHERE {where}").format(t=_letters(schema), where=where)
     row = conn.execute(query, params).fetchone()
     return int(row["n"]) if row else 0
@@ -183,7 +207,7 @@ def groups(conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limi
 
     A fingerprint includes the message type, so each group has one type (from the sample).
     """
-    where, params = where(filters)
+    where, params = where_clause(filters)
     query = sql.SQL(
         """WITH g AS (
                SELECT fingerprint, count(*) AS count, min(died_at) AS first_died_at, max(died_at) AS last_died_at
@@ -200,9 +224,7 @@ def groups(conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limi
 
 def get_letter(conn: psycopg.Connection[Any], schema: str, letter_id: int) -> dict[str, Any] | None:
     """One letter in full, plus the current state of its inbox/outbox row when there is one."""
-    query = sql.SQL("SELECT *, " + STATUS_CASE + " AS status FROM {t} WHERE id = %(id)s").format(
-        t=_letters(schema)
-    )
+    query = sql.SQL("SELECT *, " + STATUS_CASE + " AS status FROM {t} WHERE id = %(id)s").format(t=_letters(schema))
     row = conn.execute(query, {"id": letter_id}).fetchone()
     if row is None:
         return None
@@ -220,7 +242,7 @@ def get_letter(conn: psycopg.Connection[Any], schema: str, letter_id: int) -> di
 
 def ids_matching(conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limit: int = 100_000) -> list[int]:
     """Ids of the letters a filter selects (replay or discard of a whole group)."""
-    where, params = where(filters)
+    where, params = where_clause(filters)
     query = sql.SQL("SELECT id FROM {t} WHERE {where} ORDER BY died_at, id LIMIT {limit}").format(
         t=_letters(schema), where=where, limit=sql.Placeholder("limit")
     )

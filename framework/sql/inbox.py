@@ -32,7 +32,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from framework import dedup, names
+from framework import names
 from framework.tables import pending_by_id, pending_in_segment
 
 
@@ -101,10 +101,80 @@ def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow])
     return {row[0] for row in cur.fetchall()}
 
 
+# --- the dedup memory (framework/dedup.py, docs/architecture.md "Dedup memory") ---------
+
+DIGEST_KEY = "payload_sha256"
+FINISHED = "(processed_at IS NOT NULL OR abandoned_at IS NOT NULL)"
+# The time a message's dedup window starts: when it was processed (or abandoned).
+FINISHED_AT = "coalesce(processed_at, abandoned_at)"
+
+
+def payload_digest(payload: sql.Composable) -> sql.Composed:
+    """SQL: hex SHA-256 of a jsonb value's canonical text (keys sorted, spacing normalized)."""
+    return sql.SQL("encode(sha256(convert_to(({})::text, 'UTF8')), 'hex')").format(payload)
+
+
+def same_content(
+    row: str,
+    message_type: sql.Composable,
+    aggregate_type: sql.Composable,
+    aggregate_id: sql.Composable,
+    payload: sql.Composable,
+) -> sql.Composed:
+    """SQL predicate: inbox row ``row`` (an alias) holds this content, live or tombstone.
+
+    ``payload`` must be a jsonb expression.
+    """
+    r = sql.Identifier(row)
+    return sql.SQL(
+        "({r}.message_type = {mt} AND {r}.aggregate_type = {at} AND {r}.aggregate_id = {ai} AND {p})"
+    ).format(r=r, mt=message_type, at=aggregate_type, ai=aggregate_id, p=same_payload(row, payload))
+
+
+def same_payload(row: str, payload: sql.Composable) -> sql.Composed:
+    """SQL predicate: inbox row ``row`` holds this payload (a jsonb expression), live or tombstone."""
+    return sql.SQL(
+        "CASE WHEN {r}.archived_at IS NULL THEN {r}.payload = {p} ELSE {r}.metadata ->> {key} = {digest} END"
+    ).format(r=sql.Identifier(row), p=payload, key=sql.Literal(DIGEST_KEY), digest=payload_digest(payload))
+
+
+def tombstone(schema: str) -> sql.Composed:
+    """Params: ids, window. Finished rows of ``ids`` within the window become tombstones:
+    payload, context and error stripped, the payload's digest kept in ``metadata``."""
+    return sql.SQL(
+        f"""UPDATE {{inbox}} SET archived_at = clock_timestamp(), payload = '{{{{}}}}'::jsonb,
+               message_context = '{{{{}}}}'::jsonb, last_error = NULL,
+               metadata = jsonb_build_object({{key}}, {{digest}})
+           WHERE id = ANY(%(ids)s::uuid[]) AND {FINISHED} AND archived_at IS NULL
+             AND {FINISHED_AT} >= now() - %(window)s::interval"""
+    ).format(
+        inbox=sql.Identifier(schema, names.INBOX),
+        key=sql.Literal(DIGEST_KEY),
+        digest=payload_digest(sql.SQL("payload")),
+    )
+
+
+def forget_expired(schema: str) -> sql.Composed:
+    """Params: ids, window. Finished rows (or tombstones) of ``ids`` older than the window, deleted."""
+    return sql.SQL(
+        f"""DELETE FROM {{inbox}} WHERE id = ANY(%(ids)s::uuid[]) AND {FINISHED}
+             AND {FINISHED_AT} < now() - %(window)s::interval"""
+    ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
+def expired_tombstones(schema: str) -> sql.Composed:
+    """Params: window, limit. Ids of tombstones whose window has passed, oldest first
+    (through inbox_tombstone_idx)."""
+    return sql.SQL(
+        f"""SELECT id FROM {{inbox}} WHERE archived_at IS NOT NULL AND {FINISHED_AT} < now() - %(window)s::interval
+            ORDER BY {FINISHED_AT} LIMIT %(limit)s"""
+    ).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
 # What makes two messages with one id the same message (docs/architecture.md, "Receiver
 # intake"): type, aggregate and payload, the payload compared as jsonb (key order and
 # number spelling do not matter), or by its digest where the archive left a tombstone
-# (framework.dedup). Context, timestamp, version, token and headers may differ between
+# (below). Context, timestamp, version, token and headers may differ between
 # two sends of one message and are not compared.
 def _conflicts_sql(schema: str) -> sql.Composed:
     u = {c: sql.SQL("u." + c) for c in ("message_type", "aggregate_type", "aggregate_id")}
@@ -120,8 +190,8 @@ def _conflicts_sql(schema: str) -> sql.Composed:
         "JOIN {table} i ON i.id = u.id WHERE NOT coalesce({same}, false) ORDER BY u.n"
     ).format(
         table=sql.Identifier(schema, names.INBOX),
-        same_payload=dedup.same_payload("i", payload),
-        same=dedup.same_content("i", u["message_type"], u["aggregate_type"], u["aggregate_id"], payload),
+        same_payload=same_payload("i", payload),
+        same=same_content("i", u["message_type"], u["aggregate_type"], u["aggregate_id"], payload),
     )
 
 
@@ -324,7 +394,7 @@ def holds(schema: str) -> sql.Composed:
 
 def restore_tombstone(schema: str) -> sql.Composed:
     """Params: id, payload, message_context, metadata. A tombstone filled in again (its id,
-    type and aggregate already match; framework/dedup.py)."""
+    type and aggregate already match; the dedup memory above)."""
     return sql.SQL(
         """UPDATE {t} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
                archived_at = NULL WHERE id = %(id)s"""

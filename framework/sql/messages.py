@@ -89,14 +89,14 @@ TIMELINE_SERIES = (
 )
 
 
-def timeline_bins(
-    conn: psycopg.Connection[Any], schema: str, params: dict[str, Any]
-) -> dict[str, dict[datetime, int]]:
+def timeline_bins(conn: psycopg.Connection[Any], schema: str, params: dict[str, Any]) -> dict[str, dict[datetime, int]]:
     """Params: start, bucket, lookback. Per series, the count of each non-empty bucket."""
     series: dict[str, dict[datetime, int]] = {}
     for name, table, col, guard in TIMELINE_SERIES:
         query = sql.SQL(
-            "SELECT date_bin(%(bucket)s, " + col + ", %(start)s) AS b, count(*) AS n FROM {t} WHERE "
+            "SELECT date_bin(%(bucket)s, "
+            + col
+            + ", %(start)s) AS b, count(*) AS n FROM {t} WHERE "
             + guard
             + " GROUP BY 1"
         ).format(t=sql.Identifier(schema, table))
