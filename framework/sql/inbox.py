@@ -25,15 +25,18 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from framework import names
+from framework import jsoncodec, names
 from framework.tables import pending_by_id, pending_in_segment
+
+if TYPE_CHECKING:
+    from framework.envelope import Message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +59,43 @@ class InboxRow:
     message_timestamp: datetime
     queue: str
     redelivered: bool
+
+    @classmethod
+    def of(
+        cls,
+        message: Message,
+        *,
+        message_type: str,
+        kind: str,
+        routing_key: str,
+        metadata: str,
+        lane: tuple[str, str, int],
+        queue: str,
+        redelivered: bool = False,
+    ) -> InboxRow:
+        """``message`` as a row: its id, aggregate, version, timestamp (in UTC), payload and
+        context (as JSON text) from the message; the type as it is to be stored, kind and
+        routing key of its contract, ``metadata`` (JSON text), the lane (segment,
+        concurrency, priority) and the queue it came from as the writer decides them."""
+        segment, concurrency, priority = lane
+        return cls(
+            id=message.message_id,
+            message_type=message_type,
+            aggregate_type=message.aggregate_type,
+            aggregate_id=message.aggregate_id,
+            message_version=message.message_version,
+            kind=kind,
+            routing_key=routing_key,
+            payload=jsoncodec.amqp_json(message.payload),
+            message_context=jsoncodec.amqp_json(message.message_context),
+            metadata=metadata,
+            segment=segment,
+            concurrency=concurrency,
+            priority=priority,
+            message_timestamp=message.timestamp.astimezone(UTC),
+            queue=queue,
+            redelivered=redelivered,
+        )
 
 
 # The PostgreSQL type of each InboxRow field that is not text, for the arrays of the INSERT.
