@@ -39,6 +39,11 @@ if TYPE_CHECKING:
     from framework.envelope import Message
 
 
+def _on_inbox(schema: str, text: str) -> sql.Composed:
+    """``text`` with ``{inbox}`` composed as the schema's inbox."""
+    return sql.SQL(text).format(inbox=sql.Identifier(schema, names.INBOX))
+
+
 @dataclass(frozen=True, kw_only=True)
 class InboxRow:
     """Column values of one txbox.inbox row on its way in."""
@@ -196,19 +201,21 @@ def tombstone(schema: str) -> sql.Composed:
 
 def forget_expired(schema: str) -> sql.Composed:
     """Params: ids, window. Finished rows (or tombstones) of ``ids`` older than the window, deleted."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         f"""DELETE FROM {{inbox}} WHERE id = ANY(%(ids)s::uuid[]) AND {FINISHED}
-             AND {FINISHED_AT} < now() - %(window)s::interval"""
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+             AND {FINISHED_AT} < now() - %(window)s::interval""",
+    )
 
 
 def expired_tombstones(schema: str) -> sql.Composed:
     """Params: window, limit. Ids of tombstones whose window has passed, oldest first
     (through inbox_tombstone_idx)."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         f"""SELECT id FROM {{inbox}} WHERE archived_at IS NOT NULL AND {FINISHED_AT} < now() - %(window)s::interval
-            ORDER BY {FINISHED_AT} LIMIT %(limit)s"""
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+            ORDER BY {FINISHED_AT} LIMIT %(limit)s""",
+    )
 
 
 # What makes two messages with one id the same message (docs/architecture.md, "Receiver
@@ -373,69 +380,76 @@ def presume_processed(schema: str) -> sql.Composed:
     claim worth making before the next NOTIFY. The probe reads the statement's snapshot, in which the batch
     is still pending, so it skips the batch's own rows.
     """
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} t SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, "
         "locked_until = clock_timestamp(), metadata = t.metadata - 'auth_token' "
         f"WHERE {_FENCE} "
         "RETURNING t.id, t.concurrency = 'sequential' AND EXISTS ("
         "SELECT 1 FROM {inbox} p WHERE p.segment = t.segment AND p.concurrency = 'sequential' "
-        f"AND {pending_in_segment('p')} AND p.id <> ALL(%(ids)s::uuid[])) AS frees"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        f"AND {pending_in_segment('p')} AND p.id <> ALL(%(ids)s::uuid[])) AS frees",
+    )
 
 
 def mark_failed(schema: str) -> sql.Composed:
     """Undo the presumption for a failed run: due again after the backoff (the run counted)."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} SET processed_at = NULL, "
         "locked_until = clock_timestamp() + make_interval(secs => %(delay)s), last_error = %(error)s, "
         f"metadata = metadata || {_TOKEN_BACK % '%(auth_token)s'} "
-        "WHERE id = %(id)s"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        "WHERE id = %(id)s",
+    )
 
 
 def mark_abandoned(schema: str) -> sql.Composed:
     """Undo the presumption for an abandon; ``finished`` is how many runs it settles in all."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} SET processed_at = NULL, finished_attempts = finished_attempts - 1 + %(finished)s, "
         "abandoned_at = clock_timestamp(), locked_until = clock_timestamp(), last_error = %(error)s "
-        "WHERE id = %(id)s"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        "WHERE id = %(id)s",
+    )
 
 
 def unclaim(schema: str) -> sql.Composed:
     """Undo the presumption *and* the claim of messages that were never run (lease too short)."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} t SET processed_at = NULL, finished_attempts = t.finished_attempts - 1, "
         "started_attempts = t.started_attempts - 1, locked_until = clock_timestamp(), "
         f"metadata = t.metadata || {_TOKEN_BACK % 'c.token'} "
-        "FROM unnest(%s::uuid[], %s::text[]) AS c(id, token) WHERE t.id = c.id"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        "FROM unnest(%s::uuid[], %s::text[]) AS c(id, token) WHERE t.id = c.id",
+    )
 
 
 def release(schema: str) -> sql.Composed:
     """Give back claims that were never run (stop, lost database): not an attempt, not poison."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} t SET started_attempts = t.started_attempts - 1, locked_until = clock_timestamp() "
-        f"WHERE {_FENCE}"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        f"WHERE {_FENCE}",
+    )
 
 
 def backlog(schema: str) -> sql.Composed:
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "SELECT count(*), COALESCE(extract(epoch FROM now() - min(locked_until) "
-        "FILTER (WHERE locked_until <= now())), 0) FROM {inbox} WHERE processed_at IS NULL AND abandoned_at IS NULL"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        "FILTER (WHERE locked_until <= now())), 0) FROM {inbox} WHERE processed_at IS NULL AND abandoned_at IS NULL",
+    )
 
 
 def holds(schema: str) -> sql.Composed:
     """Params: id. One row if the inbox holds the message (live or tombstone)."""
-    return sql.SQL("SELECT 1 FROM {t} WHERE id = %(id)s").format(t=sql.Identifier(schema, names.INBOX))
+    return _on_inbox(schema, "SELECT 1 FROM {inbox} WHERE id = %(id)s")
 
 
 def restore_tombstone(schema: str) -> sql.Composed:
     """Params: id, payload, message_context, metadata. A tombstone filled in again (its id,
     type and aggregate already match; the dedup memory above)."""
-    return sql.SQL(
-        """UPDATE {t} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
-               archived_at = NULL WHERE id = %(id)s"""
-    ).format(t=sql.Identifier(schema, names.INBOX))
+    return _on_inbox(
+        schema,
+        """UPDATE {inbox} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
+               archived_at = NULL WHERE id = %(id)s""",
+    )
