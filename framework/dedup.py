@@ -14,12 +14,12 @@ insert. A tombstone is the same row under the same primary key, so the existing
 metadata and error it costs about a hundred bytes per id.
 
 A tombstone keeps type and aggregate, and the SHA-256 of its payload's canonical jsonb
-text in ``metadata ->> 'payload_sha256'``: ``framework.sql.inbox.same_content`` tells a true duplicate
-(quiet) from an id reused for other content (``id_conflict``) for live rows and
-tombstones alike; the receiver's conflict check and the replay both use it.
-Payloads equal as jsonb but spelled differently as numbers (``1`` and
-``1.0``) compare equal on a live row and unequal on a tombstone. The statements are in
-framework/sql/inbox.py (and the dead letters' in framework/sql/dead_letters.py).
+text in ``metadata ->> 'payload_sha256'``: ``framework.sql.inbox.same_content`` tells a
+true duplicate (quiet) from an id reused for other content (``id_conflict``) for live
+rows and tombstones alike; the receiver's conflict check and the replay both use it.
+Payloads equal as jsonb but spelled differently as numbers (``1`` and ``1.0``) compare
+equal on a live row and unequal on a tombstone. The statements are in
+framework/sql/inbox.py (the dead letters' in framework/sql/dead_letters.py).
 """
 
 from __future__ import annotations
