@@ -54,12 +54,13 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from framework import dedup, names, tables
 from framework.db import connect, database_errors
 from framework.errors import ArchiveError
+from framework.sql import inbox as inbox_sql
 
 log = logging.getLogger("txbox.archive")
 
 PARTITION_COLUMNS = ("message_type",)  # in the path; `day` is derived from created_at
 DONE_STATES = ("done",)
-ARCHIVED = dedup.FINISHED
+ARCHIVED = inbox_sql.FINISHED
 # Tombstones (inbox rows kept for dedup) are archived already and stay out of the files.
 NOT_ARCHIVED = {names.OUTBOX: "TRUE", names.INBOX: "archived_at IS NULL"}
 NOT_IN_FILES = ("archived_at",)  # always null in an archived row: the Parquet layout stays as it was

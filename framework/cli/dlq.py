@@ -16,6 +16,7 @@ from framework.cli.output import utc as _fmt_time
 from framework.dlq import queries, replay
 from framework.dlq.present import masked
 from framework.errors import ConfigurationError
+from framework.sql import dead_letters as dead_letters_sql
 
 
 def when(text: str) -> datetime:
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             for k in ("source", "message_type", "reason", "fingerprint", "message_id", "since", "until")
         )
         if filtered:
-            ids += queries.ids_matching(conn, schema, _selected(args))
+            ids += dead_letters_sql.ids_matching(conn, schema, _selected(args))
         if not ids:
             raise ConfigurationError(f"txbox dlq {args.action}: give dead-letter ids or a filter (e.g. --fingerprint)")
         ids = sorted(set(ids))
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 def _list(conn: Any, schema: str, args: argparse.Namespace) -> int:
     filters = _selected(args, args.status)
     if args.groups:
-        rows = masked(queries.groups(conn, schema, filters, limit=args.limit))
+        rows = masked(dead_letters_sql.groups(conn, schema, filters, limit=args.limit))
         if args.json:
             for r in rows:
                 _print(json.dumps(r, default=str))
@@ -131,12 +132,12 @@ def _list(conn: Any, schema: str, args: argparse.Namespace) -> int:
             )
         )
         return 0
-    rows = masked(queries.list_letters(conn, schema, filters, limit=args.limit, offset=args.offset))
+    rows = masked(dead_letters_sql.list_letters(conn, schema, filters, limit=args.limit, offset=args.offset))
     if args.json:
         for r in rows:
             _print(json.dumps(r, default=str))
         return 0
-    total = queries.count_letters(conn, schema, filters)
+    total = dead_letters_sql.count_letters(conn, schema, filters)
     _print(
         _table(
             [
@@ -159,7 +160,7 @@ def _list(conn: Any, schema: str, args: argparse.Namespace) -> int:
 
 
 def _show(conn: Any, schema: str, args: argparse.Namespace) -> int:
-    row = queries.get_letter(conn, schema, args.id)
+    row = dead_letters_sql.get_letter(conn, schema, args.id)
     if row is None:
         raise ConfigurationError(f"no dead letter with id {args.id}")
     row = masked(row)

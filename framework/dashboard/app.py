@@ -2,7 +2,7 @@
 
 Endpoints are plain (sync) functions: Starlette runs them in its thread pool, each
 borrowing a pooled psycopg connection of the source's engine. Every filter reaches SQL
-as a bound parameter (framework.dlq.queries); every value reaches HTML through Jinja2's
+as a bound parameter (framework/sql/); every value reaches HTML through Jinja2's
 autoescaping; secrets are masked before they reach a template or the JSON API
 (framework.redaction). GET requests only read: the resolve sweep is the collector's,
 and the confirmation pages preview from reads, not from a rolled-back dry run.
@@ -51,6 +51,8 @@ from framework.dlq.present import masked
 from framework.errors import ConfigurationError, HttpError, TxboxError
 from framework.redaction import redact_text
 from framework.settings import Seconds, setting
+from framework.sql import dead_letters as dead_letters_sql
+from framework.sql import reports as reports_sql
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -283,7 +285,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                             "name": s.name,
                             "stats": queries.overview(conn, s.schema),
                             "timeline": queries.timeline(conn, s.schema, window),
-                            "groups": masked(queries.groups(conn, s.schema, queries.Filters(), limit=5)),
+                            "groups": masked(dead_letters_sql.groups(conn, s.schema, queries.Filters(), limit=5)),
                             "analytics": analytics_of(s, conn),
                             "daemons": [b.view() for b in heartbeats.read(conn, s.schema, s.name)],
                             "error": None,
@@ -296,13 +298,13 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     def analytics_of(s: Source, conn: Any) -> dict[str, Any] | None:
         """The last ``txbox analyze`` run covering ``s``: in its own database, else in another
         source's (the job writes one report, by default into its first source's database)."""
-        found = queries.analytics(conn, s.schema, s.name)
+        found = reports_sql.analytics(conn, s.schema, s.name)
         for other in sources:
             if found is not None:
                 break
             if other is not s:
                 with queries.connection(other.engine) as report:
-                    found = queries.analytics(report, other.schema, s.name, covering=True)
+                    found = reports_sql.analytics(report, other.schema, s.name, covering=True)
         if found is not None:  # all message types in one figure per stage (docs/architecture.md)
             found["latency"] = latency.per_stage(found["latency"])
         return found
@@ -313,7 +315,10 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         out = []
         for s in wanted:
             with queries.connection(s.engine) as conn:
-                out += [{"service": s.name, **g} for g in masked(queries.groups(conn, s.schema, filters, limit=100))]
+                out += [
+                    {"service": s.name, **g}
+                    for g in masked(dead_letters_sql.groups(conn, s.schema, filters, limit=100))
+                ]
         out.sort(key=lambda g: (-g["count"], g["service"]))
         return out
 
@@ -322,8 +327,10 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         filters = filters_from(request)
         page = page_of(request)
         with queries.connection(s.engine) as conn:
-            total = queries.count_letters(conn, s.schema, filters)
-            rows = queries.list_letters(conn, s.schema, filters, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
+            total = dead_letters_sql.count_letters(conn, s.schema, filters)
+            rows = dead_letters_sql.list_letters(
+                conn, s.schema, filters, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+            )
             choices = {c: cached_choices(conn, s, c) for c in ("message_type", "reason")}
         return {
             "service": s.name,
@@ -343,14 +350,14 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         hit = choice_cache.get(key)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
-        values = queries.distinct_values(conn, s.schema, column)
+        values = dead_letters_sql.distinct_values(conn, s.schema, column)
         choice_cache[key] = (time.monotonic() + CHOICES_TTL, values)
         return values
 
     def letter_data(name: str, letter_id: int) -> tuple[Source, dict[str, Any]]:
         s = source(name)
         with queries.connection(s.engine) as conn:
-            row = queries.get_letter(conn, s.schema, letter_id)
+            row = dead_letters_sql.get_letter(conn, s.schema, letter_id)
         if row is None:
             raise HttpError(404, f"no dead letter {letter_id} in {s.name}")
         return s, masked(row)
@@ -365,7 +372,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
 
     def group_ids(s: Source, fingerprint: str) -> list[int]:
         with queries.connection(s.engine) as conn:
-            return queries.ids_matching(conn, s.schema, queries.Filters(fingerprint=fingerprint))
+            return dead_letters_sql.ids_matching(conn, s.schema, queries.Filters(fingerprint=fingerprint))
 
     # --- pages -----------------------------------------------------------------------
 
@@ -467,7 +474,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         s = source(name)
         ids = group_ids(s, fp)
         with queries.connection(s.engine) as conn:
-            preview = masked(queries.list_letters(conn, s.schema, queries.Filters(fingerprint=fp), limit=20, offset=0))
+            preview = masked(
+                dead_letters_sql.list_letters(conn, s.schema, queries.Filters(fingerprint=fp), limit=20, offset=0)
+            )
         return render(
             request,
             "confirm.html",

@@ -57,7 +57,7 @@ from psycopg import sql
 from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
-from framework import dedup, jsoncodec, names
+from framework import jsoncodec, names
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import Message, message_from_dict
 from framework.errors import ReplayRefused, TxboxError
@@ -110,6 +110,7 @@ def replay(
 
     ``conn`` must be in autocommit mode (each chunk is its own transaction here).
     """
+    replaying = _Replaying(conn, schema, registry, service)
     outcomes: list[Outcome] = []
     for chunk in _chunks(ids):
         with conn.transaction(force_rollback=dry_run):
@@ -117,209 +118,176 @@ def replay(
             found = {row["id"] for row in letters}
             outcomes += [Outcome(i, "missing", "no dead letter with this id", False) for i in chunk if i not in found]
             for letter in letters:
-                outcomes.append(_replay_one(conn, schema, registry, service, letter))
+                outcomes.append(replaying.one(letter))
     return outcomes
 
 
-def _replay_one(
-    conn: psycopg.Connection[Any], schema: str, registry: Registry, service: str, letter: dict[str, Any]
-) -> Outcome:
-    lid = letter["id"]
-    if letter["discarded_at"] is not None:
-        return Outcome(lid, "skipped", "discarded", False)
-    if letter["resolved_at"] is not None:
-        return Outcome(lid, "skipped", "already resolved", False)
-    if letter["message_id"] is None:
-        return Outcome(lid, "refused", "no valid message_id: nothing to replay (discard it)", False)
-    try:
-        with conn.transaction():  # a savepoint: a refused letter leaves the others of the chunk intact
-            if letter["source"] == "broker":
-                return _resend(conn, schema, registry, service, letter)
-            table = names.OUTBOX if letter["source"] == "outbox" else names.INBOX
-            return _replay_into(conn, schema, registry, service, letter, table)
-    except ReplayRefused as exc:
-        return Outcome(lid, "refused", str(exc), False)
+@dataclass(frozen=True)
+class _Replaying:
+    """One replay's connection, schema, contracts and service, which every step needs."""
 
+    conn: psycopg.Connection[Any]
+    schema: str
+    registry: Registry
+    service: str
 
-def _resend(
-    conn: psycopg.Connection[Any], schema: str, registry: Registry, service: str, letter: dict[str, Any]
-) -> Outcome:
-    """A broker letter: through the outbox again, unless the inbox has the message by now."""
-    in_inbox = _x(conn, inbox_sql.holds(schema), {"id": letter["message_id"]}).fetchone()
-    if in_inbox is not None:
-        return _replay_into(conn, schema, registry, service, letter, names.INBOX)
-    if letter["message_type"] is not None:
-        _ensure_received(registry, service, letter["message_type"])
-    return _replay_into(conn, schema, registry, service, letter, names.OUTBOX, resend=True)
+    def one(self, letter: dict[str, Any]) -> Outcome:
+        lid = letter["id"]
+        if letter["discarded_at"] is not None:
+            return Outcome(lid, "skipped", "discarded", False)
+        if letter["resolved_at"] is not None:
+            return Outcome(lid, "skipped", "already resolved", False)
+        if letter["message_id"] is None:
+            return Outcome(lid, "refused", "no valid message_id: nothing to replay (discard it)", False)
+        try:
+            with self.conn.transaction():  # a savepoint: a refused letter leaves the others of the chunk intact
+                if letter["source"] == "broker":
+                    return self._resend(letter)
+                table = names.OUTBOX if letter["source"] == "outbox" else names.INBOX
+                return self._into(letter, table)
+        except ReplayRefused as exc:
+            return Outcome(lid, "refused", str(exc), False)
 
+    def _resend(self, letter: dict[str, Any]) -> Outcome:
+        """A broker letter: through the outbox again, unless the inbox has the message by now."""
+        in_inbox = _x(self.conn, inbox_sql.holds(self.schema), {"id": letter["message_id"]}).fetchone()
+        if in_inbox is not None:
+            return self._into(letter, names.INBOX)
+        if letter["message_type"] is not None:
+            _ensure_received(self.registry, self.service, letter["message_type"])
+        return self._into(letter, names.OUTBOX, resend=True)
 
-def _replay_into(
-    conn: psycopg.Connection[Any],
-    schema: str,
-    registry: Registry,
-    service: str,
-    letter: dict[str, Any],
-    table: str,
-    *,
-    resend: bool = False,
-) -> Outcome:
-    """Reset (or write) the message's row in ``table``; ``resend``: an outbox row that
-    was published already is published again (a broker letter never reached the inbox)."""
-    lid, mid = letter["id"], letter["message_id"]
-    row = _current_row(conn, schema, letter, table)
-    if row is not None and row["same"] is False:
-        return Outcome(
-            lid,
-            "id-conflict",
-            f"the {table} holds message {mid} with other content (type, aggregate or payload): replaying would "
-            "drop this letter's content as a duplicate or run it in place of what was received. Send that "
-            "content under a new message_id, then discard this letter",
-            False,
+    def _into(self, letter: dict[str, Any], table: str, *, resend: bool = False) -> Outcome:
+        """Reset (or write) the message's row in ``table``; ``resend``: an outbox row that
+        was published already is published again (a broker letter never reached the inbox)."""
+        lid, mid = letter["id"], letter["message_id"]
+        row = self._current_row(letter, table)
+        if row is not None and row["same"] is False:
+            return Outcome(
+                lid,
+                "id-conflict",
+                f"the {table} holds message {mid} with other content (type, aggregate or payload): replaying would "
+                "drop this letter's content as a duplicate or run it in place of what was received. Send that "
+                "content under a new message_id, then discard this letter",
+                False,
+            )
+        if row is None:
+            self._insert_from_envelope(letter, table)
+            action, detail = f"{table}-insert", f"written to {table} as {mid}" + (" to be sent again" if resend else "")
+        elif row["processed_at"] is not None and not resend:
+            _x(self.conn, letters_sql.mark_resolved(self.schema), {"at": row["processed_at"], "id": lid})
+            done = "published" if table == names.OUTBOX else "processed"
+            return Outcome(
+                lid,
+                "already-" + done,
+                f"{table} row {mid} was {done} at {row['processed_at']:%Y-%m-%d %H:%M:%S}; marked resolved",
+            )
+        elif row["abandoned_at"] is None and row["processed_at"] is None:
+            action, detail = f"{table}-pending", f"{table} row {mid} is already pending"
+        else:
+            if row["archived_at"] is not None:  # a tombstone: only the id is left, the letter has the rest
+                self._restore_from_envelope(letter)
+            _x(self.conn, messages_sql.reset(self.schema, table), {"id": mid})
+            action, detail = f"{table}-reset", f"{table} row {mid} reset for processing"
+        history = {
+            "replayed_at": None,  # filled by SQL below (clock of the database)
+            "table": table,
+            "action": action,
+            "started_attempts": row["started_attempts"] if row else None,
+            "finished_attempts": row["finished_attempts"] if row else None,
+            "last_error": row["last_error"] if row else None,
+            "abandoned_at": row["abandoned_at"].isoformat() if row and row["abandoned_at"] else None,
+        }
+        _note(self.conn, self.schema, lid, history, "replayed_at", "replay_count = replay_count + 1")
+        return Outcome(lid, action, detail)
+
+    def _current_row(self, letter: dict[str, Any], table: str) -> dict[str, Any] | None:
+        """The message's row in ``table``, locked, with ``same``: whether it holds the letter's
+        content (inbox only; None when there is nothing to compare)."""
+        envelope = letter["message"]
+        keys = ("message_type", "aggregate_type", "aggregate_id", "payload")
+        comparable = (
+            table == names.INBOX
+            and isinstance(envelope, dict)
+            and all(isinstance(envelope.get(k), str) for k in keys[:3])
+            and "payload" in envelope
         )
-    if row is None:
-        _insert_from_envelope(conn, schema, registry, service, letter, table)
-        action, detail = f"{table}-insert", f"written to {table} as {mid}" + (" to be sent again" if resend else "")
-    elif row["processed_at"] is not None and not resend:
-        _x(conn, letters_sql.mark_resolved(schema), {"at": row["processed_at"], "id": lid})
-        done = "published" if table == names.OUTBOX else "processed"
-        return Outcome(
-            lid,
-            "already-" + done,
-            f"{table} row {mid} was {done} at {row['processed_at']:%Y-%m-%d %H:%M:%S}; marked resolved",
+        same: sql.Composable = sql.SQL("NULL::boolean")
+        params: dict[str, Any] = {"id": letter["message_id"]}
+        if comparable:
+            params.update({k: envelope[k] for k in keys[:3]}, payload=Jsonb(envelope["payload"]))
+            text = {k: sql.SQL("{}::text").format(sql.Placeholder(k)) for k in keys[:3]}
+            same = inbox_sql.same_content(
+                "r", text["message_type"], text["aggregate_type"], text["aggregate_id"], sql.Placeholder("payload")
+            )
+        return _x(self.conn, messages_sql.current(self.schema, table, same), params).fetchone()
+
+    def _insert_from_envelope(self, letter: dict[str, Any], table: str) -> None:
+        message, spec = self._validated(letter)
+        if table == names.OUTBOX:
+            row = Outbox(cast(Any, None), self.registry).build(
+                spec,
+                aggregate_id=message.aggregate_id,
+                payload=message.payload,
+                message_context=message.message_context,
+                message_id=message.message_id,
+                message_version=message.message_version,
+                auth_token=message.auth_token,
+            )
+            _x(self.conn, outbox_sql.insert(self.schema), row.params())
+            return
+        inbox_sql.insert_rows(
+            self.conn.cursor(row_factory=tuple_row), self.schema, [self._inbox_row(letter, message, spec)]
         )
-    elif row["abandoned_at"] is None and row["processed_at"] is None:
-        action, detail = f"{table}-pending", f"{table} row {mid} is already pending"
-    else:
-        if row["archived_at"] is not None:  # a tombstone: only the id is left, the letter has the rest
-            _restore_from_envelope(conn, schema, registry, service, letter)
-        _x(conn, messages_sql.reset(schema, table), {"id": mid})
-        action, detail = f"{table}-reset", f"{table} row {mid} reset for processing"
-    history = {
-        "replayed_at": None,  # filled by SQL below (clock of the database)
-        "table": table,
-        "action": action,
-        "started_attempts": row["started_attempts"] if row else None,
-        "finished_attempts": row["finished_attempts"] if row else None,
-        "last_error": row["last_error"] if row else None,
-        "abandoned_at": row["abandoned_at"].isoformat() if row and row["abandoned_at"] else None,
-    }
-    _note(conn, schema, lid, history, "replayed_at", "replay_count = replay_count + 1")
-    return Outcome(lid, action, detail)
+
+    def _restore_from_envelope(self, letter: dict[str, Any]) -> None:
+        """Fill a tombstone in again from the letter (its id, type and aggregate already match)."""
+        message, spec = self._validated(letter)
+        row = self._inbox_row(letter, message, spec)
+        _x(
+            self.conn,
+            inbox_sql.restore_tombstone(self.schema),
+            {"id": row.id, "payload": row.payload, "message_context": row.message_context, "metadata": row.metadata},
+        )
+
+    def _validated(self, letter: dict[str, Any]) -> tuple[Message, MessageSpec]:
+        """The letter's envelope, parsed and checked against the current contracts."""
+        envelope = letter["message"]
+        if not isinstance(envelope, dict):
+            raise ReplayRefused("the letter holds no JSON envelope (raw body only): fix the sender and discard it")
+        try:
+            message = message_from_dict(envelope)
+            spec = self.registry.get(message.message_type)
+            spec.validate(message.payload, message.message_version)
+        except TxboxError as exc:
+            raise ReplayRefused(f"cannot replay: {exc}") from None
+        if message.message_id != letter["message_id"]:
+            raise ReplayRefused(
+                f"envelope message_id {message.message_id} differs from the letter's {letter['message_id']}"
+            )
+        return message, spec
+
+    def _inbox_row(self, letter: dict[str, Any], message: Message, spec: MessageSpec) -> InboxRow:
+        """The letter's message as an inbox row. A dead letter does not keep the lane the
+        receiver gave it, so it rejoins its aggregate's lane, as an outbox replay does."""
+        _ensure_received(self.registry, self.service, spec.message_type)
+        metadata: dict[str, Any] = {"replayed_from_dead_letter": letter["id"]}
+        if message.auth_token is not None:
+            metadata["auth_token"] = message.auth_token
+        return InboxRow.of(
+            message,
+            message_type=message.message_type,
+            kind=spec.kind,
+            routing_key=letter["routing_key"] or spec.routing_key,
+            metadata=jsoncodec.dumps(metadata),
+            lane=(default_segment(message.aggregate_type, message.aggregate_id), "sequential", 0),
+            queue=names.inbox_queue(self.service),
+        )
 
 
 def _note(conn: psycopg.Connection[Any], schema: str, lid: int, entry: dict[str, Any], stamp: str, more: str) -> None:
     """Set the letter's ``stamp`` column to now and append ``entry`` (timed as ``stamp``) to its history."""
     _x(conn, letters_sql.note(schema, stamp, more), {"entry": Jsonb(entry), "id": lid})
-
-
-def _current_row(
-    conn: psycopg.Connection[Any], schema: str, letter: dict[str, Any], table: str
-) -> dict[str, Any] | None:
-    """The message's row in ``table``, locked, with ``same``: whether it holds the letter's
-    content (inbox only; None when there is nothing to compare)."""
-    envelope = letter["message"]
-    keys = ("message_type", "aggregate_type", "aggregate_id", "payload")
-    comparable = (
-        table == names.INBOX
-        and isinstance(envelope, dict)
-        and all(isinstance(envelope.get(k), str) for k in keys[:3])
-        and "payload" in envelope
-    )
-    same: sql.Composable = sql.SQL("NULL::boolean")
-    params: dict[str, Any] = {"id": letter["message_id"]}
-    if comparable:
-        params.update({k: envelope[k] for k in keys[:3]}, payload=Jsonb(envelope["payload"]))
-        text = {k: sql.SQL("{}::text").format(sql.Placeholder(k)) for k in keys[:3]}
-        same = dedup.same_content(
-            "r", text["message_type"], text["aggregate_type"], text["aggregate_id"], sql.Placeholder("payload")
-        )
-    return _x(conn, messages_sql.current(schema, table, same), params).fetchone()
-
-
-def _insert_from_envelope(
-    conn: psycopg.Connection[Any],
-    schema: str,
-    registry: Registry,
-    service: str,
-    letter: dict[str, Any],
-    table: str,
-) -> None:
-    message, spec = _validated(registry, letter)
-    if table == names.OUTBOX:
-        row = Outbox(cast(Any, None), registry).build(
-            spec,
-            aggregate_id=message.aggregate_id,
-            payload=message.payload,
-            message_context=message.message_context,
-            message_id=message.message_id,
-            message_version=message.message_version,
-            auth_token=message.auth_token,
-        )
-        _x(conn, outbox_sql.insert(schema), row.params())
-        return
-    inbox_sql.insert_rows(
-        conn.cursor(row_factory=tuple_row), schema, [_inbox_row(registry, service, letter, message, spec)]
-    )
-
-
-def _restore_from_envelope(
-    conn: psycopg.Connection[Any], schema: str, registry: Registry, service: str, letter: dict[str, Any]
-) -> None:
-    """Fill a tombstone in again from the letter (its id, type and aggregate already match)."""
-    message, spec = _validated(registry, letter)
-    row = _inbox_row(registry, service, letter, message, spec)
-    _x(
-        conn,
-        inbox_sql.restore_tombstone(schema),
-        {"id": row.id, "payload": row.payload, "message_context": row.message_context, "metadata": row.metadata},
-    )
-
-
-def _validated(registry: Registry, letter: dict[str, Any]) -> tuple[Message, MessageSpec]:
-    """The letter's envelope, parsed and checked against the current contracts."""
-    envelope = letter["message"]
-    if not isinstance(envelope, dict):
-        raise ReplayRefused("the letter holds no JSON envelope (raw body only): fix the sender and discard it")
-    try:
-        message = message_from_dict(envelope)
-        spec = registry.get(message.message_type)
-        spec.validate(message.payload, message.message_version)
-    except TxboxError as exc:
-        raise ReplayRefused(f"cannot replay: {exc}") from None
-    if message.message_id != letter["message_id"]:
-        raise ReplayRefused(
-            f"envelope message_id {message.message_id} differs from the letter's {letter['message_id']}"
-        )
-    return message, spec
-
-
-def _inbox_row(
-    registry: Registry, service: str, letter: dict[str, Any], message: Message, spec: MessageSpec
-) -> InboxRow:
-    """The letter's message as an inbox row. A dead letter does not keep the lane the
-    receiver gave it, so it rejoins its aggregate's lane, as an outbox replay does."""
-    _ensure_received(registry, service, spec.message_type)
-    metadata: dict[str, Any] = {"replayed_from_dead_letter": letter["id"]}
-    if message.auth_token is not None:
-        metadata["auth_token"] = message.auth_token
-    return InboxRow(
-        id=message.message_id,
-        message_type=message.message_type,
-        aggregate_type=message.aggregate_type,
-        aggregate_id=message.aggregate_id,
-        message_version=message.message_version,
-        kind=spec.kind,
-        routing_key=letter["routing_key"] or spec.routing_key,
-        payload=jsoncodec.dumps(message.payload),
-        message_context=jsoncodec.dumps(message.message_context),
-        metadata=jsoncodec.dumps(metadata),
-        segment=default_segment(message.aggregate_type, message.aggregate_id),
-        concurrency="sequential",
-        priority=0,
-        message_timestamp=message.timestamp,
-        queue=names.inbox_queue(service),
-        redelivered=False,
-    )
 
 
 def discard(conn: psycopg.Connection[Any], schema: str, ids: Sequence[int], *, dry_run: bool = False) -> list[Outcome]:

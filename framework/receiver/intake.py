@@ -11,7 +11,6 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC
 from typing import Any
 
 from framework import dead_letters as dl
@@ -285,22 +284,13 @@ class Intake:
             spec.validate(message.payload, message.message_version)
         except PayloadValidationError as exc:
             return self.reject(delivery, Reason.SCHEMA_INVALID, str(exc), data=data)
-        segment, concurrency, priority = delivery.lane(default_segment(message.aggregate_type, message.aggregate_id))
-        return InboxRow(
-            id=message.message_id,
+        return InboxRow.of(
+            message,
             message_type=spec.message_type,
-            aggregate_type=message.aggregate_type,
-            aggregate_id=message.aggregate_id,
-            message_version=message.message_version,
             kind=spec.kind,
             routing_key=spec.routing_key,
-            payload=jsoncodec.amqp_json(message.payload),
-            message_context=jsoncodec.amqp_json(message.message_context),
             metadata=_metadata_text(delivery.metadata(message.auth_token)),
-            segment=segment,
-            concurrency=concurrency,
-            priority=priority,
-            message_timestamp=message.timestamp.astimezone(UTC),
+            lane=delivery.lane(default_segment(message.aggregate_type, message.aggregate_id)),
             queue=self.queue,
             redelivered=delivery.redelivered,
         )

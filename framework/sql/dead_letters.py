@@ -4,20 +4,28 @@
 the one INSERT, used by the receiver, the worker, the relay and the collector alike;
 ``ON CONFLICT`` on the collector's ``delivery_key`` makes a broker delivery stored twice
 (a crash before its ack) one row, and is never hit by the other writers, whose key is
-NULL. The statements of replay and discard (framework/dlq/replay.py) follow; the read
-side (list, groups, a letter, the dashboard's numbers) is framework/dlq/queries.py.
+NULL. The statements of replay and discard (framework/dlq/replay.py) follow, then the
+read side of ``txbox dlq`` and the dashboard (list, count, groups, one letter, the open
+letters' numbers). Every filter value is a bound parameter; only the schema (a validated
+identifier) is composed into the text. The list pages order by ``died_at DESC, id DESC``
+so the ``dead_letters_died_at_idx`` / ``dead_letters_open_idx`` indexes answer them
+without sorting 100,000 rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
 from framework import names
 from framework.dead_letters import DeadLetter
+from framework.sql.inbox import same_content
+
+if TYPE_CHECKING:
+    from framework.dlq.queries import Filters
 
 # The columns a writer sets (DeadLetter.row()'s keys); the others have their defaults.
 COLUMNS = (
@@ -106,3 +114,160 @@ def resolve_processed(schema: str) -> sql.Composed:
            WHERE message_id = ANY(%(ids)s) AND replayed_at IS NOT NULL AND resolved_at IS NULL
              AND discarded_at IS NULL AND source IN ('inbox', 'broker')"""
     ).format(dl=_letters(schema))
+
+
+def resolve_forgotten(schema: str) -> sql.Composed:
+    """Params: ids (inbox ids about to be forgotten). Their open or replayed inbox and
+    broker letters whose message was processed with the same content, resolved (so a
+    later replay cannot run it again; framework/dedup.py). A letter with other content
+    (an id conflict) stays open."""
+    letter = "d.message"
+    return sql.SQL(
+        """UPDATE {dl} d SET resolved_at = i.processed_at FROM {inbox} i
+           WHERE i.id = ANY(%(ids)s::uuid[]) AND i.processed_at IS NOT NULL AND d.message_id = i.id
+             AND d.source IN ('inbox', 'broker') AND d.resolved_at IS NULL AND d.discarded_at IS NULL
+             AND jsonb_typeof({m}) = 'object' AND {same}"""
+    ).format(
+        dl=_letters(schema),
+        inbox=sql.Identifier(schema, names.INBOX),
+        m=sql.SQL(letter),
+        same=same_content(
+            "i",
+            sql.SQL(f"{letter} ->> 'message_type'"),
+            sql.SQL(f"{letter} ->> 'aggregate_type'"),
+            sql.SQL(f"{letter} ->> 'aggregate_id'"),
+            sql.SQL(f"{letter} -> 'payload'"),
+        ),
+    )
+
+
+# --- reads: txbox dlq and the dashboard (framework/dlq/queries.py) ----------------------
+
+# The status of a row, as SQL over its own columns (the partial indexes use the same text).
+STATUS_SQL = {
+    "open": "replayed_at IS NULL AND discarded_at IS NULL",
+    "replayed": "replayed_at IS NOT NULL AND resolved_at IS NULL AND discarded_at IS NULL",
+    "resolved": "resolved_at IS NOT NULL",
+    "discarded": "discarded_at IS NOT NULL",
+    "all": "TRUE",
+}
+STATUS_CASE = (
+    "CASE WHEN discarded_at IS NOT NULL THEN 'discarded' WHEN resolved_at IS NOT NULL THEN 'resolved' "
+    "WHEN replayed_at IS NOT NULL THEN 'replayed' ELSE 'open' END"
+)
+LIST_COLUMNS = (
+    "id, message_id, source, reason, left(error, 240) AS error, fingerprint, message_type, routing_key, "
+    f"died_at, replayed_at, replay_count, resolved_at, discarded_at, {STATUS_CASE} AS status"
+)
+
+
+def where_clause(filters: Filters) -> tuple[sql.Composable, dict[str, Any]]:
+    """The WHERE clause ``filters`` select, and its parameters."""
+    parts: list[sql.Composable] = [sql.SQL(STATUS_SQL[filters.status])]
+    params: dict[str, Any] = {}
+    for column in ("source", "message_type", "reason", "fingerprint"):
+        value = getattr(filters, column)
+        if value is not None:
+            parts.append(sql.SQL("{} = {}").format(sql.Identifier(column), sql.Placeholder(column)))
+            params[column] = value
+    if filters.message_id is not None:
+        # Compare as text: a malformed id simply matches nothing instead of failing the query.
+        parts.append(sql.SQL("message_id::text = lower({})").format(sql.Placeholder("message_id")))
+        params["message_id"] = filters.message_id.strip()
+    if filters.since is not None:
+        parts.append(sql.SQL("died_at >= {}").format(sql.Placeholder("since")))
+        params["since"] = filters.since
+    if filters.until is not None:
+        parts.append(sql.SQL("died_at < {}").format(sql.Placeholder("until")))
+        params["until"] = filters.until
+    return sql.SQL(" AND ").join(parts), params
+
+
+def list_letters(
+    conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limit: int = 50, offset: int = 0
+) -> list[dict[str, Any]]:
+    where, params = where_clause(filters)
+    query = sql.SQL(
+        "SELECT "
+        + LIST_COLUMNS
+        + " FROM {t} WHERE {where} ORDER BY died_at DESC, id DESC LIMIT {limit} OFFSET {offset}"
+    ).format(t=_letters(schema), where=where, limit=sql.Placeholder("limit"), offset=sql.Placeholder("offset"))
+    return list(conn.execute(query, {**params, "limit": limit, "offset": offset}).fetchall())
+
+
+def count_letters(conn: psycopg.Connection[Any], schema: str, filters: Filters) -> int:
+    where, params = where_clause(filters)
+    query = sql.SQL("SELECT count(*) AS n FROM {t} WHERE {where}").format(t=_letters(schema), where=where)
+    row = conn.execute(query, params).fetchone()
+    return int(row["n"]) if row else 0
+
+
+def groups(conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limit: int = 100) -> list[dict[str, Any]]:
+    """Letters grouped by fingerprint, biggest first, each with its latest error as sample.
+
+    A fingerprint includes the message type, so each group has one type (from the sample).
+    """
+    where, params = where_clause(filters)
+    query = sql.SQL(
+        """WITH g AS (
+               SELECT fingerprint, count(*) AS count, min(died_at) AS first_died_at, max(died_at) AS last_died_at
+               FROM {t} WHERE {where} GROUP BY fingerprint ORDER BY count(*) DESC, max(died_at) DESC
+               LIMIT {limit})
+           SELECT g.*, s.message_type, s.reason, s.source, left(s.error, 300) AS error
+           FROM g CROSS JOIN LATERAL (
+               SELECT message_type, reason, source, error FROM {t} d
+               WHERE d.fingerprint = g.fingerprint ORDER BY died_at DESC LIMIT 1) s
+           ORDER BY g.count DESC, g.last_died_at DESC"""
+    ).format(t=_letters(schema), where=where, limit=sql.Placeholder("limit"))
+    return list(conn.execute(query, {**params, "limit": limit}).fetchall())
+
+
+def get_letter(conn: psycopg.Connection[Any], schema: str, letter_id: int) -> dict[str, Any] | None:
+    """One letter in full, plus the current state of its inbox/outbox row when there is one."""
+    query = sql.SQL("SELECT *, " + STATUS_CASE + " AS status FROM {t} WHERE id = %(id)s").format(t=_letters(schema))
+    row = conn.execute(query, {"id": letter_id}).fetchone()
+    if row is None:
+        return None
+    row = dict(row)
+    row["current"] = None
+    if row["message_id"] is not None:
+        table = names.OUTBOX if row["source"] == "outbox" else names.INBOX
+        state = sql.SQL(
+            "SELECT {table_name} AS table, created_at, locked_until, started_attempts, finished_attempts, "
+            "processed_at, abandoned_at, last_error FROM {t} WHERE id = %(id)s"
+        ).format(table_name=sql.Literal(table), t=sql.Identifier(schema, table))
+        row["current"] = conn.execute(state, {"id": row["message_id"]}).fetchone()
+    return row
+
+
+def ids_matching(conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limit: int = 100_000) -> list[int]:
+    """Ids of the letters a filter selects (replay or discard of a whole group)."""
+    where, params = where_clause(filters)
+    query = sql.SQL("SELECT id FROM {t} WHERE {where} ORDER BY died_at, id LIMIT {limit}").format(
+        t=_letters(schema), where=where, limit=sql.Placeholder("limit")
+    )
+    return [r["id"] for r in conn.execute(query, {**params, "limit": limit}).fetchall()]
+
+
+def distinct_values(conn: psycopg.Connection[Any], schema: str, column: str, *, limit: int = 200) -> list[str]:
+    """Values of a low-cardinality column for the filter drop-downs. Scans the table (~100 ms
+    at 100k letters): the dashboard caches the answer for a minute."""
+    if column not in ("message_type", "reason", "source"):
+        raise ValueError(column)
+    query = sql.SQL("SELECT {c} AS v FROM {t} WHERE {c} IS NOT NULL GROUP BY {c} ORDER BY {c} LIMIT {limit}").format(
+        c=sql.Identifier(column), t=_letters(schema), limit=sql.Literal(limit)
+    )
+    return [r["v"] for r in conn.execute(query).fetchall()]
+
+
+def open_summary(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
+    """The open letters of the overview card: how many, in how many groups, the oldest, and
+    how many died in the last 24 h."""
+    row = conn.execute(
+        sql.SQL(
+            """SELECT count(*) AS open, count(DISTINCT fingerprint) AS open_groups, min(died_at) AS oldest_open_at,
+                      (SELECT count(*) FROM {t} WHERE died_at >= now() - interval '24 hours') AS died_24h
+               FROM {t} WHERE replayed_at IS NULL AND discarded_at IS NULL"""
+        ).format(t=_letters(schema))
+    ).fetchone()
+    return dict(row) if row else {}

@@ -25,15 +25,23 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from framework import dedup, names
+from framework import jsoncodec, names
 from framework.tables import pending_by_id, pending_in_segment
+
+if TYPE_CHECKING:
+    from framework.envelope import Message
+
+
+def _on_inbox(schema: str, text: str) -> sql.Composed:
+    """``text`` with ``{inbox}`` composed as the schema's inbox."""
+    return sql.SQL(text).format(inbox=sql.Identifier(schema, names.INBOX))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +64,43 @@ class InboxRow:
     message_timestamp: datetime
     queue: str
     redelivered: bool
+
+    @classmethod
+    def of(
+        cls,
+        message: Message,
+        *,
+        message_type: str,
+        kind: str,
+        routing_key: str,
+        metadata: str,
+        lane: tuple[str, str, int],
+        queue: str,
+        redelivered: bool = False,
+    ) -> InboxRow:
+        """``message`` as a row: its id, aggregate, version, timestamp (in UTC), payload and
+        context (as JSON text) from the message; the type as it is to be stored, kind and
+        routing key of its contract, ``metadata`` (JSON text), the lane (segment,
+        concurrency, priority) and the queue it came from as the writer decides them."""
+        segment, concurrency, priority = lane
+        return cls(
+            id=message.message_id,
+            message_type=message_type,
+            aggregate_type=message.aggregate_type,
+            aggregate_id=message.aggregate_id,
+            message_version=message.message_version,
+            kind=kind,
+            routing_key=routing_key,
+            payload=jsoncodec.amqp_json(message.payload),
+            message_context=jsoncodec.amqp_json(message.message_context),
+            metadata=metadata,
+            segment=segment,
+            concurrency=concurrency,
+            priority=priority,
+            message_timestamp=message.timestamp.astimezone(UTC),
+            queue=queue,
+            redelivered=redelivered,
+        )
 
 
 # The PostgreSQL type of each InboxRow field that is not text, for the arrays of the INSERT.
@@ -101,10 +146,82 @@ def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow])
     return {row[0] for row in cur.fetchall()}
 
 
+# --- the dedup memory (framework/dedup.py, docs/architecture.md "Dedup memory") ---------
+
+DIGEST_KEY = "payload_sha256"
+FINISHED = "(processed_at IS NOT NULL OR abandoned_at IS NOT NULL)"
+# The time a message's dedup window starts: when it was processed (or abandoned).
+FINISHED_AT = "coalesce(processed_at, abandoned_at)"
+
+
+def payload_digest(payload: sql.Composable) -> sql.Composed:
+    """SQL: hex SHA-256 of a jsonb value's canonical text (keys sorted, spacing normalized)."""
+    return sql.SQL("encode(sha256(convert_to(({})::text, 'UTF8')), 'hex')").format(payload)
+
+
+def same_content(
+    row: str,
+    message_type: sql.Composable,
+    aggregate_type: sql.Composable,
+    aggregate_id: sql.Composable,
+    payload: sql.Composable,
+) -> sql.Composed:
+    """SQL predicate: inbox row ``row`` (an alias) holds this content, live or tombstone.
+
+    ``payload`` must be a jsonb expression.
+    """
+    r = sql.Identifier(row)
+    return sql.SQL(
+        "({r}.message_type = {mt} AND {r}.aggregate_type = {at} AND {r}.aggregate_id = {ai} AND {p})"
+    ).format(r=r, mt=message_type, at=aggregate_type, ai=aggregate_id, p=same_payload(row, payload))
+
+
+def same_payload(row: str, payload: sql.Composable) -> sql.Composed:
+    """SQL predicate: inbox row ``row`` holds this payload (a jsonb expression), live or tombstone."""
+    return sql.SQL(
+        "CASE WHEN {r}.archived_at IS NULL THEN {r}.payload = {p} ELSE {r}.metadata ->> {key} = {digest} END"
+    ).format(r=sql.Identifier(row), p=payload, key=sql.Literal(DIGEST_KEY), digest=payload_digest(payload))
+
+
+def tombstone(schema: str) -> sql.Composed:
+    """Params: ids, window. Finished rows of ``ids`` within the window become tombstones:
+    payload, context and error stripped, the payload's digest kept in ``metadata``."""
+    return sql.SQL(
+        f"""UPDATE {{inbox}} SET archived_at = clock_timestamp(), payload = '{{{{}}}}'::jsonb,
+               message_context = '{{{{}}}}'::jsonb, last_error = NULL,
+               metadata = jsonb_build_object({{key}}, {{digest}})
+           WHERE id = ANY(%(ids)s::uuid[]) AND {FINISHED} AND archived_at IS NULL
+             AND {FINISHED_AT} >= now() - %(window)s::interval"""
+    ).format(
+        inbox=sql.Identifier(schema, names.INBOX),
+        key=sql.Literal(DIGEST_KEY),
+        digest=payload_digest(sql.SQL("payload")),
+    )
+
+
+def forget_expired(schema: str) -> sql.Composed:
+    """Params: ids, window. Finished rows (or tombstones) of ``ids`` older than the window, deleted."""
+    return _on_inbox(
+        schema,
+        f"""DELETE FROM {{inbox}} WHERE id = ANY(%(ids)s::uuid[]) AND {FINISHED}
+             AND {FINISHED_AT} < now() - %(window)s::interval""",
+    )
+
+
+def expired_tombstones(schema: str) -> sql.Composed:
+    """Params: window, limit. Ids of tombstones whose window has passed, oldest first
+    (through inbox_tombstone_idx)."""
+    return _on_inbox(
+        schema,
+        f"""SELECT id FROM {{inbox}} WHERE archived_at IS NOT NULL AND {FINISHED_AT} < now() - %(window)s::interval
+            ORDER BY {FINISHED_AT} LIMIT %(limit)s""",
+    )
+
+
 # What makes two messages with one id the same message (docs/architecture.md, "Receiver
 # intake"): type, aggregate and payload, the payload compared as jsonb (key order and
 # number spelling do not matter), or by its digest where the archive left a tombstone
-# (framework.dedup). Context, timestamp, version, token and headers may differ between
+# (below). Context, timestamp, version, token and headers may differ between
 # two sends of one message and are not compared.
 def _conflicts_sql(schema: str) -> sql.Composed:
     u = {c: sql.SQL("u." + c) for c in ("message_type", "aggregate_type", "aggregate_id")}
@@ -120,8 +237,8 @@ def _conflicts_sql(schema: str) -> sql.Composed:
         "JOIN {table} i ON i.id = u.id WHERE NOT coalesce({same}, false) ORDER BY u.n"
     ).format(
         table=sql.Identifier(schema, names.INBOX),
-        same_payload=dedup.same_payload("i", payload),
-        same=dedup.same_content("i", u["message_type"], u["aggregate_type"], u["aggregate_id"], payload),
+        same_payload=same_payload("i", payload),
+        same=same_content("i", u["message_type"], u["aggregate_type"], u["aggregate_id"], payload),
     )
 
 
@@ -263,69 +380,76 @@ def presume_processed(schema: str) -> sql.Composed:
     claim worth making before the next NOTIFY. The probe reads the statement's snapshot, in which the batch
     is still pending, so it skips the batch's own rows.
     """
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} t SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, "
         "locked_until = clock_timestamp(), metadata = t.metadata - 'auth_token' "
         f"WHERE {_FENCE} "
         "RETURNING t.id, t.concurrency = 'sequential' AND EXISTS ("
         "SELECT 1 FROM {inbox} p WHERE p.segment = t.segment AND p.concurrency = 'sequential' "
-        f"AND {pending_in_segment('p')} AND p.id <> ALL(%(ids)s::uuid[])) AS frees"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        f"AND {pending_in_segment('p')} AND p.id <> ALL(%(ids)s::uuid[])) AS frees",
+    )
 
 
 def mark_failed(schema: str) -> sql.Composed:
     """Undo the presumption for a failed run: due again after the backoff (the run counted)."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} SET processed_at = NULL, "
         "locked_until = clock_timestamp() + make_interval(secs => %(delay)s), last_error = %(error)s, "
         f"metadata = metadata || {_TOKEN_BACK % '%(auth_token)s'} "
-        "WHERE id = %(id)s"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        "WHERE id = %(id)s",
+    )
 
 
 def mark_abandoned(schema: str) -> sql.Composed:
     """Undo the presumption for an abandon; ``finished`` is how many runs it settles in all."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} SET processed_at = NULL, finished_attempts = finished_attempts - 1 + %(finished)s, "
         "abandoned_at = clock_timestamp(), locked_until = clock_timestamp(), last_error = %(error)s "
-        "WHERE id = %(id)s"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        "WHERE id = %(id)s",
+    )
 
 
 def unclaim(schema: str) -> sql.Composed:
     """Undo the presumption *and* the claim of messages that were never run (lease too short)."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} t SET processed_at = NULL, finished_attempts = t.finished_attempts - 1, "
         "started_attempts = t.started_attempts - 1, locked_until = clock_timestamp(), "
         f"metadata = t.metadata || {_TOKEN_BACK % 'c.token'} "
-        "FROM unnest(%s::uuid[], %s::text[]) AS c(id, token) WHERE t.id = c.id"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        "FROM unnest(%s::uuid[], %s::text[]) AS c(id, token) WHERE t.id = c.id",
+    )
 
 
 def release(schema: str) -> sql.Composed:
     """Give back claims that were never run (stop, lost database): not an attempt, not poison."""
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "UPDATE {inbox} t SET started_attempts = t.started_attempts - 1, locked_until = clock_timestamp() "
-        f"WHERE {_FENCE}"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        f"WHERE {_FENCE}",
+    )
 
 
 def backlog(schema: str) -> sql.Composed:
-    return sql.SQL(
+    return _on_inbox(
+        schema,
         "SELECT count(*), COALESCE(extract(epoch FROM now() - min(locked_until) "
-        "FILTER (WHERE locked_until <= now())), 0) FROM {inbox} WHERE processed_at IS NULL AND abandoned_at IS NULL"
-    ).format(inbox=sql.Identifier(schema, names.INBOX))
+        "FILTER (WHERE locked_until <= now())), 0) FROM {inbox} WHERE processed_at IS NULL AND abandoned_at IS NULL",
+    )
 
 
 def holds(schema: str) -> sql.Composed:
     """Params: id. One row if the inbox holds the message (live or tombstone)."""
-    return sql.SQL("SELECT 1 FROM {t} WHERE id = %(id)s").format(t=sql.Identifier(schema, names.INBOX))
+    return _on_inbox(schema, "SELECT 1 FROM {inbox} WHERE id = %(id)s")
 
 
 def restore_tombstone(schema: str) -> sql.Composed:
     """Params: id, payload, message_context, metadata. A tombstone filled in again (its id,
-    type and aggregate already match; framework/dedup.py)."""
-    return sql.SQL(
-        """UPDATE {t} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
-               archived_at = NULL WHERE id = %(id)s"""
-    ).format(t=sql.Identifier(schema, names.INBOX))
+    type and aggregate already match; the dedup memory above)."""
+    return _on_inbox(
+        schema,
+        """UPDATE {inbox} SET payload = %(payload)s, message_context = %(message_context)s, metadata = %(metadata)s,
+               archived_at = NULL WHERE id = %(id)s""",
+    )

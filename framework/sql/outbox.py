@@ -181,6 +181,21 @@ SELECT id, message_type, aggregate_type, aggregate_id, message_version, kind, ro
     segment, concurrency, trace
 FROM taken ORDER BY priority DESC, created_at, id"""
 
+# The end of both claims: of the due rows chosen, the heads of their lanes (a parallel
+# row heads its own), in claim order, locked (skipping rows another publisher holds),
+# then taken.
+_HEADS_TAKEN = (
+    """
+      AND (o.concurrency = 'parallel' OR """
+    + _PROBE
+    + """)
+    ORDER BY o.priority DESC, o.created_at
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+)"""
+    + _TAKE
+)
+
 
 def claim_window(schema: str) -> sql.Composed:
     """Params: window, limit, lease (seconds). The usual claim (rows: :func:`fetch_claimed`).
@@ -220,15 +235,8 @@ WITH window_rows AS (
     WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM firsts))
       AND """
         + pending_by_id("o")
-        + """ AND o.locked_until <= now()
-      AND (o.concurrency = 'parallel' OR """
-        + _PROBE
-        + """)
-    ORDER BY o.priority DESC, o.created_at
-    LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
-)"""
-        + _TAKE
+        + """ AND o.locked_until <= now()"""
+        + _HEADS_TAKEN
     ).format(outbox=_outbox(schema))
 
 
@@ -239,15 +247,8 @@ def claim(schema: str) -> sql.Composed:
 WITH due AS (
     SELECT o.ctid
     FROM {outbox} o
-    WHERE o.processed_at IS NULL AND o.abandoned_at IS NULL AND o.locked_until <= now()
-      AND (o.concurrency = 'parallel' OR """
-        + _PROBE
-        + """)
-    ORDER BY o.priority DESC, o.created_at
-    LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
-)"""
-        + _TAKE
+    WHERE o.processed_at IS NULL AND o.abandoned_at IS NULL AND o.locked_until <= now()"""
+        + _HEADS_TAKEN
     ).format(outbox=_outbox(schema))
 
 

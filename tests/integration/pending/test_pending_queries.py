@@ -1,4 +1,4 @@
-"""framework/pending.py against a real database: each state, the filters, the order, the plans."""
+"""framework/pending.py and its statements against a real database: each state, the filters, the order, the plans."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from psycopg import sql
 
 from framework import names, pending
+from framework.sql import pending as pending_sql
 from tests.integration.dlq import seed
 from tests.integration.pending.conftest import put
 
@@ -95,7 +96,7 @@ def test_bad_filters_say_what_is_wrong(given: dict[str, Any], complaint: str) ->
 
 
 def _plan(conn: Any, filters: pending.Filters) -> str:
-    query, params = pending.list_query("txbox", filters)
+    query, params = pending_sql.list_query("txbox", filters)
     rows = conn.execute(sql.SQL("EXPLAIN ") + query, params).fetchall()
     return "\n".join(r["QUERY PLAN"] for r in rows)
 
@@ -131,7 +132,7 @@ def test_listing_reads_the_pending_indexes_not_the_history(conn: Any, table: str
         assert f"Index Scan using {index}" in plan, plan
         assert "Seq Scan" not in plan and "created_at_idx" not in plan, plan
     counting = "\n".join(
-        r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + pending.counts_query("txbox", table, park=True))
+        r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + pending_sql.counts_query("txbox", table, park=True))
     )
     assert f"Seq Scan on {table}" not in counting and "created_at_idx" not in counting, counting
     assert len(pending.list_pending(conn, "txbox", pending.Filters(table=table))) == 50
