@@ -16,6 +16,7 @@ from framework.settings import Settings
 if TYPE_CHECKING:
     from sqlalchemy import Connection
     from sqlalchemy.engine import Engine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
     from sqlalchemy.orm import Session
 
     from framework.envelope import Message
@@ -93,8 +94,11 @@ class Service:
     def handler_for(self, message_type: str) -> Handler | None:
         return self._handlers.get(message_type)
 
-    def outbox(self, session: Session | Connection, *, incoming: Message | None = None) -> Outbox:
-        """An outbox writing into ``session``'s current transaction."""
+    def outbox(
+        self, session: Session | Connection | AsyncSession | AsyncConnection, *, incoming: Message | None = None
+    ) -> Outbox:
+        """An outbox writing into ``session``'s current transaction (blocking or asyncio:
+        docs/architecture.md, "Async outbox")."""
         return Outbox(
             session,
             self.registry,

@@ -61,7 +61,7 @@ PIP_LOG=.venv/pip.log
 pip_logged() {
   .venv/bin/pip "$@" >>"$PIP_LOG" 2>&1 || { tail -n 40 "$PIP_LOG" >&2; die "pip $1 failed (whole log: $PIP_LOG)"; }
 }
-extras=spark,dashboard,otel
+extras=spark,dashboard,otel,async
 stamp=.venv/.txbox-installed
 if [ -n "$FOR_TEST" ]; then extras=$extras,dev; stamp=.venv/.txbox-installed-for-test; fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ tools/pyproject.toml -nt "$stamp" ]; then
