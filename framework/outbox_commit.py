@@ -189,12 +189,15 @@ def _on_rollback(conn: Connection) -> None:
 
 
 def _on_reset(dbapi_connection: Any, record: Any, state: Any) -> None:
-    # The pool rolls back what its borrower left open.
-    _forget_if_open(dbapi_connection)
+    # The pool rolls back what its borrower left open. An asyncio engine's pool holds
+    # SQLAlchemy's adapter around the psycopg connection.
+    _forget_if_open(getattr(dbapi_connection, "driver_connection", dbapi_connection))
 
 
 def _on_statement(conn: Connection, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
-    status = getattr(cursor, "statusmessage", None)
+    # SQLAlchemy's asyncio cursor adapter does not pass psycopg's command tag on: the
+    # statement's first word tells the same for the statements that matter.
+    status = getattr(cursor, "statusmessage", None) or statement[:64].lstrip().upper()
     if status and _DEALLOCATING(status):
         _forget(conn.connection.driver_connection)
 

@@ -7,9 +7,11 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Column, MetaData, Table, Text, event, select
+from sqlalchemy import Column, MetaData, Table, Text, event, func, select
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.util import greenlet_spawn
 
 from framework import Service, tables
 from framework.errors import ConfigurationError, PayloadValidationError
@@ -191,11 +193,14 @@ def test_pipeline_off_falls_back_to_the_insert_at_commit(service: Service, urls:
     assert [r["aggregate_id"] for r in table(service)] == ["o-1"]
 
 
-def test_other_asyncio_drivers_are_refused(service: Service) -> None:
-    pytest.importorskip("asyncpg")
-    engine = create_async_engine(service.settings.database_url.replace("+psycopg", "+asyncpg"))
-    with pytest.raises(ConfigurationError, match="psycopg"):
-        service.outbox(AsyncSession(engine))
+def test_other_asyncio_drivers_are_refused(service: Service, urls: str) -> None:
+    async def body(engine: AsyncEngine) -> None:
+        # asyncpg need not be installed: the outbox only reads the dialect's driver name.
+        engine.sync_engine.dialect.driver = "asyncpg"
+        with pytest.raises(ConfigurationError, match=r"psycopg 3 driver, not 'asyncpg'.*postgresql\+psycopg://"):
+            service.outbox(AsyncSession(engine))
+
+    run(urls, body)
 
 
 def test_a_failing_row_at_the_commit_commits_nothing(service: Service, urls: str) -> None:
@@ -218,3 +223,35 @@ def test_a_failing_row_at_the_commit_commits_nothing(service: Service, urls: str
     run(urls, body)
     assert table(service) == []
     assert [r["id"] for r in table(service, orders)] == ["o-3"]
+
+
+def reset_in_the_pool(engine: Engine) -> None:
+    raw = engine.raw_connection()  # no SQLAlchemy Connection, so no rollback event
+    raw.cursor().execute("INSERT INTO orders VALUES ('x')")
+    raw.close()  # the pool rolls it back, and psycopg deallocates what it prepared
+
+
+def deallocate(engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.exec_driver_sql("DEALLOCATE ALL")
+        conn.commit()
+
+
+@pytest.mark.parametrize("drop", [reset_in_the_pool, deallocate])
+def test_a_dropped_statement_is_prepared_again(service: Service, urls: str, drop: Callable[[Engine], None]) -> None:
+    async def body(_: AsyncEngine) -> None:
+        # Every checkout is the same session, and psycopg prepares at once.
+        one = create_async_engine(urls, pool_size=1, max_overflow=0, connect_args={"prepare_threshold": 0})
+        try:
+            for order_id in ("first", "second"):
+                async with one.connect() as conn:
+                    place(service, conn, order_id)
+                    await conn.commit()
+                    await conn.execute(select(func.count()).select_from(orders))  # one of psycopg's own
+                    await conn.commit()
+                await greenlet_spawn(drop, one.sync_engine)
+        finally:
+            await one.dispose()
+
+    run(urls, body)
+    assert [r["aggregate_id"] for r in table(service)] == ["first", "second"]
