@@ -269,8 +269,11 @@ class OrdersApi:
 
     def place(self, orders: list[tuple[str, dict[str, Any]]]) -> None:
         """POST every order, concurrently; raises DemoFailed on the first refusal."""
-        for _ in self._pool.map(self._place, orders):
-            pass
+        try:
+            for _ in self._pool.map(self._place, orders):
+                pass
+        except (OSError, http.client.HTTPException) as exc:
+            raise DemoFailed(f"the order service's HTTP API at {self.url} failed: {exc!r}") from exc
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
