@@ -57,18 +57,10 @@ class Outbox:
         defer_to: list[OutboxRow] | None = None,
         commit_pipeline: bool = True,
     ) -> None:
-        self._bind: Session | Connection
-        self._asyncio = not isinstance(bind, Session | Connection)
-        if isinstance(bind, Session | Connection):
-            self._bind = bind
-        else:  # written to through the blocking object inside it, without I/O
-            inner = outbox_async.sync_bind(bind)
-            if inner is None:
-                raise TypeError(
-                    "an outbox writes into a Session, Connection, AsyncSession or AsyncConnection, "
-                    f"not {type(bind).__name__}"
-                )
-            self._bind = inner
+        # An asyncio bind is written to through the blocking object inside it, without I/O.
+        inner = None if isinstance(bind, Session | Connection) else outbox_async.sync_bind(bind)
+        self._asyncio = inner is not None
+        self._bind: Session | Connection = inner or bind  # type: ignore[assignment]
         self._registry = registry
         self._schema = schema
         self._incoming = incoming
