@@ -380,6 +380,8 @@ def drive(
     last_done = -1
     with psycopg.connect(orders.settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
         while done < options.orders:
+            if TERMINATED.is_set():
+                raise KeyboardInterrupt("SIGTERM")
             now = time.monotonic()
             allowed = options.orders - sent
             if options.rate > 0:
@@ -575,6 +577,8 @@ def start_daemons(group: ProcessGroup, options: DemoOptions, urls: dict[str, str
 def wait_for(predicate: Any, timeout: float, what: str, group: ProcessGroup) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
+        if TERMINATED.is_set():
+            raise KeyboardInterrupt("SIGTERM")
         if group.dead():
             daemon = group.dead()[0]
             raise DemoFailed(f"daemon {daemon.name} exited while {what}; last lines:\n{daemon.log_tail()}")
@@ -583,10 +587,17 @@ def wait_for(predicate: Any, timeout: float, what: str, group: ProcessGroup) -> 
         time.sleep(0.1)
 
 
+#: Set by SIGTERM. The handler's KeyboardInterrupt is lost when it lands in a garbage
+#: collector's weakref callback ("Exception ignored in ..."), which the HTTP clients'
+#: threads make frequent; the loops that wait check this as well.
+TERMINATED = threading.Event()
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, so the daemons are stopped rather than orphaned."""
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
+        TERMINATED.set()
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     if threading.current_thread() is threading.main_thread():
