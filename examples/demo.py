@@ -5,11 +5,13 @@ What it does, in order (``txbox demo --help`` for the knobs):
 1. creates fresh databases ``txbox_demo_orders`` / ``txbox_demo_inventory`` and a fresh
    RabbitMQ vhost ``txbox-demo``, migrates both databases (framework + business
    histories) and declares the topology of both services;
-2. starts the daemons of both services as processes through the ``txbox`` command;
+2. starts the daemons of both services as processes through the ``txbox`` command, and
+   the order service's HTTP API (``examples/orders/api.py``) on uvicorn;
 3. restocks the inventory with RestockItem commands and waits until they are handled;
-4. writes PlaceOrder commands into the order service's outbox (as its web front end
-   would, each in a business transaction) with at most ``--window`` orders in flight,
-   showing a live progress bar until every order is completed or cancelled;
+4. places the orders with ``POST /orders`` (the API stores each order and sends its
+   PlaceOrder in one transaction), a few concurrent keep-alive clients, with at most
+   ``--window`` orders in flight, showing a live progress bar until every order is
+   completed or cancelled;
 5. prints a summary (throughput, end-to-end latency, outcomes, exactly-once checks),
    optionally runs ``txbox analyze`` and names the dashboard command;
 6. stops every process it started, also on Ctrl-C.
@@ -23,12 +25,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import importlib.util
 import json
 import logging
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +41,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -73,6 +78,7 @@ class DemoOptions:
     workers: int = 1  # worker processes per service
     rate: float = 0.0  # orders/s offered; 0 = as fast as the window allows
     batch: int = 200
+    api_clients: int = 8  # concurrent HTTP connections placing orders
     pg_url: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     rabbitmq_api: str = "http://127.0.0.1:15672/api"
@@ -242,6 +248,79 @@ def place_orders(orders: Service, first: int, count: int, skus: list[str], rng: 
         session.connection().exec_driver_sql(outbox_sql.insert_pyformat(orders.settings.schema), rows)
 
 
+class OrdersApi:
+    """The order service's HTTP API as the demo's shoppers use it: a few keep-alive connections."""
+
+    def __init__(self, host: str, port: int, clients: int) -> None:
+        self.host, self.port = host, port
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(clients, thread_name_prefix="shopper")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def up(self) -> bool:
+        try:
+            return self._request("GET", "/orders/-")[0] == 404
+        except OSError:
+            return False
+
+    def place(self, orders: list[tuple[str, dict[str, Any]]]) -> None:
+        """POST every order, concurrently; raises DemoFailed on the first refusal."""
+        try:
+            for _ in self._pool.map(self._place, orders):
+                pass
+        except (OSError, http.client.HTTPException) as exc:
+            raise DemoFailed(f"the order service's HTTP API at {self.url} failed: {exc!r}") from exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _place(self, order: tuple[str, dict[str, Any]]) -> None:
+        oid, payload = order
+        body = json.dumps({"id": oid, **payload}).encode()
+        try:
+            status, answer = self._request("POST", "/orders", body)
+        except (OSError, http.client.HTTPException):
+            # The server closed the kept-alive connection (idle timeout): once more on a
+            # new one. A 409 then means the first attempt went through.
+            status, answer = self._request("POST", "/orders", body)
+            if status == 409:
+                return
+        if status != 201:
+            raise DemoFailed(f"POST /orders for {oid} answered {status}: {answer[:500]!r}")
+
+    def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            conn.request(method, path, body, {"Content-Type": "application/json"} if body else {})
+            response = conn.getresponse()
+            return response.status, response.read()
+        except BaseException:
+            conn.close()
+            self._local.conn = None
+            raise
+
+
+def start_api(group: ProcessGroup, options: DemoOptions, database_url: str) -> OrdersApi:
+    """The order service's HTTP API on uvicorn, on a free port, once it answers."""
+    with contextlib.closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    group.start(
+        "orders-api",
+        ["-m", "uvicorn", "examples.orders.api:app", "--port", str(port), "--log-level", "warning", "--no-access-log"],
+        {"TXBOX_DATABASE_URL": database_url},
+        program=[sys.executable],
+    )
+    api = OrdersApi("127.0.0.1", port, options.api_clients)
+    wait_for(api.up, 60, "starting the order service's HTTP API", group)
+    return api
+
+
 def order_id(i: int) -> str:
     return f"order-{i:06d}"
 
@@ -286,6 +365,7 @@ class Progress:
 
 def drive(
     orders: Service,
+    api: OrdersApi,
     group: ProcessGroup,
     options: DemoOptions,
     skus: list[str],
@@ -299,13 +379,27 @@ def drive(
     last_done = -1
     with psycopg.connect(orders.settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
         while done < options.orders:
+            if TERMINATED.is_set():
+                raise KeyboardInterrupt("SIGTERM")
             now = time.monotonic()
             allowed = options.orders - sent
             if options.rate > 0:
                 allowed = min(allowed, int((now - started) * options.rate) - sent)
             allowed = min(allowed, options.window - (sent - done), options.batch)
             if allowed > 0:
-                place_orders(orders, sent, allowed, skus, rng)
+                api.place(
+                    [
+                        (
+                            order_id(i),
+                            {
+                                "customer": f"customer-{i % 997}",
+                                "sku": rng.choice(skus),
+                                "quantity": rng.randint(1, 5),
+                            },
+                        )
+                        for i in range(sent, sent + allowed)
+                    ]
+                )
                 sent += allowed
             done = finished_count(conn)
             progress.update(done, sent)
@@ -482,6 +576,8 @@ def start_daemons(group: ProcessGroup, options: DemoOptions, urls: dict[str, str
 def wait_for(predicate: Any, timeout: float, what: str, group: ProcessGroup) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
+        if TERMINATED.is_set():
+            raise KeyboardInterrupt("SIGTERM")
         if group.dead():
             daemon = group.dead()[0]
             raise DemoFailed(f"daemon {daemon.name} exited while {what}; last lines:\n{daemon.log_tail()}")
@@ -490,10 +586,17 @@ def wait_for(predicate: Any, timeout: float, what: str, group: ProcessGroup) -> 
         time.sleep(0.1)
 
 
+#: Set by SIGTERM. The handler's KeyboardInterrupt is lost when it lands in a garbage
+#: collector's weakref callback ("Exception ignored in ..."), which the HTTP clients'
+#: threads make frequent; the loops that wait check this as well.
+TERMINATED = threading.Event()
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, so the daemons are stopped rather than orphaned."""
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
+        TERMINATED.set()
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     if threading.current_thread() is threading.main_thread():
@@ -536,13 +639,18 @@ def run(options: DemoOptions, out: TextIO = sys.stdout) -> Summary:
     try:
         start_daemons(group, options, urls, amqp_url)
         say(f"  started {len(group.daemons)} daemon processes (logs: {options.log_dir})")
+        api = start_api(group, options, urls["orders"])
+        say(f"  order service's HTTP API: {api.url}/orders (uvicorn, examples/orders/api.py)")
         skus = [f"SKU-{n:03d}" for n in range(1, options.skus + 1)]
         per_sku = max(1, round(options.orders * 3 / options.skus * options.stock_ratio))  # mean quantity is 3
         stock = dict.fromkeys(skus, per_sku)
         restock(inventory, stock)
         wait_for(lambda: stocked(inventory, stock), 120, "restocking the inventory", group)
         say(f"  inventory restocked: {len(skus)} SKUs x {per_sku:,} units (about {options.stock_ratio:.0%} of demand)")
-        seconds = drive(orders, group, options, skus, out)
+        try:
+            seconds = drive(orders, api, group, options, skus, out)
+        finally:
+            api.close()
         summary = summarize(urls["orders"], urls["inventory"], options.orders, seconds, sum(stock.values()))
         say(render(summary, options))
     finally:

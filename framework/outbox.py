@@ -5,6 +5,8 @@ relays it afterwards. A row written at the top level of a transaction is sent wi
 COMMIT (:mod:`framework.outbox_commit`), saving the round trip of an INSERT of its own;
 with ``TXBOX_OUTBOX_COMMIT_PIPELINE=false``, or where the pipeline cannot be used, it is
 a plain INSERT at once. Both are the one INSERT of :mod:`framework.sql.outbox`.
+An ``AsyncSession`` or ``AsyncConnection`` is written to without I/O: its rows wait for
+the commit (:mod:`framework.outbox_async`).
 Routing key, kind and aggregate type come from the contracts and the payload is
 validated here, so a bad message raises before anything commits.
 """
@@ -16,24 +18,21 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import Connection, insert
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from framework import names, outbox_commit, tables, tracing
+from framework import names, outbox_async, outbox_commit, tables, tracing
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import DEFAULT_MESSAGE_VERSION
 from framework.errors import ContractError
-from framework.sql import outbox as outbox_sql
 from framework.sql.outbox import OutboxRow
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
     from framework.envelope import Message
 
 Concurrency = Literal["sequential", "parallel"]
-
-# Only shown to a Session to pick the bind of the outbox's table; never executed (the
-# rows go in through framework.sql.outbox's one INSERT).
-_BIND_CLAUSE = insert(tables.outbox)
 
 
 def default_segment(aggregate_type: str, aggregate_id: str) -> str:
@@ -50,7 +49,7 @@ class Outbox:
 
     def __init__(
         self,
-        bind: Session | Connection,
+        bind: Session | Connection | AsyncSession | AsyncConnection,
         registry: Registry,
         *,
         schema: str = tables.SCHEMA,
@@ -58,7 +57,10 @@ class Outbox:
         defer_to: list[OutboxRow] | None = None,
         commit_pipeline: bool = True,
     ) -> None:
-        self._bind = bind
+        # An asyncio bind is written to through the blocking object inside it, without I/O.
+        inner = None if isinstance(bind, Session | Connection) else outbox_async.sync_bind(bind)
+        self._asyncio = inner is not None
+        self._bind: Session | Connection = inner or bind  # type: ignore[assignment]
         self._registry = registry
         self._schema = schema
         self._incoming = incoming
@@ -160,23 +162,28 @@ class Outbox:
         Rows written at the top level of a transaction reach the table with its COMMIT
         (:mod:`framework.outbox_commit`); call this first to read them back before that.
         """
+        if self._asyncio:
+            raise TypeError(
+                "an AsyncSession's or AsyncConnection's outbox rows reach the table with its commit; "
+                'read them back after it (docs/architecture.md, "Async outbox")'
+            )
         if self._deferred is None:
             outbox_commit.write_held(self._connection())
 
     def _connection(self) -> Connection:
         if isinstance(self._bind, Session):
-            return self._bind.connection(bind_arguments={"clause": _BIND_CLAUSE})
+            return self._bind.connection(bind_arguments={"clause": outbox_async.BIND_CLAUSE})
         return self._bind
 
     def _write(self, spec: MessageSpec, **kwargs: Any) -> uuid.UUID:
         row = self.build(spec, **kwargs)
         if self._deferred is not None:
             self._deferred.append(row)
+        elif not self._asyncio:
+            outbox_commit.write(self._connection(), self._schema, row.params(), pipeline=self._pipeline)
+        elif isinstance(self._bind, Session):
+            outbox_async.hold_in_session(self._bind, self._schema, row.params(), pipeline=self._pipeline)
         else:
-            conn = self._connection()
-            params = row.params()
-            if not (self._pipeline and outbox_commit.hold(conn, outbox_sql.insert_text(self._schema), params)):
-                outbox_commit.write_held(conn)  # rows written earlier go first
-                conn.exec_driver_sql(outbox_sql.insert_pyformat(self._schema), params)
+            outbox_async.hold_in_connection(self._bind, self._schema, row.params(), pipeline=self._pipeline)
         self.written.append(row)
         return row.id

@@ -22,6 +22,12 @@ its messages were written.
 Rows are kept per transaction object, so a rolled-back transaction's rows can never
 reach another transaction on the same pooled connection.
 
+An asyncio connection (SQLAlchemy's ``AsyncConnection`` with psycopg) runs
+these same listeners inside SQLAlchemy's greenlet; the pipeline then waits for the
+socket on the event loop (docs/architecture.md, "Async outbox"). Its writer does no I/O
+of its own, so rows written inside a savepoint are held too (``savepoints=True``): they
+are inserted in one pipeline just before its RELEASE, and dropped when it rolls back.
+
 The prepared statement lives in the database session, where others can drop it: psycopg
 sends ``DEALLOCATE ALL`` after a rollback or DDL once it has prepared statements of its
 own, and anyone may run ``DISCARD ALL``. Whenever one of those may have happened (seen
@@ -32,6 +38,7 @@ setting for poolers in transaction mode) get an unnamed statement every time.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import re
@@ -39,7 +46,7 @@ import select
 import threading
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -48,8 +55,11 @@ import psycopg
 from psycopg import capabilities, pq
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.engine.base import RootTransaction
+from sqlalchemy.engine.base import RootTransaction, Transaction
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.util import await_only
+
+from framework.sql import outbox as outbox_sql
 
 _PIPELINE = capabilities.has_pipeline()
 # Closing a statement that may or may not exist is no error only at the protocol level.
@@ -76,29 +86,33 @@ class _Insert:
 # A held row: its statement and its parameters in libpq's text format.
 _Row = tuple[_Insert, list[bytes | None]]
 
-_held: weakref.WeakKeyDictionary[RootTransaction, list[_Row]] = weakref.WeakKeyDictionary()
+_Raw = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+# Held rows per transaction: the root one, or (asyncio writers only) a savepoint.
+_held: weakref.WeakKeyDictionary[Transaction, list[_Row]] = weakref.WeakKeyDictionary()
 # Statements known to be prepared in each session; absent or empty: close and prepare.
-_prepared: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[bytes]] = weakref.WeakKeyDictionary()
+_prepared: weakref.WeakKeyDictionary[_Raw, set[bytes]] = weakref.WeakKeyDictionary()
 _hooked: weakref.WeakSet[Engine] = weakref.WeakSet()
 _hook_lock = threading.Lock()
 
 
-def hold(conn: Connection, insert: str, values: dict[str, Any]) -> bool:
+def hold(conn: Connection, insert: str, values: dict[str, Any], *, savepoints: bool = False) -> bool:
     """Keep one row for the COMMIT of ``conn``'s transaction; False: insert it now yourself.
 
     ``insert`` is the table's INSERT with ``$n`` parameters (framework/sql/outbox.py),
     ``values`` its parameters in that order (JSON columns already serialized to text).
+    With ``savepoints`` a row written inside a savepoint is held for its RELEASE.
     """
     txn = conn.get_transaction()
+    nested = conn.get_nested_transaction()
     if (
         not _PIPELINE
         or type(txn) is not RootTransaction
-        or conn.in_nested_transaction()
-        or conn.dialect.driver != "psycopg"
+        or (nested is not None and not savepoints)
+        or conn.dialect.driver != "psycopg"  # blocking or asyncio
     ):
         return False
     raw = conn.connection.driver_connection
-    if not isinstance(raw, psycopg.Connection) or raw.autocommit:
+    if not isinstance(raw, psycopg.Connection | psycopg.AsyncConnection) or raw.autocommit:
         return False
     statement = _statement(insert)
     try:
@@ -106,13 +120,21 @@ def hold(conn: Connection, insert: str, values: dict[str, Any]) -> bool:
     except psycopg.Error as exc:  # a value PostgreSQL cannot take, e.g. text with a NUL
         raise DBAPIError.instance(statement.shown, None, exc, psycopg.Error, dialect=conn.dialect) from exc
     _hook(conn.engine)
-    _held.setdefault(txn, []).append((statement, params))
+    _held.setdefault(nested or txn, []).append((statement, params))
     return True
 
 
+def write(conn: Connection, schema: str, values: dict[str, Any], *, pipeline: bool = True) -> None:
+    """Write one outbox row in ``conn``'s transaction: held for the COMMIT where it can
+    be (``pipeline``), else the plain INSERT at once."""
+    if not (pipeline and hold(conn, outbox_sql.insert_text(schema), values)):
+        write_held(conn)  # rows written earlier go first
+        conn.exec_driver_sql(outbox_sql.insert_pyformat(schema), values)
+
+
 def write_held(conn: Connection) -> None:
-    """Insert the rows held for ``conn``'s transaction now (without committing)."""
-    txn = conn.get_transaction()
+    """Insert the rows held for ``conn``'s innermost transaction now (without committing)."""
+    txn = conn.get_nested_transaction() or conn.get_transaction()
     rows = _held.pop(txn, None) if txn is not None else None
     if rows:
         _send(conn, rows, commit=False)
@@ -127,6 +149,8 @@ def _hook(engine: Engine) -> None:
         if engine not in _hooked:
             event.listen(engine, "commit", _on_commit)
             event.listen(engine, "savepoint", _on_savepoint)
+            event.listen(engine, "release_savepoint", _on_release_savepoint)
+            event.listen(engine, "rollback_savepoint", _on_rollback_savepoint)
             event.listen(engine, "rollback", _on_rollback)
             event.listen(engine, "after_cursor_execute", _on_statement)
             event.listen(engine, "reset", _on_reset)
@@ -143,7 +167,18 @@ def _on_commit(conn: Connection) -> None:
 
 
 def _on_savepoint(conn: Connection, name: str | None) -> None:
+    # The new savepoint is not the connection's innermost transaction yet.
     write_held(conn)
+
+
+def _on_release_savepoint(conn: Connection, name: str, context: None) -> None:
+    write_held(conn)  # the savepoint being released is still the innermost transaction
+
+
+def _on_rollback_savepoint(conn: Connection, name: str, context: None) -> None:
+    nested = conn.get_nested_transaction()
+    if nested is not None:
+        _held.pop(nested, None)
 
 
 def _on_rollback(conn: Connection) -> None:
@@ -154,39 +189,50 @@ def _on_rollback(conn: Connection) -> None:
 
 
 def _on_reset(dbapi_connection: Any, record: Any, state: Any) -> None:
-    # The pool rolls back what its borrower left open.
-    _forget_if_open(dbapi_connection)
+    # The pool rolls back what its borrower left open. An asyncio engine's pool holds
+    # SQLAlchemy's adapter around the psycopg connection.
+    _forget_if_open(getattr(dbapi_connection, "driver_connection", dbapi_connection))
 
 
 def _on_statement(conn: Connection, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
-    status = getattr(cursor, "statusmessage", None)
+    # SQLAlchemy's asyncio cursor adapter does not pass psycopg's command tag on: the
+    # statement's first word tells the same for the statements that matter.
+    status = getattr(cursor, "statusmessage", None) or statement[:64].lstrip().upper()
     if status and _DEALLOCATING(status):
         _forget(conn.connection.driver_connection)
 
 
 def _forget_if_open(raw: Any) -> None:
     # psycopg sends ROLLBACK (and may then deallocate) only for an open transaction.
-    if isinstance(raw, psycopg.Connection) and raw.info.transaction_status != pq.TransactionStatus.IDLE:
+    if (
+        isinstance(raw, psycopg.Connection | psycopg.AsyncConnection)
+        and raw.info.transaction_status != pq.TransactionStatus.IDLE
+    ):
         _forget(raw)
 
 
 def _forget(raw: Any) -> None:
-    if isinstance(raw, psycopg.Connection):
+    if isinstance(raw, psycopg.Connection | psycopg.AsyncConnection):
         _prepared.pop(raw, None)
 
 
 def _send(conn: Connection, rows: list[_Row], *, commit: bool) -> None:
     raw = conn.connection.driver_connection
-    assert isinstance(raw, psycopg.Connection)
+    assert isinstance(raw, psycopg.Connection | psycopg.AsyncConnection)
     shown = ";\n".join(dict.fromkeys(statement.shown for statement, _ in rows)) + (";\nCOMMIT" if commit else "")
     try:
-        with raw.lock:
-            results, names = _pipeline(raw, rows, commit=commit)
+        if isinstance(raw, psycopg.AsyncConnection):
+            # Inside SQLAlchemy's greenlet (every listener of an AsyncConnection runs
+            # there): wait on the event loop, as the driver's own statements do.
+            results, names = await_only(_pipeline_async(raw, rows, commit=commit))
+        else:
+            with raw.lock:
+                results, names = _drive(raw.pgconn, _pipeline(raw, rows, commit=commit))
     except BaseException as exc:
         # Cut off mid-pipeline (connection lost, interrupt): the session's state is
         # unknown, and the commit's outcome unknowable, as with any interrupted COMMIT.
         _forget(raw)
-        raw.close()
+        _run(raw, raw.close())
         if isinstance(exc, psycopg.Error):
             raise DBAPIError.instance(shown, None, exc, psycopg.Error, dialect=conn.dialect) from exc
         raise
@@ -198,7 +244,7 @@ def _send(conn: Connection, rows: list[_Row], *, commit: bool) -> None:
     if commit and raw.info.transaction_status != pq.TransactionStatus.IDLE:
         # An INSERT failed, so the COMMIT never ran; SQLAlchemy counts the transaction
         # as ended all the same, so end it here too.
-        raw.rollback()
+        _run(raw, raw.rollback())
     error = psycopg.errors.error_from_result(failed, encoding=raw.info.encoding)
     wrapped = DBAPIError.instance(shown, None, error, psycopg.Error, dialect=conn.dialect)
     if isinstance(error, psycopg.errors.InvalidSqlStatementName):
@@ -211,9 +257,66 @@ def _send(conn: Connection, rows: list[_Row], *, commit: bool) -> None:
     raise wrapped from error
 
 
-def _pipeline(
-    raw: psycopg.Connection[Any], rows: list[_Row], *, commit: bool
+def _run(raw: _Raw, result: Any) -> None:
+    """Finish a call of ``raw`` that returns a coroutine on an asyncio connection."""
+    if isinstance(raw, psycopg.AsyncConnection):
+        await_only(result)
+
+
+async def _pipeline_async(
+    raw: psycopg.AsyncConnection[Any], rows: list[_Row], *, commit: bool
 ) -> tuple[list[pq.abc.PGresult], set[bytes]]:
+    async with raw.lock:
+        exchange = _pipeline(raw, rows, commit=commit)
+        try:
+            mask = next(exchange)
+            while True:
+                await _ready(raw.pgconn.socket, mask)
+                mask = exchange.send(None)
+        except StopIteration as done:
+            result: tuple[list[pq.abc.PGresult], set[bytes]] = done.value
+            return result
+
+
+async def _ready(fd: int, mask: int) -> None:
+    """Until ``fd`` is ready for what ``mask`` (poll's flags) asks."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    if mask & select.POLLOUT:
+        loop.add_writer(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+        if mask & select.POLLOUT:
+            loop.remove_writer(fd)
+
+
+def _drive(pgconn: pq.abc.PGconn, exchange: _Exchange) -> tuple[list[pq.abc.PGresult], set[bytes]]:
+    # Waiting in poll(), not inside libpq, leaves other threads the GIL for the round trip.
+    poll = select.poll()
+    try:
+        mask = next(exchange)
+        while True:
+            poll.register(pgconn.socket, mask)  # registering again modifies
+            poll.poll()
+            mask = exchange.send(None)
+    except StopIteration as done:
+        result: tuple[list[pq.abc.PGresult], set[bytes]] = done.value
+        return result
+
+
+# Sends a pipeline and reads its results; yields the poll flags to wait for in between.
+_Exchange = Generator[int, None, tuple[list[pq.abc.PGresult], set[bytes]]]
+
+
+def _pipeline(raw: _Raw, rows: list[_Row], *, commit: bool) -> _Exchange:
     """Send ``rows`` (and COMMIT) in one pipeline: the results before its Sync, and the
     statements it prepared."""
     pgconn = raw.pgconn
@@ -237,12 +340,12 @@ def _pipeline(
     if commit:
         pgconn.send_query_params(b"COMMIT", None)
     pgconn.pipeline_sync()
-    results = _results(pgconn)
+    results = yield from _results(pgconn)
     pgconn.exit_pipeline_mode()
     return results, preparing
 
 
-def _begin(raw: psycopg.Connection[Any]) -> bytes:
+def _begin(raw: _Raw) -> bytes:
     """The BEGIN psycopg would send, with the connection's transaction characteristics."""
     parts = ["BEGIN"]
     if raw.isolation_level is not None:
@@ -254,18 +357,14 @@ def _begin(raw: psycopg.Connection[Any]) -> bytes:
     return " ".join(parts).encode()
 
 
-def _results(pgconn: pq.abc.PGconn) -> list[pq.abc.PGresult]:
-    # Waiting in poll(), not inside libpq, leaves other threads the GIL for the round trip.
-    poll = select.poll()
-    poll.register(pgconn.socket, select.POLLIN | select.POLLOUT)
+def _results(pgconn: pq.abc.PGconn) -> Generator[int, None, list[pq.abc.PGresult]]:
     while pgconn.flush():  # psycopg's connections are non-blocking: send the rest
-        poll.poll()
+        yield select.POLLIN | select.POLLOUT
         pgconn.consume_input()
-    poll.modify(pgconn.socket, select.POLLIN)
     results: list[pq.abc.PGresult] = []
     while True:
         while pgconn.is_busy():
-            poll.poll()
+            yield select.POLLIN
             pgconn.consume_input()
         while (notify := pgconn.notifies()) is not None:  # as psycopg does: to the handlers
             if pgconn.notify_handler:
@@ -287,7 +386,7 @@ def _statement(text: str) -> _Insert:
     return _Insert(name=name.encode(), text=text.encode())
 
 
-def _params(raw: psycopg.Connection[Any], values: Iterable[object]) -> list[bytes | None]:
+def _params(raw: _Raw, values: Iterable[object]) -> list[bytes | None]:
     encoding = raw.info.encoding
     try:
         return [_text(value, encoding) for value in values]

@@ -20,6 +20,7 @@ from framework.settings import Settings, load
 if TYPE_CHECKING:
     from sqlalchemy import Connection
     from sqlalchemy.engine import Engine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
     from sqlalchemy.orm import Session
 
     from framework.envelope import Message
@@ -136,8 +137,11 @@ class Service:
         handler = self._handlers.get(message_type)
         return handler.permissions if handler is not None else None
 
-    def outbox(self, session: Session | Connection, *, incoming: Message | None = None) -> Outbox:
-        """An outbox writing into ``session``'s current transaction."""
+    def outbox(
+        self, session: Session | Connection | AsyncSession | AsyncConnection, *, incoming: Message | None = None
+    ) -> Outbox:
+        """An outbox writing into ``session``'s current transaction (blocking or asyncio:
+        docs/architecture.md, "Async outbox")."""
         return Outbox(
             session,
             self.registry,

@@ -7,6 +7,8 @@ The saga (contracts in ``contracts/``)::
     StockReserved ──► order-service: order "completed", publish OrderCompleted
     StockRejected ──► order-service: order "cancelled", publish OrderCancelled
 
+Orders come in through its HTTP API (``examples/orders/api.py``), which stores the
+order and sends PlaceOrder in one transaction, or as PlaceOrder commands from anywhere.
 Run its daemons with ``txbox run --app examples.orders.app:service`` (or ``txbox
 publisher`` / ``receiver`` / ``worker`` with the same ``--app``). Each handler runs in
 the worker's transaction that marks the incoming message processed, so the order row,
@@ -50,7 +52,15 @@ _PLACE = (
         correlation_id=bindparam("correlation_id_"),
         requested_at=bindparam("requested_at_"),
     )
-    .on_conflict_do_nothing(index_elements=[_orders.c.id])
+    # The web API (examples/orders/api.py) stores the order in the transaction that sends
+    # this command, with the command's correlation id: such an order is this message's
+    # own, and the handler takes it over; any other existing order is a duplicate. The
+    # no-op update keeps this one round trip.
+    .on_conflict_do_update(
+        index_elements=[_orders.c.id],
+        set_={"status": PLACED},
+        where=(_orders.c.status == PLACED) & (_orders.c.correlation_id == bindparam("correlation_id_")),
+    )
     .returning(_orders.c.id)
 )
 # final_transitions counts every run, so a duplicate effect could not hide: the demo's
@@ -94,8 +104,8 @@ class PlaceOrder(CommandHandler):
             },
         )
         if created is None:
-            # Another PlaceOrder message (a new message id) for an existing order: a
-            # client bug, not something a retry can fix.
+            # Not stored by the web API for this message: another PlaceOrder message (a
+            # new message id) for an existing order, a client bug no retry can fix.
             raise PermanentError(f"order {order_id} already exists")
         # message_context (the correlation id) is copied from `message` automatically.
         outbox.publish_event(

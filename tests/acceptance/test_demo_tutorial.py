@@ -7,10 +7,14 @@ this test's own, so the tutorial cannot rot silently.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psycopg
@@ -40,6 +44,7 @@ def test_tutorial_from_the_readme(tmp_path: Path, database_url: str, amqp_url: s
     )
     (folder / "__init__.py").write_text("")
     (folder / "app.py").write_text(block(tutorial, "**2. The handler**", "python"))
+    (folder / "web.py").write_text(block(tutorial, "**4b. From a web endpoint", "python"))
     shell = block(tutorial, "**4. Send a command**", "sh")
     sender = shell[shell.index("<<'PY'\n") + 7 : shell.index("\nPY")]
     setup = block(tutorial, "**3. Database", "sh")
@@ -79,6 +84,26 @@ def test_tutorial_from_the_readme(tmp_path: Path, database_url: str, amqp_url: s
         assert support.wait_until(greeted, timeout=60, message="the greeting handled") == [("Ada",)], group.daemons[
             0
         ].log_tail()
+
+        # Step 4b: the same command from the web endpoint, on a real uvicorn.
+        with contextlib.closing(socket.socket()) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        web = group.start(
+            "web", ["-m", "uvicorn", "tutorial.web:app", "--port", str(port)], cwd=tmp_path, program=[sys.executable]
+        )
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/greetings", data=b'{"name": "Grace"}')
+
+        def posted() -> int:
+            assert web.alive, web.log_tail()
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return response.status
+            except urllib.error.URLError:
+                return 0  # not listening yet
+
+        assert support.wait_until(posted, timeout=60, message="the web endpoint answered") == 202
+        support.wait_until(lambda: ("Grace",) in greeted(), timeout=60, message="the web greeting handled")
     finally:
         group.stop_all()
     run = group.daemons[0]

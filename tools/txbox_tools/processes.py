@@ -57,12 +57,19 @@ class ProcessGroup:
     daemons: list[Daemon] = field(default_factory=list)
 
     def start(
-        self, name: str, args: list[str], env: dict[str, str] | None = None, *, cwd: Path | None = None
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        cwd: Path | None = None,
+        program: list[str] | None = None,
     ) -> Daemon:
-        """Start ``txbox <args>``; the cwd defaults to the clone, where ``--app examples...`` imports."""
+        """Start ``txbox <args>`` (or ``program <args>``, e.g. uvicorn); the cwd defaults
+        to the clone, where ``--app examples...`` imports."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        argv = [*txbox_command(), *args]
+        argv = [*(program or txbox_command()), *args]
         full_env = {**os.environ, **self.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
         with log_path.open("ab") as log:
             log.write(f"$ {' '.join(argv)}\n".encode())

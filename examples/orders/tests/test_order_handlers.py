@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import insert, select
 
 from examples.orders.app import service
 from examples.orders.models import CANCELLED, COMPLETED, PLACED, Order
@@ -15,6 +16,7 @@ from framework.testing import DeliveryRejected, Harness
 
 ALEMBIC = Path(__file__).resolve().parents[1] / "alembic.ini"
 ORDER = {"customer": "ada", "sku": "BOOK-1", "quantity": 2}
+NOW = datetime.now(UTC)
 
 
 @pytest.fixture
@@ -63,3 +65,24 @@ def test_a_stock_result_finishes_the_order(harness: Harness, event: str, final: 
     done = harness.deliver(event, aggregate_id="o-1", payload=result)
     assert status(harness, "o-1") == final
     assert done.sent_types() == [sent]
+
+
+def test_an_order_the_web_api_stored_is_taken_over_by_its_own_command(harness: Harness) -> None:
+    # examples/orders/api.py stores the order and sends PlaceOrder, with the command's
+    # correlation id, in one transaction.
+    with harness.engine().begin() as conn:
+        conn.execute(
+            insert(Order).values(
+                id="o-1",
+                customer="ada",
+                sku="BOOK-1",
+                quantity=2,
+                status=PLACED,
+                correlation_id="c-1",
+                requested_at=NOW,
+            )
+        )
+    done = harness.deliver("PlaceOrder", aggregate_id="o-1", payload=ORDER, message_context={"correlation_id": "c-1"})
+    assert done.sent_types() == ["OrderPlaced"]
+    with pytest.raises(PermanentError, match="already exists"):  # not this command's order
+        harness.deliver("PlaceOrder", aggregate_id="o-1", payload=ORDER, message_context={"correlation_id": "c-2"})

@@ -4,11 +4,14 @@ Both variants are commit-bound one-row business transactions through a SQLAlchem
 Session, as a user writes them; the raw limit is the business transaction alone,
 measured in the same run and interleaved in rounds so machine noise hits both alike.
 Bar (README, "Benchmarks"): with the outbox row the rate is at least 1/1.25 = 0.8 of the raw one.
+``--async`` measures the same through an ``AsyncSession`` on the psycopg asyncio driver,
+against an async one-row business transaction (docs/architecture.md, "Async outbox").
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import time
 import uuid
@@ -18,6 +21,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy import Column, MetaData, Table, Text
 from sqlalchemy.engine import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 from framework import migrate
@@ -37,6 +41,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transactions", type=int, default=4000, help="transactions per variant")
     parser.add_argument("--rounds", type=int, default=8, help="alternations between the variants")
     parser.add_argument("--contracts-dir", type=Path, help="(default: the repository's contracts/)")
+    parser.add_argument(
+        "--async",
+        dest="asyncio",
+        action="store_true",
+        help="both variants through an AsyncSession (psycopg's asyncio driver)",
+    )
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -56,18 +66,22 @@ def run(args: argparse.Namespace) -> Result:
         engine = create_engine(url, pool_size=1)
         _business.create_all(engine)
         per_round = max(1, args.transactions // args.rounds)
-        plain = with_outbox = 0.0
-        for _ in range(args.rounds):
-            plain += _time(engine, service, per_round, outbox=False)
-            with_outbox += _time(engine, service, per_round, outbox=True)
+        if args.asyncio:
+            plain, with_outbox = asyncio.run(_rounds_async(url, service, per_round, args.rounds))
+        else:
+            plain = with_outbox = 0.0
+            for _ in range(args.rounds):
+                plain += _time(engine, service, per_round, outbox=False)
+                with_outbox += _time(engine, service, per_round, outbox=True)
         engine.dispose()
         total = per_round * args.rounds
         return Result(
-            stage="outbox-write",
+            stage="outbox-write-async" if args.asyncio else "outbox-write",
             messages=total,
             seconds=with_outbox,
             raw_limit_rate=total / plain,
-            raw_limit="the same one-row business transaction without the outbox row",
+            raw_limit="the same one-row business transaction without the outbox row"
+            + (" (AsyncSession)" if args.asyncio else ""),
             extra={"overhead_factor": round(with_outbox / plain, 3), "bar_overhead_factor": 1.25},
         )
     finally:
@@ -81,6 +95,29 @@ def _time(engine: Engine, service: Service, count: int, *, outbox: bool) -> floa
         order_id = uuid.uuid4().hex
         with Session(engine) as session, session.begin():
             session.execute(_orders.insert().values(id=order_id, customer="ada"))
+            if outbox:
+                service.outbox(session).send_command("PlaceOrder", aggregate_id=order_id, payload=PAYLOAD)
+    return time.perf_counter() - start
+
+
+async def _rounds_async(url: str, service: Service, per_round: int, rounds: int) -> tuple[float, float]:
+    engine = create_async_engine(url, pool_size=1)
+    try:
+        plain = with_outbox = 0.0
+        for _ in range(rounds):
+            plain += await _time_async(engine, service, per_round, outbox=False)
+            with_outbox += await _time_async(engine, service, per_round, outbox=True)
+        return plain, with_outbox
+    finally:
+        await engine.dispose()
+
+
+async def _time_async(engine: AsyncEngine, service: Service, count: int, *, outbox: bool) -> float:
+    start = time.perf_counter()
+    for _ in range(count):
+        order_id = uuid.uuid4().hex
+        async with AsyncSession(engine) as session, session.begin():
+            await session.execute(_orders.insert().values(id=order_id, customer="ada"))
             if outbox:
                 service.outbox(session).send_command("PlaceOrder", aggregate_id=order_id, payload=PAYLOAD)
     return time.perf_counter() - start
