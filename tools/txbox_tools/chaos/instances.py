@@ -53,7 +53,6 @@ from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import psycopg
@@ -90,7 +89,28 @@ def _wait(predicate: Any, timeout: float, what: str, log: Path | None = None) ->
         time.sleep(0.1)
 
 
-class PrivatePostgres:
+class _Instance:
+    """A private server: ``with`` starts it (closing what a failed start left) and closes it."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PrivatePostgres(_Instance):
     """A throw-away PostgreSQL cluster on its own port, in its own directory."""
 
     def __init__(
@@ -237,17 +257,6 @@ class PrivatePostgres:
             if self._own_dir:
                 shutil.rmtree(self.base_dir, ignore_errors=True)
 
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # --- use --------------------------------------------------------------------------
 
     @property
@@ -279,7 +288,7 @@ class PrivatePostgres:
         return int(row[0]) if row else 0
 
 
-class _Management:
+class _Management(_Instance):
     """What the chaos run asks of a broker's management API, for one node or a cluster."""
 
     def api(self, method: str, path: str, body: Any = None) -> Any:
@@ -476,19 +485,6 @@ class PrivateRabbit(_Management):
             if self._own_dir:
                 shutil.rmtree(self.base_dir, ignore_errors=True)
 
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     # --- use --------------------------------------------------------------------------
 
     def amqp_url(self, vhost: str = "/") -> str:
@@ -570,17 +566,6 @@ class PrivateRabbitCluster(_Management):
         finally:
             if self._own_dir:
                 shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- faults -----------------------------------------------------------------------
 
