@@ -45,6 +45,15 @@ def test_bench_latency_smoke() -> None:
     for key in ("p50_ms", "p99_ms", "raw_p50_ms", "raw_limit_rate", "ratio"):
         assert isinstance(result[key], float | int), key
     assert float(result["p50_ms"]) <= float(result["p99_ms"])  # type: ignore[arg-type]
+    # CPU: every component of the pipeline spent some (a process missed, or read after it
+    # exited, would show 0); the raw path's second is too short for a clock tick in each.
+    for prefix, components in (("", {"publisher", "receiver", "worker-1", "postgres", "rabbitmq"}),
+                               ("raw_", {"consumer", "postgres", "rabbitmq"})):  # fmt: skip
+        parts = result[f"{prefix}cpu_cores_by_component"]
+        assert isinstance(parts, dict) and set(parts) == components
+        assert all(value > 0 for value in parts.values()) or prefix, parts
+        assert float(result[f"{prefix}cpu_cores"]) == pytest.approx(sum(parts.values()), abs=0.01)  # type: ignore[arg-type]
+        assert float(result[f"{prefix}cpu_ms_per_message"]) > 0  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
