@@ -21,12 +21,13 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from framework import heartbeats, metrics
+from framework import metrics
 from framework.connections import ConnectionSlot
 from framework.daemon import POSTGRESQL, Daemon
 from framework.errors import ConfigurationError, DatabaseUnavailable
 from framework.probes import ProbeServer
 from framework.settings import FromEnv, Seconds, setting
+from framework.sql import heartbeats
 
 log = logging.getLogger("txbox.liveness")
 

@@ -152,7 +152,7 @@ dead_letters = Table(
     comment="Every message that gave up anywhere, one row each, written where it was abandoned.",
 )
 
-# Migration 0008: one row per running daemon process (framework/heartbeats.py).
+# Migration 0008: one row per running daemon process (framework/sql/heartbeats.py).
 daemon_heartbeats = Table(
     names.DAEMON_HEARTBEATS,
     metadata,

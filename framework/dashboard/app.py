@@ -33,7 +33,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from framework import heartbeats, jsoncodec
+from framework import jsoncodec
 from framework.contracts import Registry, load_registry
 from framework.dashboard import charts, latency
 from framework.dashboard.security import (
@@ -52,6 +52,7 @@ from framework.errors import ConfigurationError, HttpError, TxboxError
 from framework.redaction import redact_text
 from framework.settings import Seconds, setting
 from framework.sql import dead_letters as dead_letters_sql
+from framework.sql import heartbeats
 from framework.sql import reports as reports_sql
 
 HERE = Path(__file__).parent
