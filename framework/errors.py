@@ -178,11 +178,3 @@ class HttpError(TxboxError):
         self.status = status
         self.message = message
         super().__init__(message)
-
-
-class InstanceError(TxboxError):
-    """A private PostgreSQL or RabbitMQ (benchmarks, chaos runs) could not be created, started or stopped."""
-
-
-class ChaosFailed(TxboxError):
-    """The chaos run could not finish (stalled, could not start): no verdict possible."""

@@ -58,7 +58,7 @@ from typing import Any, Self
 import psycopg
 from psycopg import sql
 
-from framework.errors import InstanceError
+from txbox_tools.errors import InstanceError
 
 PG_BIN = Path(os.environ.get("TXBOX_PG_BIN", "/usr/lib/postgresql/15/bin"))
 RABBITMQ_BIN = Path(os.environ.get("TXBOX_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))

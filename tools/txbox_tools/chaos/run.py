@@ -44,7 +44,6 @@ from sqlalchemy.orm import Session
 
 from framework import names, topology
 from framework.db import conninfo
-from framework.errors import ChaosFailed
 from framework.service import Service
 from framework.sql import outbox as outbox_sql
 from txbox_tools import repository
@@ -53,6 +52,7 @@ from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, plan, 
 from txbox_tools.chaos.instances import PrivatePostgres, PrivateRabbit, PrivateRabbitCluster
 from txbox_tools.chaos.supervisor import Spec, Supervisor
 from txbox_tools.chaos.verdict import Verdict, judge
+from txbox_tools.errors import ChaosFailed
 
 #: Leases short enough that rows claimed by a killed daemon come back within seconds
 #: (correctness does not depend on them; recovery time does).

@@ -90,7 +90,7 @@ class Supervisor:
     def raise_if_broken(self) -> None:
         """Fail the run when a daemon exits because of its configuration (it would loop forever)."""
         if self.broken is not None:
-            from framework.errors import ChaosFailed
+            from txbox_tools.errors import ChaosFailed
 
             raise ChaosFailed(self.broken)
 
