@@ -148,7 +148,8 @@ class HandlerMisuse(RetryableError):
 
 class DeliveryRejected(TxboxError):
     """``framework.testing``: the receiver would not store this message (its ``reason`` is
-    the dead-letter reason the receiver would give), so no handler may run it."""
+    the dead-letter reason the receiver would give, or ``filtered`` when its handler's
+    selector does not match it), so no handler may run it."""
 
     def __init__(self, message: str, reason: str) -> None:
         self.reason = reason
