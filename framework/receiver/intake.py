@@ -316,11 +316,13 @@ class Intake:
             Fields(data, delivery.headers, delivery.original_routing_key(self.service))
         ):
             return Filtered(spec.message_type)
-        expires_at = expiry.from_header(delivery.headers.get(names.HEADER_EXPIRES_AT))
-        if expires_at is not None and expiry.passed(expires_at):
-            return self.reject(
-                delivery, Reason.EXPIRED, expiry.describe(expires_at, "before the receiver stored it"), data=data
-            )
+        expires_at = None
+        if names.HEADER_EXPIRES_AT in delivery.headers:
+            expires_at = expiry.from_header(delivery.headers[names.HEADER_EXPIRES_AT])
+            if expires_at is not None and expiry.passed(expires_at):
+                return self.reject(
+                    delivery, Reason.EXPIRED, expiry.describe(expires_at, "before the receiver stored it"), data=data
+                )
         return InboxRow.of(
             message,
             message_type=spec.message_type,

@@ -16,7 +16,9 @@ Outcomes of one publish:
 - nacked / unroutable command / confirm timeout → ``finished_attempts + 1``, backoff via
   ``locked_until``; after ``max_attempts`` abandoned with a dead letter, in one transaction;
 - connection lost / publisher closed → the lease is released at once (no attempt is
-  counted: it was not the message's fault; the broker may have it, the inbox dedups).
+  counted: it was not the message's fault; the broker may have it, the inbox dedups);
+- not published at all: a claimed row whose time to live has run out is abandoned at once
+  with a dead letter ``expired`` (docs/architecture.md, "Expiry and filters").
 """
 
 from __future__ import annotations
@@ -118,9 +120,10 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
     headers = lane_headers(row)
     if row.correlation_id:
         headers[names.HEADER_CORRELATION_ID] = row.correlation_id
-    expires_at = expiry.from_metadata(row.expires_at)
-    if expires_at is not None:
-        headers[names.HEADER_EXPIRES_AT] = expiry.header_value(expires_at)
+    if row.expires_at is not None:
+        expires_at = expiry.from_metadata(row.expires_at)
+        if expires_at is not None:
+            headers[names.HEADER_EXPIRES_AT] = expiry.header_value(expires_at)
     props = pika.BasicProperties(
         content_type=CONTENT_TYPE,
         delivery_mode=2,
