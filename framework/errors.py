@@ -24,6 +24,11 @@ class ConfigurationError(TxboxError):
     """A setting is missing or malformed; the message names it and shows a valid value."""
 
 
+class SelectorError(ConfigurationError):
+    """A handler's selector does not parse; the message names the handler, the position and
+    what was expected there (docs/architecture.md, "Expiry and filters")."""
+
+
 class ContractError(TxboxError):
     """A contract file does not load, or a lookup in the registry failed."""
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from framework.errors import ConfigurationError
+from framework.errors import SelectorError
 
 #: Longest selector text, and deepest nesting of parentheses and NOTs, accepted.
 MAX_SELECTOR_CHARS = 4096
@@ -76,10 +76,6 @@ _TOKEN = re.compile(
 Value = str | int | float | Decimal | bool
 # Three-valued truth: True, False, or None for unknown.
 Truth = bool | None
-
-
-class SelectorError(ConfigurationError):
-    """A selector does not parse; the message gives the position and what was expected there."""
 
 
 @dataclass(frozen=True)

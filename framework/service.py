@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from framework.contracts import MessageSpec, Registry, ServiceContract, load_registry
-from framework.errors import AssemblyError, ConfigurationError, ContractError, Problem
+from framework.errors import AssemblyError, ConfigurationError, ContractError, Problem, SelectorError
 from framework.handlers import Handler, unhandled_versions
 from framework.middleware import Middleware
 from framework.outbox import Outbox
 from framework.permissions import JwtSettings, PermissionGuard, TokenVerifier
-from framework.selectors import Selector, SelectorError, parse
+from framework.selectors import Selector, parse
 from framework.settings import Settings, load
 
 if TYPE_CHECKING:

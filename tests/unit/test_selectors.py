@@ -17,10 +17,11 @@ import pytest
 from framework import CommandHandler, expiry, names
 from framework.contracts import load_registry
 from framework.dead_letters import DeadLetter
+from framework.errors import SelectorError
 from framework.outbox import Outbox
 from framework.receiver import Delivery, Intake
 from framework.receiver.intake import Filtered
-from framework.selectors import Fields, SelectorError, parse
+from framework.selectors import Fields, parse
 from framework.service import Service
 from framework.sql.inbox import InboxRow
 from tests.apps.helpers import place_order
