@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from framework import CommandHandler, expiry, names
+from framework.cli import main as txbox
 from framework.contracts import load_registry
 from framework.dead_letters import DeadLetter
 from framework.errors import SelectorError
@@ -226,3 +227,21 @@ def test_the_outbox_stores_an_absolute_expiry_and_refuses_a_ttl_that_cannot_be()
     later = datetime.now(UTC) + timedelta(hours=1)
     with pytest.raises(ValueError, match="never be sent"):
         outbox.build(spec, aggregate_id="1", payload=payload, ttl=60, not_before=later)
+
+
+def test_the_receiver_command_refuses_an_app_with_a_bad_selector_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "txbox_selector_app.py").write_text(
+        "from framework import CommandHandler, Service\n"
+        f"service = Service(name='order-service', database_url='postgresql://h/d', amqp_url='amqp://h',"
+        f" contracts_dir={str(CONTRACTS)!r})\n"
+        "class Orders(CommandHandler):\n"
+        "    message_type = 'PlaceOrder'\n"
+        "    selector = \"payload.quantity > 0 AND (headers['x-tenant'] = 'acme'\"\n"
+        "service.register(Orders())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert txbox(["receiver", "--app", "txbox_selector_app:service"]) == 2
+    err = capsys.readouterr().err
+    assert "Orders.selector" in err and "expected ')' at position 55" in err and "Traceback" not in err
