@@ -16,10 +16,13 @@ from datetime import timedelta
 from typing import Any
 
 import pika
+import psycopg
 from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session
 
 from framework import AsyncPublisher, CommandHandler, Message, Outbox, Publisher, expiry, names, topology
+from framework.db import conninfo
+from framework.dlq import replay
 from framework.receiver import Receiver, ReceiverConfig
 from framework.relay import RelayConfig
 from framework.service import Service
@@ -163,6 +166,14 @@ def test_an_inbox_row_that_expired_is_dead_lettered_without_running_its_handler(
     assert (message_id, source, reason) == (waited["message_id"], "inbox", "expired")
     assert "before a worker ran its handler" in error
     assert _metric("txbox_worker_abandoned_total", message_type="PlaceOrder", reason="expired") == before + 1
+    # Replaying the letter is someone's decision to run the message after all: its expiry goes.
+    [(letter_id,)] = query(database_url, "SELECT id FROM txbox.dead_letters")
+    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
+        [outcome] = replay.replay(conn, "txbox", service.registry, service.name, [letter_id])
+    assert outcome.action == "inbox-reset"
+    with running(Worker(service, WorkerConfig(poll_interval=0.1))):
+        support.wait_until(lambda: len(handler.seen) == 2, 30, message="the replayed message handled")
+    assert handler.seen == [plain["message_id"], waited["message_id"]]
 
 
 class AcmeOrders(Recorder):
