@@ -24,6 +24,11 @@ class ConfigurationError(TxboxError):
     """A setting is missing or malformed; the message names it and shows a valid value."""
 
 
+class SelectorError(ConfigurationError):
+    """A handler's selector does not parse; the message names the handler, the position and
+    what was expected there (docs/architecture.md, "Expiry and filters")."""
+
+
 class ContractError(TxboxError):
     """A contract file does not load, or a lookup in the registry failed."""
 
@@ -148,7 +153,8 @@ class HandlerMisuse(RetryableError):
 
 class DeliveryRejected(TxboxError):
     """``framework.testing``: the receiver would not store this message (its ``reason`` is
-    the dead-letter reason the receiver would give), so no handler may run it."""
+    the dead-letter reason the receiver would give, or ``filtered`` when its handler's
+    selector does not match it), so no handler may run it."""
 
     def __init__(self, message: str, reason: str) -> None:
         self.reason = reason

@@ -57,6 +57,11 @@ class Handler:
     #: dead-lettered as ``unauthorized``
     #: (docs/architecture.md, "Handler middleware and the permission guard").
     permissions: ClassVar[Collection[str] | None] = None
+    #: Which messages of the type this service takes at all (None: every one): a selector on
+    #: headers and envelope fields, e.g. ``"headers['x-tenant'] = 'acme' AND payload.count > 0"``.
+    #: The receiver acks and counts a message it does not match without storing it; parsed
+    #: at ``register`` (framework/selectors.py; docs/architecture.md, "Expiry and filters").
+    selector: ClassVar[str | None] = None
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement handle()")

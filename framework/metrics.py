@@ -46,7 +46,11 @@ PUBLISHER_PUBLISHED = _counter(
     "publisher", "published", "Outbox rows confirmed by the broker and marked", "message_type"
 )
 PUBLISHER_FAILED = _counter(
-    "publisher", "failed", "Failed publish attempts (nacked, unroutable command, timeout)", "message_type", "reason"
+    "publisher",
+    "failed",
+    "Failed publish attempts (nacked, unroutable command, timeout; expired: not published)",
+    "message_type",
+    "reason",
 )
 PUBLISHER_ABANDONED = _counter("publisher", "abandoned", "Outbox rows given up after max_attempts", "message_type")
 PUBLISHER_IN_FLIGHT = _gauge(
@@ -70,6 +74,9 @@ RECEIVER_ID_CONFLICTS = _counter(
     "receiver",
     "id_conflicts",
     "Deliveries whose message id the inbox holds with other content (dead-lettered as id_conflict)",
+)
+RECEIVER_FILTERED = _counter(
+    "receiver", "filtered", "Deliveries acked without storing: their handler's selector did not match", "message_type"
 )
 RECEIVER_PEAK_HELD = _gauge("receiver", "peak_held", "bytes", "Most body bytes held unacked at once since the start")
 

@@ -39,6 +39,11 @@ HEADER_TRACEPARENT = "traceparent"
 HEADER_TRACESTATE = "tracestate"
 # Key of the trace context in the outbox and inbox rows' ``metadata``.
 METADATA_TRACE = "trace"
+# A message's expiry (docs/architecture.md, "Expiry and filters"): on the wire an ISO 8601
+# UTC time in this header, which Mosaic's libraries ignore; in the outbox and inbox rows'
+# ``metadata`` seconds since the Unix epoch under this key.
+HEADER_EXPIRES_AT = "x-txbox-expires-at"
+METADATA_EXPIRES_AT = "expires_at"
 # Control headers only our own daemons may set: a receiver honours them from trusted broker
 # users only (docs/architecture.md, "Receiver intake").
 CONTROL_HEADERS = (

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from framework import names, outbox_async, outbox_commit, tables, tracing
+from framework import expiry, names, outbox_async, outbox_commit, tables, tracing
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import DEFAULT_MESSAGE_VERSION
 from framework.errors import ContractError
@@ -108,12 +108,17 @@ class Outbox:
         priority: int = 0,
         segment: str | None = None,
         concurrency: Concurrency = "sequential",
+        ttl: timedelta | float | None = None,
     ) -> OutboxRow:
         """Validate and shape one row without writing it (the worker batches these).
 
         ``message_version`` defaults to the contract's current version of the message
         (``x-message-version``), else 1.0; the payload is validated against the schema of
         the version it is written as (docs/architecture.md, "Message versions").
+
+        ``ttl`` (a timedelta or seconds): the message expires that long after this call, on
+        this process's clock; once expired it is dead-lettered as ``expired`` wherever it
+        waits instead of being handled (docs/architecture.md, "Expiry and filters").
         """
         payload = dict(payload)
         if message_version is None:
@@ -133,6 +138,11 @@ class Outbox:
             auth_token = self._incoming.auth_token
         aggregate = str(aggregate_id)
         metadata: dict[str, Any] = {}
+        if ttl is not None:
+            expires_at = expiry.deadline(ttl)
+            if not_before is not None and not_before.timestamp() >= expires_at:
+                raise ValueError("not_before is at or after the message's expiry (ttl): it could never be sent")
+            metadata[names.METADATA_EXPIRES_AT] = expires_at
         if auth_token:
             metadata["auth_token"] = auth_token
         # The span current now is the message's parent (docs/architecture.md, "Tracing").

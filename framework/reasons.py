@@ -44,6 +44,9 @@ class Reason(StrEnum):
     # The relay gave up: the broker's answer to a publish (also PublishError.reason).
     UNROUTABLE = "unroutable"
     NACKED = "nacked"
+    # The message's time to live ran out before it was handled, wherever it waited
+    # (docs/architecture.md, "Expiry and filters").
+    EXPIRED = "expired"
     # The last resort: txbox failed to judge or store the input; what could be kept is kept.
     INTERNAL_ERROR = "internal_error"
 

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from framework.contracts import MessageSpec, Registry, ServiceContract, load_registry
-from framework.errors import AssemblyError, ConfigurationError, ContractError, Problem
+from framework.errors import AssemblyError, ConfigurationError, ContractError, Problem, SelectorError
 from framework.handlers import Handler, unhandled_versions
 from framework.middleware import Middleware
 from framework.outbox import Outbox
 from framework.permissions import JwtSettings, PermissionGuard, TokenVerifier
+from framework.selectors import Selector, parse
 from framework.settings import Settings, load
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class Service:
         self.settings = settings
         self._handlers: dict[str, Handler] = {}
         self._claims: dict[str, list[Handler]] = defaultdict(list)
+        self._selectors: dict[str, Selector] = {}
         self._middleware: list[Middleware] = []
         #: How the permission guard verifies tokens; None: the ``TXBOX_JWT_*`` variables,
         #: read when the guard is first needed (``check()`` at start).
@@ -98,11 +100,22 @@ class Service:
         return create_engine(self.settings.database_url)
 
     def register(self, handler: H) -> H:
-        """Add a handler instance; conflicts are reported by :meth:`check`."""
+        """Add a handler instance; conflicts are reported by :meth:`check`.
+
+        Its ``selector`` is parsed here, so a malformed one stops the start with its position
+        (docs/architecture.md, "Expiry and filters").
+        """
         if isinstance(handler, type):
             raise TypeError(f"register an instance: service.register({handler.__name__}())")
+        selector = None
+        if handler.selector is not None:
+            try:
+                selector = parse(handler.selector)
+            except SelectorError as exc:
+                raise SelectorError(f"{handler.name}.selector: {exc}") from None
         self._claims[handler.message_type].append(handler)
-        self._handlers.setdefault(handler.message_type, handler)
+        if self._handlers.setdefault(handler.message_type, handler) is handler and selector is not None:
+            self._selectors[handler.message_type] = selector
         return handler
 
     @property
@@ -111,6 +124,11 @@ class Service:
 
     def handler_for(self, message_type: str) -> Handler | None:
         return self._handlers.get(message_type)
+
+    @property
+    def selectors(self) -> dict[str, Selector]:
+        """Message type → the selector its handler declared; the receiver stores only what matches."""
+        return dict(self._selectors)
 
     def add_middleware(self, middleware: Middleware) -> Middleware:
         """Append ``middleware`` to the hooks around every handler run (framework/middleware.py)."""

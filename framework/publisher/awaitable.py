@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import time
 from concurrent.futures import Future
+from datetime import timedelta
 from typing import Any
 
 import pika
@@ -94,6 +95,7 @@ class AsyncPublisher:
         message_id: str | None = None,
         headers: dict[str, Any] | None = None,
         mandatory: bool = True,
+        ttl: timedelta | float | None = None,
     ) -> None:
         """Send one persistent message and wait for its confirm (see :meth:`Publisher.publish`).
 
@@ -121,6 +123,7 @@ class AsyncPublisher:
                         headers=headers,
                         mandatory=mandatory,
                         callback=complete,
+                        ttl=ttl,
                     )
                     break
                 except PublisherOverflow:

@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import pika
@@ -49,7 +50,7 @@ import pika.exceptions
 import pika.frame
 import pika.spec
 
-from framework import amqp
+from framework import amqp, expiry, names
 from framework.errors import BrokerUnavailable, PublisherClosed, PublisherOverflow, PublishError
 from framework.publisher.config import Overflow, PublisherConfig
 from framework.reasons import Reason
@@ -193,6 +194,7 @@ class Publisher:
         headers: dict[str, Any] | None = None,
         mandatory: bool = True,
         callback: Callable[[Future[None]], None] | None = None,
+        ttl: timedelta | float | None = None,
     ) -> Future[None]:
         """Send one persistent message; the Future completes on confirm or fails with PublishError.
 
@@ -205,8 +207,14 @@ class Publisher:
         here: neither is changed, kept or read after the call. With ``max_unconfirmed``
         sends awaiting their confirm, it waits for room or raises PublisherOverflow (the
         overflow policy); PublisherClosed if the publisher is not open.
+
+        ``ttl`` (a timedelta or seconds) adds the ``x-txbox-expires-at`` header: a txbox
+        receiver dead-letters the message as ``expired`` once that time has passed
+        (docs/architecture.md, "Expiry and filters").
         """
         body = bytes(body)
+        if ttl is not None:
+            headers = {**(headers or {}), names.HEADER_EXPIRES_AT: expiry.header_value(expiry.deadline(ttl))}
         properties = _own_properties(properties, headers, message_id)
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()

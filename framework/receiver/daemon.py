@@ -41,6 +41,7 @@ from framework.reasons import Reason
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import (
     Delivery,
+    Filtered,
     Intake,
 )
 from framework.receiver.standby import POLL_SECONDS, ConsumerTurn
@@ -82,7 +83,12 @@ class Receiver(Daemon):
         super().__init__(service, stop_event=stop_event)
         self.config = config or ReceiverConfig.from_env()
         self.queue = names.inbox_queue(self.settings.service)
-        self.intake = Intake(service.registry, self.settings.service, max_body_bytes=self.config.max_body_bytes)
+        self.intake = Intake(
+            service.registry,
+            self.settings.service,
+            max_body_bytes=self.config.max_body_bytes,
+            selectors=service.selectors,
+        )
         self._schedule = self.config.schedule
         self._db = ConnectionSlot(
             self.settings.database_url,
@@ -409,6 +415,11 @@ class Receiver(Daemon):
             if isinstance(outcome, InboxRow):
                 pairs.append((delivery, outcome))
                 span.set_attribute("txbox.message_type", outcome.message_type)
+            elif isinstance(outcome, Filtered):
+                # Not for this service: acked with its batch, never stored (docs/architecture.md,
+                # "Expiry and filters").
+                metrics.RECEIVER_FILTERED.labels(message_type=outcome.message_type, **self._labels).inc()
+                span.set_attribute("txbox.filtered", True)
             else:
                 letters.append((delivery, outcome))
                 span.set_status(trace.StatusCode.ERROR, f"rejected: {outcome.reason}")

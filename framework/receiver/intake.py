@@ -10,16 +10,18 @@ import contextlib
 import hashlib
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from framework import dead_letters as dl
-from framework import jsoncodec, names
+from framework import expiry, jsoncodec, names
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
 from framework.reasons import Reason
+from framework.selectors import Fields, Selector
 from framework.sql.inbox import InboxRow
 
 MAX_SEGMENT_CHARS = 1024  # a longer lane name would not fit the inbox's segment index
@@ -139,7 +141,7 @@ class Delivery:
                 return key[len(prefix) :]
         return None
 
-    def metadata(self, auth_token: str | None) -> dict[str, Any]:
+    def metadata(self, auth_token: str | None, expires_at: float | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "properties": {**self.properties, "headers": jsoncodec.clip_depth(self.headers, MAX_HEADER_DEPTH)},
             "fields": {
@@ -153,7 +155,21 @@ class Delivery:
             out["auth_token"] = auth_token
         if self.trace:
             out[names.METADATA_TRACE] = self.trace
+        if expires_at is not None:
+            out[names.METADATA_EXPIRES_AT] = expires_at
         return out
+
+
+#: ``DeliveryRejected.reason`` (framework.testing) of a message a selector filters out: not
+#: a dead-letter reason, since such a message is no dead letter.
+FILTERED = "filtered"
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """A delivery its subscription's selector does not match: acked and counted, not stored."""
+
+    message_type: str
 
 
 def _metadata_text(metadata: dict[str, Any]) -> str:
@@ -167,8 +183,17 @@ def _metadata_text(metadata: dict[str, Any]) -> str:
 class Intake:
     """Turns deliveries of one service's inbox queue into rows or dead letters."""
 
-    def __init__(self, registry: Registry, service: str, *, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        service: str,
+        *,
+        max_body_bytes: int,
+        selectors: Mapping[str, Selector] | None = None,
+    ) -> None:
         self.registry = registry
+        # Message type → its handler's selector (framework/selectors.py).
+        self.selectors = dict(selectors or {})
         self.service = service
         self.queue = names.inbox_queue(service)
         self.max_body_bytes = max_body_bytes
@@ -217,8 +242,9 @@ class Intake:
             attempts={"redelivered": delivery.redelivered},
         )
 
-    def admit(self, delivery: Delivery) -> InboxRow | dl.DeadLetter:
-        """The row to store, or the dead letter saying why not; never raises (last resort: ``internal_error``)."""
+    def admit(self, delivery: Delivery) -> InboxRow | dl.DeadLetter | Filtered:
+        """The row to store, the dead letter saying why not, or Filtered (a selector did not match);
+        never raises (last resort: ``internal_error``)."""
         try:
             return self._admit(delivery)
         except Exception as exc:  # a bug of ours on input nobody foresaw: the input must not stop us
@@ -249,7 +275,7 @@ class Intake:
             f"it came through {delivery.exchange!r} with key {delivery.routing_key!r}"
         )
 
-    def _admit(self, delivery: Delivery) -> InboxRow | dl.DeadLetter:
+    def _admit(self, delivery: Delivery) -> InboxRow | dl.DeadLetter | Filtered:
         size = len(delivery.body)
         if size > self.max_body_bytes:
             return self.reject(
@@ -284,12 +310,25 @@ class Intake:
             spec.validate(message.payload, message.message_version)
         except PayloadValidationError as exc:
             return self.reject(delivery, Reason.SCHEMA_INVALID, str(exc), data=data)
+        # docs/architecture.md, "Expiry and filters": one lookup each when neither is used.
+        selector = self.selectors.get(spec.message_type)
+        if selector is not None and not selector.matches(
+            Fields(data, delivery.headers, delivery.original_routing_key(self.service))
+        ):
+            return Filtered(spec.message_type)
+        expires_at = None
+        if names.HEADER_EXPIRES_AT in delivery.headers:
+            expires_at = expiry.from_header(delivery.headers[names.HEADER_EXPIRES_AT])
+            if expires_at is not None and expiry.passed(expires_at):
+                return self.reject(
+                    delivery, Reason.EXPIRED, expiry.describe(expires_at, "before the receiver stored it"), data=data
+                )
         return InboxRow.of(
             message,
             message_type=spec.message_type,
             kind=spec.kind,
             routing_key=spec.routing_key,
-            metadata=_metadata_text(delivery.metadata(message.auth_token)),
+            metadata=_metadata_text(delivery.metadata(message.auth_token, expires_at)),
             lane=delivery.lane(default_segment(message.aggregate_type, message.aggregate_id)),
             queue=self.queue,
             redelivered=delivery.redelivered,

@@ -16,7 +16,9 @@ Outcomes of one publish:
 - nacked / unroutable command / confirm timeout → ``finished_attempts + 1``, backoff via
   ``locked_until``; after ``max_attempts`` abandoned with a dead letter, in one transaction;
 - connection lost / publisher closed → the lease is released at once (no attempt is
-  counted: it was not the message's fault; the broker may have it, the inbox dedups).
+  counted: it was not the message's fault; the broker may have it, the inbox dedups);
+- not published at all: a claimed row whose time to live has run out is abandoned at once
+  with a dead letter ``expired`` (docs/architecture.md, "Expiry and filters").
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import pika
 import psycopg
 from opentelemetry import trace
 
-from framework import amqp, db, metrics, names, topology, tracing
+from framework import amqp, db, expiry, metrics, names, topology, tracing
 from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot, Listener
 from framework.daemon import RABBITMQ, Daemon, Reconnect
@@ -118,6 +120,10 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
     headers = lane_headers(row)
     if row.correlation_id:
         headers[names.HEADER_CORRELATION_ID] = row.correlation_id
+    if row.expires_at is not None:
+        expires_at = expiry.from_metadata(row.expires_at)
+        if expires_at is not None:
+            headers[names.HEADER_EXPIRES_AT] = expiry.header_value(expires_at)
     props = pika.BasicProperties(
         content_type=CONTENT_TYPE,
         delivery_mode=2,
@@ -161,7 +167,7 @@ def relay_outcome(row: Claimed, error: PublishError | None) -> RelayOutcome:
     """What one publish's result means for its row (the list at the top of this module)."""
     if error is None or (error.reason == Reason.UNROUTABLE and row.kind == "event"):
         return RelayOutcome.PUBLISHED  # an event nobody subscribed to is fine
-    if error.reason in (Reason.NACKED, Reason.UNROUTABLE, confirms.TIMEOUT):
+    if error.reason in (Reason.NACKED, Reason.UNROUTABLE, confirms.TIMEOUT, Reason.EXPIRED):
         return RelayOutcome.FAILED
     return RelayOutcome.RELEASED  # connection lost / publisher closed: not the message's fault
 
@@ -332,6 +338,10 @@ class Relay(Daemon):
         if not rows:
             return 0
         items = [outgoing(r, self._user) for r in rows]  # in claim order: priority, then creation
+        if any(r.expires_at is not None for r in rows):
+            items = self._expire(items)
+            if not items:
+                return len(rows)
         for item in items:
             item.on_done = self._done
             self._spans[item.message_id] = publish_span(item)
@@ -343,6 +353,23 @@ class Relay(Daemon):
             conn.execute(self._sql_release, {"ids": [r.id for r in rows]})
             return 0
         return len(items)
+
+    def _expire(self, items: list[Outgoing]) -> list[Outgoing]:
+        """The items still to publish; expired ones go to the writer as failures it abandons at once
+        (docs/architecture.md, "Expiry and filters")."""
+        keep: list[Outgoing] = []
+        now = time.time()
+        for item in items:
+            row: Claimed = item.token
+            expires_at = expiry.from_metadata(row.expires_at)
+            if expires_at is not None and expiry.passed(expires_at, now):
+                error = PublishError(expiry.describe(expires_at, "before the relay published it"), Reason.EXPIRED)
+                self._results.append((item, error))
+            else:
+                keep.append(item)
+        if len(keep) < len(items):
+            self._wake.set()
+        return keep
 
     def _done(self, item: Outgoing, error: PublishError | None) -> None:
         """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
@@ -448,12 +475,17 @@ class Relay(Daemon):
         """Count a failed attempt; abandon with a dead letter at ``max_attempts``. True if abandoned."""
         attempt = row.finished_attempts + 1
         text = str(error)
+        if error.reason == Reason.EXPIRED:
+            return self._abandon(cur, row, Reason.EXPIRED, text, attempt)
         if attempt < self.config.max_attempts:
             delay = backoff_seconds(attempt, base=self.config.retry_base, cap=self.config.retry_cap, jitter=0.5)
             cur.execute(self._sql_retry, {"id": row.id, "delay": delay, "error": text})
             return False
         reason = error.reason if error.reason in (Reason.NACKED, Reason.UNROUTABLE) else Reason.MAX_ATTEMPTS
-        text = f"gave up after {attempt} attempts: {text}"
+        return self._abandon(cur, row, reason, f"gave up after {attempt} attempts: {text}", attempt)
+
+    def _abandon(self, cur: psycopg.Cursor[Any], row: Claimed, reason: str, text: str, attempt: int) -> bool:
+        """Give the row up with its dead letter. True if abandoned (False: finished elsewhere meanwhile)."""
         cur.execute(self._sql_abandon, {"id": row.id, "error": text})
         if cur.rowcount == 0:
             return False  # finished elsewhere meanwhile

@@ -29,10 +29,12 @@ def current(schema: str, table: str, same: sql.Composable) -> sql.Composed:
 
 
 def reset(schema: str, table: str) -> sql.Composed:
-    """Params: id. An abandoned row due again at once, with a fresh set of attempts."""
+    """Params: id. An abandoned row due again at once, with a fresh set of attempts and no
+    expiry: replaying is someone's decision to run it now (docs/architecture.md, "Expiry and filters")."""
     return sql.SQL(
         """UPDATE {t} SET processed_at = NULL, abandoned_at = NULL, last_error = NULL,
-               started_attempts = 0, finished_attempts = 0, locked_until = clock_timestamp()
+               started_attempts = 0, finished_attempts = 0, locked_until = clock_timestamp(),
+               metadata = metadata - 'expires_at'
            WHERE id = %(id)s"""
     ).format(t=sql.Identifier(schema, table))
 

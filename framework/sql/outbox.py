@@ -132,6 +132,7 @@ class Claimed(NamedTuple):
     segment: str = ""  # "" or the default lane (aggregate_type:aggregate_id): no header
     concurrency: str = "sequential"
     trace: dict[str, Any] | None = None  # the writer's span (docs/architecture.md, "Tracing")
+    expires_at: Any = None  # metadata's expiry, a number when set (framework/expiry.py)
 
 
 def fetch_claimed(conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]) -> list[Claimed]:
@@ -175,10 +176,10 @@ RETURNING t.id::text AS id, t.message_type, t.aggregate_type, t.aggregate_id, t.
     to_char(t.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') AS stamp,
     floor(extract(epoch FROM t.created_at))::bigint AS epoch,
     t.started_attempts, t.finished_attempts, t.created_at, t.segment, t.concurrency,
-    t.metadata->'trace' AS trace)
+    t.metadata->'trace' AS trace, t.metadata->'expires_at' AS expires_at)
 SELECT id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key, payload_json,
     context_json, auth_token, correlation_id, priority, stamp, epoch, started_attempts, finished_attempts,
-    segment, concurrency, trace
+    segment, concurrency, trace, expires_at
 FROM taken ORDER BY priority DESC, created_at, id"""
 
 # The end of both claims: of the due rows chosen, the heads of their lanes (a parallel

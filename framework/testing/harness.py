@@ -36,7 +36,7 @@ from framework.errors import (
 )
 from framework.outbox import Outbox
 from framework.receiver.config import ReceiverConfig
-from framework.receiver.intake import Delivery, Intake
+from framework.receiver.intake import FILTERED, Delivery, Filtered, Intake
 from framework.service import Service
 from framework.sql.inbox import InboxRow
 from framework.sql.outbox import OutboxRow
@@ -68,7 +68,12 @@ class _Target:
         self.name = service.name
         self.schema = service.settings.schema
         self.engine: Engine = db.create_engine(database_url)
-        self.intake = Intake(service.registry, service.name, max_body_bytes=ReceiverConfig.from_env().max_body_bytes)
+        self.intake = Intake(
+            service.registry,
+            service.name,
+            max_body_bytes=ReceiverConfig.from_env().max_body_bytes,
+            selectors=service.selectors,
+        )
 
 
 class Harness:
@@ -239,6 +244,12 @@ class Harness:
             properties={"content_type": CONTENT_TYPE, "message_id": str(message.message_id)},
         )
         row = target.intake.admit(delivery)
+        if isinstance(row, Filtered):
+            raise DeliveryRejected(
+                f"{target.name}'s receiver would not store this {message.message_type}: its handler's selector "
+                "does not match it",
+                FILTERED,
+            )
         if isinstance(row, DeadLetter):
             raise DeliveryRejected(
                 f"{target.name}'s receiver would reject this {message.message_type} ({row.reason}): {row.error}",

@@ -57,7 +57,7 @@ from opentelemetry import trace
 from psycopg.rows import dict_row
 from sqlalchemy import Connection
 
-from framework import db, jsoncodec, logs, metrics, names, redaction, tracing
+from framework import db, expiry, jsoncodec, logs, metrics, names, redaction, tracing
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.envelope import Message
@@ -443,6 +443,10 @@ class BatchRunner:
                 finished_delta=claimed.unfinished_before + 1,
             )
             return
+        expires_at = claimed.metadata.get(names.METADATA_EXPIRES_AT)
+        if expires_at is not None and _expired(expires_at):
+            self._abandon(claimed, Reason.EXPIRED, expiry.describe(expires_at, "before a worker ran its handler"))
+            return
         handler = self.service.handler_for(claimed.message_type)
         if handler is None:
             self._abandon(claimed, Reason.NO_HANDLER, f"no handler registered for {claimed.message_type}")
@@ -693,6 +697,12 @@ def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -
     if hard < GRACE + MIN_RUN:
         return None
     return min(timeout, hard - GRACE), hard
+
+
+def _expired(value: Any) -> bool:
+    """An inbox row's stored expiry has passed (docs/architecture.md, "Expiry and filters")."""
+    expires_at = expiry.from_metadata(value)
+    return expires_at is not None and expiry.passed(expires_at)
 
 
 def _as_text(value: Any) -> str:

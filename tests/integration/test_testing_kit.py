@@ -264,3 +264,17 @@ def test_the_harness_runs_async_handlers(counted: str) -> None:
         harness.deliver("Count", aggregate_id="c", payload={"n": 1})
         harness.run_until_idle()
     assert count_rows(counted) == [(1,), (2,)]
+
+
+class EvenCount(Count):
+    selector = "payload.n IN (2, 4, 6)"
+
+
+def test_a_message_the_handlers_selector_does_not_match_is_refused_as_filtered(counted: str) -> None:
+    handler = EvenCount()
+    with kit(counted, handler) as harness:
+        harness.deliver("Count", aggregate_id="c", payload={"n": 2})
+        with pytest.raises(DeliveryRejected) as rejected:
+            harness.deliver("Count", aggregate_id="c", payload={"n": 3})
+    assert rejected.value.reason == "filtered" and "selector" in str(rejected.value)
+    assert [m.payload["n"] for m in handler.seen] == [2]

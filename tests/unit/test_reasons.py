@@ -35,6 +35,7 @@ STORED = {
     "unauthorized",
     "unroutable",
     "nacked",
+    "expired",
     "internal_error",
 }
 
