@@ -52,10 +52,6 @@ def private_rabbit() -> Iterator[PrivateRabbit]:
         yield node
 
 
-def _memory_alarm(node: PrivateRabbit) -> bool:
-    return "memory" in node.ctl("eval", "rabbit_alarm:get_alarms().")
-
-
 def _take_back(amqp_url: str, count: int) -> None:
     """Get ``count`` deliveries and close without acking: the broker requeues them as redelivered.
 
@@ -78,6 +74,23 @@ def _unacked(node: PrivateRabbit) -> int:
     return int(counts.get(names.inbox_queue(SERVICE), -1))
 
 
+def _copies_connections(node: PrivateRabbit, what: str) -> int:
+    """The receiver's publishing connections: ``blocked`` counts those blocked now; an Erlang
+    call on ``P`` (say ``close_connection(P, "why")``) runs on each and counts them."""
+    name = f"{SERVICE} receiver copies"
+    match = (
+        "P <- rabbit_networking:connections(), "
+        "[{client_properties, Props}, {state, State}] <- "
+        "[rabbit_networking:connection_info(P, [client_properties, state])], "
+        f'lists:member({{<<"connection_name">>, longstr, <<"{name}">>}}, Props)'
+    )
+    if what == "blocked":
+        expression = f"length([P || {match}, State =:= blocked])."
+    else:
+        expression = f"length([rabbit_networking:{what} || {match}])."
+    return int(node.ctl("eval", expression).strip())
+
+
 def _gauge(name: str) -> float:
     return REGISTRY.get_sample_value(name, {"service": SERVICE}) or 0.0
 
@@ -98,7 +111,6 @@ def test_consuming_goes_on_while_the_broker_blocks_publishing(database_url: str,
     publish(amqp_url, [encode(m) for m in order])  # before the alarm, which would block this publisher
     _take_back(amqp_url, len(order))
     private_rabbit.ctl("set_vm_memory_high_watermark", "0")
-    assert _memory_alarm(private_rabbit)
 
     def stored() -> set[str]:
         return {str(row[0]) for row in query(database_url, "SELECT id FROM txbox.inbox")}
@@ -117,8 +129,16 @@ def test_consuming_goes_on_while_the_broker_blocks_publishing(database_url: str,
         support.wait_until(
             lambda: _unacked(private_rabbit) == len(held), 20, message="the held deliveries unacked, the rest acked"
         )
-        assert _memory_alarm(private_rabbit), "all of it happened while publishing was blocked"
         assert metrics.RECEIVER_DELAYED.labels(service=SERVICE)._value.get() == delayed, "no copy confirmed yet"
+
+        # The publishing connection is lost while its copies wait: they go again on a new
+        # one (blocked in turn), never dropped, their deliveries still unacked.
+        assert _copies_connections(private_rabbit, 'close_connection(P, "test")') == 1
+        support.wait_until(
+            lambda: _copies_connections(private_rabbit, "blocked") == 1, 20, message="the copies on a new connection"
+        )
+        assert _gauge("txbox_receiver_copies_waiting_messages") == len(held)
+        assert stored() == {m["message_id"] for m in free}, "all of it while publishing stays blocked"
 
         query(database_url, "DELETE FROM public.unavailable")
         private_rabbit.ctl("set_vm_memory_high_watermark", "0.4")
