@@ -82,9 +82,9 @@ class Copies:
         """Start a session beside the consuming ``connection`` and ``channel``: open the
         publishing connection (BrokerUnavailable if it cannot be)."""
         self._connection, self._channel = connection, channel
-        self.open()
+        self._open()
 
-    def open(self) -> None:
+    def _open(self) -> None:
         self._publisher = Publisher(
             self._url,
             name=self._name,
@@ -107,10 +107,6 @@ class Copies:
         self.waiting = {}
         self._connection = self._channel = None
 
-    @property
-    def blocked(self) -> str | None:
-        return self._publisher.blocked if self._publisher is not None else None
-
     def send(self, copy: Copy) -> None:
         """Publish ``copy``; its delivery waits unacked until :attr:`Copy.on_confirmed` ran."""
         self.waiting[copy.delivery.delivery_tag] = copy
@@ -129,7 +125,7 @@ class Copies:
                 log.warning("the publishing connection was lost (%s): opening a new one", publisher.error)
                 self.close_publisher()
             try:
-                self.open()
+                self._open()
             except BrokerUnavailable as exc:
                 self._retry_at = time.monotonic() + REOPEN_WAIT
                 log.warning("cannot open a publishing connection (%s): the copies wait", exc)
