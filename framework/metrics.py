@@ -79,6 +79,18 @@ RECEIVER_FILTERED = _counter(
     "receiver", "filtered", "Deliveries acked without storing: their handler's selector did not match", "message_type"
 )
 RECEIVER_PEAK_HELD = _gauge("receiver", "peak_held", "bytes", "Most body bytes held unacked at once since the start")
+RECEIVER_COPIES_WAITING = _gauge(
+    "receiver",
+    "copies_waiting",
+    "messages",
+    "Retry and dead-letter copies not confirmed yet; their deliveries wait unacked",
+)
+RECEIVER_PUBLISHING_BLOCKED = _gauge(
+    "receiver",
+    "publishing_blocked",
+    "seconds",
+    "How long RabbitMQ has blocked the receiver's publishing connection (memory or disk alarm); 0 when not",
+)
 
 # ---- worker --------------------------------------------------------------------------
 

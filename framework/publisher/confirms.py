@@ -101,6 +101,10 @@ class Publisher:
     ``max_unconfirmed``, ``overflow`` and ``overflow_timeout`` default to
     ``TXBOX_PUBLISHER_MAX_UNCONFIRMED`` (1000), ``TXBOX_PUBLISHER_OVERFLOW`` (``block``)
     and ``TXBOX_PUBLISHER_OVERFLOW_TIMEOUT`` (30s).
+
+    ``on_blocked`` is called on the I/O thread with the broker's reason when RabbitMQ
+    blocks the connection (a memory or disk alarm), and with None when it unblocks it or
+    the connection ends; :attr:`blocked` holds the same.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class Publisher:
         max_unconfirmed: int | None = None,
         overflow: Overflow | None = None,
         overflow_timeout: float | None = None,
+        on_blocked: Callable[[str | None], None] | None = None,
     ) -> None:
         self.limits = PublisherConfig.from_env(
             max_unconfirmed=max_unconfirmed, overflow=overflow, overflow_timeout=overflow_timeout
@@ -121,6 +126,8 @@ class Publisher:
         self.name = name
         self.confirm_timeout = confirm_timeout
         self.connect_timeout = connect_timeout
+        self._on_blocked_change = on_blocked
+        self._blocked: str | None = None
         self._lock = threading.Lock()
         self._outq: deque[Outgoing] = deque()
         self._scheduled = False
@@ -177,6 +184,11 @@ class Publisher:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    @property
+    def blocked(self) -> str | None:
+        """While RabbitMQ blocks this connection's publishes (a memory or disk alarm): its reason; else None."""
+        return self._blocked
 
     @property
     def in_flight(self) -> int:
@@ -371,7 +383,29 @@ class Publisher:
             self._ready.set()
 
     def _on_open(self, conn: pika.SelectConnection) -> None:
+        conn.add_on_connection_blocked_callback(self._on_connection_blocked)
+        conn.add_on_connection_unblocked_callback(self._on_connection_unblocked)
         conn.channel(on_open_callback=self._on_channel)
+
+    def _on_connection_blocked(self, _conn: pika.SelectConnection, frame: pika.frame.Method) -> None:
+        """RabbitMQ stopped reading our publishes (``connection.blocked``): sends wait for their
+        confirm until it unblocks, or pika drops the connection after ``blocked_connection_timeout``
+        (docs/architecture.md, "Publishing blocked by the broker")."""
+        reason = str(getattr(frame.method, "reason", "") or "resource alarm")
+        log.warning("RabbitMQ blocks publishing on %s: %s", self.name, reason)
+        self._set_blocked(reason)
+
+    def _on_connection_unblocked(self, _conn: pika.SelectConnection, _frame: pika.frame.Method) -> None:
+        log.info("RabbitMQ unblocked publishing on %s", self.name)
+        self._set_blocked(None)
+
+    def _set_blocked(self, reason: str | None) -> None:
+        self._blocked = reason
+        if self._on_blocked_change is not None:
+            try:
+                self._on_blocked_change(reason)
+            except Exception:
+                log.exception("a blocked-connection callback raised")
 
     def _on_open_error(self, conn: pika.SelectConnection, exc: BaseException) -> None:
         """This node did not answer: _run tries the next one."""
@@ -392,6 +426,8 @@ class Publisher:
         self._conn.ioloop.call_later(1.0, self._check_timeouts)
 
     def _on_closed(self, conn: pika.SelectConnection, reason: BaseException) -> None:
+        if self._blocked is not None:
+            self._set_blocked(None)
         if self._state not in ("closing", "closed"):
             self._broken(reason)
         else:

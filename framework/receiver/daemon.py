@@ -30,6 +30,7 @@ import pika
 import pika.exceptions
 import psycopg
 from opentelemetry import trace
+from prometheus_client import Counter
 
 from framework import amqp, db, delivery_limit, metrics, names, topology, tracing
 from framework import dead_letters as dl
@@ -39,6 +40,7 @@ from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
 from framework.reasons import Reason
 from framework.receiver.config import ReceiverConfig
+from framework.receiver.copies import Copies, Copy
 from framework.receiver.intake import (
     Delivery,
     Filtered,
@@ -52,6 +54,7 @@ from framework.sql import redeliveries
 from framework.sql.inbox import InboxRow
 
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
+_DRAIN_SECONDS = 5.0  # at most this long, on the way out, for copies still waiting for their confirm
 
 
 def _wake(connection: pika.BlockingConnection, _write: Future[None]) -> None:
@@ -117,6 +120,15 @@ class Receiver(Daemon):
             else None
         )
         self.consuming = False  # between basic_consume and leaving it: for tests and logs
+        self._copies = Copies(
+            self.settings.amqp_url,
+            name=f"{self.settings.service} receiver copies",
+            max_unconfirmed=self.config.prefetch,
+            on_blocked=self._publishing_blocked,
+        )
+        self._blocked_since: float | None = None  # publishing blocked by a broker alarm since
+        metrics.RECEIVER_PUBLISHING_BLOCKED.labels(**self._labels).set_function(self._blocked_seconds)
+        metrics.RECEIVER_COPIES_WAITING.labels(**self._labels).set_function(lambda: len(self._copies.waiting))
         self._standing_down = False  # another replica took the turn: stop consuming (_our_turn)
 
     # --- the loop -----------------------------------------------------------------
@@ -149,8 +161,10 @@ class Receiver(Daemon):
                 topology.declare(self.settings, self.service.registry, channel)
                 self._declare_extra_delays(channel)
                 self._ensure_delivery_limit()
-                publish_channel = connection.channel()
-                publish_channel.confirm_delivery()
+                # Copies go on a connection of their own: a broker that blocks publishers
+                # (a memory or disk alarm) keeps delivering to this one (docs/architecture.md,
+                # "Publishing blocked by the broker").
+                self._copies.begin(connection, channel)
                 careful = self._careful > 0
                 channel.basic_qos(prefetch_count=1 if careful else self.config.prefetch)
                 reconnect.succeeded()
@@ -160,13 +174,14 @@ class Receiver(Daemon):
                 tag = channel.basic_consume(self.queue, self._on_delivery)
                 self.consuming = True
                 self.state("consuming", self.queue)
-                self._loop(connection, channel, publish_channel, careful=careful)
+                self._loop(connection, channel, careful=careful)
                 if careful and not self.stopping and self._our_turn():
                     # The deliveries held when the connection was lost are settled: full speed.
                     channel.basic_cancel(tag)
                     channel.basic_qos(prefetch_count=self.config.prefetch)
                     tag = channel.basic_consume(self.queue, self._on_delivery)
-                    self._loop(connection, channel, publish_channel, careful=False)
+                    self._loop(connection, channel, careful=False)
+                self._copies.drain(_DRAIN_SECONDS)
                 # Undispatched deliveries are nacked (requeued) by pika on cancel.
                 channel.basic_cancel(tag)
         finally:
@@ -174,6 +189,7 @@ class Receiver(Daemon):
             self.set_ready(RABBITMQ, False)
             self._buffer = []  # unacked: the broker requeues them when the channel closes
             self._buffered = self._writing = 0
+            self._copies.close()
             amqp.close_quietly(connection)
 
     def _ensure_delivery_limit(self) -> None:
@@ -234,7 +250,7 @@ class Receiver(Daemon):
             self.state("standing down", f"another receiver took over {self.queue}")
         return not self._standing_down
 
-    def _loop(self, connection: pika.BlockingConnection, channel: Any, publish_channel: Any, *, careful: bool) -> None:
+    def _loop(self, connection: pika.BlockingConnection, channel: Any, *, careful: bool) -> None:
         """Consume and settle until stopped; batch N is written while batch N+1 is collected.
 
         ``careful`` (prefetch 1), after a lost connection, until ``prefetch`` deliveries
@@ -251,10 +267,11 @@ class Receiver(Daemon):
         try:
             while not self.stopping and not (careful and self._careful <= 0) and self._our_turn():
                 self.progress()  # _fill returns at least every _IDLE_WAIT
+                self._copies.flush()  # copies whose publishing connection was lost go again
                 self._fill(connection, busy=inflight[1] if inflight is not None else None)
                 if not self._buffer:
                     if inflight is not None:
-                        self._finish(inflight, channel, publish_channel)
+                        self._finish(inflight, channel)
                         inflight = None
                     continue
                 batch, self._buffer = self._buffer, []
@@ -262,42 +279,42 @@ class Receiver(Daemon):
                 metrics.RECEIVER_RECEIVED.labels(**self._labels).inc(len(batch))
                 if any(d.redelivered for d in batch):
                     if inflight is not None:
-                        self._finish(inflight, channel, publish_channel)
+                        self._finish(inflight, channel)
                         inflight = None
                     # Someone died holding these: take them one by one so the one that
                     # kills us is the only one whose counter climbs.
                     self._writing = batch_bytes
                     for delivery in batch:
-                        self._settle_group([delivery], channel, publish_channel)
+                        self._settle_group([delivery], channel)
                     self._writing = 0
                     continue
                 prepared = self._admit(batch, {})
                 if inflight is not None:
-                    self._finish(inflight, channel, publish_channel)
+                    self._finish(inflight, channel)
                 self._writing = batch_bytes
                 inflight = (batch, pool.submit(self._write, prepared))
                 inflight[1].add_done_callback(functools.partial(_wake, connection))
             if inflight is not None:
-                self._finish(inflight, channel, publish_channel)
+                self._finish(inflight, channel)
         finally:
             pool.shutdown(wait=True)  # a write in flight completes; its batch is redelivered, deduped
 
-    def _finish(self, inflight: tuple[list[Delivery], Future[None]], channel: Any, publish_channel: Any) -> None:
+    def _finish(self, inflight: tuple[list[Delivery], Future[None]], channel: Any) -> None:
         batch, future = inflight
         try:
             future.result()
         except Exception as exc:
             self._writing = 0
             if not db.is_infrastructure_error(exc):
-                self._rescue(batch, exc, channel, publish_channel)
+                self._rescue(batch, exc, channel)
                 return
             self._database_down(exc)
-            self._retry_later(batch, channel, publish_channel)
+            self._retry_later(batch)
             return
         self._writing = 0
         self._careful -= len(batch)
         self.state("consuming", self.queue)
-        channel.basic_ack(batch[-1].delivery_tag, multiple=True)
+        self._copies.ack(batch)
 
     def _database_down(self, exc: BaseException) -> None:
         self._drop_db()
@@ -350,20 +367,20 @@ class Receiver(Daemon):
 
     # --- settling a batch -----------------------------------------------------------
 
-    def _settle_group(self, group: list[Delivery], channel: Any, publish_channel: Any) -> None:
+    def _settle_group(self, group: list[Delivery], channel: Any) -> None:
         try:
             forced = self._count_redeliveries(group)
             self._store(group, forced)
         except Exception as exc:
             if not db.is_infrastructure_error(exc):
-                self._rescue(group, exc, channel, publish_channel)
+                self._rescue(group, exc, channel)
                 return
             self._database_down(exc)
-            self._retry_later(group, channel, publish_channel)
+            self._retry_later(group)
             return
         self._careful -= len(group)
         self.state("consuming", self.queue)
-        channel.basic_ack(group[-1].delivery_tag, multiple=True)
+        self._copies.ack(group)
 
     def _count_redeliveries(self, group: Sequence[Delivery]) -> dict[int, dl.DeadLetter]:
         """Count redeliveries in their own committed transaction; dead letters for those past the limit."""
@@ -562,7 +579,7 @@ class Receiver(Daemon):
 
     # --- last resort: the settling itself failed ----------------------------------------
 
-    def _rescue(self, group: Sequence[Delivery], exc: BaseException, channel: Any, publish_channel: Any) -> None:
+    def _rescue(self, group: Sequence[Delivery], exc: BaseException, channel: Any) -> None:
         """A bug of ours failed a whole group: dead-letter each delivery as ``internal_error`` and go on.
 
         Each one in a transaction of its own, from the raw delivery alone; if even that
@@ -586,18 +603,18 @@ class Receiver(Daemon):
                 if db.is_infrastructure_error(failure):
                     # The database went away: the rest wait in the delay chain, untried.
                     self._database_down(failure)
-                    self._retry_later(group[index:], channel, publish_channel)
+                    self._retry_later(group[index:])
                     return
                 else:
                     self._drop_db()
-                    self._give_up(delivery, Reason.INTERNAL_ERROR, letter.error, channel, publish_channel)
+                    self._give_up(delivery, Reason.INTERNAL_ERROR, letter.error)
                 continue
             metrics.RECEIVER_REJECTED.labels(reason=Reason.INTERNAL_ERROR, **self._labels).inc()
             channel.basic_ack(delivery.delivery_tag)
 
     # --- PostgreSQL down: the delay/retry chain ---------------------------
 
-    def _retry_later(self, group: Sequence[Delivery], channel: Any, publish_channel: Any) -> None:
+    def _retry_later(self, group: Sequence[Delivery]) -> None:
         """Park each delivery in a delay queue, or give it up to ``<service>:dead_letter``.
 
         Either way a copy is published with a confirm and only then is the delivery
@@ -614,8 +631,6 @@ class Receiver(Daemon):
                     Reason.RETRIES_EXHAUSTED,
                     f"the receiver could not store it through the whole delay/retry chain "
                     f"(attempt {delivery.attempt}): the database stayed unavailable",
-                    channel,
-                    publish_channel,
                 )
                 continue
             headers = self._copied_headers(delivery)
@@ -626,19 +641,17 @@ class Receiver(Daemon):
             if final:
                 headers[names.HEADER_FINAL_ATTEMPT] = True
             headers["CC"] = [names.retry_routing_key(service, delivery.original_routing_key(service))]
-            if self._publish_copy(
-                delivery, names.DELAY_EXCHANGE, names.delay_routing_key(delay), headers, channel, publish_channel
-            ):
-                metrics.RECEIVER_DELAYED.labels(**self._labels).inc()
+            self._publish_copy(
+                delivery, names.DELAY_EXCHANGE, names.delay_routing_key(delay), headers, metrics.RECEIVER_DELAYED
+            )
 
-    def _give_up(self, delivery: Delivery, reason: str, error: str, channel: Any, publish_channel: Any) -> None:
+    def _give_up(self, delivery: Delivery, reason: str, error: str) -> None:
         """A confirmed copy to ``<service>:dead_letter`` with our reason headers, then the ack."""
         headers = self._copied_headers(delivery)
         headers[names.HEADER_DEAD_REASON] = reason
         headers[names.HEADER_DEAD_ERROR] = error
         key = names.dead_letter_routing_key(self.settings.service)
-        if self._publish_copy(delivery, names.DEAD_LETTER_EXCHANGE, key, headers, channel, publish_channel):
-            metrics.RECEIVER_GAVE_UP.labels(**self._labels).inc()
+        self._publish_copy(delivery, names.DEAD_LETTER_EXCHANGE, key, headers, metrics.RECEIVER_GAVE_UP)
 
     def _copied_headers(self, delivery: Delivery) -> dict[str, Any]:
         """Headers of a copy we publish: our ``user_id`` vouches for it, so a stranger's control headers go.
@@ -655,24 +668,25 @@ class Receiver(Daemon):
         return headers
 
     def _publish_copy(
-        self, delivery: Delivery, exchange: str, key: str, headers: dict[str, Any], channel: Any, publish_channel: Any
-    ) -> bool:
-        """Publish a copy with a confirm, then ack the delivery; if no queue takes it, requeue the delivery."""
+        self, delivery: Delivery, exchange: str, key: str, headers: dict[str, Any], confirmed: Counter
+    ) -> None:
+        """Publish a copy on the publishing connection; the delivery is acked once the broker
+        confirmed the copy (``confirmed`` counts it then), requeued if no queue takes it."""
         props = pika.BasicProperties(
             delivery_mode=2,
             headers=headers,
             user_id=self._user,
             **{k: delivery.properties[k] for k in names.REPUBLISHED_PROPERTIES if k in delivery.properties},
         )
-        try:
-            publish_channel.basic_publish(exchange, key, delivery.body, props, mandatory=True)
-        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
-            # No queue took the copy: keep the delivery in the inbox queue rather than lose it.
-            self.log.error("%s refused a copy (%r): requeueing the delivery", exchange, exc)
-            channel.basic_nack(delivery.delivery_tag, requeue=True)
-            return False
-        channel.basic_ack(delivery.delivery_tag)
-        return True
+        self._copies.send(Copy(delivery, exchange, key, props, on_confirmed=confirmed.labels(**self._labels).inc))
+
+    def _publishing_blocked(self, reason: str | None) -> None:
+        """On the publisher's I/O thread: RabbitMQ blocked (``reason``) or unblocked (None) our copies."""
+        self._blocked_since = None if reason is None else time.monotonic()
+
+    def _blocked_seconds(self) -> float:
+        since = self._blocked_since
+        return 0.0 if since is None else time.monotonic() - since
 
     # --- PostgreSQL connection ----------------------------------------------------
 
