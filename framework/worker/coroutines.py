@@ -13,6 +13,9 @@ close) hold unchanged.
 Each worker thread keeps one event loop (an ``asyncio.Runner``) for its life: a loop
 per message would cost more than a small handler's work. The coroutine runs as a task
 of that loop, in a copy of the caller's context (the handler's span and log fields).
+The task's first step gets one pass of the loop, which is all a handler whose awaits
+never suspend needs (its session's never do); only a task still pending after it gets
+``run_until_complete`` (docs/architecture.md, "Async handlers", "The loop").
 On timeout the watchdog cancels the running statement and the task
 (:func:`cancel_running`), since an exception raised into a thread blocked in the
 loop's ``select`` would not arrive before the loop wakes.
@@ -82,12 +85,8 @@ class _Loop:
 
     def __init__(self) -> None:
         self.runner = asyncio.Runner()
-        self.task: asyncio.Task[Any] | None = None
+        self.task: asyncio.Task[None] | None = None
         self.cancelled = False
-
-    async def _main(self, coro: Coroutine[Any, Any, None]) -> None:
-        self.task = asyncio.current_task()
-        await coro
 
 
 _loops: dict[int, _Loop] = {}  # by thread id
@@ -112,7 +111,7 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
     loop = _loop()
     loop.cancelled = False
     try:
-        loop.runner.run(loop._main(coro), context=contextvars.copy_context())
+        _run_task(loop, coro)
     except asyncio.CancelledError:
         if loop.cancelled:
             raise HandlerTimeout("the handler's task was cancelled at its timeout") from None
@@ -126,6 +125,26 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
         raise
     finally:
         loop.task = None
+
+
+def _run_task(loop: _Loop, coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` as a task of ``loop`` to its end; raise what it raised.
+
+    ``Runner.run`` would cost two passes of the loop per message (the task's step, then
+    the callback that stops the loop) and, on the main thread, swapping the SIGINT
+    handler twice: more than a small handler's own work. A loop stopped before it runs
+    makes exactly one pass (asyncio's documented ``stop()`` before ``run_forever()``),
+    which runs the task's first step; a handler that never suspends is done then.
+    """
+    events = loop.runner.get_loop()
+    # Known to the watchdog before the step starts: a cancel that comes first still
+    # reaches the task (it then never starts, and the run is a timeout).
+    task = loop.task = events.create_task(coro, context=contextvars.copy_context())
+    events.stop()
+    events.run_forever()
+    if not task.done():  # it awaits something real (a sleep, a socket): run the loop for it
+        events.run_until_complete(task)
+    task.result()
 
 
 def cancel_running(thread_id: int) -> bool:

@@ -25,6 +25,44 @@ def test_runs_reuse_one_loop_per_thread() -> None:
     assert loops[0] is loops[1]
 
 
+def test_a_handler_that_never_suspends_costs_one_pass_of_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Runner.run would make two (the task's step, then the callback stopping the loop):
+    # the per-message cost that kept async handlers behind sync ones.
+    passes = 0
+    probe = asyncio.new_event_loop()
+    loop_class = type(probe)  # the class this thread's loop has too
+    probe.close()
+    run_once = loop_class._run_once  # type: ignore[attr-defined]
+
+    def counted(self: asyncio.AbstractEventLoop) -> None:
+        nonlocal passes
+        passes += 1
+        run_once(self)
+
+    async def plain() -> None:
+        pass
+
+    coroutines.run(plain())  # this thread's loop exists before counting
+    monkeypatch.setattr(loop_class, "_run_once", counted)
+    coroutines.run(plain())
+    assert passes == 1
+
+
+def test_a_handler_that_suspends_runs_to_its_end_and_raises_what_it_raised() -> None:
+    steps: list[int] = []
+
+    async def suspends() -> None:
+        for n in range(3):
+            await asyncio.sleep(0)
+            steps.append(n)
+        await asyncio.sleep(0.001)
+        raise ValueError("from the handler")
+
+    with pytest.raises(ValueError, match="from the handler"):
+        coroutines.run(suspends())
+    assert steps == [0, 1, 2]
+
+
 def test_a_cancel_from_another_thread_wakes_a_sleeping_handler_as_a_timeout() -> None:
     started = threading.Event()
     me = threading.get_ident()
