@@ -53,6 +53,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from psycopg.rows import dict_row
 from sqlalchemy import Connection
@@ -650,12 +651,14 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
 
 @contextlib.contextmanager
 def handler_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
-    """The CONSUMER span of one handler run, current while it runs: child of the receiver's
-    span kept with the inbox row, so what the handler sends continues the message's trace
-    (docs/architecture.md, "Tracing"). An exception out of the handler marks it failed,
-    through :func:`framework.tracing.failed`: the SDK's own recording calls ``str()`` on
-    the exception, and one whose ``__str__`` raises would replace the handler's failure."""
-    with tracing.tracer.start_as_current_span(
+    """The CONSUMER span of one handler run, current while it runs: child of the context the
+    inbox row keeps (the span that wrote the message), so what the handler sends continues
+    the message's trace (docs/architecture.md, "Tracing"). An exception out of the handler
+    marks it failed, through :func:`framework.tracing.failed`: the SDK's own recording calls
+    ``str()`` on the exception, and one whose ``__str__`` raises would replace the handler's
+    failure. Started and made current by hand rather than through ``start_as_current_span``:
+    the same calls without its layers of context managers, once per message."""
+    span = tracing.tracer.start_span(
         f"handle {claimed.message_type}",
         context=tracing.extract(claimed.metadata.get(names.METADATA_TRACE)),
         kind=trace.SpanKind.CONSUMER,
@@ -669,12 +672,16 @@ def handler_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
         },
         record_exception=False,
         set_status_on_exception=False,
-    ) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            tracing.failed(span, exc)
-            raise
+    )
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield span
+    except BaseException as exc:
+        tracing.failed(span, exc)
+        raise
+    finally:
+        otel_context.detach(token)
+        span.end()
 
 
 def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -> tuple[float, float] | None:
