@@ -656,20 +656,25 @@ def handler_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
     the message's trace (docs/architecture.md, "Tracing"). An exception out of the handler
     marks it failed, through :func:`framework.tracing.failed`: the SDK's own recording calls
     ``str()`` on the exception, and one whose ``__str__`` raises would replace the handler's
-    failure. Started and made current by hand rather than through ``start_as_current_span``:
-    the same calls without its layers of context managers, once per message."""
+    failure.
+
+    Once per message, so kept lean: started and made current by hand rather than through
+    ``start_as_current_span`` (the same calls without its layers of context managers), and
+    no attribute the span's name already says (the SDK checks each one on every span),
+    ``txbox.attempt`` only on a retry."""
+    attributes: dict[str, Any] = {
+        "messaging.system": tracing.MESSAGING_SYSTEM,
+        "messaging.operation.type": "process",
+        "messaging.message.id": str(claimed.id),
+        "txbox.handler": handler,
+    }
+    if claimed.message.attempt > 1:
+        attributes["txbox.attempt"] = claimed.message.attempt
     span = tracing.tracer.start_span(
         f"handle {claimed.message_type}",
         context=tracing.extract(claimed.metadata.get(names.METADATA_TRACE)),
         kind=trace.SpanKind.CONSUMER,
-        attributes={
-            "messaging.system": tracing.MESSAGING_SYSTEM,
-            "messaging.operation.type": "process",
-            "messaging.message.id": str(claimed.id),
-            "txbox.message_type": claimed.message_type,
-            "txbox.handler": handler,
-            "txbox.attempt": claimed.message.attempt,
-        },
+        attributes=attributes,
         record_exception=False,
         set_status_on_exception=False,
     )
