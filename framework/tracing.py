@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from importlib import metadata as importlib_metadata
 from typing import Any
 
@@ -36,6 +36,10 @@ MAX_TRACEPARENT_CHARS = 256
 MAX_TRACESTATE_CHARS = 1024
 
 MESSAGING_SYSTEM = "rabbitmq"
+
+# The SDK keeps at most this many links per span (OTEL_SPAN_LINK_COUNT_LIMIT, 128 by
+# default) and drops the rest: a batch covering more traces gets one span per this many.
+MAX_LINKS = 128
 
 tracer = trace.get_tracer("txbox")
 
@@ -67,18 +71,24 @@ def extract(headers: Mapping[str, Any] | None) -> Context:
     return _W3C.extract(carrier, context=Context()) if carrier else Context()
 
 
-def carrier_of(span: trace.Span) -> Carrier | None:
-    """The carrier naming ``span`` as the parent, or None for a span without a valid context."""
-    if not span.get_span_context().is_valid:
-        return None
-    carrier: Carrier = {}
-    _W3C.inject(carrier, context=trace.set_span_in_context(span, Context()))
-    return carrier
+# The last span :func:`current` formatted and its carrier: a business transaction writes
+# many rows under one span, and formatting its context once is enough.
+_last_current: tuple[trace.SpanContext, Carrier] | None = None
 
 
 def current() -> Carrier | None:
     """The carrier of the current span, or None when there is none (what an outbox row keeps)."""
-    return carrier_of(trace.get_current_span())
+    global _last_current
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    last = _last_current  # one read: other threads replace it whole
+    if last is not None and last[0] is context:
+        return dict(last[1])
+    carrier: Carrier = {}
+    _W3C.inject(carrier, context=trace.set_span_in_context(trace.NonRecordingSpan(context), Context()))
+    _last_current = (context, carrier)
+    return dict(carrier)
 
 
 def failed(span: trace.Span, exc: BaseException) -> None:
@@ -96,9 +106,51 @@ def failed(span: trace.Span, exc: BaseException) -> None:
     span.set_status(trace.StatusCode.ERROR, description[:1000])
 
 
-def links(spans: Sequence[trace.Span]) -> list[trace.Link]:
-    """Links to the valid spans among ``spans`` (a batch span covering many traces)."""
-    return [trace.Link(s.get_span_context()) for s in spans if s.get_span_context().is_valid]
+def distinct_links(carriers: Iterable[Mapping[str, Any] | None]) -> list[trace.Link]:
+    """Links to the distinct valid contexts among ``carriers`` (headers or stored carriers).
+
+    Each distinct ``traceparent`` is parsed once: the rows of one business transaction
+    share their writer's context, and one link to it says all there is to say.
+    """
+    seen: set[tuple[str, str]] = set()
+    out: list[trace.Link] = []
+    for headers in carriers:
+        carrier = carrier_from(headers)
+        if not carrier:
+            continue
+        key = (carrier[names.HEADER_TRACEPARENT], carrier.get(names.HEADER_TRACESTATE, ""))
+        if key in seen:
+            continue
+        seen.add(key)
+        context = trace.get_current_span(_W3C.extract(carrier, context=Context())).get_span_context()
+        if context.is_valid:
+            out.append(trace.Link(context))
+    return out
+
+
+def batch_spans(
+    name: str,
+    kind: trace.SpanKind,
+    attributes: dict[str, Any],
+    carriers: Iterable[Mapping[str, Any] | None],
+) -> list[trace.Span]:
+    """The spans of one batch that covers many traces, linked to each distinct context of
+    ``carriers`` (docs/architecture.md, "Tracing"); the caller ends them.
+
+    One span, and one more per :data:`MAX_LINKS` contexts beyond the first ones. An empty
+    list when nothing records (no SDK, or the sampler said no): then not one carrier is
+    even looked at, so an untraced daemon does nothing per message here.
+    """
+    first = tracer.start_span(name, kind=kind, attributes=attributes)
+    if not first.is_recording():
+        return []
+    found = distinct_links(carriers)
+    for link in found[:MAX_LINKS]:
+        first.add_link(link.context)
+    spans = [first]
+    for start in range(MAX_LINKS, len(found), MAX_LINKS):
+        spans.append(tracer.start_span(name, kind=kind, attributes=attributes, links=found[start : start + MAX_LINKS]))
+    return spans
 
 
 # ---- SDK set-up at daemon start -------------------------------------------------------

@@ -72,7 +72,15 @@ class _Prepared:
     pairs: list[tuple[Delivery, InboxRow]]
     letters: list[tuple[Delivery, dl.DeadLetter]]
     settled_keys: list[str]
-    spans: list[trace.Span]  # one per delivery, linked from the batch's store span
+    spans: list[trace.Span]  # the batch's store spans, linked to its deliveries' contexts; none if not recording
+
+
+def _end(spans: Sequence[trace.Span], exc: BaseException | None = None) -> None:
+    """End a batch's spans, marked failed by ``exc`` if given."""
+    for span in spans:
+        if exc is not None:
+            tracing.failed(span, exc)
+        span.end()
 
 
 class Receiver(Daemon):
@@ -424,40 +432,42 @@ class Receiver(Daemon):
         """Parse and validate (CPU only, no database): rows to store and dead letters."""
         pairs: list[tuple[Delivery, InboxRow]] = []
         letters: list[tuple[Delivery, dl.DeadLetter]] = []
-        spans: list[trace.Span] = []
-        for delivery in group:
-            span = self._receive_span(delivery)
-            delivery.trace = tracing.carrier_of(span)
-            outcome = forced.get(delivery.delivery_tag) or self.intake.admit(delivery)
-            if isinstance(outcome, InboxRow):
-                pairs.append((delivery, outcome))
-                span.set_attribute("txbox.message_type", outcome.message_type)
-            elif isinstance(outcome, Filtered):
-                # Not for this service: acked with its batch, never stored (docs/architecture.md,
-                # "Expiry and filters").
-                metrics.RECEIVER_FILTERED.labels(message_type=outcome.message_type, **self._labels).inc()
-                span.set_attribute("txbox.filtered", True)
-            else:
-                letters.append((delivery, outcome))
-                span.set_status(trace.StatusCode.ERROR, f"rejected: {outcome.reason}")
-            span.end()
-            spans.append(span)
+        spans = self._store_spans(group)
+        try:
+            for delivery in group:
+                # The sender's context, bounded, is what the handler continues; the
+                # worker parses it (docs/architecture.md, "Tracing").
+                delivery.trace = tracing.carrier_from(delivery.headers) or None
+                outcome = forced.get(delivery.delivery_tag) or self.intake.admit(delivery)
+                if isinstance(outcome, InboxRow):
+                    pairs.append((delivery, outcome))
+                elif isinstance(outcome, Filtered):
+                    # Not for this service: acked with its batch, never stored (docs/architecture.md,
+                    # "Expiry and filters").
+                    metrics.RECEIVER_FILTERED.labels(message_type=outcome.message_type, **self._labels).inc()
+                else:
+                    letters.append((delivery, outcome))
+        except BaseException as exc:
+            _end(spans, exc)
+            raise
+        if letters:
+            for span in spans:
+                span.set_attribute("txbox.rejected", len(letters))
         return _Prepared(pairs, letters, [d.counter_key for d in group if d.redelivered], spans)
 
-    def _receive_span(self, delivery: Delivery) -> trace.Span:
-        """The CONSUMER span of one delivery, child of the sender's ``traceparent`` (ours or a
-        foreign publisher's); the inbox row keeps it for the handler (docs/architecture.md, "Tracing")."""
-        return tracing.tracer.start_span(
-            f"receive {self.queue}",
-            context=tracing.extract(delivery.headers),
-            kind=trace.SpanKind.CONSUMER,
-            attributes={
+    def _store_spans(self, group: Sequence[Delivery]) -> list[trace.Span]:
+        """The CONSUMER spans of one batch (parsing and its one write), linked to the context
+        of every delivery, ours or a foreign publisher's (docs/architecture.md, "Tracing")."""
+        return tracing.batch_spans(
+            f"store {self.queue}",
+            trace.SpanKind.CONSUMER,
+            {
                 "messaging.system": tracing.MESSAGING_SYSTEM,
                 "messaging.operation.type": "receive",
                 "messaging.destination.name": self.queue,
-                "messaging.rabbitmq.destination.routing_key": delivery.routing_key,
-                "messaging.message.id": str(delivery.properties.get("message_id", ""))[:200],
+                "messaging.batch.message_count": len(group),
             },
+            (delivery.headers for delivery in group),
         )
 
     def _write(self, prepared: _Prepared) -> None:
@@ -467,12 +477,16 @@ class Receiver(Daemon):
         (one more statement, for those ids alone): a true duplicate is quiet, a different
         message under that id is an ``id_conflict`` letter.
         """
-        with tracing.tracer.start_as_current_span(
-            f"store {self.queue}",
-            links=tracing.links(prepared.spans),
-            attributes={"messaging.batch.message_count": len(prepared.spans)},
-        ):
+        if not prepared.spans:
             self._write_batch(prepared)
+            return
+        try:
+            with trace.use_span(prepared.spans[0], record_exception=False, set_status_on_exception=False):
+                self._write_batch(prepared)
+        except BaseException as exc:
+            _end(prepared.spans, exc)
+            raise
+        _end(prepared.spans)
 
     def _write_batch(self, prepared: _Prepared) -> None:
         pairs, settled_keys = prepared.pairs, prepared.settled_keys

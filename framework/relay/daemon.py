@@ -124,6 +124,9 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
         expires_at = expiry.from_metadata(row.expires_at)
         if expires_at is not None:
             headers[names.HEADER_EXPIRES_AT] = expiry.header_value(expires_at)
+    # The writer's context goes out as it was stored: the publish is a batch span linked
+    # to it, not a hop of the trace (docs/architecture.md, "Tracing").
+    headers.update(tracing.carrier_from(row.trace))
     props = pika.BasicProperties(
         content_type=CONTENT_TYPE,
         delivery_mode=2,
@@ -137,30 +140,47 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
     return Outgoing(names.exchange_for(row.kind), row.routing_key, envelope_body(row), props, True, row)
 
 
-def publish_span(item: Outgoing) -> trace.Span:
-    """The PRODUCER span of one publish, child of the span that wrote the row (if any);
-    its context goes out in the ``traceparent``/``tracestate`` headers (docs/architecture.md, "Tracing").
+class PublishSpans:
+    """The PRODUCER spans of one claimed batch, linked to the contexts its rows were written
+    in (docs/architecture.md, "Tracing"). They end with the batch's last confirm, marked
+    failed if any publish of it failed; confirms arrive on the publisher's I/O thread."""
 
-    It ends with the broker's confirm. A row written outside any span starts a trace here.
-    """
-    row: Claimed = item.token
-    span = tracing.tracer.start_span(
-        f"publish {row.message_type}",
-        context=tracing.extract(row.trace),
-        kind=trace.SpanKind.PRODUCER,
-        attributes={
+    def __init__(self, spans: list[trace.Span], count: int) -> None:
+        self._spans = spans
+        self._left = count
+        self._failures = 0
+        self._error = ""
+        self._lock = threading.Lock()
+
+    def done(self, error: str | None) -> None:
+        """One publish of the batch is settled; ``error`` if it failed."""
+        with self._lock:
+            self._left -= 1
+            if error is not None:
+                self._failures += 1
+                self._error = self._error or error
+            if self._left:
+                return
+        for span in self._spans:
+            if self._failures:
+                span.set_attribute("txbox.failed", self._failures)
+                span.set_status(trace.StatusCode.ERROR, f"{self._failures} failed, first: {self._error}"[:1000])
+            span.end()
+
+
+def publish_spans(service: str, items: list[Outgoing]) -> PublishSpans | None:
+    """The publish spans of a batch, or None when nothing records (no work per message then)."""
+    spans = tracing.batch_spans(
+        f"publish {service}",
+        trace.SpanKind.PRODUCER,
+        {
             "messaging.system": tracing.MESSAGING_SYSTEM,
             "messaging.operation.type": "publish",
-            "messaging.destination.name": item.exchange,
-            "messaging.rabbitmq.destination.routing_key": item.routing_key,
-            "messaging.message.id": row.id,
-            "txbox.message_type": row.message_type,
+            "messaging.batch.message_count": len(items),
         },
+        (item.token.trace for item in items),
     )
-    carrier = tracing.carrier_of(span)
-    if carrier is not None:
-        item.properties.headers = {**(item.properties.headers or {}), **carrier}
-    return span
+    return PublishSpans(spans, len(items)) if spans else None
 
 
 def relay_outcome(row: Claimed, error: PublishError | None) -> RelayOutcome:
@@ -206,7 +226,7 @@ class Relay(Daemon):
         self._wake = threading.Event()
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
-        self._spans: dict[str, trace.Span] = {}  # publish spans until their confirm (by message id)
+        self._spans: dict[str, PublishSpans] = {}  # a batch's publish spans until its confirms (by message id)
         # A claim lost to a database crash only loses a lease: the row is claimed (and
         # maybe published) again, which at-least-once delivery allows. Losing the last
         # marks only means those rows are published again (the inbox dedups). So neither
@@ -342,9 +362,11 @@ class Relay(Daemon):
             items = self._expire(items)
             if not items:
                 return len(rows)
+        spans = publish_spans(self.settings.service, items)
         for item in items:
             item.on_done = self._done
-            self._spans[item.message_id] = publish_span(item)
+            if spans is not None:
+                self._spans[item.message_id] = spans
         try:
             publisher.submit(items)
         except PublishError as exc:
@@ -378,11 +400,10 @@ class Relay(Daemon):
         self._wake.set()
 
     def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
-        span = self._spans.pop(item.message_id, None)
-        if span is not None:
-            if relay_outcome(item.token, error) is not RelayOutcome.PUBLISHED:
-                span.set_status(trace.StatusCode.ERROR, str(error))
-            span.end()
+        spans = self._spans.pop(item.message_id, None)
+        if spans is not None:
+            failed = relay_outcome(item.token, error) is not RelayOutcome.PUBLISHED
+            spans.done(str(error) if failed else None)
 
     def _start_write(self) -> None:
         """Hand the outcomes gathered so far to the writer thread (one batch at a time)."""

@@ -53,6 +53,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from psycopg.rows import dict_row
 from sqlalchemy import Connection
@@ -654,31 +655,42 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
 
 @contextlib.contextmanager
 def handler_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
-    """The CONSUMER span of one handler run, current while it runs: child of the receiver's
-    span kept with the inbox row, so what the handler sends continues the message's trace
-    (docs/architecture.md, "Tracing"). An exception out of the handler marks it failed,
-    through :func:`framework.tracing.failed`: the SDK's own recording calls ``str()`` on
-    the exception, and one whose ``__str__`` raises would replace the handler's failure."""
-    with tracing.tracer.start_as_current_span(
+    """The CONSUMER span of one handler run, current while it runs: child of the context the
+    inbox row keeps (the span that wrote the message), so what the handler sends continues
+    the message's trace (docs/architecture.md, "Tracing"). An exception out of the handler
+    marks it failed, through :func:`framework.tracing.failed`: the SDK's own recording calls
+    ``str()`` on the exception, and one whose ``__str__`` raises would replace the handler's
+    failure.
+
+    Once per message, so kept lean: started and made current by hand rather than through
+    ``start_as_current_span`` (the same calls without its layers of context managers), and
+    no attribute the span's name already says (the SDK checks each one on every span),
+    ``txbox.attempt`` only on a retry."""
+    attributes: dict[str, Any] = {
+        "messaging.system": tracing.MESSAGING_SYSTEM,
+        "messaging.operation.type": "process",
+        "messaging.message.id": str(claimed.id),
+        "txbox.handler": handler,
+    }
+    if claimed.message.attempt > 1:
+        attributes["txbox.attempt"] = claimed.message.attempt
+    span = tracing.tracer.start_span(
         f"handle {claimed.message_type}",
         context=tracing.extract(claimed.metadata.get(names.METADATA_TRACE)),
         kind=trace.SpanKind.CONSUMER,
-        attributes={
-            "messaging.system": tracing.MESSAGING_SYSTEM,
-            "messaging.operation.type": "process",
-            "messaging.message.id": str(claimed.id),
-            "txbox.message_type": claimed.message_type,
-            "txbox.handler": handler,
-            "txbox.attempt": claimed.message.attempt,
-        },
+        attributes=attributes,
         record_exception=False,
         set_status_on_exception=False,
-    ) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            tracing.failed(span, exc)
-            raise
+    )
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield span
+    except BaseException as exc:
+        tracing.failed(span, exc)
+        raise
+    finally:
+        otel_context.detach(token)
+        span.end()
 
 
 def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -> tuple[float, float] | None:

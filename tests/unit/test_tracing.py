@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import StatusCode
 
 from framework import names, tracing
 from framework.errors import ConfigurationError
 from framework.receiver.intake import Delivery
+from framework.relay.daemon import PublishSpans
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 # A tracer of its own provider: these tests need recording spans without touching the global one.
@@ -73,10 +75,73 @@ def test_the_outbox_row_metadata_holds_the_writers_span() -> None:
         assert row.metadata[names.METADATA_TRACE] == tracing.current()
 
 
-def test_the_inbox_row_keeps_the_receivers_span() -> None:
+def test_the_inbox_row_keeps_the_senders_context() -> None:
     delivery = Delivery(delivery_tag=1, body=b"{}", trace={"traceparent": PARENT})
     assert delivery.metadata(None)[names.METADATA_TRACE] == {"traceparent": PARENT}
     assert names.METADATA_TRACE not in Delivery(delivery_tag=1, body=b"{}").metadata(None)
+
+
+def test_current_formats_each_span_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    injected: list[Any] = []
+    inject = tracing._W3C.inject
+    monkeypatch.setattr(tracing._W3C, "inject", lambda *a, **k: (injected.append(1), inject(*a, **k))[1])
+    with TRACER.start_as_current_span("business"):
+        first = tracing.current()
+        assert first is not None
+        first["traceparent"] = "changed by the caller"
+        assert tracing.current() == tracing.current() != first  # each caller gets a copy
+    with TRACER.start_as_current_span("another") as other:
+        carrier = tracing.current()
+    assert carrier is not None and f"{other.get_span_context().span_id:016x}" in carrier["traceparent"]
+    assert len(injected) == 2  # one per span, not one per row
+
+
+def parent(n: int) -> dict[str, str]:
+    return {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-{n + 1:016x}-01"}
+
+
+def test_a_batch_records_nothing_per_message_when_nothing_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    def carriers() -> Iterator[dict[str, str]]:
+        raise AssertionError("a carrier was looked at")
+        yield {}
+
+    monkeypatch.setattr(tracing, "tracer", trace.NoOpTracer())
+    assert tracing.batch_spans("store q", trace.SpanKind.CONSUMER, {}, carriers()) == []
+
+
+def test_a_batch_links_each_distinct_valid_context_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing, "tracer", TRACER)
+    carriers = [parent(1), parent(1), parent(2), None, {"traceparent": "garbage"}, {**parent(1), "tracestate": "v=1"}]
+    (span,) = tracing.batch_spans("store q", trace.SpanKind.CONSUMER, {"messaging.batch.message_count": 6}, carriers)
+    span.end()
+    assert [(link.context.span_id, link.context.trace_state.get("v")) for link in span.links] == [  # type: ignore[attr-defined]
+        (2, None),
+        (3, None),
+        (2, "1"),
+    ]
+
+
+def test_a_batch_of_more_contexts_than_one_span_keeps_gets_more_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing, "tracer", TRACER)
+    spans = tracing.batch_spans("publish s", trace.SpanKind.PRODUCER, {}, [parent(n) for n in range(130)])
+    linked = [len(span.links) for span in spans]  # type: ignore[attr-defined]
+    assert linked == [tracing.MAX_LINKS, 130 - tracing.MAX_LINKS]
+
+
+def test_a_publish_batch_ends_with_its_last_confirm_and_fails_with_any() -> None:
+    spans = [TRACER.start_span("publish s"), TRACER.start_span("publish s")]
+    batch = PublishSpans(spans, 3)
+    batch.done(None)
+    batch.done("nacked")
+    assert all(span.is_recording() for span in spans)
+    batch.done(None)
+    assert not any(span.is_recording() for span in spans)
+    assert all(span.status.status_code is StatusCode.ERROR for span in spans)  # type: ignore[attr-defined]
+    assert spans[0].attributes["txbox.failed"] == 1  # type: ignore[attr-defined]
+
+    ok = TRACER.start_span("publish s")
+    PublishSpans([ok], 1).done(None)
+    assert ok.status.status_code is StatusCode.UNSET  # type: ignore[attr-defined]
 
 
 @pytest.fixture
