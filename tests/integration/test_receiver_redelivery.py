@@ -50,7 +50,7 @@ def receiver_waits_on_a_lock(url: str) -> bool:
         scalar(
             url,
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'txbox-receiver'"
-            " AND wait_event_type = 'Lock'",
+            " AND wait_event_type = 'Lock' AND datname = current_database()",
         )
     )
 
@@ -109,6 +109,19 @@ def test_a_message_that_kills_the_receiver_is_dead_lettered_after_the_limit(
                     # This test's database only: the server is shared with other suites' receivers.
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                     "WHERE application_name = 'txbox-receiver' AND datname = current_database()",
+                )
+                # Gone, not only signalled: a backend still listed as waiting would make the
+                # next receiver look stalled before it took the delivery (and count no kill).
+                support.wait_until(
+                    lambda: (
+                        not scalar(
+                            database_url,
+                            "SELECT count(*) FROM pg_stat_activity "
+                            "WHERE application_name = 'txbox-receiver' AND datname = current_database()",
+                        )
+                    ),
+                    30,
+                    message="the killed receiver's backend to end",
                 )
     finally:
         blocker.rollback()
