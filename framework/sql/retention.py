@@ -21,6 +21,9 @@ from framework import names
 LETTER_SOURCES = {names.OUTBOX: ("outbox",), names.INBOX: ("inbox", "broker")}
 
 # Params: after, limit, retention (seconds), abandoned (seconds or NULL: only once resolved), sources.
+# "No letter still open" is a scalar subquery, not NOT EXISTS: inside the OR, the planner
+# made NOT EXISTS a hashed subplan that read every open dead letter for every page; this
+# form probes dead_letters_message_id_idx for the abandoned rows only.
 _PAGE = """
 SELECT t.ctid FROM {table} t
 WHERE t.created_at >= %(after)s
@@ -30,10 +33,9 @@ WHERE t.created_at >= %(after)s
        OR (t.abandoned_at IS NOT NULL AND t.processed_at IS NULL
            AND (t.abandoned_at < now() - make_interval(secs => %(abandoned)s)
                 OR (t.abandoned_at < now() - make_interval(secs => %(retention)s)
-                    AND NOT EXISTS (
-                        SELECT 1 FROM {letters} d
-                        WHERE d.message_id = t.id AND d.source = ANY(%(sources)s)
-                          AND d.resolved_at IS NULL AND d.discarded_at IS NULL)))))
+                    AND (SELECT d.id FROM {letters} d
+                         WHERE d.message_id = t.id AND d.source = ANY(%(sources)s)
+                           AND d.resolved_at IS NULL AND d.discarded_at IS NULL LIMIT 1) IS NULL))))
 ORDER BY t.created_at
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
