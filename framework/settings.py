@@ -289,6 +289,13 @@ class RetentionSettings(FromEnv):
     retention_batch_size: int = setting(
         "TXBOX_RETENTION_BATCH_SIZE", "1000", default=1000, help="rows deleted per (short) transaction"
     )
+    retention_vacuum: bool = setting(
+        "TXBOX_RETENTION_VACUUM",
+        "true",
+        default=True,
+        help="after a pass, VACUUM the table (skipped while autovacuum holds it) once its dead tuples exceed "
+        "10,000 and a tenth of its live rows, so space is reused even where autovacuum lags or is off",
+    )
 
     def __post_init__(self) -> None:
         for var, value in (

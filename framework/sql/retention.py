@@ -78,12 +78,18 @@ def select_page(schema: str, table: str) -> sql.Composed:
 
 
 def table_costs(schema: str, table: str) -> sql.Composed:
-    """(heap bytes, index bytes, dead tuples) of the table, from the catalog and the statistics collector."""
+    """(heap bytes, index bytes, dead tuples, live tuples) of the table, from the catalog and the
+    statistics collector."""
     return sql.SQL(
-        """SELECT pg_table_size(c.oid), pg_indexes_size(c.oid), coalesce(s.n_dead_tup, 0)
+        """SELECT pg_table_size(c.oid), pg_indexes_size(c.oid), coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0)
            FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
            WHERE c.oid = to_regclass({name})"""
     ).format(name=sql.Literal(f'"{schema}"."{table}"'))
+
+
+def vacuum(schema: str, table: str) -> sql.Composed:
+    """A plain VACUUM (no exclusive lock; DML goes on), skipped if another one (autovacuum) holds the table."""
+    return sql.SQL("VACUUM (SKIP_LOCKED) {}").format(sql.Identifier(schema, table))
 
 
 def try_lock() -> sql.SQL:

@@ -157,3 +157,25 @@ def test_the_daemons_prune_on_their_own(service: Service, database_url: str) -> 
         support.wait_until(lambda: not _ids(database_url, names.OUTBOX), 20, message="the publisher pruned")
         support.wait_until(lambda: not _ids(database_url, names.INBOX), 20, message="the worker pruned")
     assert outbox_row and inbox_row
+
+
+def test_a_pass_vacuums_the_table_once_its_dead_tuples_pile_up(service: Service, database_url: str) -> None:
+    """Where autovacuum lags (or is off), the pruner's VACUUM makes the deleted rows' space reusable."""
+    query(
+        database_url,
+        """INSERT INTO txbox.outbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload,
+               segment, created_at, processed_at)
+           SELECT gen_random_uuid(), 'PlaceOrder', 'order', 'a' || i, 'command', 'r', '{}', 'a' || i,
+                  now() - interval '2 days', now() - interval '2 days'
+           FROM generate_series(1, 12000) AS i""",
+    )
+    relay = Relay(service, retention=RetentionSettings(retention_batch_size=5000))
+    assert relay.pruner.run_pass().processed == 12000
+    dead = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'txbox.outbox'::regclass"
+    support.wait_until(lambda: scalar(database_url, dead) >= 12000, 20, message="the deletes counted")
+
+    done = relay.pruner.run_pass()
+
+    assert done.vacuumed and done.processed == 0
+    support.wait_until(lambda: scalar(database_url, dead) < 12000, 20, message="the dead tuples vacuumed")
+    assert _sample("txbox_publisher_outbox_dead_tuples_rows") is not None

@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> Result:
             service.engine.dispose()
     if sampler.error is not None:
         raise TxboxError(f"the soak's sampler failed: {sampler.error!r}")
-    verdict = judge(sampler.samples, duration, retention)
+    verdict = judge(sampler.samples, retention)
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {"rate": args.rate, "duration_s": duration, "retention_s": retention, **verdict}
+    summary = {"offered_rate": args.rate, "duration_s": duration, "retention_s": retention, **verdict}
     (args.out / "soak.json").write_text(json.dumps({**summary, "samples": sampler.samples}, indent=1))
     (args.out / "soak.svg").write_text(svg(sampler.samples))
     return Result(
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> Result:
         messages=sent,
         seconds=seconds,
         raw_limit_rate=args.rate,
-        raw_limit="the offered rate (a soak has no raw measurement; ratio = achieved / offered)",
+        raw_limit="the offered rate (a soak has no raw measurement; ratio = the writers' rate / offered)",
         extra={**summary, "out": str(args.out), "samples": len(sampler.samples), "workers": args.workers},
     )
 
@@ -191,8 +191,10 @@ class _Sampler:
         return sample
 
 
-def judge(samples: list[dict[str, Any]], duration: float, retention: float) -> dict[str, Any]:
-    """The soak's verdict (the module docstring) from its samples."""
+def judge(samples: list[dict[str, Any]], retention: float) -> dict[str, Any]:
+    """The soak's verdict (the module docstring) from its samples (the run may have lasted
+    longer than ``--duration`` when the writers fell behind their schedule)."""
+    duration = max((float(s["t"]) for s in samples), default=0.0)
     window = min(WINDOW, duration / 5)
     first = [s["p99_ms"] for s in samples if s["t"] <= window and s["p99_ms"] is not None]
     last = [s["p99_ms"] for s in samples if s["t"] >= duration - window and s["p99_ms"] is not None]
