@@ -59,6 +59,17 @@ PUBLISHER_IN_FLIGHT = _gauge(
 PUBLISHER_BACKLOG = _gauge("publisher", "outbox_backlog", "rows", "Pending outbox rows (not processed, not abandoned)")
 PUBLISHER_OLDEST_DUE_AGE = _gauge("publisher", "oldest_due_age", "seconds", "Age of the oldest due pending outbox row")
 
+# Retention (docs/architecture.md, "Retention"): what the publisher's pruner deleted and
+# what the outbox costs, read from PostgreSQL once per pruning pass.
+PUBLISHER_PRUNED = _counter(
+    "publisher", "pruned", "Outbox rows deleted by retention, by the state they ended in", "state"
+)
+PUBLISHER_OUTBOX_TABLE = _gauge("publisher", "outbox_table", "bytes", "Size of the outbox table (heap and TOAST)")
+PUBLISHER_OUTBOX_INDEXES = _gauge("publisher", "outbox_indexes", "bytes", "Size of the outbox's indexes")
+PUBLISHER_OUTBOX_DEAD = _gauge(
+    "publisher", "outbox_dead_tuples", "rows", "Dead row versions in the outbox not yet vacuumed"
+)
+
 # ---- receiver ------------------------------------------------------------------------
 
 RECEIVER_RECEIVED = _counter("receiver", "received", "Deliveries taken from the inbox queue")
@@ -108,6 +119,12 @@ WORKER_HANDLER_DURATION = Histogram(
     [_SERVICE, "message_type"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+
+# Retention: the worker's pruner, as the publisher's above.
+WORKER_PRUNED = _counter("worker", "pruned", "Inbox rows deleted by retention, by the state they ended in", "state")
+WORKER_INBOX_TABLE = _gauge("worker", "inbox_table", "bytes", "Size of the inbox table (heap and TOAST)")
+WORKER_INBOX_INDEXES = _gauge("worker", "inbox_indexes", "bytes", "Size of the inbox's indexes")
+WORKER_INBOX_DEAD = _gauge("worker", "inbox_dead_tuples", "rows", "Dead row versions in the inbox not yet vacuumed")
 
 # ---- collector -----------------------------------------------------------------------
 

@@ -134,6 +134,17 @@ def receiver_lock_key(service: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+def pruner_lock_key(service: str, table: str) -> int:
+    """The advisory lock key held by the one pruner of ``service``'s ``table`` during a pass.
+
+    Derived like :func:`receiver_lock_key`, so every replica of the publisher (outbox) or
+    the worker (inbox) computes the same key and only one of them prunes at a time
+    (docs/architecture.md, "Retention").
+    """
+    digest = hashlib.blake2b(f"txbox pruner {service} {table}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
 INBOX_QUEUE_PATTERN = "^[^:]+:inbox$"  # every service's inbox queue (a policy's pattern)
 INBOX_LIMIT_POLICY = "txbox-inbox-limit"  # the policy giving them the delivery limit (framework.delivery_limit)
 

@@ -258,6 +258,76 @@ class DedupSettings:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class RetentionSettings(FromEnv):
+    """How long finished rows stay: the publisher prunes the outbox, the worker the inbox
+    (framework/retention.py; docs/architecture.md, "Retention"). ``0`` turns a rule off."""
+
+    outbox_retention: Seconds = setting(
+        "TXBOX_OUTBOX_RETENTION",
+        "1d",
+        default=Seconds(86400),
+        help="the publisher deletes outbox rows published longer ago than this; 0: never",
+    )
+    inbox_retention: Seconds | None = setting(
+        "TXBOX_INBOX_RETENTION",
+        "7d",
+        default=None,
+        help="the worker deletes inbox rows processed longer ago than this (default 7d, or TXBOX_DEDUP_WINDOW "
+        "if longer; never shorter than it); 0: never",
+    )
+    abandoned_retention: Seconds = setting(
+        "TXBOX_ABANDONED_RETENTION",
+        "30d",
+        default=Seconds(30 * 86400),
+        help="an abandoned row goes after its table's retention once its dead letter is resolved or discarded, "
+        "and after this whatever its letter (inbox: at least TXBOX_DEDUP_WINDOW); 0: only once resolved",
+    )
+    retention_interval: Seconds = setting(
+        "TXBOX_RETENTION_INTERVAL", "1m", default=Seconds(60), help="one pruning pass this often"
+    )
+    retention_batch_size: int = setting(
+        "TXBOX_RETENTION_BATCH_SIZE", "1000", default=1000, help="rows deleted per (short) transaction"
+    )
+    retention_vacuum: bool = setting(
+        "TXBOX_RETENTION_VACUUM",
+        "true",
+        default=True,
+        help="after a pass, VACUUM the table (skipped while autovacuum holds it) once its dead tuples exceed "
+        "10,000 and a tenth of its live rows, so space is reused even where autovacuum lags or is off",
+    )
+
+    def __post_init__(self) -> None:
+        for var, value in (
+            ("TXBOX_OUTBOX_RETENTION", self.outbox_retention),
+            ("TXBOX_INBOX_RETENTION", self.inbox_retention or 0),
+            ("TXBOX_ABANDONED_RETENTION", self.abandoned_retention),
+        ):
+            if value < 0:
+                raise ConfigurationError(f"{var}={value:g}s must not be negative (0 turns it off). Example: {var}=7d")
+        if self.retention_interval <= 0 or self.retention_batch_size < 1:
+            raise ConfigurationError(
+                "TXBOX_RETENTION_INTERVAL must be positive and TXBOX_RETENTION_BATCH_SIZE at least 1. "
+                "Example: TXBOX_RETENTION_INTERVAL=1m TXBOX_RETENTION_BATCH_SIZE=1000"
+            )
+
+    def inbox_horizon(self, dedup_window: float) -> float:
+        """Seconds after which a processed inbox row goes (0: never); fails if set inside the window.
+
+        Deleting a row forgets its id, so a retention shorter than ``TXBOX_DEDUP_WINDOW``
+        would let a late duplicate run again (docs/architecture.md, "Dedup memory").
+        """
+        if self.inbox_retention is None:
+            return max(7 * 86400.0, dedup_window)
+        if 0 < self.inbox_retention < dedup_window:
+            raise ConfigurationError(
+                f"TXBOX_INBOX_RETENTION={self.inbox_retention:g}s is shorter than TXBOX_DEDUP_WINDOW="
+                f"{dedup_window:g}s: the worker would forget ids a duplicate may still arrive for. Set "
+                f"TXBOX_INBOX_RETENTION={dedup_window:g}s or more, or shorten TXBOX_DEDUP_WINDOW."
+            )
+        return float(self.inbox_retention)
+
+
 DEFAULT_SENSITIVE_KEYS = (
     "auth_token,token,password,passwd,secret,api_key,apikey,authorization,cookie,credential,private_key,"
     "signature,session_key"

@@ -38,6 +38,7 @@ import psycopg
 from opentelemetry import trace
 
 from framework import amqp, db, expiry, metrics, names, topology, tracing
+from framework import retention as retention_
 from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot, Listener
 from framework.daemon import RABBITMQ, Daemon, Reconnect
@@ -51,6 +52,7 @@ from framework.publisher.confirms import Outgoing, Publisher
 from framework.reasons import Reason
 from framework.relay.config import RelayConfig
 from framework.service import Service
+from framework.settings import RetentionSettings
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import outbox as named
 from framework.sql.outbox import Claimed
@@ -208,9 +210,13 @@ class Relay(Daemon):
         *,
         stop_event: threading.Event | None = None,
         declare_topology: bool = True,
+        retention: RetentionSettings | None = None,
     ) -> None:
         super().__init__(service, stop_event=stop_event)
         self.config = config or RelayConfig.from_env()
+        # Published rows older than TXBOX_OUTBOX_RETENTION go, in a thread of their own
+        # (docs/architecture.md, "Retention").
+        self.pruner = retention_.outbox_pruner(self, retention)
         self.declare_topology = declare_topology
         self.schema = self.settings.schema
         self._user = amqp.username(self.settings.amqp_url)  # our messages' user_id (lane headers: lane_headers)
@@ -261,6 +267,7 @@ class Relay(Daemon):
         if self.declare_topology and not self._declare():
             return
         listener = Listener(self, names.notify_channel(self.schema, names.OUTBOX), self._notice).start()
+        self.pruner.start()
         try:
             while not self.stopping:
                 self.progress()
@@ -275,6 +282,7 @@ class Relay(Daemon):
             self._writer.shutdown(wait=True)
             self._close_db()
             listener.close()
+            self.pruner.close()
             self._in_flight.set(0)
             self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
 

@@ -33,7 +33,9 @@ from framework import db, metrics, names
 from framework.connections import ConnectionSlot, Listener
 from framework.daemon import POSTGRESQL, Daemon, Reconnect
 from framework.outcomes import WorkerOutcome
+from framework.retention import inbox_pruner
 from framework.service import Service
+from framework.settings import RetentionSettings
 from framework.sql import inbox as q
 from framework.worker import decode
 from framework.worker.batch import BatchRunner, Claimed, driver
@@ -51,10 +53,18 @@ class Worker(Daemon):
     needs = (POSTGRESQL,)  # the worker never talks to RabbitMQ
 
     def __init__(
-        self, service: Service, config: WorkerConfig | None = None, *, stop_event: threading.Event | None = None
+        self,
+        service: Service,
+        config: WorkerConfig | None = None,
+        *,
+        stop_event: threading.Event | None = None,
+        retention: RetentionSettings | None = None,
     ) -> None:
         super().__init__(service, stop_event=stop_event)
         self.config = config or WorkerConfig.from_env()
+        # Processed rows older than the inbox's retention (never inside TXBOX_DEDUP_WINDOW:
+        # a shorter setting fails here) go, in a thread of their own (docs/architecture.md, "Retention").
+        self.pruner = inbox_pruner(self, retention)
         self.schema = self.settings.schema
         park = self.config.segment_policy == "park"
         self._claim_batch = q.claim(self.schema, suspects=False, park=park)
@@ -98,6 +108,7 @@ class Worker(Daemon):
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-claim")
         reconnect = Reconnect(self)
         self.listener.start()
+        self.pruner.start()
         try:
             while not self.stopping:
                 self.progress()
@@ -122,6 +133,7 @@ class Worker(Daemon):
             self._ahead_pool.shutdown(wait=True)
             self._watchdog.close()
             self.listener.close()
+            self.pruner.close()
             self._drop_connections()
             self.state("stopped")
 

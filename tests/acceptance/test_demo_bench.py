@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +67,33 @@ def test_bench_stage_with_two_instances(stage: str) -> None:
     assert result["messages"] == 3000 and result["instances"] == 2
     for key in ("seconds", "rate", "raw_limit_rate", "ratio"):
         assert float(result[key]) > 0, key  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_bench_worker_and_e2e_history_smoke() -> None:
+    """`--history N` measures again over N finished rows per table and reports the ratio."""
+    worker = bench("worker", "--messages", "500", "--instances", "1", "--history", "1000", common=COMMON[:2])
+    e2e = bench(
+        "e2e", "--pings", "100", "--window", "100", "--batch", "50", "--raw-messages", "200", "--history", "1000"
+    )
+    for result, tables in ((worker, ["inbox"]), (e2e, ["outbox", "inbox"])):
+        history: Any = result["history"]
+        assert history["rows"] == 1000 and history["rate"] > 0 and history["ratio"] > 0
+        assert [f["table"] for f in history["filled"]] == tables
+        assert all(f["rows"] == 1000 and f["abandoned"] == 20 for f in history["filled"])
+
+
+@pytest.mark.slow
+def test_bench_soak_smoke(tmp_path: Path) -> None:
+    """A soak of seconds with retention of seconds: the daemons prune while it samples."""
+    result = bench(
+        "soak", "--duration", "12s", "--rate", "40", "--retention", "3s", "--prune-interval", "1s",
+        "--sample", "2s", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result["stage"] == "soak" and result["messages"] == 480
+    written = json.loads((tmp_path / "soak.json").read_text())
+    samples = written["samples"]
+    assert len(samples) >= 4 and all({"rate", "p99_ms", "outbox", "inbox"} <= set(s) for s in samples)
+    # Everything older than 3 s goes within a second or so: never all 480 rows at once.
+    assert max(s["outbox"]["rows"] for s in samples) < 480 and max(s["inbox"]["rows"] for s in samples) < 480
+    assert (tmp_path / "soak.svg").read_text().startswith("<svg")

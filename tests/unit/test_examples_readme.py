@@ -30,6 +30,7 @@ _TITLES = {
     "CollectorConfig": "`txbox collector`",
     "AnalyzeSettings": "`txbox analyze`",
     "ArchiveSettings": "`txbox archive`",
+    "RetentionSettings": "Retention: `txbox publisher` prunes the outbox, `txbox worker` the inbox",
     "JwtSettings": "The permission guard: tokens of messages whose handler declares `permissions`",
 }
 
@@ -63,7 +64,7 @@ def _default(cls: type, name: str, raw: str) -> str:
     value = field.default
     if isinstance(value, Seconds) or (field.type in ("Seconds", Seconds)):
         seconds = float(value)  # type: ignore[arg-type]
-        return f"`{seconds * 1000:g}ms`" if 0 < seconds < 1 else f"`{seconds:g}s`"
+        return f"`{seconds * 1000:g}ms`" if 0 < seconds < 1 else f"`{seconds:.15g}s`"
     return f"`{raw}`" if raw and raw != "None" else "(none)"
 
 

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from framework.errors import ConfigurationError
-from framework.settings import Settings, parse_duration
+from framework.settings import Settings, load, parse_duration
 
 BASE = {"TXBOX_SERVICE": "order-service", "TXBOX_DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1/orders"}
 
@@ -76,3 +76,18 @@ def test_durations(text: str, seconds: float) -> None:
 def test_bad_duration() -> None:
     with pytest.raises(ValueError):
         parse_duration("soon")
+
+
+def test_retention_defaults_follow_the_dedup_window_and_a_shorter_inbox_retention_fails_naming_the_fix() -> None:
+    from framework.settings import RetentionSettings
+
+    day = 86400.0
+    defaults = RetentionSettings.from_env()
+    assert (defaults.outbox_retention, defaults.abandoned_retention) == (day, 30 * day)
+    assert defaults.inbox_horizon(7 * day) == 7 * day
+    assert defaults.inbox_horizon(14 * day) == 14 * day  # unset: never inside the window
+    assert RetentionSettings(inbox_retention=0).inbox_horizon(7 * day) == 0  # off
+    with pytest.raises(ConfigurationError, match=r"TXBOX_INBOX_RETENTION=86400s is shorter than TXBOX_DEDUP_WINDOW"):
+        load(RetentionSettings, {"TXBOX_INBOX_RETENTION": "1d"}).inbox_horizon(7 * day)
+    with pytest.raises(ConfigurationError, match="TXBOX_OUTBOX_RETENTION=-1s must not be negative"):
+        RetentionSettings(outbox_retention=-1)  # type: ignore[arg-type]

@@ -31,3 +31,31 @@ def test_bench_relay_smoke_reports_rate_and_raw_limit_and_cleans_up() -> None:
     with psycopg.connect(support.PG_ADMIN_URL) as conn:
         left = conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (scratch["database"],)).fetchone()
     assert left == (0,)
+
+
+def test_bench_relay_history_smoke_measures_again_over_finished_rows() -> None:
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "txbox"),
+            "bench",
+            "relay",
+            "--messages",
+            "200",
+            "--history",
+            "2000",
+            "--json",
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    history = result["history"]
+    assert history["rows"] == 2000 and history["rate"] > 0 and history["empty_rate"] == result["rate"]
+    assert history["filled"] == [
+        {"table": "outbox", "rows": 2000, "abandoned": 40, "fill_seconds": history["filled"][0]["fill_seconds"],
+         "table_bytes": history["filled"][0]["table_bytes"]}
+    ]  # fmt: skip

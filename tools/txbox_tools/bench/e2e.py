@@ -44,6 +44,7 @@ from framework.db import conninfo, create_engine
 from framework.errors import TxboxError
 from framework.settings import Settings
 from framework.sql import outbox as outbox_sql
+from txbox_tools.bench import history
 from txbox_tools.bench.result import Result
 from txbox_tools.processes import ProcessGroup
 
@@ -321,6 +322,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="run twice, without then with spans recorded (SDK, batch processor, discarding exporter); "
         "the result is the traced run, tracing_ratio its rate over the untraced one",
     )
+    history.add_option(parser)
     add_common_options(parser)
 
 
@@ -349,6 +351,11 @@ def run(args: argparse.Namespace) -> Result:
         extra = {"untraced_rate": round(plain.rate, 1), "tracing_ratio": round(measured.rate / plain.rate, 3)}
     else:
         measured = _measure(args, traced=False)
+    if args.history:
+        # The same run again, on a service whose outbox and inbox hold N finished rows each.
+        filled: list[dict[str, Any]] = []
+        past = _measure(args, traced=False, history_rows=args.history, filled=filled)
+        extra["history"] = history.summary(args.history, measured.rate, past.rate, filled)
     seconds, total, raw_publish, raw_consume, body_size = measured
     raw = min(raw_publish, raw_consume)
     return Result(
@@ -373,11 +380,35 @@ def run(args: argparse.Namespace) -> Result:
     )
 
 
-def _measure(args: argparse.Namespace, *, traced: bool, exporter: str = "none") -> _Measured:
-    """One run on a scratch service of its own; ``exporter`` is the daemons' OTEL_TRACES_EXPORTER."""
+def _measure(
+    args: argparse.Namespace,
+    *,
+    traced: bool,
+    exporter: str = "none",
+    history_rows: int = 0,
+    filled: list[dict[str, Any]] | None = None,
+) -> _Measured:
+    """One run on a scratch service of its own; ``exporter`` is the daemons' OTEL_TRACES_EXPORTER;
+    ``history_rows`` finished rows in its outbox and inbox each first (what was filled goes to ``filled``)."""
     with Scratch(args, "e2e") as scratch:
         service = scratch.service()
         topology.declare(service.settings, service.registry)
+        if history_rows:
+            spec = service.registry.get("Ping")
+            for table in (names.OUTBOX, names.INBOX):
+                done = history.prefill(
+                    scratch.database_url,
+                    table,
+                    history_rows,
+                    message_type=spec.message_type,
+                    aggregate_type=spec.aggregate_type,
+                    kind=spec.kind,
+                    routing_key=spec.routing_key,
+                    payload={"n": 1_000_000, "echo": True},
+                    queue=names.inbox_queue(SERVICE),
+                )
+                if filled is not None:
+                    filled.append(done)
         body_size = _envelope_size(service)
         raw_publish, raw_consume = raw_pipe(scratch.amqp_url, names.inbox_queue(SERVICE), body_size, args.raw_messages)
         log_dir = args.log_dir or Path(scratch.tmp.name) / "logs"

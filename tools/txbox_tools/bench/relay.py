@@ -37,7 +37,7 @@ from framework.service import Service
 from framework.settings import Settings
 from framework.sql.outbox import Claimed
 from txbox_tools import repository
-from txbox_tools.bench import instances
+from txbox_tools.bench import history, instances
 from txbox_tools.bench.result import Result
 
 
@@ -51,6 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=4000)
     parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum")
     parser.add_argument("--instances", type=int, default=1, help="publisher processes sharing the outbox (default 1)")
+    history.add_option(parser)
 
 
 def relay_instance(settings: Settings, batch_size: int, max_in_flight: int) -> tuple[Relay, Any]:
@@ -96,6 +97,31 @@ def run(args: argparse.Namespace) -> Result:
             target=args.messages,
         )
         in_queue = _queue_depth(settings.amqp_url, queue)
+        extra: dict[str, Any] = {}
+        if args.history:
+            # The same run again over N finished rows (txbox_tools.bench.history).
+            _purge(settings.amqp_url, queue)
+            filled = history.prefill(
+                database_url,
+                names.OUTBOX,
+                args.history,
+                message_type=spec.message_type,
+                aggregate_type=spec.aggregate_type,
+                kind=spec.kind,
+                routing_key=spec.routing_key,
+                payload={"customer": "bench-customer", "sku": "SKU-1", "quantity": 1},
+            )
+            _fill(database_url, registry, args.messages)
+            _analyze(database_url)
+            history_seconds = instances.timed(
+                relay_instance,
+                (settings, args.batch_size, args.max_in_flight),
+                instances=args.instances,
+                target=args.messages,
+            )
+            extra["history"] = history.summary(
+                args.history, args.messages / seconds, args.messages / history_seconds, [filled]
+            )
         return Result(
             stage="relay",
             messages=args.messages,
@@ -108,6 +134,7 @@ def run(args: argparse.Namespace) -> Result:
                 "instances": args.instances,
                 "in_queue": in_queue,
                 "scratch": {"database": dbname, "vhost": vhost},
+                **extra,
             },
         )
     finally:
@@ -162,6 +189,11 @@ def _fill(database_url: str, registry: Any, n: int) -> int:
         spec.routing_key, payload, context, None, None, 0, format_timestamp(datetime.now(UTC)), 0, 1, 0,
     )  # fmt: skip
     return len(envelope_body(sample))
+
+
+def _analyze(database_url: str) -> None:
+    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
+        conn.execute("ANALYZE txbox.outbox")
 
 
 def _raw_streamed_confirms(amqp_url: str, exchange: str, routing_key: str, size: int, n: int) -> float:

@@ -30,7 +30,7 @@ from framework.service import Service
 from framework.settings import Settings
 from framework.sql.inbox import InboxRow, insert_rows
 from framework.worker import Worker, WorkerConfig
-from txbox_tools.bench import instances
+from txbox_tools.bench import history, instances
 from txbox_tools.bench.receiver import Scratch, add_scratch_options, envelopes
 from txbox_tools.bench.result import Result
 
@@ -77,6 +77,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--instances", type=int, default=2, help="worker processes sharing the inbox (default 2, one per core)"
     )
+    history.add_option(parser)
     parser.add_argument(
         "--async-handler",
         action="store_true",
@@ -154,6 +155,31 @@ def run(args: argparse.Namespace) -> Result:
 
         _check(scratch, args.messages)
         extra: dict[str, Any] = {}
+        if args.history:
+            # The same run again over N finished rows (txbox_tools.bench.history).
+            scratch.execute("TRUNCATE txbox.inbox, bench_orders")
+            spec = service.registry.get("PlaceOrder")
+            filled = history.prefill(
+                scratch.database_url,
+                names.INBOX,
+                args.history,
+                message_type=spec.message_type,
+                aggregate_type=spec.aggregate_type,
+                kind=spec.kind,
+                routing_key=spec.routing_key,
+                payload={"customer": "bench-customer", "sku": "SKU-1", "quantity": 1},
+                queue=names.inbox_queue(service.name),
+            )
+            fill_inbox(service, args.messages)
+            scratch.execute("VACUUM ANALYZE txbox.inbox")  # as before the run on the empty table
+            service.engine.dispose()
+            history_seconds = instances.timed(
+                worker_instance, (scratch.settings, args.batch_size), instances=args.instances, target=args.messages
+            )
+            _check(scratch, args.messages)
+            extra["history"] = history.summary(
+                args.history, args.messages / seconds, args.messages / history_seconds, [filled]
+            )
         if args.async_handler:
             scratch.execute("TRUNCATE txbox.inbox, bench_orders")
             fill_inbox(service, args.messages)
@@ -167,7 +193,7 @@ def run(args: argparse.Namespace) -> Result:
             )
             _check(scratch, args.messages)
             sync_rate, async_rate = args.messages / seconds, args.messages / async_seconds
-            extra = {
+            extra |= {
                 "async_handler_rate": round(async_rate, 1),
                 "async_to_sync_ratio": round(async_rate / sync_rate, 3),
             }
@@ -189,7 +215,8 @@ def run(args: argparse.Namespace) -> Result:
 
 def _check(scratch: Scratch, messages: int) -> None:
     check: Any = scratch.execute(
-        "SELECT (SELECT count(*) FROM bench_orders), (SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL)"
+        "SELECT (SELECT count(*) FROM bench_orders), (SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL "
+        "AND aggregate_id NOT LIKE 'history-%')"
     )[0]
     if tuple(check) != (messages, messages):
         raise TxboxError(f"bench check failed: business rows, processed rows = {tuple(check)}")

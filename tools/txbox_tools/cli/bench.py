@@ -7,7 +7,7 @@ import importlib
 
 from txbox_tools.bench.result import Result
 
-HELP = "benchmarks: relay, receiver, worker, e2e, latency, analyze, outbox-write, dashboard"
+HELP = "benchmarks: relay, receiver, worker, e2e, latency, analyze, outbox-write, dashboard, soak"
 
 # stage → (module, one line for `txbox bench --help`)
 STAGES: dict[str, tuple[str, str]] = {
@@ -19,6 +19,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "analyze": ("txbox_tools.bench.analyze", "the Spark job over 1M + 1M rows (spark extra)"),
     "outbox-write": ("txbox_tools.bench.outbox_write", "what one outbox row adds to a transaction"),
     "dashboard": ("txbox_tools.bench.dashboard", "dashboard page times over 100,000 dead letters"),
+    "soak": ("txbox_tools.bench.soak", "steady load for --duration with retention on: flat p99 and table sizes"),
 }
 
 

@@ -1,0 +1,137 @@
+"""`--history N` of `txbox bench relay|worker|e2e`: the same measurement over a table that has a past.
+
+A service that has run for a while has an outbox and an inbox full of finished rows
+(until retention takes them: docs/architecture.md, "Retention"). The benches measure on
+empty tables first, then pre-fill ``N`` historical rows with one ``INSERT ... SELECT
+generate_series`` per million (a realistic mix: mostly processed, some abandoned with
+their dead letters, in the inbox some tombstones), ANALYZE, and measure again in the
+same run; ``history.ratio`` is the second rate over the first (the bar: ≥ 0.9 at
+N = 5,000,000).
+
+The rows were created over ``SPAN`` up to an hour ago, inside each table's default
+retention, so the daemons' pruners have nothing to delete during the measurement: what
+is measured is the cost of a big table, not of pruning it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from framework import names
+from framework.db import conninfo
+
+CHUNK = 1_000_000  # rows per INSERT: a bounded transaction (and WAL) each
+ABANDONED_EVERY = 50  # 2 % abandoned, each with its dead letter
+TOMBSTONE_EVERY = 50  # inbox: 2 % tombstones (archived, kept for dedup)
+SPAN = {names.OUTBOX: "20 hours", names.INBOX: "6 days"}  # inside TXBOX_OUTBOX_/INBOX_RETENTION's defaults
+
+
+def add_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure with N finished rows already in the tables (processed, abandoned; same run) "
+        "and report history.ratio, that rate over the empty tables' rate",
+    )
+
+
+_ROWS = """
+INSERT INTO {table} (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, metadata, segment,
+                     created_at, locked_until, started_attempts, finished_attempts, processed_at, abandoned_at,
+                     last_error{inbox_columns})
+SELECT gen_random_uuid(), %(message_type)s, %(aggregate_type)s, 'history-' || i, %(kind)s, %(routing_key)s,
+       CASE WHEN {tombstone} THEN '{{}}'::jsonb ELSE %(payload)s::jsonb END,
+       CASE WHEN {tombstone} THEN jsonb_build_object('payload_sha256', md5(i::text) || md5(i::text))
+            ELSE '{{}}'::jsonb END,
+       %(aggregate_type)s || ':history-' || i,
+       t, t, 1, 1,
+       CASE WHEN i %% {every} = 0 THEN NULL ELSE t + interval '50 milliseconds' END,
+       CASE WHEN i %% {every} = 0 THEN t + interval '5 seconds' END,
+       CASE WHEN i %% {every} = 0 THEN 'history: gave up' END{inbox_values}
+FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i,
+     LATERAL (SELECT now() - interval '1 hour' - %(span)s::interval * (1 - i::float8 / %(n)s)) AS c(t)
+"""
+
+_LETTERS = """
+INSERT INTO {letters} (message_id, source, reason, error, fingerprint, message_type, routing_key, message, died_at)
+SELECT id, %(source)s, 'max_attempts', last_error, 'history', message_type, routing_key,
+       jsonb_build_object('message_id', id, 'message_type', message_type, 'aggregate_type', aggregate_type,
+                          'aggregate_id', aggregate_id, 'payload', payload), abandoned_at
+FROM {table} WHERE abandoned_at IS NOT NULL AND last_error = 'history: gave up'
+"""
+
+
+def prefill(
+    database_url: str,
+    table: str,
+    n: int,
+    *,
+    message_type: str,
+    aggregate_type: str,
+    kind: str,
+    routing_key: str,
+    payload: dict[str, Any],
+    queue: str = "",
+    schema: str = "txbox",
+) -> dict[str, Any]:
+    """``n`` finished rows in ``table`` (created over its ``SPAN`` up to now), their dead letters, ANALYZE."""
+    inbox = table == names.INBOX
+    statement = sql.SQL(_ROWS).format(
+        table=sql.Identifier(schema, table),
+        every=sql.Literal(ABANDONED_EVERY),
+        tombstone=sql.SQL(f"i %% {TOMBSTONE_EVERY} = 1" if inbox else "FALSE"),
+        inbox_columns=sql.SQL(", message_timestamp, received_at, queue, archived_at" if inbox else ""),
+        inbox_values=sql.SQL(
+            f", t, t, %(queue)s, CASE WHEN i %% {TOMBSTONE_EVERY} = 1 THEN t + interval '1 minute' END" if inbox else ""
+        ),
+    )
+    params: dict[str, Any] = {
+        "message_type": message_type,
+        "aggregate_type": aggregate_type,
+        "kind": kind,
+        "routing_key": routing_key,
+        "payload": json.dumps(payload),
+        "queue": queue,
+        "span": SPAN[table],
+        "n": max(n, 1),
+    }
+    started = time.perf_counter()
+    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
+        for first in range(1, n + 1, CHUNK):
+            conn.execute(statement, {**params, "first": first, "last": min(first + CHUNK - 1, n)})
+        letters = conn.execute(
+            sql.SQL(_LETTERS).format(
+                letters=sql.Identifier(schema, names.DEAD_LETTERS), table=sql.Identifier(schema, table)
+            ),
+            {"source": "outbox" if table == names.OUTBOX else "inbox"},
+        ).rowcount
+        conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, table)))
+        conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(schema, names.DEAD_LETTERS)))
+        size = conn.execute("SELECT pg_total_relation_size(%s::regclass)", (f"{schema}.{table}",)).fetchone()
+    return {
+        "table": table,
+        "rows": n,
+        "abandoned": letters,
+        "fill_seconds": round(time.perf_counter() - started, 1),
+        "table_bytes": int(size[0]) if size else 0,
+    }
+
+
+def summary(n: int, empty_rate: float, history_rate: float, filled: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``history`` field of a bench's JSON."""
+    return {
+        "rows": n,
+        "empty_rate": round(empty_rate, 1),
+        "rate": round(history_rate, 1),
+        "ratio": round(history_rate / empty_rate, 3) if empty_rate else None,
+        "bar_ratio": 0.9,
+        "filled": filled,
+    }
