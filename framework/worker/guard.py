@@ -65,7 +65,7 @@ class HandlerSession(Session):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.txbox_running = False
+        self.txbox_running = False  # set by run_handler while the handler runs
         self.txbox_refused = ""
         self._txbox_async: coroutines.HandlerAsyncSession | None = None
 
