@@ -16,8 +16,8 @@ import contextvars
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
@@ -53,14 +53,24 @@ def set_trace_id_source(source: Callable[[], str | None] | None) -> None:
     _trace_id_source = source
 
 
-@contextmanager
-def bind(**fields: Any) -> Iterator[None]:
+def bind(**fields: Any) -> AbstractContextManager[None]:
     """Add ``fields`` to every record logged in this thread (or task) within the block."""
-    token = _context.set(MappingProxyType({**_context.get(), **fields}))
-    try:
-        yield
-    finally:
-        _context.reset(token)
+    return _Bound(fields)
+
+
+class _Bound:
+    """:func:`bind`'s block; a class, not a generator: the worker enters one per message."""
+
+    __slots__ = ("_fields", "_token")
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self._fields = fields
+
+    def __enter__(self) -> None:
+        self._token = _context.set(MappingProxyType({**_context.get(), **self._fields}))
+
+    def __exit__(self, *exc: object) -> None:
+        _context.reset(self._token)
 
 
 def scrub(text: str) -> str:

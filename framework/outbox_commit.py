@@ -72,7 +72,8 @@ _DEALLOCATING = re.compile(r"(?:DROP|ALTER|ROLLBACK|DISCARD ALL|DEALLOCATE)\b").
 
 @dataclass(frozen=True, slots=True)
 class _Insert:
-    """One INSERT with ``$n`` parameters and the name it is prepared under."""
+    """One INSERT with ``$n`` parameters (or another statement held for the COMMIT: the
+    worker's commit guard DELETE) and the name it is prepared under."""
 
     name: bytes
     text: bytes
@@ -80,7 +81,8 @@ class _Insert:
     @property
     def shown(self) -> str:
         """The statement as error messages name it: without values (payloads, tokens)."""
-        return self.text.decode().split(" VALUES ", 1)[0] + " VALUES (...)"
+        head, values, _ = self.text.decode().partition(" VALUES ")
+        return head + " VALUES (...)" if values else head
 
 
 # A held row: its statement and its parameters in libpq's text format.

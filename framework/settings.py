@@ -171,7 +171,8 @@ class Settings:
         "TXBOX_OUTBOX_COMMIT_PIPELINE",
         "true",
         default=True,
-        help="send outbox rows with the transaction's COMMIT in one round trip (false: a plain INSERT each)",
+        help="send outbox rows (and the worker's commit-guard DELETE) with the transaction's COMMIT in one round "
+        "trip (false: a statement each)",
     )
     amqp_management_url: str | None = setting(
         "TXBOX_AMQP_MANAGEMENT_URL",

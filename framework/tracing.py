@@ -91,6 +91,13 @@ def current() -> Carrier | None:
     return dict(carrier)
 
 
+def recording() -> bool:
+    """A tracer provider is set, so spans may record. Without one every span is the API's
+    no-op, and a hot path may skip building it: making the incoming context current is
+    all such a span does (docs/architecture.md, "Tracing")."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 def failed(span: trace.Span, exc: BaseException) -> None:
     """Mark ``span`` failed by ``exc``; never raises, and the text is redacted and bounded.
 

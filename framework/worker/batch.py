@@ -55,14 +55,15 @@ import psycopg
 import sqlalchemy as sa
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from psycopg.rows import dict_row
 from sqlalchemy import Connection
 
-from framework import db, expiry, jsoncodec, logs, metrics, names, redaction, tracing
+from framework import db, expiry, jsoncodec, logs, metrics, names, outbox_commit, redaction, tracing
 from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.envelope import Message
 from framework.errors import HandlerMisuse, HandlerTimeout, PermanentError
+from framework.handlers import Handler
+from framework.middleware import Middleware
 from framework.outbox import Outbox
 from framework.outcomes import WorkerOutcome
 from framework.reasons import Reason
@@ -156,11 +157,16 @@ class BatchRunner:
         self._release_quietly = give_back
         self._presume = q.presume_processed(self.schema)
         self._insert_outbox = outbox_sql.insert(self.schema)
-        self._create_guard, self._arm_guard, self._disarm = guard.create_guard(), guard.arm(), guard.disarm()
+        self._create_guard, self._disarm = guard.create_guard(), guard.disarm()
+        self._disarm_text = self._disarm.as_string()
+        self._pipeline = service.settings.outbox_commit_pipeline  # off behind poolers that refuse pipelines
+        self._presume_armed = guard.armed(self._presume)  # the commit guard and batch mark (guard.py)
         self._labels = {"service": service.settings.service}
         self._durations: dict[str, Any] = {}
         self._watchdog: Watchdog | None = None
         self._guarded: Connection | None = None  # the connection known to have the commit guard's table
+        self._middleware: Sequence[Middleware] = ()
+        self._recording = False
         self.freed = False  # the last run made rows due that no NOTIFY will announce
 
     def run(self, batch: list[Claimed], watchdog: Watchdog) -> int:
@@ -179,25 +185,19 @@ class BatchRunner:
     def _decode(self, row: dict[str, Any], claimed_at: float) -> Claimed:
         message_type, finished = row["message_type"], row["finished_attempts"]
         payload, context, metadata, timestamp = (
-            row[c] for c in ("payload", "message_context", "metadata", "message_timestamp")
+            row["payload"],
+            row["message_context"],
+            row["metadata"],
+            row["message_timestamp"],
         )
-        bad = [
-            f"{name}: {value.error}"
-            for name, value in (
-                ("payload", payload),
-                ("message_context", context),
-                ("metadata", metadata),
-                ("message_timestamp", timestamp),
-            )
-            if isinstance(value, Undecodable)
-        ]
-        bad += [
-            f"{name} is a JSON {type(value).__name__}, not an object"
-            for name, value in (("message_context", context), ("metadata", metadata))
-            if value is not None and not isinstance(value, dict)
-        ]
-        if bad:
-            return self._unreadable(row, claimed_at, "; ".join(bad))
+        # One test for the usual row (this runs for every message); the reasons only for a bad one.
+        if (
+            isinstance(payload, Undecodable)
+            or isinstance(timestamp, Undecodable)
+            or not isinstance(context, dict | None)
+            or not isinstance(metadata, dict | None)
+        ):
+            return self._unreadable(row, claimed_at, _undecodable_reasons(payload, context, metadata, timestamp))
         handler = self.service.handler_for(message_type)
         max_attempts = (handler.max_attempts if handler else None) or self.config.max_attempts
         message = Message(
@@ -360,13 +360,17 @@ class BatchRunner:
         raw = driver(conn)
         transaction = conn.begin()
         try:
-            cur = raw.cursor(row_factory=dict_row)
-            self._arm(cur, conn)
-            cur.execute(self._presume, {"ids": [c.id for c in batch], "started": [c.started for c in batch]})
-            presumed = cur.fetchall()
-            ours = {row["id"] for row in presumed}
-            self.freed = self.freed or any(row["frees"] for row in presumed)
+            cur = raw.cursor()
+            if self._guarded is not conn:  # this connection may lack the commit guard's table
+                cur.execute(self._create_guard)
+            # The presumption armed: the commit guard and the batch mark ride its round trip.
+            cur.execute(self._presume_armed, {"ids": [c.id for c in batch], "started": [c.started for c in batch]})
+            presumed = cur.fetchall()  # (id, frees)
+            ours = {row[0] for row in presumed}
+            self.freed = self.freed or any(row[1] for row in presumed)
             session = guard.HandlerSession(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
+            # Once per pass, not per message: the hooks, and whether spans record.
+            self._middleware, self._recording = self.service.middleware, tracing.recording()
             # Optimistic pass: handlers' outbox rows are inserted together at the end
             # (one pipelined round trip); careful pass: at once, inside each savepoint.
             outbox_rows: list[OutboxRow] | None = None if careful else []
@@ -383,7 +387,7 @@ class BatchRunner:
                         self._classify(claimed, known[claimed.id])
                     else:
                         with logs.bind(message_id=str(claimed.id)):  # the handler's own log lines too
-                            self._run_one(claimed, conn, session, transaction, outbox_rows)
+                            self._run_one(claimed, conn, raw, session, transaction, outbox_rows)
                 if outbox_rows is not None:
                     try:
                         if outbox_rows:
@@ -395,19 +399,19 @@ class BatchRunner:
             finally:
                 session.close()
             self._settle(cur, batch)
-            cur.execute(self._disarm)
-            transaction.commit()
+            self._commit(conn, cur, transaction)
         except BaseException:
             self._abort(conn, transaction)
             raise
         self._guarded = conn
 
-    def _arm(self, cur: psycopg.Cursor[Any], conn: Connection) -> None:
-        """The batch's first statements: the commit guard's table if this connection may lack it,
-        then the guard and the batch mark (framework/worker/guard.py)."""
-        if self._guarded is not conn:
-            cur.execute(self._create_guard)
-        cur.execute(self._arm_guard)
+    def _commit(self, conn: Connection, cur: psycopg.Cursor[Any], transaction: Any) -> None:
+        """Delete the commit guard's keys, then COMMIT: in one round trip where the COMMIT
+        pipeline may be used (framework/outbox_commit.py; no savepoint can start between
+        the two). A failed DELETE aborts the pipeline, so that COMMIT never runs."""
+        if not (self._pipeline and outbox_commit.hold(conn, self._disarm_text, {})):
+            cur.execute(self._disarm)
+        transaction.commit()
 
     def _abort(self, conn: Connection, transaction: Any) -> None:
         """Roll a failed pass back; drop the connection if a handler left it unusable or
@@ -427,6 +431,7 @@ class BatchRunner:
         self,
         claimed: Claimed,
         conn: Connection,
+        raw: psycopg.Connection[Any],
         session: guard.HandlerSession,
         transaction: Any,
         outbox_rows: list[OutboxRow] | None,
@@ -462,17 +467,17 @@ class BatchRunner:
             claimed.outcome = WorkerOutcome.RELEASED  # too little lease left to start it: someone runs it later
             return
         timeout, hard = deadlines
-        raw = driver(conn)
         savepoint = conn.begin_nested() if careful else None
         started = time.perf_counter()
         assert self._watchdog is not None
         try:
-            with self._watchdog.guard(timeout, hard, raw.cancel_safe), handler_span(claimed, handler.name):
+            span = handler_span(claimed, handler, recording=self._recording)
+            with self._watchdog.guard(timeout, hard, raw.cancel_safe), span:
                 outbox = Outbox(
                     session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
                 )
                 guard.run_handler(
-                    handler, message, session, outbox, conn, raw, transaction, savepoint, self.service.middleware
+                    handler, message, session, outbox, conn, raw, transaction, savepoint, self._middleware
                 )
                 if careful:
                     session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
@@ -653,14 +658,37 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
     return raw
 
 
-@contextlib.contextmanager
-def handler_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
+def handler_span(claimed: Claimed, handler: Handler, *, recording: bool) -> contextlib.AbstractContextManager[object]:
     """The CONSUMER span of one handler run, current while it runs: child of the context the
     inbox row keeps (the span that wrote the message), so what the handler sends continues
-    the message's trace (docs/architecture.md, "Tracing"). An exception out of the handler
-    marks it failed, through :func:`framework.tracing.failed`: the SDK's own recording calls
-    ``str()`` on the exception, and one whose ``__str__`` raises would replace the handler's
-    failure.
+    the message's trace (docs/architecture.md, "Tracing").
+
+    When nothing records (``recording``: :func:`framework.tracing.recording`) no span is
+    built: the API's no-op span would only carry the stored context, so that context is
+    made current instead, and a message without one costs nothing (the no-op span cost
+    a third of a small handler's run).
+    """
+    if not recording:
+        carrier = claimed.metadata.get(names.METADATA_TRACE)
+        context = tracing.extract(carrier) if carrier else None
+        return _current(context) if context else contextlib.nullcontext()
+    return _recorded_span(claimed, handler.name)
+
+
+@contextlib.contextmanager
+def _current(context: otel_context.Context) -> Iterator[None]:
+    token = otel_context.attach(context)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+@contextlib.contextmanager
+def _recorded_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
+    """The recording span of :func:`handler_span`. An exception out of the handler marks it
+    failed through :func:`framework.tracing.failed`: the SDK's own recording calls ``str()``
+    on the exception, and one whose ``__str__`` raises would replace the handler's failure.
 
     Once per message, so kept lean: started and made current by hand rather than through
     ``start_as_current_span`` (the same calls without its layers of context managers), and
@@ -727,6 +755,26 @@ def _as_text(value: Any) -> str:
         return jsoncodec.dumps(value, default=str)
     except Exception:  # nested past the encoder's limit, or worse: its type at least
         return f"<{type(value).__name__} that cannot be written as JSON>"
+
+
+def _undecodable_reasons(payload: Any, context: Any, metadata: Any, timestamp: Any) -> str:
+    """Why a claimed row's values cannot make a Message."""
+    bad = [
+        f"{name}: {value.error}"
+        for name, value in (
+            ("payload", payload),
+            ("message_context", context),
+            ("metadata", metadata),
+            ("message_timestamp", timestamp),
+        )
+        if isinstance(value, Undecodable)
+    ]
+    bad += [
+        f"{name} is a JSON {type(value).__name__}, not an object"
+        for name, value in (("message_context", context), ("metadata", metadata))
+        if value is not None and not isinstance(value, dict)
+    ]
+    return "; ".join(bad)
 
 
 def _only(known: dict[uuid.UUID, BaseException], claimed: Claimed) -> dict[uuid.UUID, BaseException] | None:

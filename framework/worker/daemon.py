@@ -19,14 +19,12 @@ gauges; what a batch does with its rows is the batch runner's.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import psycopg
 from sqlalchemy import Connection
 
 from framework import db, metrics, names
@@ -79,11 +77,14 @@ class Worker(Daemon):
         # A claim is a lease, not a result: one lost to a database crash leaves the row
         # unclaimed, to be claimed again, and the batch's own commit (synchronous, and
         # later in the WAL) makes the claim durable before any handler's writes are.
-        # Not waiting for its fsync takes a disk flush off every message's path. One row
-        # that does not decode must not fail the claim (decode.register).
+        # Not waiting for its fsync takes a disk flush off every message's path. The claim
+        # is one statement, so in autocommit it commits in the round trip that returns its
+        # rows (no BEGIN and COMMIT of their own). One row that does not decode must not
+        # fail the claim (decode.register).
         self._claim_db = ConnectionSlot(
             self.settings.database_url,
             on_connect=decode.register,
+            autocommit=True,
             synchronous_commit=False,
             application_name="txbox-worker-claim",
         )
@@ -214,16 +215,11 @@ class Worker(Daemon):
     # --- claim --------------------------------------------------------------------
 
     def _claim(self, statement: Any, limit: int) -> list[Claimed]:
-        """Claim in its own committed transaction, on the claim connection (also used ahead)."""
+        """Claim in a transaction of its own (the one statement, in autocommit), on the claim
+        connection (also used ahead)."""
         claimed_at = time.monotonic()
         conn = self._claim_db.get()
-        try:
-            rows = q.fetch_claimed(conn, statement, {"limit": limit, "lease": float(self.config.lease)})
-            conn.commit()
-        except BaseException:
-            with contextlib.suppress(psycopg.Error):
-                conn.rollback()
-            raise
+        rows = q.fetch_claimed(conn, statement, {"limit": limit, "lease": float(self.config.lease)})
         self._statistics.after_claim(conn, time.monotonic() - claimed_at, len(rows), self.log)
         return [self._batches.claimed(r, claimed_at) for r in rows]
 

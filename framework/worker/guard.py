@@ -24,8 +24,7 @@ writes commit in a new transaction (their work applied twice). Three layers stop
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
 
 # The transaction's application_name while a batch runs; the session's own name differs.
 BATCH_MARK = "txbox-worker (batch)"
+_BATCH_MARK = BATCH_MARK.encode()
 GUARD_TABLE = "txbox_worker_commit_guard"
 # Named in the error a refused COMMIT raises, so the handler's author sees why.
 GUARD_CONSTRAINT = "txbox_handlers_must_not_commit"
@@ -65,7 +65,7 @@ class HandlerSession(Session):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.txbox_running = False
+        self.txbox_running = False  # set by run_handler while the handler runs
         self.txbox_refused = ""
         self._txbox_async: coroutines.HandlerAsyncSession | None = None
 
@@ -74,14 +74,6 @@ class HandlerSession(Session):
         if self._txbox_async is None:
             self._txbox_async = coroutines.HandlerAsyncSession(self)
         return self._txbox_async
-
-    @contextmanager
-    def handler_running(self) -> Iterator[None]:
-        self.txbox_running, self.txbox_refused = True, ""
-        try:
-            yield
-        finally:
-            self.txbox_running = False
 
     def _refuse(self, what: str) -> None:
         if self.txbox_running:
@@ -124,17 +116,39 @@ def run_handler(
     (docs/architecture.md, "Handler middleware and the permission guard").
     """
     message = as_handled(handler, message, outbox.registry.get(message.message_type))
-    with session.handler_running(), middleware.hooks(chain, message, session, outbox):
-        if is_coroutine_handler(handler):
-            coroutines.run_handle(handler, message, session, outbox)
-            result: object = None
-        else:
-            # Typed None, but a plain function may still hand back a coroutine.
-            result = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
+    session.txbox_running, session.txbox_refused = True, ""
+    try:
+        if not chain:  # the hooks' context manager costs more than a small handler's work
+            _invoke(handler, message, session, outbox, conn, raw, transaction, savepoint)
+            return
+        with middleware.hooks(chain, message, session, outbox):
+            _invoke(handler, message, session, outbox, conn, raw, transaction, savepoint)
+    finally:
+        session.txbox_running = False
+
+
+def _invoke(
+    handler: Handler,
+    message: Message,
+    session: HandlerSession,
+    outbox: Outbox,
+    conn: Connection,
+    raw: psycopg.Connection[Any],
+    transaction: Transaction,
+    savepoint: NestedTransaction | None,
+) -> None:
+    """``handle``, then what it did to the transaction (inside the hooks: a misuse is a failure they see)."""
+    if is_coroutine_handler(handler):
+        coroutines.run_handle(handler, message, session, outbox)
+        result: object = None
+    else:
+        # Typed None, but a plain function may still hand back a coroutine.
+        result = handler.handle(message, session, outbox)  # type: ignore[func-returns-value]
+    if result is not None:
         _refuse_awaitable(result)
-        found = misuse(session, conn, raw, transaction, savepoint)
-        if found is not None:
-            raise HandlerMisuse(found[0])
+    found = misuse(session, conn, raw, transaction, savepoint)
+    if found is not None:
+        raise HandlerMisuse(found[0])
 
 
 def _refuse_awaitable(result: object) -> None:
@@ -159,12 +173,13 @@ def misuse(
         return None  # the server went away: not the handler's doing (the worker reconnects)
     if conn.closed or conn.invalidated or raw.closed:
         return f"the handler closed the worker's database connection: {FIX}", True
-    aborted = raw.info.transaction_status == TransactionStatus.INERROR
+    # libpq's own answers (raw.info builds an object and decodes text per call: this runs per message).
+    aborted = raw.pgconn.transaction_status == TransactionStatus.INERROR
     # An error outside any savepoint reverts the batch mark at once (PostgreSQL undoes
     # the transaction's settings when it aborts it, not at the ROLLBACK), so the mark
     # speaks only when the transaction is not aborted, or inside the worker's savepoint.
     if (not aborted or savepoint is not None) and (
-        raw.info.parameter_status("application_name") != BATCH_MARK or not transaction.is_active
+        raw.pgconn.parameter_status(b"application_name") != _BATCH_MARK or not transaction.is_active
     ):
         return f"the handler ended the worker's transaction (a COMMIT or ROLLBACK): {FIX}", True
     if session.txbox_refused:
@@ -198,6 +213,12 @@ def arm() -> sql.Composed:
         "INSERT INTO pg_temp.{table} SELECT 1 FROM (SELECT set_config('application_name', {mark}, true)) m, "
         "(VALUES (1), (2)) v"
     ).format(table=sql.Identifier(GUARD_TABLE), mark=sql.Literal(BATCH_MARK))
+
+
+def armed(statement: sql.Composable) -> sql.Composed:
+    """``statement`` (a batch's first) and :func:`arm` in one statement, one round trip: a
+    data-modifying WITH runs to its end whether or not the statement reads it."""
+    return sql.SQL("WITH txbox_guard AS ({arm}) {statement}").format(arm=arm(), statement=statement)
 
 
 def disarm() -> sql.Composed:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from framework import CommandHandler, Message, Outbox, PermanentError, RetryableError
 from framework.service import Service
 from framework.worker import Worker, WorkerConfig
+from framework.worker.batch import driver
 from framework.worker.timeout import Watchdog
 from tests import support
 from tests.apps.helpers import place_order, query, running, scalar, store_in_inbox
@@ -511,3 +512,45 @@ def test_a_segment_drains_without_a_notify_per_row_as_each_commit_frees_its_succ
         store_in_inbox(service, messages)
         support.wait_until(lambda: done(business) == 3, 30, message="the whole segment processed")
     assert [r[0] for r in query(business, "SELECT quantity FROM seen ORDER BY n")] == [1, 2, 3]
+
+
+def _round_trips(trace: str) -> tuple[int, int]:
+    """(round trips, statements) in a libpq protocol trace: the client waits at each Sync
+    (extended protocol) and each Query (simple protocol, psycopg's BEGIN)."""
+    sent = [line.split("\t")[2].split()[0] for line in trace.splitlines() if line.startswith("F\t")]
+    return sum(kind in ("Sync", "Query") for kind in sent), sum(kind in ("Execute", "Query") for kind in sent)
+
+
+def test_a_batch_costs_three_round_trips_and_a_claim_one(service: Service, business: str, tmp_path: Any) -> None:
+    """docs/architecture.md, "Worker batches": BEGIN, the presumption that arms the commit
+    guard, the guard's DELETE with the COMMIT (a handler that writes nothing has no flush);
+    each claim commits in its own round trip. Five and three before."""
+
+    class Quiet(CommandHandler):
+        message_type = "PlaceOrder"
+
+        def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+            pass
+
+    service.register(Quiet())
+    w = worker(service, batch_size=2)
+    store_in_inbox(service, [place_order(aggregate_id=f"r{n}") for n in range(4)])
+    paths = {"batch": tmp_path / "batch", "claim": tmp_path / "claim"}
+    try:
+        assert w.run_once() == 2  # the first batch on a connection also creates the guard's table
+        conns = {"batch": driver(w._connection()), "claim": w._claim_db.get()}
+        with paths["batch"].open("w") as batch_trace, paths["claim"].open("w") as claim_trace:
+            for conn, handle in ((conns["batch"], batch_trace), (conns["claim"], claim_trace)):
+                conn.pgconn.trace(handle.fileno())
+                conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
+            try:
+                assert w.run_once() == 2
+            finally:
+                for conn in conns.values():
+                    conn.pgconn.untrace()
+    finally:
+        w._drop_connections()
+    assert _round_trips(paths["batch"].read_text()) == (3, 4)  # the DELETE and the COMMIT share one
+    trips, statements = _round_trips(paths["claim"].read_text())
+    assert trips == statements >= 1
+    assert done(business) == 4
