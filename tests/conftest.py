@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -17,6 +18,9 @@ from framework import migrate
 from framework.service import Service
 from framework.settings import Settings
 from tests import support
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACTS = ROOT / "contracts"
@@ -43,6 +47,18 @@ def template_db() -> Iterator[str]:
     migrate.upgrade(support.db_url(name))
     yield name
     support.drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """One local Spark session for the whole run (it costs ~10 s to start); `txbox analyze` and
+    `txbox archive` called in-process use it too (framework.analytics.session.job_session)."""
+    from framework.analytics.session import spark_session
+    from framework.analytics.settings import AnalyzeSettings
+
+    session = spark_session(AnalyzeSettings(master="local[2]", shuffle_partitions=4, driver_memory="1g"), "txbox-tests")
+    yield session
+    session.stop()
 
 
 @pytest.fixture
