@@ -263,6 +263,8 @@ class Archiver:
             .parquet(batch.location)
         )
         self.checkpoint("written")
+        if storage.parquet_files() == 0 and self._left(batch) == 0:
+            return 0  # a recovered batch whose rows were all removed meanwhile: nothing to keep
         storage.check_written("")
         # Read back through Spark, as every reader will: each row once, each id the manifest's.
         manifest = reader.query(self.source, f"SELECT unnest({ids})::text AS id, TRUE AS listed")
@@ -281,6 +283,11 @@ class Archiver:
                 "of them in the batch's manifest; nothing was deleted — rerun `txbox archive` to rewrite the batch"
             )
         return count
+
+    def _left(self, batch: Batch) -> int:
+        """How many of the batch's rows the database still holds to archive."""
+        with database_errors("archive: cannot read"), connect(self.url, autocommit=True) as conn:
+            return batches_sql.count_left(conn.cursor(), self.schema, batch)
 
     def _delete(self, batch: Batch, written: int) -> dedup.Forgotten:
         """Delete the batch's rows and mark it done, in one transaction; inbox rows through the dedup memory."""

@@ -101,6 +101,16 @@ def ids_array(schema: str, batch_id: str) -> str:
     return f"(SELECT ids FROM {names.qualified(schema, names.ARCHIVE_BATCHES)} WHERE batch_id = '{literal}')::uuid[]"
 
 
+def count_left(cur: psycopg.Cursor[Any], schema: str, batch: Batch) -> int:
+    """How many rows of the batch are still in ``batch.table`` to archive."""
+    row = cur.execute(
+        sql.SQL(f"SELECT count(*) FROM {{t}} WHERE id = ANY({ids_array(schema, batch.batch_id)}) AND {{keep}}").format(
+            t=sql.Identifier(schema, batch.table), keep=sql.SQL(NOT_ARCHIVED[batch.table])
+        )
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
 def lock_rows(cur: psycopg.Cursor[Any], schema: str, batch: Batch) -> list[Any]:
     """Lock the batch's manifest and its rows still to archive; returns those rows' ids."""
     found = cur.execute(

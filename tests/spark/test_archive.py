@@ -166,6 +166,29 @@ def test_a_batch_whose_files_lost_a_row_is_not_deleted(
     check_final(url, tmp_path, seeded)
 
 
+def test_an_interrupted_batch_whose_rows_were_removed_meanwhile_finishes_empty(
+    make_database: Callable[[], str], registry: Registry, tmp_path: Path, spark: Any
+) -> None:
+    url = make_database()
+    seed_old_rows(url, registry)
+
+    def stop(stage: str) -> None:
+        if stage == "manifest":
+            raise Interrupt(stage)
+
+    with pytest.raises(Interrupt):
+        Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, checkpoint=stop, spark=spark).run(
+            timedelta(days=7)
+        )
+    with psycopg.connect(conninfo(url)) as conn:  # another retention removed them
+        conn.execute("DELETE FROM txbox.outbox WHERE id = ANY((SELECT ids FROM txbox.archive_batches)::uuid[])")
+    result = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, spark=spark).move(
+        "inbox", datetime.now(UTC)
+    )
+    assert result.recovered == 1 and result.archived.get("outbox", 0) == 0
+    assert pending_batches(url) == 0
+
+
 def test_a_second_archive_of_the_service_at_once_is_refused(
     make_database: Callable[[], str], registry: Registry, tmp_path: Path
 ) -> None:
