@@ -32,6 +32,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for suite in ("unit", "integration", "acceptance"):
             if suite in parts:
                 item.add_marker(getattr(pytest.mark, suite))
+        if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            # The shared Spark session starts in the first such test's budget (tests/spark/conftest.py).
+            item.add_marker(pytest.mark.timeout(900))
 
 
 @pytest.fixture(scope="session")

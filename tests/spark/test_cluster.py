@@ -47,7 +47,7 @@ BULK = 3000 if LARGE else 0  # extra old finished rows: many archive batches, ea
 OLDER_THAN = timedelta(minutes=45)  # archives the seeded hour-old rows, keeps the recent ones
 BATCH, PARTITION_ROWS = (1000, 250) if LARGE else (6, 2)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500 if LARGE else 600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500 if LARGE else 900)]
 
 
 @dataclass
@@ -161,7 +161,7 @@ def drive(cluster: Cluster, db: Databases, archive: Path) -> str:
         env={**os.environ, "PYSPARK_PYTHON": "/nonexistent/python3"},  # the executors must need no Python
         capture_output=True,
         text=True,
-        timeout=1200 if LARGE else 500,
+        timeout=1200 if LARGE else 800,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
