@@ -176,12 +176,13 @@ def findings(url: str, run_id: str) -> set[tuple[str | None, ...]]:
     return {(*r[:5], "leased or expired" if r[5] in ("leased", "lease_expired") else r[5], r[6]) for r in rows}
 
 
-def archived(root: Path, service: str, table: str) -> list[tuple[Any, ...]]:
+def archived(root: Path, service: str, table: str) -> list[dict[str, Any]]:
+    """Every archived row, whole, by id (batch ids differ between the runs)."""
     path = root / service / table
     if not path.is_dir():
         return []
     rows = ds.dataset(path, format="parquet", partitioning="hive").to_table().drop_columns(["batch"]).to_pylist()
-    return sorted(tuple(sorted(r.items())) for r in rows)
+    return sorted(rows, key=lambda r: str(r["id"]))
 
 
 def left(url: str, table: str) -> set[tuple[str, bool]]:
