@@ -58,7 +58,8 @@ chaos: setup
 heavy: setup
 	TXBOX_CHAOS_MESSAGES=$(CHAOS_MESSAGES) TXBOX_EXACTLY_ONCE_MESSAGES=10000 TXBOX_EXACTLY_ONCE_KILLS=5 \
 		.venv/bin/pytest -p no:cacheprovider --durations=10 tests/acceptance/test_chaos_short.py tests/acceptance/test_exactly_once.py
-# `txbox analyze` on a private Spark standalone cluster (a master and two workers on 127.0.0.1,
-# from the pyspark package) against local mode: a few minutes, so not part of `make test`.
+# `txbox analyze` and `txbox archive` on a private Spark standalone cluster (a master and two
+# workers on 127.0.0.1, from the pyspark package) against local mode, with a few thousand rows
+# to archive: a few minutes. `make test` runs the bounded version (one worker, the small seed).
 spark-cluster: setup
 	TXBOX_SPARK_CLUSTER=1 .venv/bin/pytest -p no:cacheprovider tests/spark/test_cluster.py

@@ -108,6 +108,7 @@ INBOX = "inbox"
 REDELIVERIES = "redeliveries"
 DEAD_LETTERS = "dead_letters"
 DAEMON_HEARTBEATS = "daemon_heartbeats"
+ARCHIVE_BATCHES = "archive_batches"
 ALEMBIC_VERSION_TABLE = "txbox_alembic_version"
 
 _SERVICE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -142,6 +143,12 @@ def pruner_lock_key(service: str, table: str) -> int:
     (docs/architecture.md, "Retention").
     """
     digest = hashlib.blake2b(f"txbox pruner {service} {table}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def archive_lock_key(service: str) -> int:
+    """The advisory lock key one `txbox archive` run of ``service`` holds (signed 64-bit)."""
+    digest = hashlib.blake2b(f"txbox archive {service}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 

@@ -26,7 +26,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from framework import names
 
@@ -168,6 +168,26 @@ daemon_heartbeats = Table(
     Column("ready", Boolean, nullable=False),
     comment="Liveness of the daemons: upserted every few seconds by each running daemon.",
 )
+
+# Migration 0009: the manifest of each `txbox archive` batch (framework/analytics/archive.py).
+archive_batches = Table(
+    names.ARCHIVE_BATCHES,
+    metadata,
+    Column("batch_id", Text, primary_key=True),
+    Column("service", Text, nullable=False),
+    Column("table_name", Text, nullable=False),
+    Column("ids", ARRAY(UUID(as_uuid=True)), nullable=False),
+    Column("location", Text, nullable=False),
+    Column("state", Text, nullable=False, server_default=text("'pending'")),
+    Column("rows", Integer),
+    Column("deleted", Integer),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("clock_timestamp()")),
+    Column("finished_at", DateTime(timezone=True)),
+    CheckConstraint("state IN ('pending', 'done')", name="archive_batches_state_check"),
+    CheckConstraint("table_name IN ('outbox', 'inbox')", name="archive_batches_table_name_check"),
+    comment="One row per txbox archive batch: the ids it covers, written before its Parquet; done once deleted.",
+)
+Index("archive_batches_pending_idx", archive_batches.c.created_at, postgresql_where=text("state = 'pending'"))
 
 # Hot queries only ever look at pending rows: keep their indexes partial and small.
 for _t in (outbox, inbox):

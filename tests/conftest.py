@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -17,6 +18,9 @@ from framework import migrate
 from framework.service import Service
 from framework.settings import Settings
 from tests import support
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACTS = ROOT / "contracts"
@@ -28,6 +32,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for suite in ("unit", "integration", "acceptance"):
             if suite in parts:
                 item.add_marker(getattr(pytest.mark, suite))
+        if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            # The shared Spark session starts in the first such test's budget (tests/spark/conftest.py).
+            item.add_marker(pytest.mark.timeout(900))
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +50,18 @@ def template_db() -> Iterator[str]:
     migrate.upgrade(support.db_url(name))
     yield name
     support.drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """One local Spark session for the whole run (it costs ~10 s to start); `txbox analyze` and
+    `txbox archive` called in-process use it too (framework.analytics.session.job_session)."""
+    from framework.analytics.session import spark_session
+    from framework.analytics.settings import AnalyzeSettings
+
+    session = spark_session(AnalyzeSettings(master="local[2]", shuffle_partitions=4, driver_memory="1g"), "txbox-tests")
+    yield session
+    session.stop()
 
 
 @pytest.fixture

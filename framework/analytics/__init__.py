@@ -8,9 +8,9 @@ s3a://), ``read`` (short JDBC reads split at created_at quantiles + archived his
 ``reconcile`` (lost / in flight / stuck / abandoned / unexpected / redelivered),
 ``stats`` (latency, throughput, attempts, failures, fingerprints, dead-letter trend),
 ``report`` (tables, Parquet), ``job`` (one run; also a spark-submit script), ``archive``
-(Parquet archive of old rows; no Spark).
+(old rows to Parquet, a Spark job too; its manifest in ``txbox.archive_batches``).
 Nothing here imports pyspark at module import time except inside functions, so
-`txbox migrate` and `txbox archive` never start a JVM.
+`txbox migrate` never starts a JVM, and both commands check their arguments before theirs.
 
 Running::
 
@@ -23,7 +23,7 @@ Running::
     spark-submit --master 'local[*]' --driver-memory 2g --jars /usr/share/java/postgresql.jar \
         "$(python -c 'import framework.analytics.job as j; print(j.__file__)')" --source ... --fail-on-lost
 
-    txbox archive --older-than 7d --to /var/lib/txbox/archive     # per service (TXBOX_* / --app)
+    txbox archive --older-than 7d --to s3a://bucket/txbox-archive  # per service (TXBOX_* / --app)
 
 The JDBC driver is Debian's jar given through ``spark.jars`` (``TXBOX_JDBC_JAR`` /
 ``--jdbc-jar``); nothing is fetched from Maven. The reads are kept short so the job does

@@ -11,7 +11,8 @@ spark-submit (the script owns no master: spark-submit's ``--master`` applies)::
 On a standalone cluster the same line takes ``--master spark://HOST:7077 --deploy-mode
 client`` (Spark runs Python drivers on a standalone cluster in client mode only); on
 Kubernetes, ``--deploy-mode cluster`` and an image with ``txbox[spark]`` (README, "The
-Spark job on a cluster"). The arguments after the script are those of `txbox analyze`.
+Spark job on a cluster"). The arguments after the script are those of `txbox analyze`;
+``archive`` followed by the arguments of `txbox archive` runs the archive instead.
 Run it with the venv active (spark-submit locates its Spark home through the ``python``
 on PATH, or set SPARK_HOME / PYSPARK_PYTHON). Under spark-submit the session takes
 master, memory and jars from spark-submit; ``--master`` after the script still
@@ -198,12 +199,15 @@ def run_once(
 
 
 def main() -> int:
-    """Entry point under spark-submit: same arguments as `txbox analyze`."""
+    """Entry point under spark-submit: the arguments of `txbox analyze`, or ``archive`` and those of `txbox archive`."""
     import sys
 
     from framework.cli import main as cli_main
 
-    return cli_main(["analyze", *sys.argv[1:]])
+    args = sys.argv[1:]
+    if args[:1] == ["archive"]:
+        return cli_main(args)
+    return cli_main(["analyze", *args])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import posixpath
 import urllib.parse
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from framework.analytics.session import java_error_line
@@ -64,22 +63,6 @@ def location(text: str, flag: str) -> str:
 def join(uri: str, *parts: str) -> str:
     """``uri`` with path segments appended (no normalisation of the URI's own part)."""
     return posixpath.join(uri, *parts) if uri.endswith("/") else "/".join((uri, *parts))
-
-
-def local_directory(text: str, flag: str) -> Path:
-    """The directory of a ``file:`` URI or a plain path; other storage fails naming why.
-
-    For `txbox archive`: its crash safety rests on an atomic rename per file and on fsync
-    (framework/analytics/archive.py), which object stores and HDFS's client do not give.
-    """
-    uri = location(text, flag)
-    if not uri.startswith("file:"):
-        raise ConfigurationError(
-            f"{flag} {uri}: the archive is written to a file system (a plain path or file:///...), whose atomic "
-            "renames keep an interrupted batch from losing or doubling rows; archive to a mounted volume and "
-            "copy it to object storage if you want it there (txbox analyze --history reads s3a:// and hdfs://)"
-        )
-    return Path(urllib.parse.urlsplit(uri).path)
 
 
 class Storage:

@@ -89,10 +89,13 @@ def partition_count(rows: int, settings: AnalyzeSettings) -> int:
 
 
 class Reader:
-    def __init__(self, spark: SparkSession, settings: AnalyzeSettings, schema: str) -> None:
+    def __init__(
+        self, spark: SparkSession, settings: AnalyzeSettings, schema: str, application: str = "txbox-analyze"
+    ) -> None:
         self.spark = spark
         self.settings = settings
         self.schema = schema
+        self.application = application
 
     def _jdbc(self, source: Source, query: str) -> DataFrameReader:
         reader = self.spark.read.format("jdbc")
@@ -101,7 +104,7 @@ class Reader:
         return (
             reader.option("dbtable", f"({query}) AS t")
             .option("fetchsize", str(self.settings.fetch_size))
-            .option("ApplicationName", "txbox-analyze")
+            .option("ApplicationName", self.application)
             .option(
                 "sessionInitStatement",
                 f"SET default_transaction_read_only = on; SET statement_timeout = '{STATEMENT_TIMEOUT}'",
@@ -124,24 +127,30 @@ class Reader:
             ).fetchone()
         return [c for c in (row[0] if row and row[0] else []) if c is not None]
 
+    def query(self, source: Source, query: str) -> DataFrame:
+        """One unpartitioned read (small results: dead letters, an archive batch's ids)."""
+        return self._jdbc(source, query).load()
+
+    def partitioned(self, source: Source, table: str, columns: str, where: str) -> DataFrame:
+        """``SELECT columns FROM table WHERE where``, read in partitions cut at quantiles of ``created_at``."""
+        query = f"SELECT {columns} FROM {names.qualified(self.schema, table)} WHERE {where}"
+        reader = self._jdbc(source, query)
+        cuts = self._cuts(source, table, where)
+        if not cuts:
+            return reader.load()
+        # url and dbtable again because jdbc() takes them as arguments; the options
+        # set above (credentials, fetch size, session init) still apply.
+        return reader.jdbc(
+            source.jdbc.url, f"({query}) AS t", predicates=range_predicates("created_at", cuts), properties={}
+        )
+
     def messages(self, source: Source, table: str, since: datetime) -> DataFrame:
         """The outbox or inbox of ``source``: rows of the window plus every pending row."""
         from pyspark.sql import functions as F
 
         columns = OUTBOX_COLUMNS if table == names.OUTBOX else INBOX_COLUMNS
         where = f"created_at >= {_ts(since)} OR {PENDING}"
-        query = f"SELECT {columns} FROM {names.qualified(self.schema, table)} WHERE {where}"
-        reader = self._jdbc(source, query)
-        cuts = self._cuts(source, table, where)
-        if not cuts:
-            frame = reader.load()
-        else:
-            # url and dbtable again because jdbc() takes them as arguments; the options
-            # set above (credentials, fetch size, session init) still apply.
-            frame = reader.jdbc(
-                source.jdbc.url, f"({query}) AS t", predicates=range_predicates("created_at", cuts), properties={}
-            )
-        return frame.withColumn("service", F.lit(source.service))
+        return self.partitioned(source, table, columns, where).withColumn("service", F.lit(source.service))
 
     def dead_letters(self, source: Source, since: datetime) -> DataFrame:
         from pyspark.sql import functions as F

@@ -191,6 +191,8 @@ def spark_session(
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
         .config("spark.sql.adaptive.enabled", "true")
+        # Parquet timestamps as UTC microseconds (what every reader takes), not the legacy INT96.
+        .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
         # Tables cached hash-partitioned by id serve joins on (service, id) without a shuffle.
         .config("spark.sql.requireAllClusterKeysForCoPartition", "false")
     )
@@ -208,6 +210,36 @@ def spark_session(
             raise ConfigurationError(f"Spark did not start ({java_error_line(exc)})") from None
     session.sparkContext.setLogLevel("WARN")
     return session
+
+
+@contextlib.contextmanager
+def job_session(settings: AnalyzeSettings, app_name: str, conf: dict[str, str] | None = None) -> Iterator[SparkSession]:
+    """The session already running in this process (left running), else a new one stopped at the end.
+
+    A library call (``Archiver.run`` from a test or an application that has its session)
+    must not stop a session it did not start. Spark allows one session per process, so a
+    different master asked for meanwhile fails loudly instead of being ignored.
+    """
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        active = None  # spark_session names the extra to install
+    else:
+        active = SparkSession.getActiveSession()
+    if active is not None:
+        running = active.sparkContext.master
+        if settings.master and parse_master(settings.master).url != running:
+            raise ConfigurationError(
+                f"--master {settings.master}: this process already runs a Spark session on {running}, and a "
+                "process has one; run the command in a process of its own"
+            )
+        yield active
+        return
+    session = spark_session(settings, app_name, conf)
+    try:
+        yield session
+    finally:
+        session.stop()
 
 
 @contextlib.contextmanager

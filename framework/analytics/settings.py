@@ -77,5 +77,5 @@ class ArchiveSettings:
         "TXBOX_ARCHIVE_BATCH_SIZE",
         "50000",
         default=50000,
-        help="rows per archive batch (one manifest, one delete statement)",
+        help="rows per archive batch (one manifest row, one Parquet directory, one delete transaction)",
     )

@@ -113,10 +113,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--every {args.every!r} must be a positive duration (example: --every 5m)")
 
     from framework.analytics.job import run_once
-    from framework.analytics.session import spark_session
+    from framework.analytics.session import job_session
 
     logging.getLogger("py4j").setLevel(logging.WARNING)  # py4j narrates every gateway connection
-    spark = spark_session(settings, conf=conf)
     stop = threading.Event()
     if every is not None:
 
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
     status = 0
-    try:
+    with job_session(settings, "txbox-analyze", conf) as spark:
         while True:
             try:
                 result = run_once(
@@ -150,6 +149,4 @@ def run(args: argparse.Namespace) -> int:
                 status = 1 if (args.fail_on_lost and result.lost) else 0
             if every is None or stop.wait(every):
                 break
-    finally:
-        spark.stop()
     return status

@@ -1,16 +1,22 @@
-"""`txbox archive --older-than 7d --to DIR`: old processed/abandoned rows → Parquet, then deleted.
+"""`txbox archive --older-than 7d --to URI`: old processed/abandoned rows → Parquet, then deleted.
 
-Runs against one service's database (``--app`` or ``TXBOX_*``, as every command). No
-Spark: see framework/analytics/archive.py for why and for the crash-safety protocol.
+Runs against one service's database (``--app`` or ``TXBOX_*``, as every command), as a
+Spark job: local by default, ``--master spark://HOST:7077`` on a standalone cluster, or
+under spark-submit (framework/analytics/job.py). See framework/analytics/archive.py for
+the crash-safety protocol. Everything is validated before the JVM starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from datetime import timedelta
+from pathlib import Path
 
-from framework.analytics.locations import local_directory
-from framework.analytics.settings import ArchiveSettings
+from framework.analytics.locations import location
+from framework.analytics.session import parse_master, spark_conf
+from framework.analytics.settings import AnalyzeSettings, ArchiveSettings
+from framework.analytics.sources import Source, warn_if_loopback
 from framework.cli.common import add_service_options, settings_only
 from framework.errors import ConfigurationError
 from framework.settings import DedupSettings, load, parse_duration
@@ -24,16 +30,30 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "TXBOX_DEDUP_WINDOW stay in the inbox for dedup",
     )
     parser.add_argument(
-        "--to", required=True, metavar="DIR", help="archive root folder (Parquet, Hive layout): a path or file:///..."
+        "--to",
+        required=True,
+        metavar="URI",
+        help="archive root (Parquet, Hive layout): file:///shared/dir, hdfs://…, s3a://… or a path",
     )
     parser.add_argument("--batch-size", type=int, help="rows per batch (TXBOX_ARCHIVE_BATCH_SIZE, default 50000)")
+    job = parser.add_argument_group("Spark job (as for txbox analyze)")
+    job.add_argument("--master", help="Spark master, e.g. spark://HOST:7077 (TXBOX_ANALYZE_MASTER; default local[*])")
+    job.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="spark.KEY=VALUE",
+        help="a Spark setting, as spark-submit takes it (repeatable), e.g. spark.executor.memory=512m",
+    )
+    job.add_argument("--jdbc-jar", type=Path, help="PostgreSQL JDBC jar (TXBOX_JDBC_JAR)")
+    job.add_argument(
+        "--partition-rows", type=int, help="rows per JDBC read partition of a batch (TXBOX_ANALYZE_PARTITION_ROWS)"
+    )
     add_service_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from framework.analytics.archive import Archiver
-
-    root = local_directory(args.to, "--to")
+    root = location(args.to, "--to")
     try:
         older = parse_duration(args.older_than)
     except ValueError:
@@ -42,15 +62,33 @@ def run(args: argparse.Namespace) -> int:
     if opts.batch_size <= 0:
         raise ConfigurationError("--batch-size must be positive (example: 50000)")
     window = load(DedupSettings).dedup_window
-    settings = settings_only(args)
-    archiver = Archiver(
-        database_url=settings.database_url,
-        service=settings.service,
-        root=root,
-        schema=settings.schema,
-        batch_size=opts.batch_size,
-        dedup_window=timedelta(seconds=window),
+    spark_settings = load(
+        AnalyzeSettings, None, master=args.master, jdbc_jar=args.jdbc_jar, partition_rows=args.partition_rows
     )
-    result = archiver.run(timedelta(seconds=older))
+    if spark_settings.partition_rows <= 0:
+        raise ConfigurationError("--partition-rows must be positive (example: 100000)")
+    conf = dict(spark_conf(c) for c in args.conf)
+    master = parse_master(spark_settings.master) if spark_settings.master else None
+    settings = settings_only(args)
+    Source(settings.service, settings.database_url).jdbc  # noqa: B018 - validates the URL before the JVM starts
+    if master is not None and not master.on_loopback:
+        warn_if_loopback(settings.database_url)
+
+    from framework.analytics.archive import Archiver
+    from framework.analytics.session import job_session
+
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # py4j narrates every gateway connection
+    with job_session(spark_settings, "txbox-archive", conf) as spark:
+        archiver = Archiver(
+            database_url=settings.database_url,
+            service=settings.service,
+            root=root,
+            schema=settings.schema,
+            batch_size=opts.batch_size,
+            dedup_window=timedelta(seconds=window),
+            spark=spark,
+            settings=spark_settings,
+        )
+        result = archiver.run(timedelta(seconds=older))
     print(result.summary(settings.service, root), flush=True)
     return 0

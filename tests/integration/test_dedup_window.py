@@ -55,7 +55,7 @@ def _deliver_and_process(service: Service, url: str, bodies: list[bytes], marker
 
 @pytest.mark.parametrize("older_than", ["0s", "1h"])
 def test_a_duplicate_after_the_archive_is_not_applied_again(
-    service: Service, database_url: str, tmp_path: Path, older_than: str, capsys: Any
+    service: Service, database_url: str, tmp_path: Path, older_than: str, capsys: Any, spark: Any
 ) -> None:
     query(database_url, "CREATE TABLE seen (n bigserial PRIMARY KEY, id uuid NOT NULL)")
     service.register(Seen())
@@ -109,7 +109,7 @@ def test_the_dedup_window_is_validated_at_start(
 
 
 def test_the_archive_keeps_ids_inside_the_window_deletes_the_rest_and_archives_each_row_once(
-    database_url: str, tmp_path: Path
+    database_url: str, tmp_path: Path, spark: Any
 ) -> None:
     import pyarrow.dataset as ds
 
@@ -133,9 +133,9 @@ def test_the_archive_keeps_ids_inside_the_window_deletes_the_rest_and_archives_e
         )
 
     def archive() -> Any:
-        return Archiver(database_url=database_url, service="order-service", root=tmp_path, batch_size=2).run(
-            timedelta(0)
-        )
+        return Archiver(
+            database_url=database_url, service="order-service", root=tmp_path, batch_size=2, spark=spark
+        ).run(timedelta(0))
 
     first, second = archive(), archive()
 

@@ -1,7 +1,7 @@
-"""Spark tests: one local Spark session for the whole run, several service databases.
+"""Spark tests: several service databases; the one local Spark session (``spark``) is in tests/conftest.py.
 
 Every test module here is marked ``spark`` (and ``integration``: they use the real
-PostgreSQL). The session costs ~10 s to start, so it is created once.
+PostgreSQL).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from tests import support
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    pass
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,16 +29,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 # The shared session's start and the first run share one test's budget; on a
                 # machine loaded by five suites at once that alone has taken minutes.
                 item.add_marker(pytest.mark.timeout(900))
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[SparkSession]:
-    from framework.analytics.session import spark_session
-    from framework.analytics.settings import AnalyzeSettings
-
-    session = spark_session(AnalyzeSettings(master="local[2]", shuffle_partitions=4, driver_memory="1g"), "txbox-tests")
-    yield session
-    session.stop()
 
 
 @pytest.fixture

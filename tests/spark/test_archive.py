@@ -1,5 +1,5 @@
-"""`txbox archive`: old finished rows → Parquet, deleted only after verification, and an
-interruption at any step (exception or kill -9) neither loses nor duplicates a row."""
+"""`txbox archive`: old finished rows → Parquet (a Spark job), deleted only after verification,
+and an interruption at any step (exception or kill -9) neither loses nor duplicates a row."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import psycopg
 import pyarrow.dataset as ds
 import pytest
 
+from framework import names
 from framework.analytics.archive import Archiver
 from framework.contracts import Registry, load_registry
 from framework.db import conninfo
+from framework.errors import ArchiveError
 from tests.spark.seed import Seeder, at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +72,12 @@ def remaining(url: str, table: str) -> set[str]:
         return {r[0] for r in conn.execute(f"SELECT id::text FROM txbox.{table}")}
 
 
+def pending_batches(url: str) -> int:
+    with psycopg.connect(conninfo(url)) as conn:
+        row = conn.execute("SELECT count(*) FROM txbox.archive_batches WHERE state = 'pending'").fetchone()
+    return int(row[0]) if row else 0
+
+
 def check_final(url: str, root: Path, seeded: dict[str, set[str]]) -> None:
     for table in ("outbox", "inbox"):
         ids = archived_ids(root, table)
@@ -77,7 +85,7 @@ def check_final(url: str, root: Path, seeded: dict[str, set[str]]) -> None:
         assert set(ids) == seeded[table]
         assert not (remaining(url, table) & seeded[table])
     assert remaining(url, "outbox") == seeded["keep"]
-    assert not any((root / "_staging").glob("*/**/*.parquet"))
+    assert pending_batches(url) == 0
 
 
 class Interrupt(Exception):
@@ -85,27 +93,31 @@ class Interrupt(Exception):
 
 
 def test_archive_writes_partitioned_parquet_and_deletes_exactly_those_rows(
-    make_database: Callable[[], str], registry: Registry, tmp_path: Path
+    make_database: Callable[[], str], registry: Registry, tmp_path: Path, spark: Any
 ) -> None:
     url = make_database()
     seeded = seed_old_rows(url, registry)
-    result = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=3).run(timedelta(days=7))
+    result = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, spark=spark).run(
+        timedelta(days=7)
+    )
     check_final(url, tmp_path, seeded)
     assert result.archived == {"outbox": 8, "inbox": 4} == result.deleted
-    assert len(list((tmp_path / SERVICE / "outbox").glob("day=*"))) == 2
-    types = {p.name for p in (tmp_path / SERVICE / "outbox").glob("day=*/*")}
+    assert result.batches == 3  # 5 + 3 outbox rows, 4 inbox rows
+    outbox = tmp_path / SERVICE / "outbox"
+    assert len({p.name for p in outbox.glob("batch=*/day=*")}) == 2
+    types = {p.name for p in outbox.glob("batch=*/day=*/*")}
     assert types == {"message_type=OrderPlaced", "message_type=OrderCompleted"}
     table = ds.dataset(tmp_path / SERVICE / "inbox", format="parquet", partitioning="hive").to_table()
     assert sorted(set(table["message_type"].to_pylist())) == ["StockRejected", "StockReserved"]
     # A second run finds nothing more to do.
-    again = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=3).run(timedelta(days=7))
+    again = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, spark=spark).run(timedelta(days=7))
     assert again.batches == 0
     check_final(url, tmp_path, seeded)
 
 
-@pytest.mark.parametrize("stage", ["manifest", "staged", "renamed_one", "written", "deleted"])
+@pytest.mark.parametrize("stage", ["manifest", "written", "deleted"])
 def test_interrupted_archive_finishes_on_rerun(
-    stage: str, make_database: Callable[[], str], registry: Registry, tmp_path: Path
+    stage: str, make_database: Callable[[], str], registry: Registry, tmp_path: Path, spark: Any
 ) -> None:
     url = make_database()
     seeded = seed_old_rows(url, registry)
@@ -118,13 +130,76 @@ def test_interrupted_archive_finishes_on_rerun(
                 raise Interrupt(stage)
 
     with pytest.raises(Interrupt):
-        Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=3, checkpoint=fail).run(timedelta(days=7))
+        Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, checkpoint=fail, spark=spark).run(
+            timedelta(days=7)
+        )
     # Nothing is lost in between: every seeded row is in the database or in the archive.
     for table in ("outbox", "inbox"):
         assert seeded[table] <= remaining(url, table) | set(archived_ids(tmp_path, table))
-    result = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=3).run(timedelta(days=7))
+    result = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, spark=spark).run(
+        timedelta(days=7)
+    )
+    assert result.recovered == (0 if stage == "deleted" else 1)
+    check_final(url, tmp_path, seeded)
+
+
+def test_a_batch_whose_files_lost_a_row_is_not_deleted(
+    make_database: Callable[[], str], registry: Registry, tmp_path: Path, spark: Any
+) -> None:
+    url = make_database()
+    seeded = seed_old_rows(url, registry)
+
+    def lose_a_file(stage: str) -> None:
+        if stage == "written":
+            next((tmp_path / SERVICE).rglob("*.parquet")).unlink()
+
+    with pytest.raises(ArchiveError, match="nothing was deleted"):
+        Archiver(
+            database_url=url, service=SERVICE, root=tmp_path, batch_size=5, checkpoint=lose_a_file, spark=spark
+        ).run(timedelta(days=7))
+    assert seeded["outbox"] <= remaining(url, "outbox")
+    assert pending_batches(url) == 1
+    result = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, spark=spark).run(
+        timedelta(days=7)
+    )
     assert result.recovered == 1
     check_final(url, tmp_path, seeded)
+
+
+def test_an_interrupted_batch_whose_rows_were_removed_meanwhile_finishes_empty(
+    make_database: Callable[[], str], registry: Registry, tmp_path: Path, spark: Any
+) -> None:
+    url = make_database()
+    seed_old_rows(url, registry)
+
+    def stop(stage: str) -> None:
+        if stage == "manifest":
+            raise Interrupt(stage)
+
+    with pytest.raises(Interrupt):
+        Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, checkpoint=stop, spark=spark).run(
+            timedelta(days=7)
+        )
+    with psycopg.connect(conninfo(url)) as conn:  # another retention removed them
+        conn.execute("DELETE FROM txbox.outbox WHERE id = ANY((SELECT ids FROM txbox.archive_batches)::uuid[])")
+    result = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, spark=spark).move(
+        "inbox", datetime.now(UTC)
+    )
+    assert result.recovered == 1 and result.archived.get("outbox", 0) == 0
+    assert pending_batches(url) == 0
+
+
+def test_a_second_archive_of_the_service_at_once_is_refused(
+    make_database: Callable[[], str], registry: Registry, tmp_path: Path
+) -> None:
+    url = make_database()
+    seeded = seed_old_rows(url, registry)
+    with psycopg.connect(conninfo(url), autocommit=True) as running:
+        running.execute("SELECT pg_advisory_lock(%s)", (names.archive_lock_key(SERVICE),))
+        with pytest.raises(ArchiveError, match="another `txbox archive` of order-service is running"):
+            Archiver(database_url=url, service=SERVICE, root=tmp_path).run(timedelta(days=7))
+    assert seeded["outbox"] <= remaining(url, "outbox")
+    assert pending_batches(url) == 0
 
 
 def test_kill_9_mid_batch_then_txbox_archive_recovers(
@@ -136,28 +211,30 @@ def test_kill_9_mid_batch_then_txbox_archive_recovers(
         f"""
         import os, signal
         from datetime import timedelta
-        from pathlib import Path
         from framework.analytics.archive import Archiver
+        from framework.analytics.settings import AnalyzeSettings
 
         def die(stage):
-            if stage == "renamed_one":
+            if stage == "written":
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        Archiver(database_url={url!r}, service={SERVICE!r}, root=Path({str(tmp_path)!r}),
-                 batch_size=3, checkpoint=die).run(timedelta(days=7))
+        Archiver(database_url={url!r}, service={SERVICE!r}, root={str(tmp_path)!r}, batch_size=5, checkpoint=die,
+                 settings=AnalyzeSettings(master="local[1]", driver_memory="512m")).run(timedelta(days=7))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60, check=False)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=300, check=False)
     assert proc.returncode == -signal.SIGKILL
-    assert any((tmp_path / "_staging").rglob("*.parquet"))  # killed between renames
-    env = {**os.environ, "TXBOX_SERVICE": SERVICE, "TXBOX_DATABASE_URL": url}
+    assert pending_batches(url) == 1  # killed between the write and the delete
+    assert set(archived_ids(tmp_path, "outbox")) <= remaining(url, "outbox")
+    env = {**os.environ, "TXBOX_SERVICE": SERVICE, "TXBOX_DATABASE_URL": url, "TXBOX_ANALYZE_DRIVER_MEMORY": "512m"}
+    txbox = str(Path(sys.executable).parent / "txbox")
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "txbox"), "archive", "--older-than", "7d", "--to", str(tmp_path)],
+        [txbox, "archive", "--older-than", "7d", "--to", f"file://{tmp_path}", "--master", "local[1]"],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         check=False,
     )
     assert out.returncode == 0, out.stderr
@@ -191,13 +268,13 @@ def test_history_keeps_archived_rows_visible_to_analyze(
     before = run_once(spark, sources=sources, registry=registry, settings=SETTINGS)
     # Archive the subscriber only, with a dedup window short enough that no tombstone is
     # kept: its delivered messages vanish from its inbox and look lost.
-    Archiver(database_url=inventory_url, service=INVENTORY, root=tmp_path, dedup_window=timedelta(seconds=1)).run(
-        timedelta(minutes=45)
-    )
+    Archiver(
+        database_url=inventory_url, service=INVENTORY, root=tmp_path, dedup_window=timedelta(seconds=1), spark=spark
+    ).run(timedelta(minutes=45))
     assert len(remaining(inventory_url, "inbox")) == 2  # the expired lease and the late one (~30 min old)
     without = run_once(spark, sources=sources, registry=registry, settings=SETTINGS)
     assert without.lost > before.lost
-    Archiver(database_url=order_url, service=ORDER, root=tmp_path).run(timedelta(minutes=45))
+    Archiver(database_url=order_url, service=ORDER, root=tmp_path, spark=spark).run(timedelta(minutes=45))
     with_history = run_once(spark, sources=sources, registry=registry, settings=SETTINGS, history=tmp_path)
     assert with_history.counts == before.counts
     assert (with_history.outbox_rows, with_history.inbox_rows) == (before.outbox_rows, before.inbox_rows)

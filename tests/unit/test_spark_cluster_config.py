@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from framework.analytics.locations import local_directory, location
+from framework.analytics.locations import location
 from framework.analytics.read import partition_count, range_predicates
 from framework.analytics.session import check_master, join_jars, parse_master, spark_conf
 from framework.analytics.settings import AnalyzeSettings
@@ -49,13 +49,6 @@ def test_a_relative_path_is_the_drivers() -> None:
 def test_bad_locations_name_the_fix(given: str, fix: str) -> None:
     with pytest.raises(ConfigurationError, match=fix):
         location(given, "--parquet")
-
-
-def test_the_archive_takes_file_locations_only() -> None:
-    assert str(local_directory("file:///srv/archive", "--to")) == "/srv/archive"
-    assert str(local_directory("/srv/archive/", "--to")) == "/srv/archive"
-    with pytest.raises(ConfigurationError, match="atomic renames"):
-        local_directory("s3a://bucket/archive", "--to")
 
 
 def test_range_predicates_cover_every_row_once() -> None:

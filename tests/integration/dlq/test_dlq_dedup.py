@@ -43,8 +43,10 @@ def _pending(conn: psycopg.Connection[Any]) -> int:
     return int(n.fetchone()["n"])
 
 
-def _archive(database_url: str, root: Path, window: timedelta = timedelta(days=7)) -> Any:
-    return Archiver(database_url=database_url, service=SERVICE, root=root, dedup_window=window).run(timedelta(0))
+def _archive(spark: Any, database_url: str, root: Path, window: timedelta = timedelta(days=7)) -> Any:
+    return Archiver(database_url=database_url, service=SERVICE, root=root, dedup_window=window, spark=spark).run(
+        timedelta(0)
+    )
 
 
 def _processed(conn: psycopg.Connection[Any], m: Any) -> None:
@@ -60,7 +62,7 @@ def _processed(conn: psycopg.Connection[Any], m: Any) -> None:
 
 
 def test_replaying_after_the_archive_does_not_run_a_processed_message_again(
-    conn: Any, registry: Registry, database_url: str, tmp_path: Path
+    conn: Any, registry: Registry, database_url: str, tmp_path: Path, spark: Any
 ) -> None:
     m = seed.envelope()
     lid = seed.abandoned(conn, "inbox", m)
@@ -69,7 +71,7 @@ def test_replaying_after_the_archive_does_not_run_a_processed_message_again(
     conn.execute(
         "UPDATE txbox.inbox SET processed_at = clock_timestamp(), finished_attempts = 1 WHERE id = %s", (m.message_id,)
     )
-    result = _archive(database_url, tmp_path)
+    result = _archive(spark, database_url, tmp_path)
 
     [again] = replay.replay(conn, S, registry, SERVICE, [lid])
     assert (again.action, again.ok) == ("skipped", False)
@@ -85,7 +87,7 @@ def test_replaying_after_the_archive_does_not_run_a_processed_message_again(
     assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
 
     # Past the window the id is forgotten, but the letters were resolved: still no rerun.
-    purged = _archive(database_url, tmp_path, window=timedelta(microseconds=1))
+    purged = _archive(spark, database_url, tmp_path, window=timedelta(microseconds=1))
     assert purged.purged == 1 and _row(conn, m.message_id) is None
     outcomes = replay.replay(conn, S, registry, SERVICE, [lid, late])
     assert [(o.action, o.ok) for o in outcomes] == [("skipped", False), ("skipped", False)]
@@ -93,11 +95,11 @@ def test_replaying_after_the_archive_does_not_run_a_processed_message_again(
 
 
 def test_an_archived_abandoned_message_is_filled_in_from_its_letter_on_replay(
-    conn: Any, registry: Registry, database_url: str, tmp_path: Path
+    conn: Any, registry: Registry, database_url: str, tmp_path: Path, spark: Any
 ) -> None:
     m = seed.envelope(quantity=3)
     lid = seed.abandoned(conn, "inbox", m)
-    _archive(database_url, tmp_path)
+    _archive(spark, database_url, tmp_path)
     tomb = _row(conn, m.message_id)
     assert tomb is not None and tomb["archived_at"] is not None and tomb["payload"] == {}
 
@@ -112,7 +114,7 @@ def test_an_archived_abandoned_message_is_filled_in_from_its_letter_on_replay(
 
 
 def test_replaying_a_letter_whose_id_the_inbox_holds_with_other_content_is_an_id_conflict(
-    conn: Any, registry: Registry, database_url: str, tmp_path: Path
+    conn: Any, registry: Registry, database_url: str, tmp_path: Path, spark: Any
 ) -> None:
     stored = seed.envelope(quantity=1)
     _processed(conn, stored)
@@ -130,7 +132,7 @@ def test_replaying_a_letter_whose_id_the_inbox_holds_with_other_content_is_an_id
     assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
 
     # The archive does not resolve the conflicting letter, and the tombstone still tells them apart.
-    _archive(database_url, tmp_path)
+    _archive(spark, database_url, tmp_path)
     assert _letter(conn, live)["resolved_at"] is None
     [after] = replay.replay(conn, S, registry, SERVICE, [live])
     assert (after.action, after.ok) == ("id-conflict", False)
@@ -140,12 +142,12 @@ def test_replaying_a_letter_whose_id_the_inbox_holds_with_other_content_is_an_id
 
 
 def test_the_receivers_conflict_check_tells_a_duplicate_from_a_reused_id_live_and_archived(
-    conn: Any, database_url: str, tmp_path: Path
+    conn: Any, database_url: str, tmp_path: Path, spark: Any
 ) -> None:
     live, archived = seed.envelope(), seed.envelope()
     _processed(conn, live)
     _processed(conn, archived)
-    _archive(database_url, tmp_path)
+    _archive(spark, database_url, tmp_path)
     conn.execute(
         "UPDATE txbox.inbox SET archived_at = NULL, payload = %s WHERE id = %s", (Jsonb(live.payload), live.message_id)
     )
