@@ -45,13 +45,22 @@ def template_db() -> Iterator[str]:
     support.drop_database(name)
 
 
+@pytest.fixture(scope="session")
+def databases(template_db: str) -> Iterator[support.DatabasePool]:
+    """Clones of the template made one test ahead and dropped behind it, off its path."""
+    pool = support.DatabasePool(template_db)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def database(template_db: str) -> Iterator[str]:
+def database(databases: support.DatabasePool) -> Iterator[str]:
     """Name of a fresh, migrated database of this test's own."""
-    name = support.unique("txbox_t")
-    support.create_database(name, template=template_db)
+    name = databases.take()
     yield name
-    support.drop_database(name)
+    databases.give_back(name)
 
 
 @pytest.fixture
