@@ -62,10 +62,6 @@ from framework.errors import InstanceError
 
 PG_BIN = Path(os.environ.get("TXBOX_PG_BIN", "/usr/lib/postgresql/15/bin"))
 RABBITMQ_BIN = Path(os.environ.get("TXBOX_RABBITMQ_BIN", "/usr/lib/rabbitmq/bin"))
-#: How long a blank cluster node looks for its seed on boot (retries x interval = 240 s,
-#: the cluster's start timeout) before it would start as a cluster of its own.
-JOIN_RETRIES = 480
-JOIN_RETRY_MS = 500
 
 
 def free_port() -> int:
@@ -323,10 +319,8 @@ class PrivateRabbit(_Management):
     stopping it is a signal, not a 5-second ``rabbitmqctl`` round trip. The management
     plugin is on (its API closes connections from the server side). ``cookie`` is the
     Erlang cookie to share with the other nodes of a cluster (else one of its own is
-    made on first start); ``join`` names a node of the cluster this one joins on its
-    first boot (RabbitMQ's classic-config peer discovery); ``small`` keeps the node to
-    one scheduler that does not spin while idle, for a machine that runs several nodes
-    beside everything else.
+    made on first start); ``small`` keeps the node to one scheduler that does not spin
+    while idle, for a machine that runs several nodes beside everything else.
     """
 
     def __init__(
@@ -337,11 +331,9 @@ class PrivateRabbit(_Management):
         management: bool = True,
         *,
         cookie: str | None = None,
-        join: str | None = None,
         small: bool = False,
     ) -> None:
         self.port = port or free_port()
-        self.join_on_boot = join
         self.dist_port = free_port()
         self.management_port = (management_port or free_port()) if management else None
         self._own_dir = base_dir is None
@@ -368,16 +360,6 @@ class PrivateRabbit(_Management):
         if self.management_port:
             lines += [f"management.tcp.port = {self.management_port}", "management.tcp.ip = 127.0.0.1"]
             plugins = "[rabbitmq_management]."
-        if self.join_on_boot:
-            # A blank node asks the seed until it answers, then joins it while booting: no
-            # `rabbitmqctl stop_app; join_cluster; start_app` afterwards, each a VM start.
-            # A node with data (restarted, killed and back) skips discovery and rejoins.
-            lines += [
-                "cluster_formation.peer_discovery_backend = classic_config",
-                f"cluster_formation.classic_config.nodes.1 = {self.join_on_boot}",
-                f"cluster_formation.discovery_retry_limit = {JOIN_RETRIES}",
-                f"cluster_formation.discovery_retry_interval = {JOIN_RETRY_MS}",
-            ]
         (self.base_dir / "rabbitmq.conf").write_text("\n".join(lines) + "\n")
         (self.base_dir / "enabled_plugins").write_text(plugins + "\n")
         (self.base_dir / "rabbitmq-env.conf").write_text("")  # not the machine's /etc one
@@ -530,10 +512,8 @@ class PrivateRabbitCluster(_Management):
     """Three (or more) private RabbitMQ nodes joined into one cluster on 127.0.0.1.
 
     Each node is a :class:`PrivateRabbit` (own node name, ports and data) with a shared
-    Erlang cookie, kept small (one scheduler each); the first boots, then the others
-    side by side, joining it as they boot (peer discovery from their configuration); a node
-    that booted alone all the same joins afterwards (``rabbitmqctl stop_app;
-    join_cluster; start_app``, a minute on a busy machine). Quorum
+    Erlang cookie, kept small (one scheduler each); they boot side by side, then the
+    others join the first (``rabbitmqctl stop_app; join_cluster; start_app``). Quorum
     queues declared afterwards get a member on every node, so the cluster keeps its
     queues when one node dies: the failover the daemons must survive
     (docs/architecture.md, "A RabbitMQ cluster").
@@ -545,10 +525,8 @@ class PrivateRabbitCluster(_Management):
         self._own_dir = base_dir is None
         self.base_dir = base_dir or Path(tempfile.mkdtemp(prefix="txbox-rabbit-cluster-"))
         cookie = secrets.token_hex(20)
-        seed = PrivateRabbit(base_dir=self.base_dir / "node1", cookie=cookie, small=True)
-        self.nodes = [seed] + [
-            PrivateRabbit(base_dir=self.base_dir / f"node{n}", cookie=cookie, join=seed.node, small=True)
-            for n in range(2, size + 1)
+        self.nodes = [
+            PrivateRabbit(base_dir=self.base_dir / f"node{n}", cookie=cookie, small=True) for n in range(1, size + 1)
         ]
         self.restarts = 0  # rolling restarts of every node
         self.node_kills = 0
@@ -560,20 +538,15 @@ class PrivateRabbitCluster(_Management):
 
     def start(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
-        # The others boot once the seed has: a node joining a seed that is still booting
-        # makes the seed fail its own boot (RabbitMQ 3.10: feature flags, schema check).
-        self.nodes[0].start(max(1.0, deadline - time.monotonic()))
-        for node in self.nodes[1:]:
+        for node in self.nodes:
             node.launch()
-        for node in self.nodes[1:]:
+        for node in self.nodes:
             node.wait_ready(max(1.0, deadline - time.monotonic()))
         seed = self.nodes[0].node
-        alone = [node for node in self.nodes[1:] if seed not in _members(node)]
-        if alone:
-            with ThreadPoolExecutor(len(alone)) as pool:
-                joins = [pool.submit(node.join, seed, max(1.0, deadline - time.monotonic())) for node in alone]
-                for join in joins:
-                    join.result()
+        with ThreadPoolExecutor(len(self.nodes) - 1) as pool:
+            joins = [pool.submit(node.join, seed, max(1.0, deadline - time.monotonic())) for node in self.nodes[1:]]
+            for join in joins:
+                join.result()
         self.wait_complete(max(1.0, deadline - time.monotonic()))
 
     def running_members(self) -> set[str]:
@@ -641,11 +614,6 @@ class PrivateRabbitCluster(_Management):
             except (OSError, InstanceError) as exc:
                 error = exc
         raise error
-
-
-def _members(node: PrivateRabbit) -> set[str]:
-    """The nodes of the cluster ``node`` belongs to, as it sees them (running or not)."""
-    return {n["name"] for n in node.api("GET", "/nodes") or []}
 
 
 def _safe(call: Any) -> Any:
