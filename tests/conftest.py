@@ -45,22 +45,13 @@ def template_db() -> Iterator[str]:
     support.drop_database(name)
 
 
-@pytest.fixture(scope="session")
-def databases(template_db: str) -> Iterator[support.DatabasePool]:
-    """Clones of the template made one test ahead and dropped behind it, off its path."""
-    pool = support.DatabasePool(template_db)
-    try:
-        yield pool
-    finally:
-        pool.close()
-
-
 @pytest.fixture
-def database(databases: support.DatabasePool) -> Iterator[str]:
+def database(template_db: str) -> Iterator[str]:
     """Name of a fresh, migrated database of this test's own."""
-    name = databases.take()
+    name = support.unique("txbox_t")
+    support.create_database(name, template=template_db)
     yield name
-    databases.give_back(name)
+    support.drop_database(name)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import time
@@ -12,7 +11,6 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import psycopg
@@ -60,55 +58,6 @@ def create_database(name: str, template: str | None = None) -> None:
 
 def drop_database(name: str) -> None:
     admin_execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
-class DatabasePool:
-    """Fresh clones of a template database, made one ahead and dropped behind, in threads.
-
-    Cloning a database and dropping it cost about as much as a short test itself (the
-    copy goes through the WAL, the drop ends its connections and removes its files): one
-    thread clones the next test's database while this one runs, another drops each
-    database once its test is done (a drop waits for a checkpoint of the whole server;
-    the next clone need not wait for it). At most one clone waits ready. A drop that
-    failed is raised by :meth:`close`, at the end of the session.
-    """
-
-    def __init__(self, template: str, prefix: str = "txbox_t") -> None:
-        self.template = template
-        self.prefix = prefix
-        self._cloning = ThreadPoolExecutor(1, thread_name_prefix="test database clones")
-        self._dropping = ThreadPoolExecutor(1, thread_name_prefix="test database drops")
-        self._next: Future[str] | None = None
-        self._drops: list[Future[None]] = []
-
-    def _clone(self) -> Future[str]:
-        name = unique(self.prefix)
-
-        def clone() -> str:
-            create_database(name, template=self.template)
-            return name
-
-        return self._cloning.submit(clone)
-
-    def take(self) -> str:
-        """A database of the caller's own, migrated as the template is."""
-        ready = self._next or self._clone()
-        self._next = self._clone()
-        return ready.result()
-
-    def give_back(self, name: str) -> None:
-        """Drop ``name`` (and end its connections) behind the caller's back."""
-        self._drops.append(self._dropping.submit(drop_database, name))
-
-    def close(self) -> None:
-        if self._next is not None:
-            with contextlib.suppress(Exception):  # a clone that failed was never handed out
-                self.give_back(self._next.result())
-            self._next = None
-        self._cloning.shutdown(wait=True)
-        self._dropping.shutdown(wait=True)
-        for drop in self._drops:
-            drop.result()
 
 
 def unique(prefix: str) -> str:
