@@ -19,6 +19,7 @@ from framework.analytics.locations import location
 from framework.analytics.session import parse_master, spark_conf
 from framework.analytics.settings import AnalyzeSettings
 from framework.analytics.sources import Source, check_unique, load_sources_file, parse_source, warn_if_loopback
+from framework.cli.common import add_spark_options
 from framework.errors import ConfigurationError
 from framework.settings import load, parse_duration
 
@@ -41,19 +42,10 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         "--history", metavar="URI", help="also read rows archived by `txbox archive --to DIR` (a URI or a path)"
     )
     job = parser.add_argument_group("job")
-    job.add_argument("--master", help="Spark master, e.g. spark://HOST:7077 (TXBOX_ANALYZE_MASTER; default local[*])")
-    job.add_argument(
-        "--conf",
-        action="append",
-        default=[],
-        metavar="spark.KEY=VALUE",
-        help="a Spark setting, as spark-submit takes it (repeatable), e.g. spark.executor.memory=512m",
-    )
-    job.add_argument("--jdbc-jar", type=Path, help="PostgreSQL JDBC jar (TXBOX_JDBC_JAR)")
+    add_spark_options(job)
     job.add_argument("--window", help="analyze rows created within this window, e.g. 24h (TXBOX_ANALYZE_WINDOW, 7d)")
     job.add_argument("--grace", help="published but not received after this → lost (TXBOX_ANALYZE_GRACE, 5m)")
     job.add_argument("--sla", help="pending/leased longer than this → stuck (TXBOX_ANALYZE_SLA, 15m)")
-    job.add_argument("--partition-rows", type=int, help="rows per JDBC read partition (TXBOX_ANALYZE_PARTITION_ROWS)")
     job.add_argument("--every", help="repeat every DURATION (e.g. 5m); SIGTERM/SIGINT stop it after the current run")
     out = parser.add_argument_group("output")
     out.add_argument("--report-url", help="database of the analytics_* tables (default: the first source)")

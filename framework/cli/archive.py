@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import logging
 from datetime import timedelta
-from pathlib import Path
 
 from framework.analytics.locations import location
 from framework.analytics.session import parse_master, spark_conf
 from framework.analytics.settings import AnalyzeSettings, ArchiveSettings
 from framework.analytics.sources import Source, warn_if_loopback
-from framework.cli.common import add_service_options, settings_only
+from framework.cli.common import add_service_options, add_spark_options, settings_only
 from framework.errors import ConfigurationError
 from framework.settings import DedupSettings, load, parse_duration
 
@@ -37,18 +36,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     )
     parser.add_argument("--batch-size", type=int, help="rows per batch (TXBOX_ARCHIVE_BATCH_SIZE, default 50000)")
     job = parser.add_argument_group("Spark job (as for txbox analyze)")
-    job.add_argument("--master", help="Spark master, e.g. spark://HOST:7077 (TXBOX_ANALYZE_MASTER; default local[*])")
-    job.add_argument(
-        "--conf",
-        action="append",
-        default=[],
-        metavar="spark.KEY=VALUE",
-        help="a Spark setting, as spark-submit takes it (repeatable), e.g. spark.executor.memory=512m",
-    )
-    job.add_argument("--jdbc-jar", type=Path, help="PostgreSQL JDBC jar (TXBOX_JDBC_JAR)")
-    job.add_argument(
-        "--partition-rows", type=int, help="rows per JDBC read partition of a batch (TXBOX_ANALYZE_PARTITION_ROWS)"
-    )
+    add_spark_options(job)
     add_service_options(parser)
 
 

@@ -31,6 +31,21 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--queue-type", choices=("quorum", "classic"), help="inbox queue type (TXBOX_QUEUE_TYPE)")
 
 
+def add_spark_options(group: argparse._ArgumentGroup) -> None:
+    """The Spark job's options, the same for `txbox analyze` and `txbox archive` (both read
+    their defaults from the TXBOX_ANALYZE_* settings)."""
+    group.add_argument("--master", help="Spark master, e.g. spark://HOST:7077 (TXBOX_ANALYZE_MASTER; default local[*])")
+    group.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="spark.KEY=VALUE",
+        help="a Spark setting, as spark-submit takes it (repeatable), e.g. spark.executor.memory=512m",
+    )
+    group.add_argument("--jdbc-jar", type=Path, help="PostgreSQL JDBC jar (TXBOX_JDBC_JAR)")
+    group.add_argument("--partition-rows", type=int, help="rows per JDBC read partition (TXBOX_ANALYZE_PARTITION_ROWS)")
+
+
 def add_probe_options(parser: argparse.ArgumentParser, what: str = "the daemon's") -> None:
     """``--metrics-port`` / ``--metrics-addr``: where :func:`framework.liveness.watch` serves the probes."""
     parser.add_argument("--metrics-port", type=int, help=f"serve {what} /metrics, /healthz and /readyz on this port")
