@@ -131,8 +131,7 @@ def receiver_lock_key(service: str) -> int:
     queue's name, so every replica of the receiver computes the same key
     (docs/architecture.md, "Replicas of every daemon").
     """
-    digest = hashlib.blake2b(f"txbox receiver {inbox_queue(service)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
+    return _lock_key(f"txbox receiver {inbox_queue(service)}")
 
 
 def pruner_lock_key(service: str, table: str) -> int:
@@ -142,14 +141,18 @@ def pruner_lock_key(service: str, table: str) -> int:
     the worker (inbox) computes the same key and only one of them prunes at a time
     (docs/architecture.md, "Retention").
     """
-    digest = hashlib.blake2b(f"txbox pruner {service} {table}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
+    return _lock_key(f"txbox pruner {service} {table}")
 
 
 def archive_lock_key(service: str) -> int:
     """The advisory lock key one `txbox archive` run of ``service`` holds (signed 64-bit)."""
-    digest = hashlib.blake2b(f"txbox archive {service}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
+    return _lock_key(f"txbox archive {service}")
+
+
+def _lock_key(text: str) -> int:
+    """A signed 64-bit advisory lock key (``pg_try_advisory_lock(bigint)``) from ``text``:
+    the same in every process, whatever its hash seed."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)
 
 
 INBOX_QUEUE_PATTERN = "^[^:]+:inbox$"  # every service's inbox queue (a policy's pattern)
