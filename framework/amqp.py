@@ -8,8 +8,9 @@ import random
 import re
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import pika
 import pika.data
@@ -147,3 +148,26 @@ def explain_precondition(reply_text: str) -> tuple[str, str, str, str, str] | No
         return None
     arg, what, name, wanted, current = match.groups()
     return what, name, arg, wanted.strip(), current.strip()
+
+
+UNENCODABLE_FIELD = "<AMQP field that cannot be sent again, not copied>"
+
+
+def encodable_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """``headers`` as a copy we publish can carry them: a value pika cannot encode again
+    becomes :data:`UNENCODABLE_FIELD`.
+
+    What pika decodes it cannot always encode: a double header of 1e19 or more arrives
+    as an int past 64 bits (pika truncates floats to ints), a Decimal with a huge
+    exponent does not fit its field. A copy holding one would fail at every publish,
+    and its delivery would wait forever (docs/architecture.md, "Receiver intake").
+    Checked per top-level header, so one bad value costs only itself.
+    """
+    out: dict[str, Any] = {}
+    for name, value in headers.items():
+        try:
+            pika.data.encode_value([], value)
+        except Exception:  # struct.error, OverflowError, unsupported types: whatever pika raises
+            value = UNENCODABLE_FIELD
+        out[name] = value
+    return out

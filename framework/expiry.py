@@ -21,18 +21,28 @@ from framework.envelope import format_timestamp
 # fits; anything longer is not one, and is not parsed.
 _MAX_HEADER_CHARS = 40
 
+# The range a datetime can show: an expiry outside it is clamped when written as text (a
+# dead letter's error, a header), never allowed to raise there.
+_EARLIEST = datetime(1, 1, 2, tzinfo=UTC).timestamp()
+_LATEST = datetime(9999, 12, 31, tzinfo=UTC).timestamp()
+
 
 def deadline(ttl: timedelta | float, now: float | None = None) -> float:
     """The expiry (seconds since the epoch) of a message sent now with ``ttl``."""
     seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"ttl must be a positive number of seconds or timedelta, not {ttl!r}")
-    return round((time.time() if now is None else now) + seconds, 3)
+    expires_at = round((time.time() if now is None else now) + seconds, 3)
+    if expires_at >= _LATEST:
+        raise ValueError(
+            f"ttl {ttl!r} would expire after the year 9999: leave the ttl out for a message that does not expire"
+        )
+    return expires_at
 
 
 def header_value(expires_at: float) -> str:
     """The ``x-txbox-expires-at`` header: ISO 8601, UTC, milliseconds, ``Z`` (as the envelope's timestamp)."""
-    return format_timestamp(datetime.fromtimestamp(expires_at, UTC))
+    return format_timestamp(datetime.fromtimestamp(min(max(expires_at, _EARLIEST), _LATEST), UTC))
 
 
 def from_header(value: Any) -> float | None:

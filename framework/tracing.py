@@ -60,7 +60,9 @@ def carrier_from(headers: Mapping[str, Any] | None) -> Carrier:
         return out
     out[names.HEADER_TRACEPARENT] = parent
     state = headers.get(names.HEADER_TRACESTATE)
-    if isinstance(state, str) and 0 < len(state) <= MAX_TRACESTATE_CHARS:
+    # Printable ASCII only, as W3C allows: the SDK logs a member it cannot parse, and a
+    # sender's line breaks must not reach our logs.
+    if isinstance(state, str) and 0 < len(state) <= MAX_TRACESTATE_CHARS and state.isascii() and state.isprintable():
         out[names.HEADER_TRACESTATE] = state
     return out
 

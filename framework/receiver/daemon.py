@@ -296,7 +296,16 @@ class Receiver(Daemon):
                         self._settle_group([delivery], channel)
                     self._writing = 0
                     continue
-                prepared = self._admit(batch, {})
+                try:
+                    prepared = self._admit(batch, {})
+                except Exception:  # last resort: a bug of ours; each delivery alone, in order
+                    self.log.exception("admitting a batch of %d failed: settling them one by one", len(batch))
+                    if inflight is not None:
+                        self._finish(inflight, channel)
+                        inflight = None
+                    for delivery in batch:
+                        self._settle_group([delivery], channel)
+                    continue
                 if inflight is not None:
                     self._finish(inflight, channel)
                 self._writing = batch_bytes
@@ -675,7 +684,7 @@ class Receiver(Daemon):
         at-least-once queue of the node from dead-lettering. Those of our own chain are
         the broker's.
         """
-        headers = dict(delivery.headers)
+        headers = amqp.encodable_headers(delivery.headers)
         if not delivery.trusted:
             for name in (*names.CONTROL_HEADERS, *names.BROKER_DEATH_HEADERS):
                 headers.pop(name, None)

@@ -212,6 +212,17 @@ def test_header_round_trip_and_offsets() -> None:
     assert expiry.header_value(expiry.from_header("2030-05-06T07:08:09.123Z") or 0) == "2030-05-06T07:08:09.123Z"
 
 
+def test_an_expiry_outside_what_a_datetime_shows_is_written_clamped_never_raises() -> None:
+    # Year 1 with a positive offset is year 0 in UTC; nothing may raise while a dead
+    # letter's text is written for it (it would turn an `expired` into `internal_error`).
+    ancient = expiry.from_header("0001-01-01T00:00:00+01:00")
+    assert ancient is not None and expiry.passed(ancient)
+    assert expiry.describe(ancient, "at the receiver").startswith("expired at ")  # clamped to 2 January of year 1
+    assert expiry.header_value(1e15).startswith("9999-12-31")
+    with pytest.raises(ValueError, match="after the year 9999"):
+        expiry.deadline(timedelta(days=3_000_000))
+
+
 def test_the_outbox_stores_an_absolute_expiry_and_refuses_a_ttl_that_cannot_be() -> None:
     registry = load_registry(CONTRACTS)
     outbox = Outbox(None, registry)  # type: ignore[arg-type]

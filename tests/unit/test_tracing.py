@@ -178,3 +178,15 @@ def test_setup_installs_a_provider_with_the_named_exporter(monkeypatch: pytest.M
     assert isinstance(provider, TracerProvider)
     assert provider.resource.attributes["service.name"] == "order-service"
     assert tracing.setup("order-service") is False  # once per process
+
+
+def test_a_tracestate_with_line_breaks_or_non_ascii_is_dropped() -> None:
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for state in ("a=1\nforged log line", "a=\u00e9t\u00e9", "a=1\x00"):
+        assert tracing.carrier_from({names.HEADER_TRACEPARENT: parent, names.HEADER_TRACESTATE: state}) == {
+            names.HEADER_TRACEPARENT: parent
+        }
+    assert tracing.carrier_from({names.HEADER_TRACEPARENT: parent, names.HEADER_TRACESTATE: "a=1,b=2"}) == {
+        names.HEADER_TRACEPARENT: parent,
+        names.HEADER_TRACESTATE: "a=1,b=2",
+    }
