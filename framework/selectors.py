@@ -193,13 +193,13 @@ class _Parser:
         parts = [self.conjunction(depth)]
         while self.keyword("OR"):
             parts.append(self.conjunction(depth))
-        return parts[0] if len(parts) == 1 else _any(parts)
+        return parts[0] if len(parts) == 1 else _junction(parts, decisive=True)
 
     def conjunction(self, depth: int) -> Node:
         parts = [self.negation(depth)]
         while self.keyword("AND"):
             parts.append(self.negation(depth))
-        return parts[0] if len(parts) == 1 else _all(parts)
+        return parts[0] if len(parts) == 1 else _junction(parts, decisive=False)
 
     def negation(self, depth: int) -> Node:
         if self.keyword("NOT"):
@@ -376,27 +376,16 @@ def _not(inner: Node) -> Node:
     return node
 
 
-def _all(parts: list[Node]) -> Node:
+def _junction(parts: list[Node], *, decisive: bool) -> Node:
+    """AND (``decisive`` False) or OR (True) in three-valued logic: the first part that is
+    ``decisive`` decides; else unknown if any part was unknown; else ``not decisive``."""
+
     def node(fields: Fields) -> Truth:
-        result: Truth = True
+        result: Truth = not decisive
         for part in parts:
             value = part(fields)
-            if value is False:
-                return False
-            if value is None:
-                result = None
-        return result
-
-    return node
-
-
-def _any(parts: list[Node]) -> Node:
-    def node(fields: Fields) -> Truth:
-        result: Truth = False
-        for part in parts:
-            value = part(fields)
-            if value is True:
-                return True
+            if value is decisive:
+                return decisive
             if value is None:
                 result = None
         return result

@@ -18,6 +18,7 @@ from framework import migrate
 from framework.service import Service
 from framework.settings import Settings
 from tests import support
+from txbox_tools.processes import ProcessGroup
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -118,3 +119,13 @@ def settings(database_url: str, amqp_url: str) -> Settings:
 @pytest.fixture
 def service(settings: Settings) -> Service:
     return Service(settings=settings)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
+    """Daemon processes a test starts (``txbox ...``); every one is stopped afterwards."""
+    group = ProcessGroup(log_dir=tmp_path / "logs")
+    try:
+        yield group
+    finally:
+        group.stop_all(timeout=10)

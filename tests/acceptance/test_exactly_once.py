@@ -16,12 +16,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
-from framework import topology
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import publish, query, scalar
@@ -35,29 +33,15 @@ KILLS_EACH = int(os.environ.get("TXBOX_EXACTLY_ONCE_KILLS", "3"))
 
 
 @pytest.fixture
-def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
-    group = ProcessGroup(log_dir=tmp_path / "logs")
-    try:
-        yield group
-    finally:
-        group.stop_all(timeout=10)
-
-
-@pytest.fixture
 def env(database_url: str, amqp_url: str) -> dict[str, str]:
-    query(database_url, counter.TABLE)
-    values = {
-        "TXBOX_DATABASE_URL": database_url,
-        "TXBOX_AMQP_URL": amqp_url,
-        "TXBOX_QUEUE_TYPE": os.environ.get("TXBOX_QUEUE_TYPE", "quorum"),
-        # A killed worker's claims come back after the lease: keep the test short.
-        "TXBOX_WORKER_LEASE": "4s",
-        "TXBOX_WORKER_TIMEOUT": "2s",
-        "TXBOX_WORKER_POLL_INTERVAL": "0.5s",
-    }
-    app = counter.build(values)
-    topology.declare(app.settings, app.registry)
-    return values
+    # A killed worker's claims come back after the lease: keep the test short.
+    return counter.daemon_env(
+        database_url,
+        amqp_url,
+        TXBOX_WORKER_LEASE="4s",
+        TXBOX_WORKER_TIMEOUT="2s",
+        TXBOX_WORKER_POLL_INTERVAL="0.5s",
+    )
 
 
 class Chaos:

@@ -6,10 +6,6 @@ import json
 import os
 import socket
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from framework import topology
 from framework.worker.timeout import HARD_EXIT_CODE
@@ -19,15 +15,6 @@ from tests.apps.helpers import publish, query, scalar, store_in_inbox
 from txbox_tools.processes import ProcessGroup
 
 APP = ["--app", "tests.apps.counter:service"]
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
-    group = ProcessGroup(log_dir=tmp_path / "logs")
-    try:
-        yield group
-    finally:
-        group.stop_all(timeout=10)
 
 
 def free_port() -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -48,15 +47,6 @@ def servers() -> Iterator[tuple[PrivatePostgres, PrivatePostgres]]:
     ):
         primary.wait_for_sync_standby()
         yield primary, standby
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
-    group = ProcessGroup(log_dir=tmp_path / "logs")
-    try:
-        yield group
-    finally:
-        group.stop_all(timeout=10)
 
 
 def multi_host_url(primary: PrivatePostgres, standby: PrivatePostgres) -> str:

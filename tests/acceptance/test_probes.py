@@ -8,18 +8,16 @@ RabbitMQ instances (the shared ones serve other tests).
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from framework import migrate, topology
+from framework import migrate
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import publish, query
@@ -59,30 +57,16 @@ def wait_for(
     return found
 
 
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
-    group = ProcessGroup(log_dir=tmp_path / "logs")
-    try:
-        yield group
-    finally:
-        group.stop_all(timeout=10)
-
-
 def _env(database_url: str, amqp_url: str) -> dict[str, str]:
-    query(database_url, counter.TABLE)
-    values = {
-        "TXBOX_DATABASE_URL": database_url,
-        "TXBOX_AMQP_URL": amqp_url,
-        "TXBOX_QUEUE_TYPE": os.environ.get("TXBOX_QUEUE_TYPE", "quorum"),
-        "TXBOX_STUCK_AFTER": f"{STUCK_AFTER}s",
-        "TXBOX_HEARTBEAT_INTERVAL": "0.5s",
-        "TXBOX_WORKER_POLL_INTERVAL": "0.5s",
-        "TXBOX_WORKER_TIMEOUT": "50s",
-        "TXBOX_WORKER_LEASE": "60s",
-    }
-    app = counter.build(values)
-    topology.declare(app.settings, app.registry)
-    return values
+    return counter.daemon_env(
+        database_url,
+        amqp_url,
+        TXBOX_STUCK_AFTER=f"{STUCK_AFTER}s",
+        TXBOX_HEARTBEAT_INTERVAL="0.5s",
+        TXBOX_WORKER_POLL_INTERVAL="0.5s",
+        TXBOX_WORKER_TIMEOUT="50s",
+        TXBOX_WORKER_LEASE="60s",
+    )
 
 
 def test_a_blocked_handler_turns_healthz_503_while_an_idle_worker_stays_200(

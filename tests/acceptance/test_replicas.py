@@ -9,15 +9,12 @@ are sequential, so their stamps must follow the order of publication.
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from framework import names, topology
+from framework import names
 from tests import support
 from tests.acceptance.test_exactly_once import publish_in_background
 from tests.apps import counter
@@ -30,28 +27,15 @@ MESSAGES = 3_000
 
 
 @pytest.fixture
-def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
-    group = ProcessGroup(log_dir=tmp_path / "logs")
-    try:
-        yield group
-    finally:
-        group.stop_all(timeout=10)
-
-
-@pytest.fixture
 def env(database_url: str, amqp_url: str) -> dict[str, str]:
-    query(database_url, counter.TABLE)
-    values = {
-        "TXBOX_DATABASE_URL": database_url,
-        "TXBOX_AMQP_URL": amqp_url,
-        "TXBOX_QUEUE_TYPE": os.environ.get("TXBOX_QUEUE_TYPE", "quorum"),
-        "TXBOX_WORKER_LEASE": "4s",
-        "TXBOX_WORKER_TIMEOUT": "2s",
-        "TXBOX_WORKER_POLL_INTERVAL": "0.5s",
-    }
-    app = counter.build(values)
-    topology.declare(app.settings, app.registry)
-    return values
+    # A killed worker's claims come back after the lease: keep the test short.
+    return counter.daemon_env(
+        database_url,
+        amqp_url,
+        TXBOX_WORKER_LEASE="4s",
+        TXBOX_WORKER_TIMEOUT="2s",
+        TXBOX_WORKER_POLL_INTERVAL="0.5s",
+    )
 
 
 def consumers(amqp_url: str) -> int:

@@ -91,3 +91,21 @@ def envelope(n: int, *, crash: bool = False, sleep: float = 0, aggregate_id: str
 # importers (tests) call build() with their own environment.
 service = build() if os.environ.get("TXBOX_DATABASE_URL") else None
 async_service = build(asynchronous=True) if os.environ.get("TXBOX_DATABASE_URL") else None
+
+
+def daemon_env(database_url: str, amqp_url: str, **settings: str) -> dict[str, str]:
+    """The environment of this app's daemons (``settings``: more ``TXBOX_*`` values), with
+    its business table created and its topology declared."""
+    from framework import topology
+    from tests.apps.helpers import query
+
+    query(database_url, TABLE)
+    values = {
+        "TXBOX_DATABASE_URL": database_url,
+        "TXBOX_AMQP_URL": amqp_url,
+        "TXBOX_QUEUE_TYPE": os.environ.get("TXBOX_QUEUE_TYPE", "quorum"),
+        **settings,
+    }
+    app = build(values)
+    topology.declare(app.settings, app.registry)
+    return values

@@ -17,12 +17,9 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pika
 import psycopg
-import pytest
 
 from framework import names, topology
 from framework.db import conninfo
@@ -34,15 +31,6 @@ from tests.apps.helpers import publish, query, scalar
 from txbox_tools.processes import ProcessGroup
 
 LIMIT = 3
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
-    group = ProcessGroup(log_dir=tmp_path / "logs")
-    try:
-        yield group
-    finally:
-        group.stop_all(timeout=5)
 
 
 def receiver_waits_on_a_lock(url: str) -> bool:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,15 +30,6 @@ def business(database_url: str) -> str:
         "CREATE TABLE seen (n bigserial PRIMARY KEY, id uuid NOT NULL, segment text NOT NULL, quantity int NOT NULL)",
     )
     return database_url
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[ProcessGroup]:
-    group = ProcessGroup(log_dir=tmp_path / "logs")
-    try:
-        yield group
-    finally:
-        group.stop_all(timeout=10)
 
 
 @pytest.mark.parametrize("app_name", ["service", "async_service"])
