@@ -97,7 +97,8 @@ class PublishError(TxboxError):
     """A direct publish was not confirmed: nacked, returned as unroutable, or timed out.
 
     ``reason`` is a stable code: ``nacked``, ``unroutable``, ``timeout``,
-    ``connection_lost`` or ``closed`` (the last two: the broker may or may not have it).
+    ``connection_lost`` or ``closed`` (the last two: the broker may or may not have it),
+    or ``unencodable`` (raised by ``publish`` itself: nothing was sent).
     """
 
     def __init__(self, message: str, reason: str = "failed") -> None:

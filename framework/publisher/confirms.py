@@ -64,6 +64,7 @@ TIMEOUT = "timeout"
 OVERFLOW = "overflow"
 CONNECTION_LOST = "connection_lost"
 CLOSED = "closed"
+UNENCODABLE = "unencodable"  # raised by publish() itself: nothing was sent
 
 NACK_STREAK = 3
 """Nacks in a row (no ack between) after which a Publisher gives up its channel (_renew_after_nacks)."""
@@ -218,7 +219,8 @@ class Publisher:
         ``properties``, ``headers`` (added to the properties' own) and ``body`` are copied
         here: neither is changed, kept or read after the call. With ``max_unconfirmed``
         sends awaiting their confirm, it waits for room or raises PublisherOverflow (the
-        overflow policy); PublisherClosed if the publisher is not open.
+        overflow policy); PublisherClosed if the publisher is not open; PublishError
+        ``unencodable`` if the properties or headers cannot go on the wire (nothing is sent).
 
         ``ttl`` (a timedelta or seconds) adds the ``x-txbox-expires-at`` header: a txbox
         receiver dead-letters the message as ``expired`` once that time has passed
@@ -228,6 +230,7 @@ class Publisher:
         if ttl is not None:
             headers = {**(headers or {}), names.HEADER_EXPIRES_AT: expiry.header_value(expiry.deadline(ttl))}
         properties = _own_properties(properties, headers, message_id)
+        _check_encodable(properties)
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
         if callback is not None:
@@ -626,6 +629,21 @@ def _own_properties(
     if own.message_id is None:
         own.message_id = message_id or str(uuid.uuid4())
     return own
+
+
+def _check_encodable(properties: pika.BasicProperties) -> None:
+    """Raise PublishError ``unencodable`` if pika cannot encode ``properties``.
+
+    Found on the I/O thread instead, the encoder's exception looked like a dying channel:
+    every send in flight failed as ``connection_lost`` and the connection was renewed, for
+    one caller's bad header (say an int past 64 bits, or a value of a type AMQP has no
+    field for). Encoding here costs a few microseconds per send (docs/architecture.md,
+    "Direct sends").
+    """
+    try:
+        properties.encode()
+    except Exception as exc:  # struct.error, OverflowError, UnsupportedAMQPFieldException: whatever pika raises
+        raise PublishError(f"the message's properties cannot be sent over AMQP: {exc!r}", UNENCODABLE) from exc
 
 
 _COALESCED_CHUNK = 256 * 1024

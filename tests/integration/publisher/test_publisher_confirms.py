@@ -165,3 +165,18 @@ def test_a_list_of_urls_connects_to_the_first_node_that_answers(broker: str) -> 
             publisher.publish("x", "k", b"{}").result(timeout=30)
     with pytest.raises(BrokerUnavailable):
         Publisher(f"{dead},{dead.replace(':1/', ':2/')}", connect_timeout=5).start()
+
+
+def test_unencodable_properties_fail_that_send_alone_and_the_connection_stays(broker: str, vhost: str) -> None:
+    with Publisher(broker) as publisher:
+        before = publisher.publish("x", "k", b"{}")
+        with pytest.raises(PublishError) as refused:
+            publisher.publish("x", "k", b"{}", headers={"big": 2**70})
+        with pytest.raises(PublishError):
+            publisher.publish("x", "k", b"{}", headers={"odd": object()})
+        after = publisher.publish("x", "k", b"{}")
+        before.result(timeout=30)
+        after.result(timeout=30)
+        assert not publisher.broken
+    assert refused.value.reason == confirms.UNENCODABLE
+    assert depth(vhost, "q") == 2
