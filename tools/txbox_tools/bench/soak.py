@@ -37,7 +37,7 @@ from framework.db import conninfo
 from framework.errors import TxboxError
 from framework.settings import parse_duration
 from txbox_tools.bench.e2e import Scratch, add_common_options, wait_ready
-from txbox_tools.bench.latency import Sender, paced
+from txbox_tools.bench.latency import Sender, add_writers_option, paced, writers
 from txbox_tools.bench.result import Result
 from txbox_tools.processes import ProcessGroup
 
@@ -48,7 +48,7 @@ P99_BAR = 1.5
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", default="30m", help="how long the load runs (default 30m)")
     parser.add_argument("--rate", type=float, default=1000.0, help="offered messages/s (default 1000)")
-    parser.add_argument("--writers", type=int, default=4, help="concurrent writers sharing the offered load")
+    add_writers_option(parser)
     parser.add_argument("--retention", default="2m", help="every TXBOX_*_RETENTION and the dedup window (2m)")
     parser.add_argument("--prune-interval", default="10s", help="TXBOX_RETENTION_INTERVAL of the daemons (10s)")
     parser.add_argument("--sample", default="10s", help="seconds between two samples (default 10s)")
@@ -57,6 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> Result:
+    args.writers = writers(args)
     duration, every = parse_duration(args.duration), parse_duration(args.sample)
     retention = parse_duration(args.retention)
     with Scratch(args, "soak") as scratch:
