@@ -11,6 +11,9 @@ the figures mean something only on a machine that runs nothing else (docs/archit
 
 A process that exits between the two readings loses what it spent since the first one;
 the daemons and their connections live through a run, so nothing of theirs is lost.
+
+The saturation benches (worker, relay, receiver) read :class:`Saturation`: CPU per
+message of the working processes and the scratch database's backends only.
 """
 
 from __future__ import annotations
