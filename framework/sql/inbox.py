@@ -12,7 +12,7 @@ of their sequential segment (no pending sequential row of the segment comes befo
 parallel rows need no such check), skips rows another worker has locked, and in the same
 statement counts the start and sets the lease. Rows whose previous run never finished
 (``started > finished`` with an expired lease: the process died) are claimed alone.
-Claimed rows are read by the names of :data:`CLAIM_COLUMNS` (:func:`fetch_claimed`).
+Claimed rows are tuples of :data:`CLAIM_COLUMNS`, in that order (:func:`fetch_claimed`).
 
 The claim's UPDATE finds the locked rows by ``ctid`` (stable while ``due`` holds their
 row locks): a TID scan whatever the statistics say. Matched by ``id``, a planner that had
@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
 
 from framework import jsoncodec, names
 from framework.tables import pending_by_id, pending_in_segment
@@ -279,9 +278,11 @@ STORED_COLUMNS = (
     "id", "message_type", "aggregate_type", "aggregate_id", "message_version", "routing_key", "payload",
     "message_context", "metadata", "message_timestamp",
 )  # fmt: skip
-# What a claim returns, by name (:func:`fetch_claimed`).
-CLAIM_COLUMNS = (*STORED_COLUMNS, "started_attempts", "finished_attempts", "priority", "created_at", "segment")
+# What a claim returns, in this order (:func:`fetch_claimed`): tuples, read by position,
+# and no column the worker does not read (each costs its decoding per message).
+CLAIM_COLUMNS = (*STORED_COLUMNS, "started_attempts", "finished_attempts")
 _RETURNING = ", ".join(f"t.{c}" for c in CLAIM_COLUMNS)
+_CLAIMED = ", ".join(CLAIM_COLUMNS)
 
 _CLAIM = f"""
 WITH due AS (
@@ -301,12 +302,14 @@ WITH due AS (
     ORDER BY {{order}}
     LIMIT %(limit)s
     FOR UPDATE OF i SKIP LOCKED
+), claimed AS (
+    UPDATE {{inbox}} t
+    SET started_attempts = t.started_attempts + 1,
+        locked_until = now() + make_interval(secs => %(lease)s)
+    WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
+    RETURNING {{returning}}, t.priority, t.created_at
 )
-UPDATE {{inbox}} t
-SET started_attempts = t.started_attempts + 1,
-    locked_until = now() + make_interval(secs => %(lease)s)
-WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
-RETURNING {{returning}}
+SELECT {{columns}} FROM claimed ORDER BY priority DESC, created_at
 """
 
 # Parked: an abandoned sequential message of the segment whose dead letter is still open.
@@ -332,18 +335,21 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
         else sql.SQL("")
     )
     return sql.SQL(_CLAIM).format(
-        inbox=inbox, which=sql.SQL(which), park=park_sql, order=sql.SQL(order), returning=sql.SQL(_RETURNING)
+        inbox=inbox,
+        which=sql.SQL(which),
+        park=park_sql,
+        order=sql.SQL(order),
+        returning=sql.SQL(_RETURNING),
+        columns=sql.SQL(_CLAIMED),
     )
 
 
 def fetch_claimed(
     conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]
-) -> list[dict[str, Any]]:
-    """Run a claim; its rows by column name, in priority, then arrival order."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(statement, params).fetchall()
-    rows.sort(key=lambda r: (-r["priority"], r["created_at"]))
-    return rows
+) -> list[tuple[Any, ...]]:
+    """Run a claim; its rows (:data:`CLAIM_COLUMNS`) in priority, then arrival order."""
+    with conn.cursor() as cur:
+        return cur.execute(statement, params).fetchall()
 
 
 # Our claims that still carry the started_attempts they had when we claimed them (the
