@@ -197,6 +197,8 @@ class BatchRunner:
             timestamp,
             started,
             finished,
+            _priority,
+            _created_at,
         ) = row
         # One test for the usual row; the reasons only for a bad one.
         if (
