@@ -90,10 +90,22 @@ AWAITABLE_FIX = (
 )
 
 
+# Handler class → whether its ``handle`` is a coroutine function: the worker asks per
+# message, and the inspect call cost more than the answer's lookup.
+_COROUTINE_CLASSES: dict[type[Handler], bool] = {}
+
+
 def is_coroutine_handler(handler: Handler) -> bool:
     """``handler.handle`` is ``async def`` (or another coroutine function): it runs awaited, with an
-    ``AsyncSession`` (docs/architecture.md, "Async handlers")."""
-    return inspect.iscoroutinefunction(handler.handle)
+    ``AsyncSession`` (docs/architecture.md, "Async handlers"). Decided once per handler class; a
+    ``handle`` set on the instance itself is looked at every time."""
+    if "handle" in getattr(handler, "__dict__", ()):
+        return inspect.iscoroutinefunction(handler.handle)
+    cls = type(handler)
+    known = _COROUTINE_CLASSES.get(cls)
+    if known is None:
+        known = _COROUTINE_CLASSES[cls] = inspect.iscoroutinefunction(handler.handle)
+    return known
 
 
 def takes_as_is(handler: Handler, spec: MessageSpec, version: str) -> bool:

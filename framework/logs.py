@@ -54,7 +54,9 @@ def set_trace_id_source(source: Callable[[], str | None] | None) -> None:
 
 
 def bind(**fields: Any) -> AbstractContextManager[None]:
-    """Add ``fields`` to every record logged in this thread (or task) within the block."""
+    """Add ``fields`` to every record logged in this thread (or task) within the block. Values
+    are kept as they are and turned into text only when a line is written (the worker binds
+    each message's id, and most messages log nothing)."""
     return _Bound(fields)
 
 

@@ -47,7 +47,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -119,7 +119,6 @@ class Claimed:
     error_type: str = ""
     delay: float = 0.0
     finished_delta: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
     crashed: bool = False  # its handler was running when the batch broke off: never released
     undecodable: str = ""  # why the stored row could not be read; it is dead-lettered unrun
     raw: dict[str, str] | None = None  # the stored columns as text, for the dead letter of such a row
@@ -163,6 +162,7 @@ class BatchRunner:
         self._presume_armed = guard.armed(self._presume)  # the commit guard and batch mark (guard.py)
         self._labels = {"service": service.settings.service}
         self._durations: dict[str, Any] = {}
+        self._processed_counters: dict[str, Any] = {}
         self._watchdog: Watchdog | None = None
         self._guarded: Connection | None = None  # the connection known to have the commit guard's table
         self._middleware: Sequence[Middleware] = ()
@@ -175,22 +175,32 @@ class BatchRunner:
         self.freed = False
         return self._process(batch)
 
-    def claimed(self, row: dict[str, Any], claimed_at: float) -> Claimed:
-        """A claimed row (framework.sql.inbox.CLAIM_COLUMNS by name); one that cannot be read is marked so."""
+    def claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:
+        """A claimed row (a tuple of framework.sql.inbox.CLAIM_COLUMNS); one that cannot be read is marked so."""
         try:
             return self._decode(row, claimed_at)
         except Exception as exc:  # last resort: this row is dead-lettered, the batch goes on
             return self._unreadable(row, claimed_at, _describe(exc))
 
-    def _decode(self, row: dict[str, Any], claimed_at: float) -> Claimed:
-        message_type, finished = row["message_type"], row["finished_attempts"]
-        payload, context, metadata, timestamp = (
-            row["payload"],
-            row["message_context"],
-            row["metadata"],
-            row["message_timestamp"],
-        )
-        # One test for the usual row (this runs for every message); the reasons only for a bad one.
+    def _decode(self, row: Sequence[Any], claimed_at: float) -> Claimed:
+        # By position, in the order of CLAIM_COLUMNS (this runs for every message).
+        (
+            message_id,
+            message_type,
+            aggregate_type,
+            aggregate_id,
+            message_version,
+            routing_key,
+            payload,
+            context,
+            metadata,
+            timestamp,
+            started,
+            finished,
+            _priority,
+            _created_at,
+        ) = row
+        # One test for the usual row; the reasons only for a bad one.
         if (
             isinstance(payload, Undecodable)
             or isinstance(timestamp, Undecodable)
@@ -200,33 +210,35 @@ class BatchRunner:
             return self._unreadable(row, claimed_at, _undecodable_reasons(payload, context, metadata, timestamp))
         handler = self.service.handler_for(message_type)
         max_attempts = (handler.max_attempts if handler else None) or self.config.max_attempts
+        metadata = metadata or {}
         message = Message(
-            message_id=row["id"],
+            message_id=message_id,
             message_type=message_type,
-            aggregate_type=row["aggregate_type"],
-            aggregate_id=row["aggregate_id"],
+            aggregate_type=aggregate_type,
+            aggregate_id=aggregate_id,
             payload=payload,
             message_context=context or {},
             timestamp=timestamp if isinstance(timestamp, datetime) else datetime.fromisoformat(str(timestamp)),
-            message_version=row["message_version"],
-            auth_token=(metadata or {}).get("auth_token"),
+            message_version=message_version,
+            auth_token=metadata.get("auth_token"),
             attempt=finished + 1,
             max_attempts=max_attempts,
-            routing_key=row["routing_key"],
+            routing_key=routing_key,
         )
         return Claimed(
-            id=row["id"],
+            id=message_id,
             message_type=message_type,
-            routing_key=row["routing_key"],
-            started=row["started_attempts"],
+            routing_key=routing_key,
+            started=started,
             finished=finished,
-            metadata=metadata or {},
+            metadata=metadata,
             message=message,
             claimed_at=claimed_at,
         )
 
-    def _unreadable(self, row: dict[str, Any], claimed_at: float, why: str) -> Claimed:
+    def _unreadable(self, claim: Sequence[Any], claimed_at: float, why: str) -> Claimed:
         """A claimed row the worker cannot turn into a Message: abandoned unrun, its columns kept as text."""
+        row = dict(zip(q.CLAIM_COLUMNS, claim, strict=False))
         finished = row["finished_attempts"]
         message = Message(
             message_id=row["id"],
@@ -386,7 +398,8 @@ class BatchRunner:
                     elif claimed.id in known:
                         self._classify(claimed, known[claimed.id])
                     else:
-                        with logs.bind(message_id=str(claimed.id)):  # the handler's own log lines too
+                        # The handler's own log lines too; the id formatted only if a line is written.
+                        with logs.bind(message_id=claimed.id):
                             self._run_one(claimed, conn, raw, session, transaction, outbox_rows)
                 if outbox_rows is not None:
                     try:
@@ -523,6 +536,15 @@ class BatchRunner:
             )
         return child
 
+    def _processed(self, message_type: str) -> Any:
+        """The processed counter of ``message_type`` (looked up once: this runs per message)."""
+        child = self._processed_counters.get(message_type)
+        if child is None:
+            child = self._processed_counters[message_type] = metrics.WORKER_PROCESSED.labels(
+                message_type=message_type, **self._labels
+            )
+        return child
+
     @staticmethod
     def _reraise_infrastructure(exc: BaseException) -> None:
         """Not the message's fault: conflicts re-run the batch, the rest end the pass."""
@@ -633,10 +655,11 @@ class BatchRunner:
 
     def _count(self, batch: Sequence[Claimed]) -> None:
         for c in batch:
-            labels = {"message_type": c.message_type, **self._labels}
             if c.outcome is WorkerOutcome.PROCESSED:
-                metrics.WORKER_PROCESSED.labels(**labels).inc()
-            elif c.outcome is WorkerOutcome.FAILED:
+                self._processed(c.message_type).inc()
+                continue
+            labels = {"message_type": c.message_type, **self._labels}
+            if c.outcome is WorkerOutcome.FAILED:
                 metrics.WORKER_FAILED.labels(**labels).inc()
                 self.log.warning("%s %s failed (attempt %d): %s", c.message_type, c.id, c.message.attempt, c.error)
             elif c.outcome is WorkerOutcome.ABANDONED:

@@ -17,8 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from framework.errors import HandlerTimeout
 from framework.worker import coroutines
@@ -45,9 +44,10 @@ class Watchdog:
         self._thread = threading.Thread(target=self._watch, name="txbox-watchdog", daemon=True)
         self._thread.start()
 
-    @contextmanager
-    def guard(self, seconds: float, hard_seconds: float, cancel: Callable[[], None]) -> Iterator[None]:
-        """Interrupt the calling thread after ``seconds``; end the process after ``hard_seconds``."""
+    def guard(self, seconds: float, hard_seconds: float, cancel: Callable[[], None]) -> Watchdog:
+        """Interrupt the calling thread after ``seconds``; end the process after ``hard_seconds``.
+        Armed now, for a ``with`` block that disarms it at its end (the watchdog itself is the
+        context manager: a generator's costs more, and this runs per message)."""
         with self._cond:
             now = time.monotonic()
             self._deadline = now + seconds
@@ -55,10 +55,13 @@ class Watchdog:
             self._thread_id = threading.get_ident()
             self._cancel = cancel
             self.fired = False  # no notify: arming is per message and hot; the watchdog ticks
-        try:
-            yield
-        finally:
-            self.disarm()
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self.disarm()
 
     def disarm(self) -> None:
         """Idempotent; called again by the worker in case a timeout interrupted the first call."""

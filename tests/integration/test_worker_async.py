@@ -26,7 +26,7 @@ from tests.integration.test_worker import business, done, letters, row, worker  
 def test_an_async_handler_commits_with_the_processed_mark(service: Service, business: str) -> None:  # noqa: F811
     async def publish(message: Message, session: AsyncSession, outbox: Outbox) -> None:
         # The handler runs in the worker's context (its log fields, its span) ...
-        assert logs._context.get().get("message_id") == str(message.message_id)
+        assert str(logs._context.get().get("message_id")) == str(message.message_id)
         # ... and the AsyncSession is the worker's transaction: it sees the row the handler just wrote.
         assert await session.scalar(text("SELECT count(*) FROM seen WHERE id = :id"), {"id": message.message_id}) == 1
         outbox.publish_event(

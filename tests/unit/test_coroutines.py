@@ -10,7 +10,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from framework import CommandHandler, Message, Outbox
 from framework.errors import HandlerMisuse, HandlerTimeout
+from framework.handlers import is_coroutine_handler
 from framework.worker import coroutines
 
 
@@ -104,3 +106,26 @@ def test_streaming_and_connection_are_refused_with_the_fix() -> None:
             await session.connection()
 
     coroutines.run(use())
+
+
+def test_async_handlers_are_told_apart_once_per_class_and_by_a_handle_of_their_own() -> None:
+    class Plain(CommandHandler):
+        message_type = "PlaceOrder"
+
+        def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+            return None
+
+    class Awaited(CommandHandler):
+        message_type = "PlaceOrder"
+
+        async def handle(self, message: Message, session: Session, outbox: Outbox) -> None:  # type: ignore[override]
+            return None
+
+    async def handle(message: Message, session: Session, outbox: Outbox) -> None:
+        return None
+
+    assert not is_coroutine_handler(Plain()) and is_coroutine_handler(Awaited())
+    replaced = Plain()
+    replaced.handle = handle  # type: ignore[method-assign,assignment]
+    assert is_coroutine_handler(replaced)  # the class's answer is not the instance's
+    assert not is_coroutine_handler(Plain()) and is_coroutine_handler(Awaited())

@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -39,13 +40,14 @@ def test_json_line_has_the_fields_and_the_bound_context(
     logger, stream, handler = captured
     handler.setFormatter(logs.JsonFormatter())
     logs.set_service("order-service")
-    with logs.bind(batch_size=3), logs.bind(message_id="m-1"):
+    message_id = uuid.UUID("0b7c7b4e-6a43-4c4e-9d0e-2f1f5c7a9b11")  # bound as it is; written as text
+    with logs.bind(batch_size=3), logs.bind(message_id=message_id):
         logger.info("handled %s", "PlaceOrder", extra={"trace_id": "abc123"})
     logger.warning("outside")
     first, second = (json.loads(line) for line in stream.getvalue().splitlines())
     assert first["level"] == "INFO" and first["logger"] == "txbox.worker" and first["message"] == "handled PlaceOrder"
     assert first["service"] == "order-service" and first["daemon"] == "worker"
-    assert first["message_id"] == "m-1" and first["batch_size"] == 3 and first["trace_id"] == "abc123"
+    assert first["message_id"] == str(message_id) and first["batch_size"] == 3 and first["trace_id"] == "abc123"
     assert first["time"].endswith("+00:00")
     assert "message_id" not in second and "trace_id" not in second  # the block ended
 

@@ -11,11 +11,14 @@ the figures mean something only on a machine that runs nothing else (docs/archit
 
 A process that exits between the two readings loses what it spent since the first one;
 the daemons and their connections live through a run, so nothing of theirs is lost.
+
+The saturation benches (worker, relay, receiver) read :class:`Saturation`: CPU per
+message of the working processes and the scratch database's backends only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,18 +93,18 @@ def with_children(pid: int) -> list[psutil.Process]:
         return []
 
 
-def database_servers(database_url: str, *applications: str, exclude: str = LOAD_APPLICATION) -> list[psutil.Process]:
+def database_servers(
+    database_url: str, *applications: str, exclude: str = LOAD_APPLICATION, helpers: Sequence[str] = SERVER_HELPERS
+) -> list[psutil.Process]:
     """Backends of ``database_url``'s database (all but ``exclude``'s, or only ``applications``'
-    when given) and the server's helper processes."""
+    when given) and the server's ``helpers`` processes."""
     query = (
         "SELECT pid FROM pg_stat_activity WHERE backend_type = ANY(%s) OR (datname = current_database() "
         "AND pid <> pg_backend_pid() AND application_name <> %s "
         "AND (cardinality(%s::text[]) = 0 OR application_name = ANY(%s)))"
     )
     with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
-        pids = [
-            r[0] for r in conn.execute(query, (list(SERVER_HELPERS), exclude, list(applications), list(applications)))
-        ]
+        pids = [r[0] for r in conn.execute(query, (list(helpers), exclude, list(applications), list(applications)))]
     found = []
     for pid in pids:
         try:
@@ -125,3 +128,38 @@ def summary(spent: dict[str, float], wall_seconds: float, messages: int, prefix:
         f"{prefix}cpu_ms_per_message": round(total * 1000 / max(messages, 1), 3),
         f"{prefix}cpu_cores_by_component": {name: round(value / wall, 3) for name, value in spent.items()},
     }
+
+
+@dataclass
+class Saturation:
+    """CPU per message of one path of a saturation bench (`txbox bench worker`, `relay`,
+    `receiver`): the processes doing the work (with their children) and the backends of
+    the scratch database serving them; ``database_url`` None: a path with no database.
+
+    Only the bench's own database's backends count, not the server's helper processes
+    nor the broker: those serve everything on the machine, and other work there would
+    be counted as the bench's (docs/architecture.md, "CPU per message"). A backend must
+    still be connected at :meth:`stop` for its CPU to count: stop before closing.
+    """
+
+    database_url: str | None
+    spent: dict[str, float] = field(default_factory=dict)
+    _meter: Meter | None = None
+
+    def start(self, pids: Sequence[int]) -> None:
+        components: dict[str, Callable[[], list[psutil.Process]]] = {
+            "processes": lambda: [p for pid in pids for p in with_children(pid)]
+        }
+        if self.database_url is not None:
+            url = self.database_url
+            components["postgres"] = lambda: database_servers(url, helpers=())
+        self._meter = Meter(components)
+        self._meter.start()
+
+    def stop(self) -> None:
+        assert self._meter is not None, "stop() before start()"
+        self.spent = self._meter.stop()
+
+    def per_message(self, messages: int, prefix: str = "") -> dict[str, float]:
+        """``{prefix}cpu_ms_per_message``: CPU milliseconds between start and stop per message."""
+        return {f"{prefix}cpu_ms_per_message": round(sum(self.spent.values()) * 1000 / max(messages, 1), 4)}

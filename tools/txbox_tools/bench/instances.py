@@ -24,6 +24,7 @@ from typing import Any
 
 from framework.daemon import Daemon
 from framework.errors import TxboxError
+from txbox_tools.bench.cpu import Saturation
 
 Build = Callable[..., tuple[Daemon, Any]]
 _START_TIMEOUT = 120.0
@@ -43,8 +44,17 @@ def _child(build: Build, args: tuple[Any, ...], ready: Event, go: Event, stop: E
     done.value = int(counter._value.get() - before)
 
 
-def timed(build: Build, args: tuple[Any, ...], *, instances: int, target: int, timeout: float = 600.0) -> float:
-    """Seconds for ``instances`` daemons built by ``build(*args)`` to count ``target`` between them."""
+def timed(
+    build: Build,
+    args: tuple[Any, ...],
+    *,
+    instances: int,
+    target: int,
+    timeout: float = 600.0,
+    cpu: Saturation | None = None,
+) -> float:
+    """Seconds for ``instances`` daemons built by ``build(*args)`` to count ``target`` between
+    them; ``cpu`` measures the instances over the same span (read while they still run)."""
     ctx = mp.get_context("spawn")
     go, stop = ctx.Event(), ctx.Event()
     readies = [ctx.Event() for _ in range(instances)]
@@ -61,6 +71,8 @@ def timed(build: Build, args: tuple[Any, ...], *, instances: int, target: int, t
             while not ready.wait(0.1):
                 if not proc.is_alive() or time.monotonic() > start_by:
                     raise TxboxError(f"{proc.name} failed to start (exit code {proc.exitcode})")
+        if cpu is not None:
+            cpu.start([proc.pid for proc in procs if proc.pid is not None])
         started = time.perf_counter()
         go.set()
         deadline = time.monotonic() + timeout
@@ -70,7 +82,10 @@ def timed(build: Build, args: tuple[Any, ...], *, instances: int, target: int, t
                 why = f"{dead[0].name} exited ({dead[0].exitcode})" if dead else f"not done after {timeout:g}s"
                 raise TxboxError(f"bench stopped early: {why}; counted {sum(c.value for c in counts)} of {target}")
             time.sleep(0.002)
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        if cpu is not None:
+            cpu.stop()
+        return seconds
     finally:
         stop.set()
         go.set()

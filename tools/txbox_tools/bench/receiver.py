@@ -32,6 +32,7 @@ from framework.service import Service
 from framework.settings import Settings
 from txbox_tools import repository
 from txbox_tools.bench import instances
+from txbox_tools.bench.cpu import Saturation
 from txbox_tools.bench.result import Result
 
 SERVICE = "order-service"
@@ -137,13 +138,17 @@ def fill_queue(amqp_url: str, bodies: list[bytes], routing_key: str) -> None:
         connection.close()
 
 
-def raw_consume(amqp_url: str, queue: str, n: int, prefetch: int = 500, ack_every: int = 100) -> float:
-    """Plain pika consume + multiple acks, no database: messages/s."""
+def raw_consume(
+    amqp_url: str, queue: str, n: int, prefetch: int = 500, ack_every: int = 100, cpu: Saturation | None = None
+) -> float:
+    """Plain pika consume + multiple acks, no database: messages/s; ``cpu`` measures it."""
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
         channel = connection.channel()
         channel.basic_qos(prefetch_count=prefetch)
         got = 0
+        if cpu is not None:
+            cpu.start([os.getpid()])
         started = time.perf_counter()
 
         def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
@@ -156,6 +161,8 @@ def raw_consume(amqp_url: str, queue: str, n: int, prefetch: int = 500, ack_ever
         while got < n:
             connection.process_data_events(time_limit=1)
         seconds = time.perf_counter() - started
+        if cpu is not None:
+            cpu.stop()
         return n / seconds
     finally:
         connection.close()
@@ -191,14 +198,17 @@ def run(args: argparse.Namespace) -> Result:
         bodies = envelopes(args.messages)
 
         fill_queue(scratch.amqp_url, bodies, spec.routing_key)
-        raw_rate = raw_consume(scratch.amqp_url, queue, args.messages)
+        raw_cpu = Saturation(None)
+        raw_rate = raw_consume(scratch.amqp_url, queue, args.messages, cpu=raw_cpu)
 
         fill_queue(scratch.amqp_url, bodies, spec.routing_key)
+        used = Saturation(scratch.database_url)
         seconds = instances.timed(
             receiver_instance,
             (scratch.settings, args.prefetch, args.batch_size, args.instances == 1),
             instances=args.instances,
             target=args.messages,
+            cpu=used,
         )
 
         rows = scratch.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier("txbox", names.INBOX)))[0][0]
@@ -217,6 +227,8 @@ def run(args: argparse.Namespace) -> Result:
                 "instances": args.instances,
                 "queue_type": args.queue_type,
                 "body_bytes": len(bodies[0]),
+                **used.per_message(args.messages),
+                **raw_cpu.per_message(args.messages, prefix="raw_"),
             },
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import time
 import urllib.parse
 import urllib.request
@@ -38,6 +39,7 @@ from framework.settings import Settings
 from framework.sql.outbox import Claimed
 from txbox_tools import repository
 from txbox_tools.bench import history, instances
+from txbox_tools.bench.cpu import Saturation
 from txbox_tools.bench.result import Result
 
 
@@ -85,16 +87,19 @@ def run(args: argparse.Namespace) -> Result:
         body_size = _fill(database_url, registry, args.messages)
         queue = names.inbox_queue(settings.service)
 
+        raw_cpu = Saturation(None)
         raw_rate = _raw_streamed_confirms(
-            settings.amqp_url, names.exchange_for(spec.kind), spec.routing_key, body_size, args.messages
+            settings.amqp_url, names.exchange_for(spec.kind), spec.routing_key, body_size, args.messages, raw_cpu
         )
         _purge(settings.amqp_url, queue)
 
+        used = Saturation(database_url)
         seconds = instances.timed(
             relay_instance,
             (settings, args.batch_size, args.max_in_flight),
             instances=args.instances,
             target=args.messages,
+            cpu=used,
         )
         in_queue = _queue_depth(settings.amqp_url, queue)
         extra: dict[str, Any] = {}
@@ -134,6 +139,8 @@ def run(args: argparse.Namespace) -> Result:
                 "instances": args.instances,
                 "in_queue": in_queue,
                 "scratch": {"database": dbname, "vhost": vhost},
+                **used.per_message(args.messages),
+                **raw_cpu.per_message(args.messages, prefix="raw_"),
                 **extra,
             },
         )
@@ -196,8 +203,11 @@ def _analyze(database_url: str) -> None:
         conn.execute("ANALYZE txbox.outbox")
 
 
-def _raw_streamed_confirms(amqp_url: str, exchange: str, routing_key: str, size: int, n: int) -> float:
-    """Plain pika: publish ``n`` persistent messages, up to 8,000 unconfirmed, count acks."""
+def _raw_streamed_confirms(
+    amqp_url: str, exchange: str, routing_key: str, size: int, n: int, cpu: Saturation | None = None
+) -> float:
+    """Plain pika: publish ``n`` persistent messages, up to 8,000 unconfirmed, count acks;
+    ``cpu`` measures it."""
     body = b"x" * size
     props = pika.BasicProperties(content_type="application/json", delivery_mode=2)
     state = {"sent": 0, "acked": 0, "start": 0.0, "end": 0.0}
@@ -214,11 +224,15 @@ def _raw_streamed_confirms(amqp_url: str, exchange: str, routing_key: str, size:
         state["acked"] = tag if frame.method.multiple else max(state["acked"], tag)
         if state["acked"] >= n:
             state["end"] = time.perf_counter()
+            if cpu is not None:
+                cpu.stop()
             holder["channel"].connection.close()
         else:
             pump(holder["channel"])
 
     def on_confirm_mode(_: pika.frame.Method) -> None:
+        if cpu is not None:
+            cpu.start([os.getpid()])
         state["start"] = time.perf_counter()
         pump(holder["channel"])
 

@@ -13,6 +13,7 @@ handlers") and reports its rate beside the sync one's, and their ratio.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import uuid
 from typing import Any
@@ -31,6 +32,7 @@ from framework.settings import Settings
 from framework.sql.inbox import InboxRow, insert_rows
 from framework.worker import Worker, WorkerConfig
 from txbox_tools.bench import history, instances
+from txbox_tools.bench.cpu import Saturation
 from txbox_tools.bench.receiver import Scratch, add_scratch_options, envelopes
 from txbox_tools.bench.result import Result
 
@@ -107,8 +109,8 @@ def fill_inbox(service: Service, count: int) -> None:
         conn.commit()
 
 
-def raw_claim_write_update(database_url: str, count: int, batch: int = 500) -> float:
-    """Plain SQL, no framework: messages/s (see the module docstring)."""
+def raw_claim_write_update(database_url: str, count: int, batch: int = 500, cpu: Saturation | None = None) -> float:
+    """Plain SQL, no framework: messages/s (see the module docstring); ``cpu`` measures it."""
     inbox = sql.Identifier("txbox", names.INBOX)
     claim = sql.SQL(
         "SELECT id, payload FROM {} WHERE processed_at IS NULL AND abandoned_at IS NULL "
@@ -122,6 +124,8 @@ def raw_claim_write_update(database_url: str, count: int, batch: int = 500) -> f
     done = 0
     started = time.perf_counter()
     with psycopg.connect(conninfo(database_url)) as conn, conn.cursor() as cur:
+        if cpu is not None:
+            cpu.start([os.getpid()])
         while done < count:
             cur.execute(claim, (batch,))
             rows = cur.fetchall()
@@ -131,9 +135,12 @@ def raw_claim_write_update(database_url: str, count: int, batch: int = 500) -> f
             cur.execute(mark, ([i for i, _ in rows],))
             conn.commit()
             done += len(rows)
+        seconds = time.perf_counter() - started
+        if cpu is not None:
+            cpu.stop()  # its backend still connected
     if done != count:
         raise TxboxError(f"raw pass processed {done} of {count} rows")
-    return count / (time.perf_counter() - started)
+    return count / seconds
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -143,14 +150,20 @@ def run(args: argparse.Namespace) -> Result:
         service.register(StoreOrder())
 
         fill_inbox(service, args.messages)
-        raw_rate = raw_claim_write_update(scratch.database_url, args.messages)
+        raw_cpu = Saturation(scratch.database_url)
+        raw_rate = raw_claim_write_update(scratch.database_url, args.messages, cpu=raw_cpu)
         scratch.execute("TRUNCATE txbox.inbox, bench_orders")
         fill_inbox(service, args.messages)
         scratch.execute("VACUUM ANALYZE txbox.inbox")
 
         service.engine.dispose()
+        used = Saturation(scratch.database_url)
         seconds = instances.timed(
-            worker_instance, (scratch.settings, args.batch_size), instances=args.instances, target=args.messages
+            worker_instance,
+            (scratch.settings, args.batch_size),
+            instances=args.instances,
+            target=args.messages,
+            cpu=used,
         )
 
         _check(scratch, args.messages)
@@ -208,6 +221,8 @@ def run(args: argparse.Namespace) -> Result:
                 "batch_size": args.batch_size,
                 "instances": args.instances,
                 "handler": "session.add() of one ORM business row",
+                **used.per_message(args.messages),
+                **raw_cpu.per_message(args.messages, prefix="raw_"),
                 **extra,
             },
         )
