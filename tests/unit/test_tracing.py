@@ -82,9 +82,9 @@ def test_the_inbox_row_keeps_the_senders_context() -> None:
 
 
 def test_current_formats_each_span_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    injected: list[Any] = []
-    inject = tracing._W3C.inject
-    monkeypatch.setattr(tracing._W3C, "inject", lambda *a, **k: (injected.append(1), inject(*a, **k))[1])
+    formatted: list[Any] = []
+    format_ = tracing._format
+    monkeypatch.setattr(tracing, "_format", lambda context: (formatted.append(1), format_(context))[1])
     with TRACER.start_as_current_span("business"):
         first = tracing.current()
         assert first is not None
@@ -93,7 +93,7 @@ def test_current_formats_each_span_once(monkeypatch: pytest.MonkeyPatch) -> None
     with TRACER.start_as_current_span("another") as other:
         carrier = tracing.current()
     assert carrier is not None and f"{other.get_span_context().span_id:016x}" in carrier["traceparent"]
-    assert len(injected) == 2  # one per span, not one per row
+    assert len(formatted) == 2  # one per span, not one per row
 
 
 def parent(n: int) -> dict[str, str]:
@@ -190,3 +190,40 @@ def test_a_tracestate_with_line_breaks_or_non_ascii_is_dropped() -> None:
         names.HEADER_TRACEPARENT: parent,
         names.HEADER_TRACESTATE: "a=1,b=2",
     }
+
+
+@pytest.mark.parametrize("state", [None, "v=1", "a=1,b=2"])
+@pytest.mark.parametrize("flags", ["00", "01"])
+def test_the_carrier_is_what_the_w3c_propagator_writes(state: str | None, flags: str) -> None:
+    headers = {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}"}
+    if state:
+        headers["tracestate"] = state
+    context = trace.get_current_span(tracing.extract(headers)).get_span_context()
+    injected: dict[str, str] = {}
+    tracing._W3C.inject(injected, context=trace.set_span_in_context(trace.NonRecordingSpan(context)))
+    assert tracing._format(context) == injected == headers
+
+
+def test_a_parsed_context_is_reused_only_for_the_same_headers() -> None:
+    first = tracing.extract({"traceparent": PARENT})
+    assert tracing.extract({"traceparent": PARENT}) is first  # parsed once
+    with_state = trace.get_current_span(tracing.extract({"traceparent": PARENT, "tracestate": "v=2"}))
+    assert with_state.get_span_context().trace_state.get("v") == "2"
+    assert not trace.get_current_span(first).get_span_context().trace_state
+    other = f"00-4bf92f3577b34da6a3ce929d0e0e4736-{7:016x}-01"
+    assert trace.get_current_span(tracing.extract({"traceparent": other})).get_span_context().span_id == 7
+
+
+def test_a_current_span_ends_and_is_marked_failed_by_an_exception() -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    span = TRACER.start_span("handle X", record_exception=False, set_status_on_exception=False)
+    with pytest.raises(Unprintable), tracing.CurrentSpan(span):
+        assert trace.get_current_span() is span
+        raise Unprintable
+    assert trace.get_current_span() is not span
+    assert not span.is_recording()  # ended
+    assert span.status.status_code is StatusCode.ERROR  # type: ignore[attr-defined]
+    assert span.status.description == "Unprintable"  # type: ignore[attr-defined]
