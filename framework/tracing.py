@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from importlib import metadata as importlib_metadata
@@ -81,15 +82,42 @@ def extract(headers: Mapping[str, Any] | None) -> Context:
 
 # Parsed contexts, by their header text: a business transaction's rows share their
 # writer's context, so a worker meets the same one for a whole batch of messages, and
-# parsing it (the propagator's regular expression, the ids, a tracestate) is most of
-# what making it current costs (docs/architecture.md, "Tracing"). A Context is
-# immutable, so one object serves every message that carries the same text.
+# parsing it is most of what making it current costs (docs/architecture.md, "Tracing").
+# A Context is immutable, so one object serves every message that carries the same text.
 @functools.lru_cache(maxsize=256)
 def _remote(traceparent: str, tracestate: str | None) -> Context:
-    carrier = {names.HEADER_TRACEPARENT: traceparent}
-    if tracestate is not None:
-        carrier[names.HEADER_TRACESTATE] = tracestate
-    return _W3C.extract(carrier, context=Context())
+    context = _parse(traceparent, tracestate)
+    if context is None:
+        return Context()
+    return trace.set_span_in_context(trace.NonRecordingSpan(context), Context())
+
+
+# The common form of a traceparent, version 00 exactly, read here; any other text (later
+# versions, surrounding blanks, garbage) is left to the W3C propagator and its rules.
+_VERSION_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def _parse(traceparent: str, tracestate: str | None) -> trace.SpanContext | None:
+    """The remote span context the headers give, as the W3C propagator reads it; None if invalid.
+
+    Most of the propagator's cost is its Context and span around the ids, which a batch's
+    link does not need: the version-00 form is read directly, anything else by it.
+    """
+    match = _VERSION_00.fullmatch(traceparent)
+    if match is None:
+        carrier = {names.HEADER_TRACEPARENT: traceparent}
+        if tracestate is not None:
+            carrier[names.HEADER_TRACESTATE] = tracestate
+        parsed = trace.get_current_span(_W3C.extract(carrier, context=Context())).get_span_context()
+        return parsed if parsed.is_valid else None
+    trace_id, span_id = int(match[1], 16), int(match[2], 16)
+    if not trace_id or not span_id:
+        return None
+    # A carrier's tracestate (MAX_TRACESTATE_CHARS at most) is within the propagator's limit.
+    state = None if tracestate is None else trace.TraceState.from_header([tracestate])
+    return trace.SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(match[3], 16)), trace_state=state
+    )
 
 
 # The last span :func:`current` formatted and its carrier: a business transaction writes
@@ -161,8 +189,8 @@ def distinct_links(carriers: Iterable[Mapping[str, Any] | None]) -> list[trace.L
         if key in seen:
             continue
         seen.add(key)
-        context = trace.get_current_span(_remote(*key)).get_span_context()
-        if context.is_valid:
+        context = _parse(*key)
+        if context is not None:
             out.append(trace.Link(context))
     return out
 

@@ -227,3 +227,32 @@ def test_a_current_span_ends_and_is_marked_failed_by_an_exception() -> None:
     assert not span.is_recording()  # ended
     assert span.status.status_code is StatusCode.ERROR  # type: ignore[attr-defined]
     assert span.status.description == "Unprintable"  # type: ignore[attr-defined]
+
+
+# A valid tracestate of many members, longer than W3C asks to pass on.
+LONG_STATE = ",".join(f"k{i}={'x' * 16}" for i in range(30))
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        PARENT,
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01",  # upper case: not W3C
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-future",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+        " 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\t",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\n",
+        "garbage",
+    ],
+)
+@pytest.mark.parametrize("tracestate", [None, "v=1,w=2", LONG_STATE, "v=" + "x" * 600, "not a list member"])
+def test_a_context_is_read_as_the_w3c_propagator_reads_it(traceparent: str, tracestate: str | None) -> None:
+    carrier = {"traceparent": traceparent} | ({"tracestate": tracestate} if tracestate is not None else {})
+    expected = trace.get_current_span(tracing._W3C.extract(carrier)).get_span_context()
+    parsed = tracing._parse(traceparent, tracestate)
+    assert parsed == (expected if expected.is_valid else None)
+    assert trace.get_current_span(tracing._remote(traceparent, tracestate)).get_span_context() == expected
