@@ -12,12 +12,17 @@ AMQP headers of those names.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from importlib import metadata as importlib_metadata
+from types import TracebackType
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -70,7 +75,49 @@ def carrier_from(headers: Mapping[str, Any] | None) -> Carrier:
 def extract(headers: Mapping[str, Any] | None) -> Context:
     """The context whose span is the remote parent in ``headers`` (an empty context if none is valid)."""
     carrier = carrier_from(headers)
-    return _W3C.extract(carrier, context=Context()) if carrier else Context()
+    if not carrier:
+        return Context()
+    return _remote(carrier[names.HEADER_TRACEPARENT], carrier.get(names.HEADER_TRACESTATE))
+
+
+# Parsed contexts, by their header text: a business transaction's rows share their
+# writer's context, so a worker meets the same one for a whole batch of messages, and
+# parsing it is most of what making it current costs (docs/architecture.md, "Tracing").
+# A Context is immutable, so one object serves every message that carries the same text.
+@functools.lru_cache(maxsize=256)
+def _remote(traceparent: str, tracestate: str | None) -> Context:
+    context = _parse(traceparent, tracestate)
+    if context is None:
+        return Context()
+    return trace.set_span_in_context(trace.NonRecordingSpan(context), Context())
+
+
+# The common form of a traceparent, version 00 exactly, read here; any other text (later
+# versions, surrounding blanks, garbage) is left to the W3C propagator and its rules.
+_VERSION_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def _parse(traceparent: str, tracestate: str | None) -> trace.SpanContext | None:
+    """The remote span context the headers give, as the W3C propagator reads it; None if invalid.
+
+    Most of the propagator's cost is its Context and span around the ids, which a batch's
+    link does not need: the version-00 form is read directly, anything else by it.
+    """
+    match = _VERSION_00.fullmatch(traceparent)
+    if match is None:
+        carrier = {names.HEADER_TRACEPARENT: traceparent}
+        if tracestate is not None:
+            carrier[names.HEADER_TRACESTATE] = tracestate
+        parsed = trace.get_current_span(_W3C.extract(carrier, context=Context())).get_span_context()
+        return parsed if parsed.is_valid else None
+    trace_id, span_id = int(match[1], 16), int(match[2], 16)
+    if not trace_id or not span_id:
+        return None
+    # A carrier's tracestate (MAX_TRACESTATE_CHARS at most) is within the propagator's limit.
+    state = None if tracestate is None else trace.TraceState.from_header([tracestate])
+    return trace.SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(match[3], 16)), trace_state=state
+    )
 
 
 # The last span :func:`current` formatted and its carrier: a business transaction writes
@@ -87,10 +134,21 @@ def current() -> Carrier | None:
     last = _last_current  # one read: other threads replace it whole
     if last is not None and last[0] is context:
         return dict(last[1])
-    carrier: Carrier = {}
-    _W3C.inject(carrier, context=trace.set_span_in_context(trace.NonRecordingSpan(context), Context()))
+    carrier = _format(context)
     _last_current = (context, carrier)
     return dict(carrier)
+
+
+def _format(context: trace.SpanContext) -> Carrier:
+    """The W3C carrier of a valid ``context``: what the propagator's ``inject`` writes,
+    without the Context and the span it would need wrapped around it (a handler's every
+    message is written under a span of its own, so this runs once per handler run)."""
+    carrier: Carrier = {
+        names.HEADER_TRACEPARENT: f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+    }
+    if context.trace_state:
+        carrier[names.HEADER_TRACESTATE] = context.trace_state.to_header()
+    return carrier
 
 
 def recording() -> bool:
@@ -121,18 +179,18 @@ def distinct_links(carriers: Iterable[Mapping[str, Any] | None]) -> list[trace.L
     Each distinct ``traceparent`` is parsed once: the rows of one business transaction
     share their writer's context, and one link to it says all there is to say.
     """
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str | None]] = set()
     out: list[trace.Link] = []
     for headers in carriers:
         carrier = carrier_from(headers)
         if not carrier:
             continue
-        key = (carrier[names.HEADER_TRACEPARENT], carrier.get(names.HEADER_TRACESTATE, ""))
+        key = (carrier[names.HEADER_TRACEPARENT], carrier.get(names.HEADER_TRACESTATE))
         if key in seen:
             continue
         seen.add(key)
-        context = trace.get_current_span(_W3C.extract(carrier, context=Context())).get_span_context()
-        if context.is_valid:
+        context = _parse(*key)
+        if context is not None:
             out.append(trace.Link(context))
     return out
 
@@ -160,6 +218,39 @@ def batch_spans(
     for start in range(MAX_LINKS, len(found), MAX_LINKS):
         spans.append(tracer.start_span(name, kind=kind, attributes=attributes, links=found[start : start + MAX_LINKS]))
     return spans
+
+
+class CurrentSpan:
+    """Makes ``span`` current while the ``with`` block runs, and ends it after.
+
+    The per-message form of ``trace.use_span`` (docs/architecture.md, "Tracing"): one
+    attach and one detach, no generator-based context managers. An exception out of the
+    block marks the span failed through :func:`failed` (never the SDK's own recording,
+    which calls ``str()`` on the exception: one whose ``__str__`` raises would replace
+    the handler's failure); the span must be started with ``record_exception=False`` and
+    ``set_status_on_exception=False``.
+    """
+
+    __slots__ = ("_token", "span")
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+        self._token: contextvars.Token[Context] | None = None
+
+    def __enter__(self) -> trace.Span:
+        self._token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        try:
+            if exc is not None:
+                failed(self.span, exc)
+        finally:
+            if self._token is not None:
+                otel_context.detach(self._token)
+            self.span.end()
 
 
 # ---- SDK set-up at daemon start -------------------------------------------------------

@@ -707,11 +707,9 @@ def _current(context: otel_context.Context) -> Iterator[None]:
         otel_context.detach(token)
 
 
-@contextlib.contextmanager
-def _recorded_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
-    """The recording span of :func:`handler_span`. An exception out of the handler marks it
-    failed through :func:`framework.tracing.failed`: the SDK's own recording calls ``str()``
-    on the exception, and one whose ``__str__`` raises would replace the handler's failure.
+def _recorded_span(claimed: Claimed, handler: str) -> tracing.CurrentSpan:
+    """The recording span of :func:`handler_span`, current while it runs and marked failed
+    by an exception out of the handler (:class:`framework.tracing.CurrentSpan`).
 
     Once per message, so kept lean: started and made current by hand rather than through
     ``start_as_current_span`` (the same calls without its layers of context managers), and
@@ -733,15 +731,7 @@ def _recorded_span(claimed: Claimed, handler: str) -> Iterator[trace.Span]:
         record_exception=False,
         set_status_on_exception=False,
     )
-    token = otel_context.attach(trace.set_span_in_context(span))
-    try:
-        yield span
-    except BaseException as exc:
-        tracing.failed(span, exc)
-        raise
-    finally:
-        otel_context.detach(token)
-        span.end()
+    return tracing.CurrentSpan(span)
 
 
 def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -> tuple[float, float] | None:

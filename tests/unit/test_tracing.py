@@ -82,9 +82,9 @@ def test_the_inbox_row_keeps_the_senders_context() -> None:
 
 
 def test_current_formats_each_span_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    injected: list[Any] = []
-    inject = tracing._W3C.inject
-    monkeypatch.setattr(tracing._W3C, "inject", lambda *a, **k: (injected.append(1), inject(*a, **k))[1])
+    formatted: list[Any] = []
+    format_ = tracing._format
+    monkeypatch.setattr(tracing, "_format", lambda context: (formatted.append(1), format_(context))[1])
     with TRACER.start_as_current_span("business"):
         first = tracing.current()
         assert first is not None
@@ -93,7 +93,7 @@ def test_current_formats_each_span_once(monkeypatch: pytest.MonkeyPatch) -> None
     with TRACER.start_as_current_span("another") as other:
         carrier = tracing.current()
     assert carrier is not None and f"{other.get_span_context().span_id:016x}" in carrier["traceparent"]
-    assert len(injected) == 2  # one per span, not one per row
+    assert len(formatted) == 2  # one per span, not one per row
 
 
 def parent(n: int) -> dict[str, str]:
@@ -190,3 +190,69 @@ def test_a_tracestate_with_line_breaks_or_non_ascii_is_dropped() -> None:
         names.HEADER_TRACEPARENT: parent,
         names.HEADER_TRACESTATE: "a=1,b=2",
     }
+
+
+@pytest.mark.parametrize("state", [None, "v=1", "a=1,b=2"])
+@pytest.mark.parametrize("flags", ["00", "01"])
+def test_the_carrier_is_what_the_w3c_propagator_writes(state: str | None, flags: str) -> None:
+    headers = {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}"}
+    if state:
+        headers["tracestate"] = state
+    context = trace.get_current_span(tracing.extract(headers)).get_span_context()
+    injected: dict[str, str] = {}
+    tracing._W3C.inject(injected, context=trace.set_span_in_context(trace.NonRecordingSpan(context)))
+    assert tracing._format(context) == injected == headers
+
+
+def test_a_parsed_context_is_reused_only_for_the_same_headers() -> None:
+    first = tracing.extract({"traceparent": PARENT})
+    assert tracing.extract({"traceparent": PARENT}) is first  # parsed once
+    with_state = trace.get_current_span(tracing.extract({"traceparent": PARENT, "tracestate": "v=2"}))
+    assert with_state.get_span_context().trace_state.get("v") == "2"
+    assert not trace.get_current_span(first).get_span_context().trace_state
+    other = f"00-4bf92f3577b34da6a3ce929d0e0e4736-{7:016x}-01"
+    assert trace.get_current_span(tracing.extract({"traceparent": other})).get_span_context().span_id == 7
+
+
+def test_a_current_span_ends_and_is_marked_failed_by_an_exception() -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    span = TRACER.start_span("handle X", record_exception=False, set_status_on_exception=False)
+    with pytest.raises(Unprintable), tracing.CurrentSpan(span):
+        assert trace.get_current_span() is span
+        raise Unprintable
+    assert trace.get_current_span() is not span
+    assert not span.is_recording()  # ended
+    assert span.status.status_code is StatusCode.ERROR  # type: ignore[attr-defined]
+    assert span.status.description == "Unprintable"  # type: ignore[attr-defined]
+
+
+# A valid tracestate of many members, longer than W3C asks to pass on.
+LONG_STATE = ",".join(f"k{i}={'x' * 16}" for i in range(30))
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        PARENT,
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01",  # upper case: not W3C
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-future",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+        " 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\t",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\n",
+        "garbage",
+    ],
+)
+@pytest.mark.parametrize("tracestate", [None, "v=1,w=2", LONG_STATE, "v=" + "x" * 600, "not a list member"])
+def test_a_context_is_read_as_the_w3c_propagator_reads_it(traceparent: str, tracestate: str | None) -> None:
+    carrier = {"traceparent": traceparent} | ({"tracestate": tracestate} if tracestate is not None else {})
+    expected = trace.get_current_span(tracing._W3C.extract(carrier)).get_span_context()
+    parsed = tracing._parse(traceparent, tracestate)
+    assert parsed == (expected if expected.is_valid else None)
+    assert trace.get_current_span(tracing._remote(traceparent, tracestate)).get_span_context() == expected

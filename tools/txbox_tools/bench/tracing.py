@@ -3,7 +3,10 @@
 The daemons (processes of their own) set the SDK up themselves from ``OTEL_*``
 (framework/tracing.py) with a BatchSpanProcessor; :data:`EXPORTER` names this module's
 exporter, registered in the entry-point group the SDK looks exporters up in, so the
-bench measures recording and batching spans, not a collector's speed.
+bench measures recording and batching spans, not a collector's speed. Nor an exporter's
+encoding: a real OTLP exporter also turns each span into protobuf on the processor's
+thread, which this one skips, so ``tracing_ratio`` leaves that cost out
+(docs/architecture.md, "Tracing").
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ EXPORTER = "txbox_bench_discard"  # its name in tools/pyproject.toml
 
 
 class DiscardExporter(SpanExporter):
-    """Accepts every batch of spans and keeps nothing."""
+    """Accepts every batch of spans and keeps nothing (encodes nothing either)."""
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         return SpanExportResult.SUCCESS
