@@ -503,11 +503,14 @@ class Relay(Daemon):
         failed: Tally[tuple[str, str]] = Tally()
         abandoned: Tally[str] = Tally()
         unblocked = bool(released or failures)
+        if not released and not failures:
+            # Only marks, the usual write: one statement, so in autocommit it commits in
+            # the round trip that runs it, without a BEGIN and a COMMIT of its own.
+            with conn.cursor() as cur:
+                return published_types, failed, abandoned, self._mark(cur, published)
         with conn.transaction(), conn.cursor() as cur:
             if published:
-                probe = len(published) <= named.PROBE_AT_MOST
-                cur.execute(self._sql_mark, {"ids": published, "probe": probe})
-                unblocked = unblocked or not probe or bool((cur.fetchone() or (False,))[0])
+                unblocked = self._mark(cur, published) or unblocked
             if released:
                 cur.execute(self._sql_release, {"ids": released})
             for row, error in failures:
@@ -517,6 +520,15 @@ class Relay(Daemon):
         if failures:
             log.warning("%d publish(es) failed, e.g. %s: %s", len(failures), failures[0][0].id, failures[0][1])
         return published_types, failed, abandoned, unblocked
+
+    def _mark(self, cur: psycopg.Cursor[Any], published: list[str]) -> bool:
+        """Mark ``published``; True when that may have made rows due (see
+        :func:`framework.sql.outbox.mark_published`)."""
+        if not published:
+            return False
+        probe = len(published) <= named.PROBE_AT_MOST
+        cur.execute(self._sql_mark, {"ids": published, "probe": probe})
+        return not probe or bool((cur.fetchone() or (False,))[0])
 
     def _fail(self, cur: psycopg.Cursor[Any], row: Claimed, error: PublishError) -> bool:
         """Count a failed attempt; abandon with a dead letter at ``max_attempts``. True if abandoned."""
