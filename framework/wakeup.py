@@ -13,7 +13,8 @@ A wake-up, not a message, is the unit of a daemon's cost: each pays a whole cycl
   at least :data:`HOLD_FIRST`, doubling up to :data:`HOLD_MAX` while its claims keep finding nothing), so the
   replica that got the rows claims alone. A NOTIFY is deferred, never dropped: the
   replica claims at the end of its hold, so a dead peer's rows wait at most
-  :data:`HOLD_MAX` (less than any poll interval); a claim that finds rows ends the hold.
+  :data:`HOLD_MAX` (less than any poll interval); a claim that finds rows ends the hold,
+  or halves it if it was one at the end of a hold.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Wakeup:
         self._gap = 1.0  # running mean of the seconds between two NOTIFYs
         self._last_notify = 0.0
         self._hold = 0.0
+        self._held = False  # the last wait slept out a hold
         self.hold_until = 0.0  # monotonic: NOTIFYs before this wake the loop only then
 
     def notify(self) -> None:
@@ -84,13 +86,21 @@ class Wakeup:
         if delay <= 0 and slept:
             delay = self.window()  # woken from sleep: let the burst grow a little
         if delay > 0:
+            self._held = self.hold_until > now
             self._stop.wait(min(delay, max(0.0, deadline - now)))
         return True
 
     def found(self, rows: int, *, notified: bool) -> None:
         """What the claim after a wake-up found. Nothing, after a NOTIFY: another replica
         took the rows, so hold the next NOTIFYs back (longer each time); rows: no hold."""
-        if rows:
+        held, self._held = self._held, False
+        if rows and held and self._hold > 2 * HOLD_FIRST:
+            # Rows left after a hold: the replica that got the others was busy, or is gone.
+            # Halve the hold rather than end it: a busy peer's next claim takes those rows
+            # with its next ones, and a dead one's are claimed after ever shorter holds.
+            self._hold /= 2
+            self.hold_until = time.monotonic() + self._hold
+        elif rows:
             self._hold = 0.0
             self.hold_until = 0.0
         elif notified:

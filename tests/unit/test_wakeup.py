@@ -56,3 +56,22 @@ def test_a_stop_ends_a_hold() -> None:
     stop.set()
     assert wake.wait(120.0)
     assert time.monotonic() < wake.hold_until
+
+
+def test_rows_found_after_a_hold_halve_it_and_a_dead_peers_rows_end_it_soon() -> None:
+    stop = threading.Event()
+    wake = Wakeup(stop, hold_max=0.04)
+    for _ in range(10):
+        wake.found(0, notified=True)  # the longest hold: 40 ms
+    holds = []
+    for _ in range(4):  # the peer is gone: every claim after a hold finds rows
+        wake.clear()
+        wake.notify()
+        assert wake.wait(10.0)
+        wake.found(1, notified=True)
+        holds.append(round(max(0.0, wake.hold_until - time.monotonic()), 3))
+    assert 0.015 < holds[0] <= 0.02  # halved, not ended
+    assert holds[-1] == 0.0  # and soon no hold at all
+    wake.found(0, notified=True)
+    wake.found(2, notified=False)  # rows without a hold before: the hold ends at once
+    assert wake.hold_until == 0.0
