@@ -56,6 +56,7 @@ from framework.settings import RetentionSettings
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import outbox as named
 from framework.sql.outbox import Claimed
+from framework.wakeup import Wakeup
 
 log = logging.getLogger("txbox.publisher")
 
@@ -229,7 +230,9 @@ class Relay(Daemon):
         self._sql_backlog = named.backlog(self.schema)
         self._sql_dead = dead_letters_sql.insert_sql(self.schema)
         self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
-        self._wake = threading.Event()
+        # NOTIFY (with a window under load), confirms, finished writes, stop
+        # (docs/architecture.md, "Wake-ups").
+        self._wake = Wakeup(self.stop_event)
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
         self._spans: dict[str, PublishSpans] = {}  # a batch's publish spans until its confirms (by message id)
@@ -423,9 +426,24 @@ class Relay(Daemon):
             return
         batch, self._unrecorded = self._unrecorded, []
         conn = self._write_db.get()
+        notified = self._notified
         future = self._writer.submit(self._write, conn, batch)
-        future.add_done_callback(lambda _: self._wake.set())
-        self._writing = (batch, future, self._notified)
+        future.add_done_callback(lambda done: self._written(done, notified))
+        self._writing = (batch, future, notified)
+
+    def _written(self, future: Future[Any], notified: int) -> None:
+        """Writer thread, a write done: wake the loop only if it has something to do now: the
+        write failed or may have made rows due (see :meth:`_collect_writes`), or outcomes
+        wait for the next write. Else the next confirm, NOTIFY or poll collects it: at a
+        trickle that saves a wake-up of the loop per message."""
+        if (
+            future.exception() is not None
+            or self._results
+            or self._notified != notified
+            or future.result()[3]
+            or self.stopping
+        ):
+            self._wake.set()
 
     def _collect_writes(self, *, block: bool) -> None:
         """Account a finished write; a failed one goes back to the queue for the next try."""
@@ -485,11 +503,14 @@ class Relay(Daemon):
         failed: Tally[tuple[str, str]] = Tally()
         abandoned: Tally[str] = Tally()
         unblocked = bool(released or failures)
+        if not released and not failures:
+            # Only marks, the usual write: one statement, so in autocommit it commits in
+            # the round trip that runs it, without a BEGIN and a COMMIT of its own.
+            with conn.cursor() as cur:
+                return published_types, failed, abandoned, self._mark(cur, published)
         with conn.transaction(), conn.cursor() as cur:
             if published:
-                probe = len(published) <= named.PROBE_AT_MOST
-                cur.execute(self._sql_mark, {"ids": published, "probe": probe})
-                unblocked = unblocked or not probe or bool((cur.fetchone() or (False,))[0])
+                unblocked = self._mark(cur, published) or unblocked
             if released:
                 cur.execute(self._sql_release, {"ids": released})
             for row, error in failures:
@@ -499,6 +520,15 @@ class Relay(Daemon):
         if failures:
             log.warning("%d publish(es) failed, e.g. %s: %s", len(failures), failures[0][0].id, failures[0][1])
         return published_types, failed, abandoned, unblocked
+
+    def _mark(self, cur: psycopg.Cursor[Any], published: list[str]) -> bool:
+        """Mark ``published``; True when that may have made rows due (see
+        :func:`framework.sql.outbox.mark_published`)."""
+        if not published:
+            return False
+        probe = len(published) <= named.PROBE_AT_MOST
+        cur.execute(self._sql_mark, {"ids": published, "probe": probe})
+        return not probe or bool((cur.fetchone() or (False,))[0])
 
     def _fail(self, cur: psycopg.Cursor[Any], row: Claimed, error: PublishError) -> bool:
         """Count a failed attempt; abandon with a dead letter at ``max_attempts``. True if abandoned."""
@@ -577,7 +607,7 @@ class Relay(Daemon):
         """Rows may have arrived: claim at the next step (listener thread)."""
         self._notified += 1
         self._claim_hint = True
-        self._wake.set()
+        self._wake.notify()
 
     # ---- shutdown --------------------------------------------------------------------
 

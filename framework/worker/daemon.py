@@ -35,6 +35,7 @@ from framework.retention import inbox_pruner
 from framework.service import Service
 from framework.settings import RetentionSettings
 from framework.sql import inbox as q
+from framework.wakeup import HOLD_MAX, Wakeup
 from framework.worker import decode
 from framework.worker.batch import BatchRunner, Claimed, driver
 from framework.worker.config import WorkerConfig
@@ -69,8 +70,11 @@ class Worker(Daemon):
         self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
-        self._wake = threading.Event()  # set by NOTIFY (the listener) and by stop()
-        self.listener = Listener(self, names.notify_channel(self.schema, names.INBOX), self._wake.set)
+        # Set by NOTIFY (the listener) and by stop(); a worker whose claim after a NOTIFY
+        # found nothing (another replica took the rows) holds the next ones back, never
+        # longer than the poll interval (docs/architecture.md, "Wake-ups").
+        self._wake = Wakeup(self.stop_event, hold_max=min(HOLD_MAX, float(self.config.poll_interval)))
+        self.listener = Listener(self, names.notify_channel(self.schema, names.INBOX), self._wake.notify)
         self._watchdog: Watchdog | None = None
         self._labels = {"service": self.settings.service}
         self._last_gauges = 0.0
@@ -110,6 +114,7 @@ class Worker(Daemon):
         reconnect = Reconnect(self)
         self.listener.start()
         self.pruner.start()
+        notified = False  # this claim answers a NOTIFY (see Wakeup.found)
         try:
             while not self.stopping:
                 self.progress()
@@ -119,11 +124,13 @@ class Worker(Daemon):
                 # The gauges use a connection too: losing it there is the same outage, not a crash.
                 try:
                     handled = self.run_once()
+                    self._wake.found(handled, notified=notified)
+                    notified = False
                     reconnect.succeeded()
                     self.state("processing")
                     self._update_gauges()
                     if not handled or not self._more:
-                        self._wait_for_work()
+                        notified = self._wait_for_work()
                 except Exception as exc:
                     if not db.is_infrastructure_error(exc):
                         raise
@@ -204,13 +211,15 @@ class Worker(Daemon):
         super().stop()
         self._wake.set()
 
-    def _wait_for_work(self) -> None:
-        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop.
+    def _wait_for_work(self) -> bool:
+        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop; True unless
+        the poll interval ran out.
 
         One claim answers every NOTIFY since the last one: the listener only sets an event.
         """
-        if not self.stopping:
-            self._wake.wait(float(self.config.poll_interval))
+        if self.stopping:
+            return False
+        return self._wake.wait(float(self.config.poll_interval))
 
     # --- claim --------------------------------------------------------------------
 

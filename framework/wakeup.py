@@ -1,0 +1,111 @@
+"""The event a daemon sleeps on between claims, and the two ways it spends fewer wake-ups.
+
+A wake-up, not a message, is the unit of a daemon's cost: each pays a whole cycle
+(claim, then publish or handle, then commit). So (docs/architecture.md, "Wake-ups"):
+
+- **A short window under load.** When NOTIFYs come closer together than
+  :data:`WINDOW_FROM`, a daemon woken from sleep by one waits a little (up to
+  :data:`WINDOW_MAX`, more the closer they come) before it claims, so one claim takes
+  the burst. NOTIFYs further apart (a trickle) get no window, so no added latency.
+- **A replica that lost the race steps back.** Every replica listening on a channel
+  wakes for every NOTIFY, but only one claims each row. A replica whose claim after a
+  NOTIFY found nothing holds back the next NOTIFYs for a while (two of their mean gaps,
+  at least :data:`HOLD_FIRST`, doubling up to :data:`HOLD_MAX` while its claims keep finding nothing), so the
+  replica that got the rows claims alone. A NOTIFY is deferred, never dropped: the
+  replica claims at the end of its hold, so a dead peer's rows wait at most
+  :data:`HOLD_MAX` (less than any poll interval); a claim that finds rows ends the hold,
+  or halves it if it was one at the end of a hold.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+WINDOW_FROM = 0.005  # seconds: NOTIFYs at least this far apart get no window
+WINDOW_MAX = 0.002  # seconds: the longest window, for NOTIFYs 3 ms apart or closer
+HOLD_FIRST = 0.005  # seconds a replica holds NOTIFYs back after its first empty claim
+HOLD_MAX = 0.1  # seconds: the longest hold, bounded by the poll interval too
+_SMOOTHING = 0.25  # weight of the newest gap between two NOTIFYs in their running mean
+
+
+class Wakeup:
+    """Set by NOTIFY (:meth:`notify`, the listener thread) or by anything else the loop
+    must see now (:meth:`set`: a confirm, a stop); cleared before each claim, so a NOTIFY
+    that arrives during the claim wakes the next wait at once."""
+
+    def __init__(self, stop_event: threading.Event, *, hold_max: float = HOLD_MAX) -> None:
+        self._event = threading.Event()
+        self._stop = stop_event
+        self._hold_max = hold_max
+        self._notified = False  # a NOTIFY since the last clear()
+        self._kicked = False  # a set() since the last clear()
+        self._gap = 1.0  # running mean of the seconds between two NOTIFYs
+        self._last_notify = 0.0
+        self._hold = 0.0
+        self._held = False  # the last wait slept out a hold
+        self.hold_until = 0.0  # monotonic: NOTIFYs before this wake the loop only then
+
+    def notify(self) -> None:
+        """A NOTIFY (listener thread): wake the loop, at once or at the end of its hold."""
+        now = time.monotonic()
+        self._gap += (min(now - self._last_notify, 1.0) - self._gap) * _SMOOTHING
+        self._last_notify = now
+        first = not self._notified
+        self._notified = True
+        # During a hold only the first NOTIFY wakes the loop, to make it sleep until the
+        # hold ends (its wait may have begun before the hold did).
+        if first or now >= self.hold_until:
+            self._event.set()
+
+    def set(self) -> None:
+        """Wake the loop now (no window, no hold)."""
+        self._kicked = True
+        self._event.set()
+
+    def clear(self) -> None:
+        self._notified = False
+        self._kicked = False
+        self._event.clear()
+
+    def window(self) -> float:
+        """Seconds a NOTIFY-woken loop waits for more before it claims: 0 at a trickle."""
+        return max(0.0, min(WINDOW_MAX, WINDOW_FROM - self._gap))
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until a NOTIFY (after the hold, then the window), a :meth:`set`, a stop or
+        ``timeout``; False if the timeout ran out."""
+        deadline = time.monotonic() + timeout
+        slept = not self._event.is_set()
+        if not self._event.wait(timeout):
+            return False
+        if self._kicked or self._stop.is_set():
+            return True
+        now = time.monotonic()
+        delay = self.hold_until - now
+        if delay <= 0 and slept:
+            delay = self.window()  # woken from sleep: let the burst grow a little
+        if delay > 0:
+            self._held = self.hold_until > now
+            self._stop.wait(min(delay, max(0.0, deadline - now)))
+        return True
+
+    def found(self, rows: int, *, notified: bool) -> None:
+        """What the claim after a wake-up found. Nothing, after a NOTIFY: another replica
+        took the rows, so hold the next NOTIFYs back (longer each time); rows: no hold."""
+        held, self._held = self._held, False
+        if rows and held and self._hold > 2 * HOLD_FIRST:
+            # Rows left after a hold: the replica that got the others was busy, or is gone.
+            # Halve the hold rather than end it: a busy peer's next claim takes those rows
+            # with its next ones, and a dead one's are claimed after ever shorter holds.
+            self._hold /= 2
+            self.hold_until = time.monotonic() + self._hold
+        elif rows:
+            self._hold = 0.0
+            self.hold_until = 0.0
+        elif notified:
+            # At first past the next NOTIFY or two (their gap), so the replica that got the
+            # rows takes the next ones alone; longer while this one keeps losing.
+            first = max(HOLD_FIRST, 2 * self._gap)
+            self._hold = min(self._hold_max, self._hold * 2 or first)
+            self.hold_until = time.monotonic() + self._hold

@@ -1,0 +1,77 @@
+"""The daemons' wake-up (framework/wakeup.py): windows only under load, holds only after a lost race."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from framework.wakeup import HOLD_FIRST, WINDOW_MAX, Wakeup
+
+
+def test_a_trickle_gets_no_window_and_a_burst_at_most_the_longest() -> None:
+    wake = Wakeup(threading.Event())
+    assert wake.window() == 0.0  # nothing heard yet: as at a trickle
+    for _ in range(50):  # NOTIFYs microseconds apart
+        wake.notify()
+    assert wake.window() == WINDOW_MAX
+
+
+def test_an_empty_claim_after_a_notify_holds_the_next_ones_back_and_rows_end_the_hold() -> None:
+    wake = Wakeup(threading.Event(), hold_max=0.05)
+    wake.found(0, notified=False)  # an empty claim at the poll: nobody raced us
+    assert wake.hold_until == 0.0
+    wake.found(0, notified=True)
+    first = wake.hold_until - time.monotonic()
+    assert HOLD_FIRST * 0.5 < first <= max(HOLD_FIRST, 2.0)
+    for _ in range(20):  # losing again and again: longer, never past hold_max
+        wake.found(0, notified=True)
+    assert 0.0 < wake.hold_until - time.monotonic() <= 0.05
+    wake.found(3, notified=True)
+    assert wake.hold_until == 0.0
+
+
+def test_a_notify_during_a_hold_still_wakes_the_waiter_once_and_a_set_at_once() -> None:
+    stop = threading.Event()
+    wake = Wakeup(stop, hold_max=0.05)
+    wake.found(0, notified=True)
+    wake.clear()
+    wake.notify()  # the first NOTIFY of the hold wakes the loop, to sleep out the hold
+    assert wake.wait(10.0)
+    assert time.monotonic() >= wake.hold_until  # it claims only after the hold: deferred, not lost
+    wake.clear()
+    wake.set()
+    assert wake.wait(10.0)
+    wake.clear()
+    assert not wake.wait(0.0)  # nothing pending: the poll interval ran out
+
+
+def test_a_stop_ends_a_hold() -> None:
+    stop = threading.Event()
+    wake = Wakeup(stop, hold_max=60.0)
+    wake.found(0, notified=True)
+    for _ in range(10):
+        wake.found(0, notified=True)  # a hold of a minute
+    wake.clear()
+    wake.notify()
+    stop.set()
+    assert wake.wait(120.0)
+    assert time.monotonic() < wake.hold_until
+
+
+def test_rows_found_after_a_hold_halve_it_and_a_dead_peers_rows_end_it_soon() -> None:
+    stop = threading.Event()
+    wake = Wakeup(stop, hold_max=0.04)
+    for _ in range(10):
+        wake.found(0, notified=True)  # the longest hold: 40 ms
+    holds = []
+    for _ in range(4):  # the peer is gone: every claim after a hold finds rows
+        wake.clear()
+        wake.notify()
+        assert wake.wait(10.0)
+        wake.found(1, notified=True)
+        holds.append(round(max(0.0, wake.hold_until - time.monotonic()), 3))
+    assert 0.015 < holds[0] <= 0.02  # halved, not ended
+    assert holds[-1] == 0.0  # and soon no hold at all
+    wake.found(0, notified=True)
+    wake.found(2, notified=False)  # rows without a hold before: the hold ends at once
+    assert wake.hold_until == 0.0
