@@ -44,9 +44,13 @@ def _on_inbox(schema: str, text: str) -> sql.Composed:
     return sql.SQL(text).format(inbox=sql.Identifier(schema, names.INBOX))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class InboxRow:
-    """Column values of one txbox.inbox row on its way in."""
+    """Column values of one txbox.inbox row on its way in.
+
+    Not frozen: the receiver builds one per delivery, and a frozen dataclass pays a
+    ``object.__setattr__`` call per field for it (docs/architecture.md, "Receiver intake").
+    """
 
     id: uuid.UUID
     message_type: str
