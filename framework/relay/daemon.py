@@ -101,6 +101,13 @@ _SHORT_BYTES = 255  # an AMQP short string (the ``type`` property, a routing key
 _SHORT_CHARS = _SHORT_BYTES // 4
 
 
+def _short_strings(row: Claimed) -> None:
+    """Raise if a value sent as an AMQP short string is longer than one holds."""
+    for name, value in (("message_type", row.message_type), ("routing_key", row.routing_key)):
+        if len(value.encode()) > _SHORT_BYTES:
+            raise ValueError(f"{name} of {len(value.encode())} bytes: AMQP allows {_SHORT_BYTES}")
+
+
 def unbuildable(row: Claimed, exc: Exception) -> tuple[Outgoing, PublishError]:
     """The outcome of a row whose message could not be built: a failure the writer abandons
     at once as ``internal_error`` (docs/architecture.md, "Dead letters")."""
@@ -143,13 +150,13 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
             headers[names.HEADER_EXPIRES_AT] = expiry.header_value(expires_at)
     # The writer's context goes out as it was stored: the publish is a batch span linked
     # to it, not a hop of the trace (docs/architecture.md, "Tracing").
-    headers.update(tracing.carrier_from(row.trace))
+    if row.trace is not None:
+        headers.update(tracing.carrier_from(row.trace))
     # AMQP short strings hold 255 bytes: pika would refuse them only when publishing, on
     # the I/O thread, as a lost connection, and the row would be released and claimed
     # again forever. Text is at most 4 bytes a character: most values skip the encoding.
-    for name, value in (("message_type", row.message_type), ("routing_key", row.routing_key)):
-        if len(value) > _SHORT_CHARS and len(value.encode()) > _SHORT_BYTES:
-            raise ValueError(f"{name} of {len(value.encode())} bytes: AMQP allows {_SHORT_BYTES}")
+    if len(row.message_type) > _SHORT_CHARS or len(row.routing_key) > _SHORT_CHARS:
+        _short_strings(row)
     props = pika.BasicProperties(
         content_type=CONTENT_TYPE,
         delivery_mode=2,
@@ -439,7 +446,10 @@ class Relay(Daemon):
         """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
         self._end_span(item, error)
         self._results.append((item, error))
-        self._wake.set()
+        # Set only when clear: the loop clears before it reads the results, and this one
+        # is in them already (setting takes the event's lock, once per confirm otherwise).
+        if not self._wake.is_set():
+            self._wake.set()
 
     def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
         spans = self._spans.pop(item.message_id, None)
