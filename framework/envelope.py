@@ -258,7 +258,7 @@ def message_from_dict(data: Any) -> Message:
         raise EnvelopeError(Reason.INVALID_FIELD, f"must be a string, not {_json_type(token)}", "auth_token")
 
     # What Message(...) builds, without its frozen __init__'s one object.__setattr__ per
-    # field: every received body is parsed here (docs/architecture.md, "Receiver intake").
+    # field: every received body is parsed here.
     message = object.__new__(Message)
     message.__dict__.update(
         _MESSAGE_DEFAULTS,
