@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -29,6 +29,8 @@ _REQUIRED_STR = ("message_type", "aggregate_id", "aggregate_type", "message_vers
 # dead letter's cleaning, PostgreSQL's stack); near those limits a message that parsed
 # could fail one of them — and fail a whole batch commit. Far below them nothing does.
 MAX_JSON_DEPTH = 200
+
+_ABSENT = object()  # a field the envelope does not have (None is JSON's null)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +100,10 @@ class Message:
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# The fields a parsed envelope does not set: a delivery's history starts at its defaults.
+_MESSAGE_DEFAULTS = {f.name: f.default for f in fields(Message) if f.default is not MISSING}
 
 
 def format_timestamp(value: datetime) -> str:
@@ -196,13 +202,11 @@ def parse_message(body: bytes | str) -> Message:
 def message_from_dict(data: Any) -> Message:
     if not isinstance(data, dict):
         raise EnvelopeError(Reason.NOT_OBJECT, f"the envelope must be a JSON object, not {_json_type(data)}")
-
-    def require(name: str) -> Any:
-        if name not in data:
-            raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", name)
-        return data[name]
-
-    raw_id = require("message_id")
+    # Every received body passes here: one lookup per field (``get`` with a marker for
+    # absence), no helper call.
+    raw_id = data.get("message_id", _ABSENT)
+    if raw_id is _ABSENT:
+        raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", "message_id")
     if not isinstance(raw_id, str):
         raise EnvelopeError(Reason.INVALID_FIELD, f"must be a UUID string, not {_json_type(raw_id)}", "message_id")
     try:
@@ -210,20 +214,28 @@ def message_from_dict(data: Any) -> Message:
     except ValueError:
         raise EnvelopeError(Reason.INVALID_FIELD, f"{_clip(raw_id)!r} is not a UUID", "message_id") from None
 
-    strings: dict[str, str] = {}
+    strings: list[str] = []
     for name in _REQUIRED_STR:
-        value = require(name)
-        if not isinstance(value, str):
-            raise EnvelopeError(Reason.INVALID_FIELD, f"must be a string, not {_json_type(value)}", name)
-        if name != "message_version" and value == "":
+        value = data.get(name, _ABSENT)
+        if type(value) is not str:
+            if value is _ABSENT:
+                raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", name)
+            if not isinstance(value, str):
+                raise EnvelopeError(Reason.INVALID_FIELD, f"must be a string, not {_json_type(value)}", name)
+        if value == "" and name != "message_version":
             raise EnvelopeError(Reason.INVALID_FIELD, "must not be empty", name)
-        strings[name] = value
+        strings.append(value)
+    message_type, aggregate_id, aggregate_type, message_version = strings
 
-    payload = require("payload")
+    payload = data.get("payload", _ABSENT)
+    if payload is _ABSENT:
+        raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", "payload")
     if not isinstance(payload, dict):
         raise EnvelopeError(Reason.INVALID_FIELD, f"must be a JSON object, not {_json_type(payload)}", "payload")
 
-    raw_ts = require("timestamp")
+    raw_ts = data.get("timestamp", _ABSENT)
+    if raw_ts is _ABSENT:
+        raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", "timestamp")
     if not isinstance(raw_ts, str):
         raise EnvelopeError(Reason.INVALID_FIELD, f"must be an ISO 8601 string, not {_json_type(raw_ts)}", "timestamp")
     try:
@@ -245,17 +257,22 @@ def message_from_dict(data: Any) -> Message:
     if token is not None and not isinstance(token, str):
         raise EnvelopeError(Reason.INVALID_FIELD, f"must be a string, not {_json_type(token)}", "auth_token")
 
-    return Message(
+    # What Message(...) builds, without its frozen __init__'s one object.__setattr__ per
+    # field: every received body is parsed here.
+    message = object.__new__(Message)
+    message.__dict__.update(
+        _MESSAGE_DEFAULTS,
         message_id=message_id,
-        message_type=strings["message_type"],
-        aggregate_type=strings["aggregate_type"],
-        aggregate_id=strings["aggregate_id"],
-        message_version=strings["message_version"],
+        message_type=message_type,
+        aggregate_type=aggregate_type,
+        aggregate_id=aggregate_id,
+        message_version=message_version,
         payload=payload,
         message_context=context,
         timestamp=timestamp,
         auth_token=token,
     )
+    return message
 
 
 def _json_type(value: Any) -> str:

@@ -188,6 +188,9 @@ def storable_text(text: str) -> bool:
     return True
 
 
+_CONTAINERS = (dict, list, tuple)
+
+
 def clip_depth(value: Any, limit: int) -> Any:
     """``value`` with containers nested deeper than ``limit`` replaced by a marker string.
 
@@ -196,12 +199,13 @@ def clip_depth(value: Any, limit: int) -> Any:
     at ``limit``. Shallow values (the usual headers) come back as they are.
     """
     if limit <= 0:
-        return "<nested too deep>" if isinstance(value, dict | list | tuple) else value
+        return "<nested too deep>" if isinstance(value, _CONTAINERS) else value
     if isinstance(value, dict):
-        if not any(isinstance(v, dict | list | tuple) for v in value.values()):
+        # Every delivery's headers pass here: most are empty or flat, and come back as they are.
+        if not value or not any(isinstance(v, _CONTAINERS) for v in value.values()):
             return value
         return {k: clip_depth(v, limit - 1) for k, v in value.items()}
-    if isinstance(value, list | tuple):
+    if isinstance(value, _CONTAINERS):
         return [clip_depth(v, limit - 1) for v in value]
     return value
 

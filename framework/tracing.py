@@ -58,7 +58,12 @@ def carrier_from(headers: Mapping[str, Any] | None) -> Carrier:
     so the propagator only ever sees bounded strings; a malformed value it ignores itself.
     """
     out: Carrier = {}
-    if not isinstance(headers, Mapping):
+    # Every delivery and every claimed row passes here, most with no headers or no trace:
+    # a plain dict skips the abstract-class check.
+    if type(headers) is dict:
+        if not headers:
+            return out
+    elif not isinstance(headers, Mapping):
         return out
     parent = headers.get(names.HEADER_TRACEPARENT)
     if not (isinstance(parent, str) and len(parent) <= MAX_TRACEPARENT_CHARS):

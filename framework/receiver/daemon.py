@@ -108,6 +108,10 @@ class Receiver(Daemon):
         )
         self._buffer: list[Delivery] = []
         self._labels = {"service": self.settings.service}
+        # The children counted per batch or delivery, looked up once.
+        self._received = metrics.RECEIVER_RECEIVED.labels(**self._labels)
+        self._stored = metrics.RECEIVER_STORED.labels(**self._labels)
+        self._peak_held = metrics.RECEIVER_PEAK_HELD.labels(**self._labels)
         self._user = amqp.username(self.settings.amqp_url)
         self._trusted = self.config.trusted(self._user)
         # Bytes of the bodies held unacked: collected (``_buffered``) and being written
@@ -284,7 +288,7 @@ class Receiver(Daemon):
                     continue
                 batch, self._buffer = self._buffer, []
                 batch_bytes, self._buffered = self._buffered, 0
-                metrics.RECEIVER_RECEIVED.labels(**self._labels).inc(len(batch))
+                self._received.inc(len(batch))
                 if any(d.redelivered for d in batch):
                     if inflight is not None:
                         self._finish(inflight, channel)
@@ -343,7 +347,7 @@ class Receiver(Daemon):
         held = self._buffered + self._writing
         if held > self.peak_held_bytes:
             self.peak_held_bytes = held
-            metrics.RECEIVER_PEAK_HELD.labels(**self._labels).set(held)
+            self._peak_held.set(held)
 
     def _full(self) -> bool:
         """Holding as many deliveries, or body bytes, as allowed unacked: read no more for now."""
@@ -589,7 +593,7 @@ class Receiver(Daemon):
             return fallback
 
     def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
-        metrics.RECEIVER_STORED.labels(**self._labels).inc(len(new))
+        self._stored.inc(len(new))
         conflicts = sum(1 for letter in letters if letter.reason == Reason.ID_CONFLICT)
         if len(rows) > len(new) + conflicts:
             metrics.RECEIVER_DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)

@@ -52,8 +52,11 @@ class Delivery:
 
     @classmethod
     def from_pika(cls, method: Any, props: Any, body: bytes, trusted_users: frozenset[str] = frozenset()) -> Delivery:
-        properties = {name: getattr(props, name, None) for name in names.BASIC_PROPERTIES}
-        headers = props.headers if isinstance(props.headers, dict) else {}
+        # One pass over the properties: this runs for every delivery, on the consuming thread.
+        properties = {
+            name: value for name in names.BASIC_PROPERTIES if (value := getattr(props, name, None)) is not None
+        }
+        headers = props.headers
         user_id = properties.get("user_id")
         return cls(
             delivery_tag=method.delivery_tag,
@@ -61,8 +64,8 @@ class Delivery:
             redelivered=bool(method.redelivered),
             exchange=method.exchange or "",
             routing_key=method.routing_key or "",
-            properties={k: v for k, v in properties.items() if v is not None},
-            headers=dict(headers),
+            properties=properties,
+            headers=dict(headers) if isinstance(headers, dict) else {},
             trusted=isinstance(user_id, str) and user_id in trusted_users,
             wire=True,
         )
@@ -282,7 +285,11 @@ class Intake:
                 delivery, Reason.TOO_LARGE, f"body of {size} bytes exceeds the limit of {self.max_body_bytes}"
             )
         content_type = delivery.properties.get("content_type")
-        if content_type is not None and str(content_type).split(";")[0].strip().lower() != CONTENT_TYPE:
+        if (
+            content_type is not None
+            and content_type != CONTENT_TYPE
+            and str(content_type).split(";")[0].strip().lower() != CONTENT_TYPE
+        ):
             return self.reject(
                 delivery, Reason.WRONG_CONTENT_TYPE, f"content type {content_type!r} is not {CONTENT_TYPE}"
             )

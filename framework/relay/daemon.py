@@ -18,7 +18,10 @@ Outcomes of one publish:
 - connection lost / publisher closed → the lease is released at once (no attempt is
   counted: it was not the message's fault; the broker may have it, the inbox dedups);
 - not published at all: a claimed row whose time to live has run out is abandoned at once
-  with a dead letter ``expired`` (docs/architecture.md, "Expiry and filters").
+  with a dead letter ``expired`` (docs/architecture.md, "Expiry and filters"); a claimed
+  row whose message cannot be built (say, metadata written around the outbox API) is
+  abandoned at once with a dead letter ``internal_error`` (docs/architecture.md, "Dead
+  letters"), and the rest of its batch goes on.
 """
 
 from __future__ import annotations
@@ -95,6 +98,25 @@ def envelope_body(row: Claimed) -> bytes:
     return "".join(parts).encode()
 
 
+_SHORT_BYTES = 255  # an AMQP short string (the ``type`` property, a routing key)
+_SHORT_CHARS = _SHORT_BYTES // 4
+
+
+def _short_strings(row: Claimed) -> None:
+    """Raise if a value sent as an AMQP short string is longer than one holds."""
+    for name, value in (("message_type", row.message_type), ("routing_key", row.routing_key)):
+        if len(value.encode()) > _SHORT_BYTES:
+            raise ValueError(f"{name} of {len(value.encode())} bytes: AMQP allows {_SHORT_BYTES}")
+
+
+def unbuildable(row: Claimed, exc: Exception) -> tuple[Outgoing, PublishError]:
+    """The outcome of a row whose message could not be built: a failure the writer abandons
+    at once as ``internal_error`` (docs/architecture.md, "Dead letters")."""
+    item = Outgoing("", "", b"", pika.BasicProperties(message_id=row.id), True, row)
+    error = f"the relay could not build its message: {type(exc).__name__}: {exc}"
+    return item, PublishError(error[:2000], Reason.INTERNAL_ERROR)
+
+
 def lane_headers(row: Claimed) -> dict[str, Any]:
     """The ordering lane the sender chose, for the receiving service's inbox row.
 
@@ -129,7 +151,13 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
             headers[names.HEADER_EXPIRES_AT] = expiry.header_value(expires_at)
     # The writer's context goes out as it was stored: the publish is a batch span linked
     # to it, not a hop of the trace (docs/architecture.md, "Tracing").
-    headers.update(tracing.carrier_from(row.trace))
+    if row.trace is not None:
+        headers.update(tracing.carrier_from(row.trace))
+    # AMQP short strings hold 255 bytes: pika would refuse them only when publishing, on
+    # the I/O thread, as a lost connection, and the row would be released and claimed
+    # again forever. Text is at most 4 bytes a character: most values skip the encoding.
+    if len(row.message_type) > _SHORT_CHARS or len(row.routing_key) > _SHORT_CHARS:
+        _short_strings(row)
     props = pika.BasicProperties(
         content_type=CONTENT_TYPE,
         delivery_mode=2,
@@ -190,7 +218,7 @@ def relay_outcome(row: Claimed, error: PublishError | None) -> RelayOutcome:
     """What one publish's result means for its row (the list at the top of this module)."""
     if error is None or (error.reason == Reason.UNROUTABLE and row.kind == "event"):
         return RelayOutcome.PUBLISHED  # an event nobody subscribed to is fine
-    if error.reason in (Reason.NACKED, Reason.UNROUTABLE, confirms.TIMEOUT, Reason.EXPIRED):
+    if error.reason in (Reason.NACKED, Reason.UNROUTABLE, confirms.TIMEOUT, Reason.EXPIRED, Reason.INTERNAL_ERROR):
         return RelayOutcome.FAILED
     return RelayOutcome.RELEASED  # connection lost / publisher closed: not the message's fault
 
@@ -368,7 +396,7 @@ class Relay(Daemon):
         self._claim_hint = len(rows) >= room or self._notified != notified
         if not rows:
             return 0
-        items = [outgoing(r, self._user) for r in rows]  # in claim order: priority, then creation
+        items = self._outgoing(rows)  # in claim order: priority, then creation
         if any(r.expires_at is not None for r in rows):
             items = self._expire(items)
             if not items:
@@ -386,6 +414,19 @@ class Relay(Daemon):
             conn.execute(self._sql_release, {"ids": [r.id for r in rows]})
             return 0
         return len(items)
+
+    def _outgoing(self, rows: list[Claimed]) -> list[Outgoing]:
+        """The messages of ``rows``; one that cannot be built goes to the writer as a failure
+        it abandons at once, and the others go on (docs/architecture.md, "Dead letters")."""
+        items: list[Outgoing] = []
+        for row in rows:
+            try:
+                items.append(outgoing(row, self._user))
+            except Exception as exc:  # the last resort: one row must not stop the relay
+                log.exception("outbox row %s: its message could not be built; dead-lettering it", row.id)
+                self._results.append(unbuildable(row, exc))
+                self._wake.set()
+        return items
 
     def _expire(self, items: list[Outgoing]) -> list[Outgoing]:
         """The items still to publish; expired ones go to the writer as failures it abandons at once
@@ -408,7 +449,10 @@ class Relay(Daemon):
         """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
         self._end_span(item, error)
         self._results.append((item, error))
-        self._wake.set()
+        # Set only when clear: the loop clears before it reads the results, and this one
+        # is in them already (setting takes the event's lock, once per confirm otherwise).
+        if not self._wake.is_set():
+            self._wake.set()
 
     def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
         spans = self._spans.pop(item.message_id, None)
@@ -534,8 +578,8 @@ class Relay(Daemon):
         """Count a failed attempt; abandon with a dead letter at ``max_attempts``. True if abandoned."""
         attempt = row.finished_attempts + 1
         text = str(error)
-        if error.reason == Reason.EXPIRED:
-            return self._abandon(cur, row, Reason.EXPIRED, text, attempt)
+        if error.reason in (Reason.EXPIRED, Reason.INTERNAL_ERROR):  # no attempt would fare better
+            return self._abandon(cur, row, error.reason, text, attempt)
         if attempt < self.config.max_attempts:
             delay = backoff_seconds(attempt, base=self.config.retry_base, cap=self.config.retry_cap, jitter=0.5)
             cur.execute(self._sql_retry, {"id": row.id, "delay": delay, "error": text})
@@ -548,6 +592,10 @@ class Relay(Daemon):
         cur.execute(self._sql_abandon, {"id": row.id, "error": text})
         if cur.rowcount == 0:
             return False  # finished elsewhere meanwhile
+        try:
+            message: dict[str, Any] | None = json.loads(envelope_body(row))
+        except Exception:  # the row's own columns stay in the outbox: the letter does without
+            message = None
         letter = DeadLetter(
             source="outbox",
             reason=reason,
@@ -556,7 +604,7 @@ class Relay(Daemon):
             message_id=uuid.UUID(row.id),
             message_type=row.message_type,
             routing_key=row.routing_key,
-            message=json.loads(envelope_body(row)),
+            message=message,
             headers={"exchange": names.exchange_for(row.kind)},
             attempts={"started": row.started_attempts, "finished": attempt, "max_attempts": self.config.max_attempts},
         )

@@ -22,6 +22,8 @@ at 500 msg/s, growing with the table until the next ANALYZE).
 
 from __future__ import annotations
 
+import functools
+import operator
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -43,9 +45,13 @@ def _on_inbox(schema: str, text: str) -> sql.Composed:
     return sql.SQL(text).format(inbox=sql.Identifier(schema, names.INBOX))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class InboxRow:
-    """Column values of one txbox.inbox row on its way in."""
+    """Column values of one txbox.inbox row on its way in.
+
+    Not frozen: the receiver builds one per delivery, and a frozen dataclass pays a
+    ``object.__setattr__`` call per field for it.
+    """
 
     id: uuid.UUID
     message_type: str
@@ -113,8 +119,10 @@ _TYPES = {
     "redelivered": "bool",
 }
 _COLUMNS: tuple[tuple[str, str], ...] = tuple((f.name, _TYPES.get(f.name, "text")) for f in fields(InboxRow))
+_VALUES = operator.attrgetter(*(c for c, _ in _COLUMNS))  # a row's values in column order
 
 
+@functools.cache  # composed once per schema, not once per batch
 def insert_sql(schema: str) -> sql.Composed:
     """The inbox INSERT: one array per column (:func:`insert_rows` fills them)."""
 
@@ -140,7 +148,7 @@ def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow])
     """Store ``rows``; returns the ids that were new (the others were duplicates)."""
     if not rows:
         return set()
-    arrays = [[getattr(r, c) for r in rows] for c, _ in _COLUMNS]
+    arrays = [list(column) for column in zip(*map(_VALUES, rows), strict=True)]  # one array per column
     cur.execute(insert_sql(schema), arrays)
     return {row[0] for row in cur.fetchall()}
 

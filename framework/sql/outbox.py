@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import class_row
+from psycopg.rows import RowMaker, class_row
 
 from framework import jsoncodec, names
 from framework.tables import pending_by_id, pending_in_segment
@@ -137,8 +137,21 @@ class Claimed(NamedTuple):
 
 def fetch_claimed(conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]) -> list[Claimed]:
     """Run a claim (:func:`claim`, :func:`claim_window`); its rows in claim order, read by name."""
-    with conn.cursor(row_factory=class_row(Claimed)) as cur:
+    with conn.cursor(row_factory=_claimed) as cur:
         return cur.execute(statement, params).fetchall()
+
+
+def _claimed(cursor: psycopg.Cursor[Any]) -> RowMaker[Claimed]:
+    """Rows as :class:`Claimed`, by column name: the names are matched once per result, not
+    once per row (``class_row`` builds a keyword dict per row, on the relay's hot path)."""
+    index = {column.name: i for i, column in enumerate(cursor.description or ())}
+    missing = [name for name in Claimed._fields if name not in index]
+    if missing:
+        return class_row(Claimed)(cursor)  # defaults for what the statement does not select
+    positions = [index[name] for name in Claimed._fields]
+    if positions == list(range(len(index))):  # exactly the fields, in their order
+        return Claimed._make
+    return lambda values: Claimed._make([values[i] for i in positions])
 
 
 def _outbox(schema: str) -> sql.Identifier:

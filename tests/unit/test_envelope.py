@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import logging
 import uuid
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from framework.envelope import Message, parse_message
+from framework.envelope import Message, message_from_dict, parse_message
 from framework.errors import EnvelopeError
 
 # The sample envelope of Mosaic's guide (docs/architecture.md, "The envelope"), verbatim.
@@ -133,3 +134,19 @@ def test_final_attempt() -> None:
     assert not m.is_final_attempt
     assert not m.with_delivery(attempt=2, max_attempts=3).is_final_attempt
     assert m.with_delivery(attempt=3, max_attempts=3).is_final_attempt
+
+
+def test_a_parsed_envelope_is_a_whole_message() -> None:
+    """message_from_dict builds the Message without its __init__: every field must be there."""
+    original = Message(
+        message_id=uuid.uuid4(),
+        message_type="PlaceOrder",
+        aggregate_type="order",
+        aggregate_id="1",
+        payload={"sku": "A"},
+        message_context={"c": 1},
+    )
+    parsed = message_from_dict(json.loads(original.to_json()))
+    assert set(vars(parsed)) == {f.name for f in dataclasses.fields(Message)}
+    assert parsed == dataclasses.replace(original, timestamp=parsed.timestamp)
+    assert (parsed.attempt, parsed.max_attempts, parsed.routing_key, parsed.auth_token) == (1, None, None, None)

@@ -137,3 +137,41 @@ def test_a_streak_of_nacks_makes_the_relay_publish_again_on_a_new_channel(settin
         conn.close()
     got = drain_queue(settings.amqp_url, inbox_queue(settings))
     assert {d.body["message_id"] for d in got} == set(ids)
+
+
+def test_a_row_whose_message_cannot_be_built_is_dead_lettered_and_the_batch_goes_on(
+    settings: Settings, service: Service
+) -> None:
+    """Rows written around the outbox API: an expiry no float holds (building the headers
+    raises), a message type longer than AMQP's 255-byte ``type`` property (pika would
+    refuse it only when publishing). Each ends as an ``internal_error`` letter at once."""
+    overflow, too_long, plain = insert_rows(
+        settings,
+        service.registry,
+        [*orders(1, 1), *orders(1, 1, aggregate_id="o-long"), *orders(1, 1, aggregate_id="o-plain")],
+    )
+    with psycopg.connect(conninfo(settings.database_url)) as conn:
+        conn.execute(
+            "UPDATE txbox.outbox SET metadata = metadata || jsonb_build_object('expires_at', repeat('9', 400)::numeric)"
+            " WHERE id = %s",
+            (overflow,),
+        )
+        conn.execute("UPDATE txbox.outbox SET message_type = repeat('x', 300) WHERE id = %s", (too_long,))
+    with running_relay(service) as relay:
+        wait_until(
+            lambda: outbox_state(settings)["processed"] == 1 and outbox_state(settings)["abandoned"] == 2,
+            30,
+            message="the plain row published, the other two abandoned",
+        )
+        assert relay.abandoned == 2
+    assert [d.body["message_id"] for d in drain_queue(settings.amqp_url, inbox_queue(settings), idle=1)] == [plain]
+    with psycopg.connect(conninfo(settings.database_url)) as conn:
+        letters = conn.execute(
+            "SELECT message_id::text, source, reason, error, message->>'message_id' FROM txbox.dead_letters"
+        ).fetchall()
+    assert sorted((r[0], r[1], r[2], r[4]) for r in letters) == sorted(
+        (i, "outbox", "internal_error", i) for i in (overflow, too_long)
+    )
+    errors = {r[0]: r[3] for r in letters}
+    assert "OverflowError" in errors[overflow]
+    assert "message_type of 300 bytes" in errors[too_long]

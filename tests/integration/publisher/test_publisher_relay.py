@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pika
 import psycopg
+from psycopg import sql
 
 from framework import names
 from framework.db import conninfo
@@ -15,6 +16,8 @@ from framework.envelope import parse_message
 from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.settings import Settings
+from framework.sql import outbox as outbox_sql
+from framework.sql.outbox import Claimed
 from tests.integration.publisher.conftest import (
     drain_queue,
     inbox_queue,
@@ -275,3 +278,18 @@ def test_rows_not_due_yet_stay_put(settings: Settings, service: Service) -> None
         wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the due row published")
     (got,) = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
     assert got.body["message_id"] == marker[0]
+
+
+def test_claimed_rows_are_read_by_column_name_in_any_order(settings: Settings) -> None:
+    """fetch_claimed takes the claim's columns by name: reordered, or some left to their defaults."""
+    values = {name: f"'{name}'" for name in Claimed._fields}
+    values.update(priority="1", epoch="2", started_attempts="3", finished_attempts="4", trace="NULL", expires_at="NULL")
+    every = list(reversed(Claimed._fields))
+    fewer = [name for name in every if name not in ("segment", "concurrency", "trace", "expires_at")]
+    with psycopg.connect(conninfo(settings.database_url)) as conn:
+        for names_ in (every, fewer):
+            select = sql.SQL("SELECT " + ", ".join(f"{values[n]} AS {n}" for n in names_))
+            (row,) = outbox_sql.fetch_claimed(conn, select, {})
+            assert (row.id, row.kind, row.priority, row.finished_attempts) == ("id", "kind", 1, 4)
+            assert row.segment == ("segment" if names_ is every else "")
+            assert row.concurrency == ("concurrency" if names_ is every else "sequential")
