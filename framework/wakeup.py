@@ -61,7 +61,10 @@ class Wakeup:
     def set(self) -> None:
         """Wake the loop now (no window, no hold)."""
         self._kicked = True
-        self._event.set()
+        # Set only when clear: the relay calls this once per confirm, and setting takes
+        # the event's lock; the loop clears before it reads what it was woken for.
+        if not self._event.is_set():
+            self._event.set()
 
     def clear(self) -> None:
         self._notified = False

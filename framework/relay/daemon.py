@@ -449,10 +449,7 @@ class Relay(Daemon):
         """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
         self._end_span(item, error)
         self._results.append((item, error))
-        # Set only when clear: the loop clears before it reads the results, and this one
-        # is in them already (setting takes the event's lock, once per confirm otherwise).
-        if not self._wake.is_set():
-            self._wake.set()
+        self._wake.set()
 
     def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
         spans = self._spans.pop(item.message_id, None)
