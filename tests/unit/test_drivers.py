@@ -12,10 +12,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 _GLOBALS = """
-import pika.data, psycopg._queries
+import gc, pika.data, psycopg._queries
 def driver_globals():
     return (pika.data.decode_value, psycopg._queries.MAX_CACHED_STATEMENT_PARAMS,
-            psycopg._queries.MAX_CACHED_STATEMENT_LENGTH)
+            psycopg._queries.MAX_CACHED_STATEMENT_LENGTH, gc.get_freeze_count() > 0)
 before = driver_globals()
 """
 
@@ -46,6 +46,7 @@ def test_a_daemon_tunes_the_drivers_when_it_is_built_and_tuning_again_changes_no
         "tuned = driver_globals()\n"
         "assert tuned[0] is not before[0] and tuned[0].bounded\n"
         "assert tuned[1] >= 1 << 16 and tuned[2] >= 1 << 20\n"
+        "assert tuned[3], 'the heap built before the first message is frozen for the garbage collector'\n"
         "drivers.tune_drivers()\n"
         "assert driver_globals() == tuned\n"
     )
