@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import urllib.error
 import urllib.request
 import uuid
@@ -119,6 +120,31 @@ def _txbox(outputs: Outputs, env: dict[str, str], *args: str, timeout: float = 1
     )
     assert done.returncode in (0, 1), f"txbox {' '.join(args)}: {done.returncode}\n{done.stderr[-3000:]}"
     return outputs.add(f"txbox {' '.join(args)}", done.stdout + done.stderr)
+
+
+def _spark_commands(outputs: Outputs, env: dict[str, str], commands: list[list[str]], timeout: float) -> str:
+    """``txbox`` commands run one after the other by the CLI's ``main`` in one process and one Spark session."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from framework.analytics.session import job_session
+        from framework.analytics.settings import AnalyzeSettings
+        from framework.cli import main
+        from framework.settings import load
+
+        with job_session(load(AnalyzeSettings), "txbox-canary"):
+            for command in {commands!r}:
+                status = main(command)
+                sys.stdout.flush()
+                if status not in (0, 1):
+                    raise SystemExit(f"txbox {{command[0]}}: {{status}}")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, f"txbox {' / '.join(c[0] for c in commands)}: {done.returncode}\n{done.stderr[-3000:]}"
+    return outputs.add(" then ".join(f"txbox {' '.join(c)}" for c in commands), done.stdout + done.stderr)
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
@@ -361,24 +387,26 @@ def test_the_canary_token_is_in_no_output_and_no_table(
 
         # --- archived and analyzed ------------------------------------------------------------
         archive, report = tmp_path / "archive", tmp_path / "report"
-        _txbox(outputs, env, "archive", "--older-than", "0s", "--to", str(archive), timeout=300)
+        # `txbox archive` then `txbox analyze`, as the commands parse and run them, in one process
+        # on one Spark session (each JVM start costs tens of seconds on a busy machine).
+        commands = [
+            ["archive", "--older-than", "0s", "--to", str(archive)],
+            [
+                "analyze",
+                "--source",
+                f"order-service={database_url}",
+                "--contracts-dir",
+                str(CONTRACTS),
+                "--history",
+                str(archive),
+                "--parquet",
+                str(report),
+            ],
+        ]
+        _spark_commands(outputs, env, commands, timeout=600)
         # Archived: within the dedup window the row stays as a tombstone, emptied (framework.dedup).
         tombstone = "SELECT count(*) FROM txbox.inbox WHERE id = %s AND archived_at IS NOT NULL AND payload = '{}'"
         assert _one(conn, tombstone, uuid.UUID(accepted)) == 1
-        _txbox(
-            outputs,
-            env,
-            "analyze",
-            "--source",
-            f"order-service={database_url}",
-            "--contracts-dir",
-            str(CONTRACTS),
-            "--history",
-            str(archive),
-            "--parquet",
-            str(report),
-            timeout=600,
-        )
         assert _one(conn, "SELECT count(*) FROM txbox.analytics_runs") >= 1
     finally:
         for proc, _ in daemons:

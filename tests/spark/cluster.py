@@ -100,7 +100,7 @@ class Cluster:
         wait_until(
             lambda: self._check_alive() and self.state().get("aliveworkers") == self.workers,
             timeout=START_TIMEOUT,
-            interval=1.0,
+            interval=0.2,
             message=f"a master with {self.workers} alive workers (logs in {self.root})",
         )
 

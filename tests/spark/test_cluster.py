@@ -34,6 +34,7 @@ from framework.analytics.sources import Source
 from framework.contracts import load_registry
 from framework.db import conninfo
 from tests import support
+from tests.conftest import SPARK_JVM_OPTIONS
 from tests.spark.cluster import Cluster
 from tests.spark.seed import Seeder, at
 from tests.spark.test_analyze import INVENTORY, ORDER, SETTINGS, World, seed
@@ -142,7 +143,12 @@ def drive(cluster: Cluster, db: Databases, archive: Path) -> str:
     for service, url in ((INVENTORY, db.inventory), (ORDER, db.order)):
         archive_to = ["--older-than", "45m", "--to", f"file://{archive}", "--batch-size", str(BATCH)]
         commands.append(["archive", *common, *archive_to, "--service", service, "--database-url", url])
-    conf = {"spark.executor.memory": "512m", "spark.executor.cores": "1", "spark.cores.max": str(WORKERS)}
+    conf = {
+        "spark.executor.memory": "512m",
+        "spark.executor.cores": "1",
+        "spark.cores.max": str(WORKERS),
+        "spark.executor.defaultJavaOptions": SPARK_JVM_OPTIONS,
+    }
     script = textwrap.dedent(
         f"""
         from framework.analytics.session import job_session
