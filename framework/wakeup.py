@@ -45,6 +45,10 @@ class Wakeup:
         self._hold = 0.0
         self._held = False  # the last wait slept out a hold
         self.hold_until = 0.0  # monotonic: NOTIFYs before this wake the loop only then
+        # The last wait slept until a NOTIFY woke it. A NOTIFY that came while the loop
+        # was busy is often for a row its claim already took: an empty claim after it says
+        # nothing about other replicas (see found).
+        self.woken_from_sleep = False
 
     def notify(self) -> None:
         """A NOTIFY (listener thread): wake the loop, at once or at the end of its hold."""
@@ -80,10 +84,12 @@ class Wakeup:
         ``timeout``; False if the timeout ran out."""
         deadline = time.monotonic() + timeout
         slept = not self._event.is_set()
+        self.woken_from_sleep = False
         if not self._event.wait(timeout):
             return False
         if self._kicked or self._stop.is_set():
             return True
+        self.woken_from_sleep = slept
         now = time.monotonic()
         delay = self.hold_until - now
         if delay <= 0 and slept:

@@ -212,14 +212,15 @@ class Worker(Daemon):
         self._wake.set()
 
     def _wait_for_work(self) -> bool:
-        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop; True unless
-        the poll interval ran out.
+        """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop; True if a
+        NOTIFY woke it from sleep (an empty claim after it means another replica took the
+        rows: docs/architecture.md, "Wake-ups").
 
         One claim answers every NOTIFY since the last one: the listener only sets an event.
         """
         if self.stopping:
             return False
-        return self._wake.wait(float(self.config.poll_interval))
+        return self._wake.wait(float(self.config.poll_interval)) and self._wake.woken_from_sleep
 
     # --- claim --------------------------------------------------------------------
 

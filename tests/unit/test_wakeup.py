@@ -75,3 +75,24 @@ def test_rows_found_after_a_hold_halve_it_and_a_dead_peers_rows_end_it_soon() ->
     wake.found(0, notified=True)
     wake.found(2, notified=False)  # rows without a hold before: the hold ends at once
     assert wake.hold_until == 0.0
+
+
+def test_only_a_notify_that_woke_the_loop_from_sleep_counts_as_one_another_replica_may_have_answered() -> None:
+    wake = Wakeup(threading.Event(), hold_max=0.05)
+    wake.notify()  # came while the loop was busy (mostly for a row its claim already took)
+    assert wake.wait(10.0) and not wake.woken_from_sleep
+    wake.clear()
+    sleeping = threading.Event()
+
+    class Bed(threading.Event):  # tells the notifier once the loop sleeps in it
+        def wait(self, timeout: float | None = None) -> bool:
+            sleeping.set()
+            return super().wait(timeout)
+
+    wake._event = Bed()
+    notifier = threading.Thread(target=lambda: sleeping.wait(10.0) and wake.notify())
+    notifier.start()
+    assert wake.wait(10.0) and wake.woken_from_sleep
+    notifier.join()
+    wake.clear()
+    assert not wake.wait(0.0) and not wake.woken_from_sleep  # the poll interval ran out
