@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from framework import expiry, names, outbox_async, outbox_commit, tables, tracing
+from framework import expiry, ids, names, outbox_async, outbox_commit, tables, tracing
 from framework.contracts import MessageSpec, Registry
 from framework.envelope import DEFAULT_MESSAGE_VERSION
 from framework.errors import ContractError
@@ -150,7 +150,7 @@ class Outbox:
         if trace is not None:
             metadata[names.METADATA_TRACE] = trace
         return OutboxRow(
-            id=message_id or uuid.uuid4(),
+            id=message_id or ids.message_id(),
             message_type=spec.message_type,
             aggregate_type=spec.aggregate_type,
             aggregate_id=aggregate,

@@ -36,7 +36,6 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -50,7 +49,7 @@ import pika.exceptions
 import pika.frame
 import pika.spec
 
-from framework import amqp, expiry, names
+from framework import amqp, expiry, ids, names
 from framework.errors import BrokerUnavailable, PublisherClosed, PublisherOverflow, PublishError
 from framework.publisher.config import Overflow, PublisherConfig
 from framework.reasons import Reason
@@ -627,7 +626,7 @@ def _own_properties(
     if own.headers is not None or headers is not None:
         own.headers = copy.deepcopy({**(own.headers or {}), **(headers or {})})
     if own.message_id is None:
-        own.message_id = message_id or str(uuid.uuid4())
+        own.message_id = message_id or str(ids.message_id())
     return own
 
 

@@ -1,0 +1,26 @@
+"""The ids txbox gives messages: UUIDv7, ordered by the time they were made.
+
+A message id is the primary key of its outbox row and, at the receiving service, of its
+inbox row. A random (version 4) id lands on a different page of that index with every
+insert; over a table that holds months of finished rows, each of those pages is read
+back and its first change after a checkpoint writes a whole page image to the WAL. Ids
+that begin with the time land beside each other, at the index's growing edge
+(docs/architecture.md, "The tables"). They are still UUIDs, unique without coordination
+(74 random bits per millisecond), and any peer may keep sending version 4 ids.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+_VERSION = 0x7 << 76
+_VARIANT = 0x2 << 62
+_KEEP = ~((0xF << 76) | (0x3 << 62))  # everything but the version and variant bits
+
+
+def message_id() -> uuid.UUID:
+    """A new UUIDv7 (RFC 9562): 48 bits of Unix time in milliseconds, then random bits."""
+    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    return uuid.UUID(int=value & _KEEP | _VERSION | _VARIANT)

@@ -1,0 +1,34 @@
+"""Message ids are UUIDv7: ordered by the time they were made (framework/ids.py)."""
+
+from __future__ import annotations
+
+import time
+
+from framework import ids
+from framework.outbox import Outbox
+
+
+def test_ids_are_version_7_rfc_variant_and_begin_with_the_time_in_milliseconds() -> None:
+    before = time.time_ns() // 1_000_000
+    made = [ids.message_id() for _ in range(1000)]
+    after = time.time_ns() // 1_000_000
+    assert len(set(made)) == len(made)
+    for value in made:
+        assert value.version == 7 and value.variant == "specified in RFC 4122"
+        assert before <= value.int >> 80 <= after
+
+
+def test_ids_made_later_sort_after_them() -> None:
+    first = ids.message_id()
+    time.sleep(0.002)  # a later millisecond is what is tested, not a synchronization
+    second = ids.message_id()
+    assert first < second
+
+
+def test_the_outbox_gives_a_message_without_an_id_a_version_7_one() -> None:
+    from examples.orders.app import service
+
+    outbox = Outbox(None, service.registry)  # type: ignore[arg-type]  # build() writes nothing
+    spec = service.registry.get("PlaceOrder")
+    row = outbox.build(spec, aggregate_id="o-1", payload={"customer": "ada", "sku": "BOOK-1", "quantity": 1})
+    assert row.id.version == 7
