@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -25,6 +26,14 @@ MGMT_URL = os.environ.get("TXBOX_TEST_RABBITMQ_API", "http://127.0.0.1:15672/api
 MGMT_AUTH = ("guest", "guest")
 
 
+def pause(seconds: float, stop: threading.Event | None = None) -> bool:
+    """Let ``seconds`` pass as work does: a handler's own time, a load's pacing, a random
+    moment of a fault schedule. Never a way to wait for something to happen: that is
+    :func:`wait_until`'s, with its condition and deadline. Ends early once ``stop`` is set
+    (returns True then)."""
+    return (stop or threading.Event()).wait(seconds)
+
+
 def wait_until(
     predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05, message: str = "condition"
 ) -> T:
@@ -36,7 +45,7 @@ def wait_until(
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {message} (last value: {value!r})")
-        time.sleep(interval)
+        pause(interval)
 
 
 def db_url(name: str, driver: str = "postgresql+psycopg") -> str:

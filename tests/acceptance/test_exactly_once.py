@@ -34,14 +34,7 @@ KILLS_EACH = int(os.environ.get("TXBOX_EXACTLY_ONCE_KILLS", "3"))
 
 @pytest.fixture
 def env(database_url: str, amqp_url: str) -> dict[str, str]:
-    # A killed worker's claims come back after the lease: keep the test short.
-    return counter.daemon_env(
-        database_url,
-        amqp_url,
-        TXBOX_WORKER_LEASE="4s",
-        TXBOX_WORKER_TIMEOUT="2s",
-        TXBOX_WORKER_POLL_INTERVAL="0.5s",
-    )
+    return counter.daemon_env(database_url, amqp_url, **counter.SHORT_LEASE)
 
 
 class Chaos:
@@ -78,7 +71,7 @@ class Chaos:
 
     def run(self, done: Callable[[], bool], kills_each: int) -> None:
         while not (done() and min(self.kills.values()) >= kills_each):
-            time.sleep(self.rng.uniform(0.7, 2.5))  # a random moment, not a synchronization
+            support.pause(self.rng.uniform(0.7, 2.5))  # a random moment, not a synchronization
             self.revive()
             self.strike()
 
@@ -90,7 +83,7 @@ def publish_in_background(amqp_url: str, bodies: list[bytes], chunk: int = 500) 
     def target() -> None:
         for start in range(0, len(bodies), chunk):
             publish(amqp_url, bodies[start : start + chunk], routing_key=counter.ROUTING_KEY)
-            time.sleep(0.3)  # spread the load over the chaos
+            support.pause(0.3)  # spread the load over the chaos
 
     thread = threading.Thread(target=target, name="publisher", daemon=True)
     thread.start()

@@ -84,7 +84,7 @@ def test_a_blocked_handler_turns_healthz_503_while_an_idle_worker_stays_200(
     while time.monotonic() < until:
         assert probe(worker_port, "/healthz")[0] == 200, worker.log_tail()
         assert probe(receiver_port, "/healthz")[0] == 200, receiver.log_tail()
-        time.sleep(0.2)  # polling pace; the assertion is each answer
+        support.pause(0.2)  # polling pace; the assertion is each answer
 
     publish(amqp_url, [counter.envelope(1, sleep=40)], routing_key=counter.ROUTING_KEY)
     body = wait_for(worker_port, "/healthz", 503, worker, timeout=30)

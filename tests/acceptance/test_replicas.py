@@ -28,14 +28,7 @@ MESSAGES = 3_000
 
 @pytest.fixture
 def env(database_url: str, amqp_url: str) -> dict[str, str]:
-    # A killed worker's claims come back after the lease: keep the test short.
-    return counter.daemon_env(
-        database_url,
-        amqp_url,
-        TXBOX_WORKER_LEASE="4s",
-        TXBOX_WORKER_TIMEOUT="2s",
-        TXBOX_WORKER_POLL_INTERVAL="0.5s",
-    )
+    return counter.daemon_env(database_url, amqp_url, **counter.SHORT_LEASE)
 
 
 def consumers(amqp_url: str) -> int:
@@ -71,7 +64,7 @@ def test_replicas_killed_in_turn_keep_every_segment_in_order_exactly_once(
     sender = publish_in_background(amqp_url, bodies, chunk=250)
     kills = 0
     while sender.is_alive() or kills < 6:
-        time.sleep(rng.uniform(0.5, 1.5))  # a random moment, not a synchronization
+        support.pause(rng.uniform(0.5, 1.5))  # a random moment, not a synchronization
         # Receivers first: the consuming one is killed at least every other time.
         name = rng.choice(("receiver-a", "receiver-b") if kills % 2 == 0 else tuple(replicas))
         processes.kill(replicas[name])

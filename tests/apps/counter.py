@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,8 @@ class Count(CommandHandler):
         if message.payload.get("crash"):
             os._exit(CRASH_EXIT_CODE)
         if message.payload.get("sleep"):
-            time.sleep(message.payload["sleep"])  # blocked in C: no Python-level interruption reaches it
+            # Blocked in C (a lock's timed wait): no Python-level interruption reaches it.
+            threading.Event().wait(message.payload["sleep"])
         session.execute(text(UPSERT), {"id": message.message_id})
 
 
@@ -91,6 +92,10 @@ def envelope(n: int, *, crash: bool = False, sleep: float = 0, aggregate_id: str
 # importers (tests) call build() with their own environment.
 service = build() if os.environ.get("TXBOX_DATABASE_URL") else None
 async_service = build(asynchronous=True) if os.environ.get("TXBOX_DATABASE_URL") else None
+
+
+# A killed worker's claims come back after the lease: the tests that kill daemons keep it short.
+SHORT_LEASE = {"TXBOX_WORKER_LEASE": "4s", "TXBOX_WORKER_TIMEOUT": "2s", "TXBOX_WORKER_POLL_INTERVAL": "0.5s"}
 
 
 def daemon_env(database_url: str, amqp_url: str, **settings: str) -> dict[str, str]:

@@ -243,7 +243,7 @@ class Fuzzer:
                 return True
             if self.group.dead():
                 return False
-            time.sleep(0.05)  # polling interval of a condition with a deadline
+            support.pause(0.05)  # polling interval of a condition with a deadline
         return done()
 
     # --- verdicts -------------------------------------------------------------------------

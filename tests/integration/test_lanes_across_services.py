@@ -41,7 +41,7 @@ class Recorder(CommandHandler):
         tag, seq = message.payload["customer"], message.payload["quantity"]
         started = time.time()
         if (tag == "lane" and seq == 1) or tag == "parallel":
-            time.sleep(SLOW)  # lets other workers overtake it, if the lane allows
+            support.pause(SLOW)  # lets other workers overtake it, if the lane allows
         session.execute(
             text("INSERT INTO seen (tag, seq, started, ended) VALUES (:t, :s, :a, :b)"),
             {"t": tag, "s": seq, "a": started, "b": time.time()},

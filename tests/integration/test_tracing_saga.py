@@ -11,7 +11,6 @@ one ignored.
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -34,6 +33,7 @@ from framework.receiver import Receiver, ReceiverConfig
 from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.worker import Worker, WorkerConfig
+from tests import support
 from tests.apps.helpers import running
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -85,14 +85,13 @@ def services(txbox_database: Callable[..., str], amqp_url: str) -> Iterator[tupl
 
 
 def wait_for(exporter: InMemorySpanExporter, done: Callable[[list[ReadableSpan]], bool]) -> list[ReadableSpan]:
-    """The finished spans once ``done`` holds for them."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        finished = list(exporter.get_finished_spans())
-        if done(finished):
-            return finished
-        time.sleep(0.05)  # polling the exporter: the daemons run in other threads
-    raise AssertionError(f"not done within 60 s; got {sorted({s.name for s in finished})}")
+    """The finished spans once ``done`` holds for them (the daemons run in other threads)."""
+
+    def finished() -> list[ReadableSpan] | None:
+        spans = list(exporter.get_finished_spans())
+        return spans if done(spans) else None
+
+    return support.wait_until(finished, 60, message="the spans asked for")
 
 
 def child_of(finished: list[ReadableSpan], parent: ReadableSpan, name: str) -> ReadableSpan:
@@ -171,16 +170,18 @@ def publish_plain(amqp_url: str, headers: dict[str, Any]) -> uuid.UUID:
 
 
 def handled(spans: InMemorySpanExporter, message_id: uuid.UUID) -> tuple[ReadableSpan, list[ReadableSpan]]:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    """The span of PlaceOrder ``message_id``'s handler run, and every span finished by then."""
+
+    def found() -> tuple[ReadableSpan, list[ReadableSpan]] | None:
         finished = list(spans.get_finished_spans())
         for span in finished:
             if span.name == "handle PlaceOrder" and (span.attributes or {}).get("messaging.message.id") == str(
                 message_id
             ):
                 return span, finished
-        time.sleep(0.05)  # polling the exporter: the daemons run in other threads
-    raise AssertionError(f"PlaceOrder {message_id} was not handled within 60 s")
+        return None
+
+    return support.wait_until(found, 60, message=f"PlaceOrder {message_id} handled")
 
 
 def test_a_foreign_traceparent_is_joined_and_a_malformed_one_ignored(

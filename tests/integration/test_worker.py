@@ -212,7 +212,7 @@ def test_a_handler_over_its_timeout_is_interrupted_and_retried(service: Service,
     def slow_first(message: Message, session: Session, outbox: Outbox) -> None:
         if message.attempt == 1:
             for _ in range(3000):  # Python code between short waits: interruptible at once
-                time.sleep(0.01)
+                support.pause(0.01)
 
     service.register(Recorder(slow_first))
     message = place_order()
@@ -271,7 +271,7 @@ def test_stopping_finishes_the_batch_in_hand_and_leaves_no_lease(service: Servic
 
     def slow(message: Message, session: Session, outbox: Outbox) -> None:
         entered.set()
-        time.sleep(0.05)
+        support.pause(0.05)  # the handler's own work
 
     service.register(Recorder(slow))
     store_in_inbox(service, [place_order(aggregate_id=str(i)) for i in range(30)])

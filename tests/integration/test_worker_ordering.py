@@ -6,7 +6,6 @@ docs/architecture.md, "Guarantees and how they are kept".
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 import pytest
@@ -35,7 +34,7 @@ class Sequenced(CommandHandler):
         key = (message.aggregate_id, message.payload["quantity"])
         if key in self.fail and (self.fail[key] is PermanentError or message.attempt <= self.failures):
             raise self.fail[key](f"{key} fails")
-        time.sleep(random.uniform(0, 0.002))  # let the workers interleave
+        support.pause(random.uniform(0, 0.002))  # work of its own: lets the workers interleave
         session.execute(
             text("INSERT INTO seen (segment, seq) VALUES (:s, :q)"), {"s": message.aggregate_id, "q": key[1]}
         )

@@ -6,6 +6,7 @@ import time
 
 from framework import ids
 from framework.outbox import Outbox
+from tests import support
 
 
 def test_ids_are_version_7_rfc_variant_and_begin_with_the_time_in_milliseconds() -> None:
@@ -20,7 +21,7 @@ def test_ids_are_version_7_rfc_variant_and_begin_with_the_time_in_milliseconds()
 
 def test_ids_made_later_sort_after_them() -> None:
     first = ids.message_id()
-    time.sleep(0.002)  # a later millisecond is what is tested, not a synchronization
+    support.wait_until(lambda: time.time_ns() // 1_000_000 > first.int >> 80, 5, 0.0005, "the next millisecond")
     second = ids.message_id()
     assert first < second
 

@@ -16,6 +16,7 @@ from framework.worker import HandlerTimeout, WorkerConfig
 from framework.worker.batch import Claimed, run_deadlines
 from framework.worker.config import GRACE, LEASE_MARGIN
 from framework.worker.timeout import Watchdog
+from tests import support
 
 
 def test_defaults() -> None:
@@ -95,10 +96,10 @@ def test_the_watchdog_interrupts_python_code_and_then_forgets() -> None:
         started = time.monotonic()
         with pytest.raises(HandlerTimeout), dog.guard(0.2, 30, cancelled.set):
             while time.monotonic() - started < 10:
-                time.sleep(0.005)
+                support.pause(0.005)  # Python code between short waits
         assert cancelled.is_set() and time.monotonic() - started < 2
         with dog.guard(5, 30, cancelled.set):
             pass  # a quick run after a timeout is not interrupted
-        time.sleep(0.1)
+        support.pause(0.1)  # no late interrupt arrives meanwhile
     finally:
         dog.close()
