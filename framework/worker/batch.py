@@ -529,20 +529,16 @@ class BatchRunner:
             self._duration(claimed.message_type).observe(time.perf_counter() - started)
 
     def _duration(self, message_type: str) -> Any:
-        child = self._durations.get(message_type)
-        if child is None:
-            child = self._durations[message_type] = metrics.WORKER_HANDLER_DURATION.labels(
-                message_type=message_type, **self._labels
-            )
-        return child
+        return self._by_type(self._durations, metrics.WORKER_HANDLER_DURATION, message_type)
 
     def _processed(self, message_type: str) -> Any:
-        """The processed counter of ``message_type`` (looked up once: this runs per message)."""
-        child = self._processed_counters.get(message_type)
+        return self._by_type(self._processed_counters, metrics.WORKER_PROCESSED, message_type)
+
+    def _by_type(self, children: dict[str, Any], metric: Any, message_type: str) -> Any:
+        """``metric``'s series for ``message_type``, looked up once (this runs per message)."""
+        child = children.get(message_type)
         if child is None:
-            child = self._processed_counters[message_type] = metrics.WORKER_PROCESSED.labels(
-                message_type=message_type, **self._labels
-            )
+            child = children[message_type] = metric.labels(message_type=message_type, **self._labels)
         return child
 
     @staticmethod
