@@ -394,18 +394,17 @@ def _measure(
         service = scratch.service()
         topology.declare(service.settings, service.registry)
         if history_rows:
-            spec = service.registry.get("Ping")
+            # The pipeline's own mix: each Ping echoed by a Ponged.
+            shapes = [
+                history.Shape(spec.message_type, spec.aggregate_type, spec.kind, spec.routing_key, payload)
+                for spec, payload in (
+                    (service.registry.get("Ping"), {"n": 0, "echo": True}),
+                    (service.registry.get("Ponged"), {"n": 0}),
+                )
+            ]
             for table in (names.OUTBOX, names.INBOX):
                 done = history.prefill(
-                    scratch.database_url,
-                    table,
-                    history_rows,
-                    message_type=spec.message_type,
-                    aggregate_type=spec.aggregate_type,
-                    kind=spec.kind,
-                    routing_key=spec.routing_key,
-                    payload={"n": 1_000_000, "echo": True},
-                    queue=names.inbox_queue(SERVICE),
+                    scratch.database_url, table, history_rows, shapes, queue=names.inbox_queue(SERVICE)
                 )
                 if filled is not None:
                     filled.append(done)

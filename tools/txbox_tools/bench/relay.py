@@ -110,11 +110,15 @@ def run(args: argparse.Namespace) -> Result:
                 database_url,
                 names.OUTBOX,
                 args.history,
-                message_type=spec.message_type,
-                aggregate_type=spec.aggregate_type,
-                kind=spec.kind,
-                routing_key=spec.routing_key,
-                payload={"customer": "bench-customer", "sku": "SKU-1", "quantity": 1},
+                [
+                    history.Shape(
+                        spec.message_type,
+                        spec.aggregate_type,
+                        spec.kind,
+                        spec.routing_key,
+                        {"customer": "bench-customer", "sku": "SKU-1", "quantity": 1},
+                    )
+                ],
             )
             _fill(database_url, registry, args.messages)
             _analyze(database_url)

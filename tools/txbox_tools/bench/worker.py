@@ -176,11 +176,15 @@ def run(args: argparse.Namespace) -> Result:
                 scratch.database_url,
                 names.INBOX,
                 args.history,
-                message_type=spec.message_type,
-                aggregate_type=spec.aggregate_type,
-                kind=spec.kind,
-                routing_key=spec.routing_key,
-                payload={"customer": "bench-customer", "sku": "SKU-1", "quantity": 1},
+                [
+                    history.Shape(
+                        spec.message_type,
+                        spec.aggregate_type,
+                        spec.kind,
+                        spec.routing_key,
+                        {"customer": "bench-customer", "sku": "SKU-1", "quantity": 1},
+                    )
+                ],
                 queue=names.inbox_queue(service.name),
             )
             fill_inbox(service, args.messages)
@@ -231,7 +235,7 @@ def run(args: argparse.Namespace) -> Result:
 def _check(scratch: Scratch, messages: int) -> None:
     check: Any = scratch.execute(
         "SELECT (SELECT count(*) FROM bench_orders), (SELECT count(*) FROM txbox.inbox WHERE processed_at IS NOT NULL "
-        "AND aggregate_id NOT LIKE 'history-%')"
+        f"AND aggregate_id NOT LIKE '{history.AGGREGATE_PREFIX}%')"
     )[0]
     if tuple(check) != (messages, messages):
         raise TxboxError(f"bench check failed: business rows, processed rows = {tuple(check)}")
