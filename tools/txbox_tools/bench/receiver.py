@@ -23,7 +23,7 @@ import pika
 import psycopg
 from psycopg import sql
 
-from framework import metrics, migrate, names, topology
+from framework import ids, metrics, migrate, names, topology
 from framework.db import conninfo
 from framework.envelope import Message
 from framework.errors import TxboxError
@@ -103,11 +103,12 @@ class Scratch:
 
 
 def envelopes(n: int) -> list[bytes]:
-    """PlaceOrder envelopes of the usual size, each its own aggregate (own segment)."""
+    """PlaceOrder envelopes of the usual size, each its own aggregate (own segment), with the
+    ids a txbox sender gives them (UUIDv7: docs/architecture.md, "The tables")."""
     out = []
     for i in range(n):
         message = Message(
-            message_id=uuid.uuid4(),
+            message_id=ids.message_id(),
             message_type="PlaceOrder",
             aggregate_type="order",
             aggregate_id=str(i),
