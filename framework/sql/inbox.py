@@ -272,6 +272,10 @@ def conflicting(
     Only rows that did not insert are looked at (the first of several rows with one id
     in ``rows`` is the one that did): with no duplicate in a batch, no statement at all.
     """
+    if len(new) == len(rows):
+        # Every row inserted, so no id came twice: the usual batch, settled without a
+        # look at each of its ids.
+        return []
     inserted: set[uuid.UUID] = set()
     candidates: list[int] = []
     for index, row in enumerate(rows):
