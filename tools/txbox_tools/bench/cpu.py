@@ -161,5 +161,11 @@ class Saturation:
         self.spent = self._meter.stop()
 
     def per_message(self, messages: int, prefix: str = "") -> dict[str, float]:
-        """``{prefix}cpu_ms_per_message``: CPU milliseconds between start and stop per message."""
-        return {f"{prefix}cpu_ms_per_message": round(sum(self.spent.values()) * 1000 / max(messages, 1), 4)}
+        """``{prefix}cpu_ms_per_message``: CPU milliseconds between start and stop per message;
+        with a database, also each component's share (``..._processes``, ``..._postgres``), so
+        a change that moves work between the daemon and its backend shows where it went."""
+        out = {f"{prefix}cpu_ms_per_message": round(sum(self.spent.values()) * 1000 / max(messages, 1), 4)}
+        if len(self.spent) > 1:
+            for name, seconds in self.spent.items():
+                out[f"{prefix}cpu_ms_per_message_{name}"] = round(seconds * 1000 / max(messages, 1), 4)
+        return out
