@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from importlib import metadata as importlib_metadata
 from types import TracebackType
 from typing import Any
@@ -205,16 +206,16 @@ def failed(span: trace.Span, exc: BaseException) -> None:
     span.set_status(trace.StatusCode.ERROR, description[:1000])
 
 
-def distinct_contexts(carriers: Iterable[Mapping[str, Any] | None]) -> list[trace.SpanContext]:
-    """The distinct valid contexts among ``carriers``: each a :func:`carrier_from` result
-    (or headers holding one's values, as the relay's outgoing headers do), so not checked
-    again here.
+def distinct_contexts(carriers: Iterable[Mapping[str, Any] | None]) -> Iterator[trace.SpanContext]:
+    """The distinct valid contexts among ``carriers``, in order: each carrier a
+    :func:`carrier_from` result (or headers holding one's values, as the relay's outgoing
+    headers do), so not checked again here.
 
     Each distinct ``traceparent`` is parsed once: the rows of one business transaction
-    share their writer's context, and one link to it says all there is to say.
+    share their writer's context, and one link to it says all there is to say. Lazy, so
+    a caller that stops early has read no further.
     """
     seen: set[tuple[str, str | None]] = set()
-    out: list[trace.SpanContext] = []
     for carrier in carriers:
         if not carrier:
             continue
@@ -227,8 +228,15 @@ def distinct_contexts(carriers: Iterable[Mapping[str, Any] | None]) -> list[trac
         seen.add(key)
         context = _parse(*key)
         if context is not None:
-            out.append(context)
-    return out
+            yield context
+
+
+def _batch_tracer() -> trace.Tracer | None:
+    """What starts batch spans: :data:`tracer`'s provider's own tracer (the proxy forwards
+    to it), None if nothing can record."""
+    if isinstance(tracer, trace.ProxyTracer):
+        return recording_tracer()
+    return None if isinstance(tracer, trace.NoOpTracer) else tracer  # a test's own tracer
 
 
 def batch_spans(
@@ -241,23 +249,26 @@ def batch_spans(
     ``carriers`` (:func:`carrier_from` results, see :func:`distinct_contexts`;
     docs/architecture.md, "Tracing"); the caller ends them.
 
-    One span, and one more per :data:`MAX_LINKS` contexts beyond the first ones, so no
-    link is built that the SDK would drop. An empty list when nothing records (no SDK, or
-    the sampler said no): then not one carrier is even looked at, so an untraced daemon
-    does nothing per message here.
+    One span per :data:`MAX_LINKS` contexts (at least one), so no link is built that the
+    SDK would drop. Each is given its links at start, as the OpenTelemetry specification
+    prefers (the sampler sees them; adding them one by one afterwards cost the SDK twice
+    as much per link). An empty list when nothing records: with no SDK not one carrier is
+    looked at; when the sampler says no to the first span, no more than that span's
+    share of them.
     """
-    first = tracer.start_span(name, kind=kind, attributes=attributes)
+    active = _batch_tracer()
+    if active is None:
+        return []
+    contexts = distinct_contexts(carriers)
+    links = [trace.Link(context) for context in itertools.islice(contexts, MAX_LINKS)]
+    first = active.start_span(name, kind=kind, attributes=attributes, links=links)
     if not first.is_recording():
         return []
-    found = distinct_contexts(carriers)
-    # The first span's links are added to it (the SDK builds each Link itself); the
-    # others are given theirs at start, built once here.
-    for context in found[:MAX_LINKS]:
-        first.add_link(context)
     spans = [first]
-    for start in range(MAX_LINKS, len(found), MAX_LINKS):
-        links = [trace.Link(context) for context in found[start : start + MAX_LINKS]]
-        spans.append(tracer.start_span(name, kind=kind, attributes=attributes, links=links))
+    while len(links) == MAX_LINKS:
+        links = [trace.Link(context) for context in itertools.islice(contexts, MAX_LINKS)]
+        if links:
+            spans.append(active.start_span(name, kind=kind, attributes=attributes, links=links))
     return spans
 
 
