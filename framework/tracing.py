@@ -253,8 +253,8 @@ def batch_spans(
     SDK would drop. Each is given its links at start, as the OpenTelemetry specification
     prefers (the sampler sees them; adding them one by one afterwards cost the SDK twice
     as much per link). An empty list when nothing records: with no SDK not one carrier is
-    looked at; when the sampler says no to the first span, no more than that span's
-    share of them.
+    looked at; when the sampler says no to the first span, they were read only as far
+    as that span's links.
     """
     active = _batch_tracer()
     if active is None:
