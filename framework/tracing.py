@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from importlib import metadata as importlib_metadata
 from types import TracebackType
 from typing import Any
@@ -46,7 +47,8 @@ MESSAGING_SYSTEM = "rabbitmq"
 # default) and drops the rest: a batch covering more traces gets one span per this many.
 MAX_LINKS = 128
 
-tracer = trace.get_tracer("txbox")
+TRACER_NAME = "txbox"
+tracer = trace.get_tracer(TRACER_NAME)
 
 Carrier = dict[str, str]
 
@@ -79,6 +81,12 @@ def carrier_from(headers: Mapping[str, Any] | None) -> Carrier:
 
 def extract(headers: Mapping[str, Any] | None) -> Context:
     """The context whose span is the remote parent in ``headers`` (an empty context if none is valid)."""
+    # Once per handler run: a stored carrier without tracestate (what a traced txbox
+    # writes) needs no checked copy, only its traceparent's bound.
+    if type(headers) is dict and len(headers) == 1:
+        parent = headers.get(names.HEADER_TRACEPARENT)
+        if type(parent) is str and len(parent) <= MAX_TRACEPARENT_CHARS:
+            return _remote(parent, None)
     carrier = carrier_from(headers)
     if not carrier:
         return Context()
@@ -160,7 +168,27 @@ def recording() -> bool:
     """A tracer provider is set, so spans may record. Without one every span is the API's
     no-op, and a hot path may skip building it: making the incoming context current is
     all such a span does (docs/architecture.md, "Tracing")."""
-    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+    return recording_tracer() is not None
+
+
+# The set provider's own tracer, and that provider: ``tracer`` is the API's proxy, which
+# forwards every call through a property and ``*args, **kwargs``; a per-message span
+# asks the provider's tracer directly.
+_provider_tracer: tuple[trace.TracerProvider, trace.Tracer] | None = None
+
+
+def recording_tracer() -> trace.Tracer | None:
+    """The set provider's tracer (what :data:`tracer` forwards to), or None when no
+    provider is set and nothing records (see :func:`recording`)."""
+    global _provider_tracer
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+        return None
+    known = _provider_tracer  # one read: other threads replace it whole
+    if known is None or known[0] is not provider:
+        known = (provider, provider.get_tracer(TRACER_NAME))
+        _provider_tracer = known
+    return known[1]
 
 
 def failed(span: trace.Span, exc: BaseException) -> None:
@@ -178,26 +206,37 @@ def failed(span: trace.Span, exc: BaseException) -> None:
     span.set_status(trace.StatusCode.ERROR, description[:1000])
 
 
-def distinct_links(carriers: Iterable[Mapping[str, Any] | None]) -> list[trace.Link]:
-    """Links to the distinct valid contexts among ``carriers`` (headers or stored carriers).
+def distinct_contexts(carriers: Iterable[Mapping[str, Any] | None]) -> Iterator[trace.SpanContext]:
+    """The distinct valid contexts among ``carriers``, in order: each carrier a
+    :func:`carrier_from` result (or headers holding one's values, as the relay's outgoing
+    headers do), so not checked again here.
 
     Each distinct ``traceparent`` is parsed once: the rows of one business transaction
-    share their writer's context, and one link to it says all there is to say.
+    share their writer's context, and one link to it says all there is to say. Lazy, so
+    a caller that stops early has read no further.
     """
     seen: set[tuple[str, str | None]] = set()
-    out: list[trace.Link] = []
-    for headers in carriers:
-        carrier = carrier_from(headers)
+    for carrier in carriers:
         if not carrier:
             continue
-        key = (carrier[names.HEADER_TRACEPARENT], carrier.get(names.HEADER_TRACESTATE))
+        parent = carrier.get(names.HEADER_TRACEPARENT)
+        if parent is None:
+            continue
+        key = (parent, carrier.get(names.HEADER_TRACESTATE))
         if key in seen:
             continue
         seen.add(key)
         context = _parse(*key)
         if context is not None:
-            out.append(trace.Link(context))
-    return out
+            yield context
+
+
+def _batch_tracer() -> trace.Tracer | None:
+    """What starts batch spans: :data:`tracer`'s provider's own tracer (the proxy forwards
+    to it), None if nothing can record."""
+    if isinstance(tracer, trace.ProxyTracer):
+        return recording_tracer()
+    return None if isinstance(tracer, trace.NoOpTracer) else tracer  # a test's own tracer
 
 
 def batch_spans(
@@ -207,21 +246,29 @@ def batch_spans(
     carriers: Iterable[Mapping[str, Any] | None],
 ) -> list[trace.Span]:
     """The spans of one batch that covers many traces, linked to each distinct context of
-    ``carriers`` (docs/architecture.md, "Tracing"); the caller ends them.
+    ``carriers`` (:func:`carrier_from` results, see :func:`distinct_contexts`;
+    docs/architecture.md, "Tracing"); the caller ends them.
 
-    One span, and one more per :data:`MAX_LINKS` contexts beyond the first ones. An empty
-    list when nothing records (no SDK, or the sampler said no): then not one carrier is
-    even looked at, so an untraced daemon does nothing per message here.
+    One span per :data:`MAX_LINKS` contexts (at least one), so no link is built that the
+    SDK would drop. Each is given its links at start, as the OpenTelemetry specification
+    prefers (the sampler sees them; adding them one by one afterwards cost the SDK twice
+    as much per link). An empty list when nothing records: with no SDK not one carrier is
+    looked at; when the sampler says no to the first span, they were read only as far
+    as that span's links.
     """
-    first = tracer.start_span(name, kind=kind, attributes=attributes)
+    active = _batch_tracer()
+    if active is None:
+        return []
+    contexts = distinct_contexts(carriers)
+    links = [trace.Link(context) for context in itertools.islice(contexts, MAX_LINKS)]
+    first = active.start_span(name, kind=kind, attributes=attributes, links=links)
     if not first.is_recording():
         return []
-    found = distinct_links(carriers)
-    for link in found[:MAX_LINKS]:
-        first.add_link(link.context)
     spans = [first]
-    for start in range(MAX_LINKS, len(found), MAX_LINKS):
-        spans.append(tracer.start_span(name, kind=kind, attributes=attributes, links=found[start : start + MAX_LINKS]))
+    while len(links) == MAX_LINKS:
+        links = [trace.Link(context) for context in itertools.islice(contexts, MAX_LINKS)]
+        if links:
+            spans.append(active.start_span(name, kind=kind, attributes=attributes, links=links))
     return spans
 
 

@@ -445,12 +445,13 @@ class Receiver(Daemon):
         """Parse and validate (CPU only, no database): rows to store and dead letters."""
         pairs: list[tuple[Delivery, InboxRow]] = []
         letters: list[tuple[Delivery, dl.DeadLetter]] = []
+        for delivery in group:
+            # The sender's context, bounded, is what the handler continues (the worker
+            # parses it) and what the store spans link (docs/architecture.md, "Tracing").
+            delivery.trace = tracing.carrier_from(delivery.headers) or None
         spans = self._store_spans(group)
         try:
             for delivery in group:
-                # The sender's context, bounded, is what the handler continues; the
-                # worker parses it (docs/architecture.md, "Tracing").
-                delivery.trace = tracing.carrier_from(delivery.headers) or None
                 outcome = forced.get(delivery.delivery_tag) or self.intake.admit(delivery)
                 if isinstance(outcome, InboxRow):
                     pairs.append((delivery, outcome))
@@ -480,7 +481,7 @@ class Receiver(Daemon):
                 "messaging.destination.name": self.queue,
                 "messaging.batch.message_count": len(group),
             },
-            (delivery.headers for delivery in group),
+            (delivery.trace for delivery in group),
         )
 
     def _write(self, prepared: _Prepared) -> None:

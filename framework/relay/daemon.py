@@ -209,7 +209,9 @@ def publish_spans(service: str, items: list[Outgoing]) -> PublishSpans | None:
             "messaging.operation.type": "publish",
             "messaging.batch.message_count": len(items),
         },
-        (item.token.trace for item in items),
+        # The outgoing headers hold the row's carrier, bounded (``outgoing``); a row whose
+        # message could not be built has none, and its stored carrier is bounded here.
+        (item.properties.headers or tracing.carrier_from(item.token.trace) for item in items),
     )
     return PublishSpans(spans, len(items)) if spans else None
 

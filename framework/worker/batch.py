@@ -166,7 +166,7 @@ class BatchRunner:
         self._watchdog: Watchdog | None = None
         self._guarded: Connection | None = None  # the connection known to have the commit guard's table
         self._middleware: Sequence[Middleware] = ()
-        self._recording = False
+        self._tracer: trace.Tracer | None = None  # the provider's tracer when spans record
         self.freed = False  # the last run made rows due that no NOTIFY will announce
 
     def run(self, batch: list[Claimed], watchdog: Watchdog) -> int:
@@ -381,8 +381,8 @@ class BatchRunner:
             ours = {row[0] for row in presumed}
             self.freed = self.freed or any(row[1] for row in presumed)
             session = guard.HandlerSession(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
-            # Once per pass, not per message: the hooks, and whether spans record.
-            self._middleware, self._recording = self.service.middleware, tracing.recording()
+            # Once per pass, not per message: the hooks, and the tracer if spans record.
+            self._middleware, self._tracer = self.service.middleware, tracing.recording_tracer()
             # Optimistic pass: handlers' outbox rows are inserted together at the end
             # (one pipelined round trip); careful pass: at once, inside each savepoint.
             outbox_rows: list[OutboxRow] | None = None if careful else []
@@ -484,7 +484,7 @@ class BatchRunner:
         started = time.perf_counter()
         assert self._watchdog is not None
         try:
-            span = handler_span(claimed, handler, recording=self._recording)
+            span = handler_span(claimed, handler, tracer=self._tracer)
             with self._watchdog.guard(timeout, hard, raw.cancel_safe), span:
                 outbox = Outbox(
                     session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
@@ -677,21 +677,23 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
     return raw
 
 
-def handler_span(claimed: Claimed, handler: Handler, *, recording: bool) -> contextlib.AbstractContextManager[object]:
+def handler_span(
+    claimed: Claimed, handler: Handler, *, tracer: trace.Tracer | None
+) -> contextlib.AbstractContextManager[object]:
     """The CONSUMER span of one handler run, current while it runs: child of the context the
     inbox row keeps (the span that wrote the message), so what the handler sends continues
     the message's trace (docs/architecture.md, "Tracing").
 
-    When nothing records (``recording``: :func:`framework.tracing.recording`) no span is
+    When nothing records (``tracer`` None: :func:`framework.tracing.recording_tracer`) no span is
     built: the API's no-op span would only carry the stored context, so that context is
     made current instead, and a message without one costs nothing (the no-op span cost
     a third of a small handler's run).
     """
-    if not recording:
+    if tracer is None:
         carrier = claimed.metadata.get(names.METADATA_TRACE)
         context = tracing.extract(carrier) if carrier else None
         return _current(context) if context else contextlib.nullcontext()
-    return _recorded_span(claimed, handler.name)
+    return _recorded_span(tracer, claimed, handler.name)
 
 
 @contextlib.contextmanager
@@ -703,7 +705,7 @@ def _current(context: otel_context.Context) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def _recorded_span(claimed: Claimed, handler: str) -> tracing.CurrentSpan:
+def _recorded_span(tracer: trace.Tracer, claimed: Claimed, handler: str) -> tracing.CurrentSpan:
     """The recording span of :func:`handler_span`, current while it runs and marked failed
     by an exception out of the handler (:class:`framework.tracing.CurrentSpan`).
 
@@ -719,7 +721,7 @@ def _recorded_span(claimed: Claimed, handler: str) -> tracing.CurrentSpan:
     }
     if claimed.message.attempt > 1:
         attributes["txbox.attempt"] = claimed.message.attempt
-    span = tracing.tracer.start_span(
+    span = tracer.start_span(
         f"handle {claimed.message_type}",
         context=tracing.extract(claimed.metadata.get(names.METADATA_TRACE)),
         kind=trace.SpanKind.CONSUMER,

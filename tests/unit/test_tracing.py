@@ -8,12 +8,14 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler, SamplingResult
 from opentelemetry.trace import StatusCode
 
 from framework import names, tracing
 from framework.errors import ConfigurationError
 from framework.receiver.intake import Delivery
-from framework.relay.daemon import PublishSpans
+from framework.relay.daemon import PublishSpans, outgoing, publish_spans, unbuildable
+from tests.unit.test_publisher import claimed
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 # A tracer of its own provider: these tests need recording spans without touching the global one.
@@ -126,6 +128,60 @@ def test_a_batch_of_more_contexts_than_one_span_keeps_gets_more_spans(monkeypatc
     spans = tracing.batch_spans("publish s", trace.SpanKind.PRODUCER, {}, [parent(n) for n in range(130)])
     linked = [len(span.links) for span in spans]  # type: ignore[attr-defined]
     assert linked == [tracing.MAX_LINKS, 130 - tracing.MAX_LINKS]
+
+
+class _Seen(Sampler):
+    """Samples every span, keeping how many links each was shown."""
+
+    def __init__(self) -> None:
+        self.links: list[int] = []
+
+    def should_sample(self, parent_context: Any, trace_id: int, name: str, *args: Any, **kwargs: Any) -> SamplingResult:
+        links = kwargs.get("links", args[2] if len(args) > 2 else None)
+        self.links.append(len(links or ()))
+        return ALWAYS_ON.should_sample(parent_context, trace_id, name)
+
+    def get_description(self) -> str:
+        return "seen"
+
+
+def test_a_batch_span_is_given_its_links_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    sampler = _Seen()
+    monkeypatch.setattr(tracing, "tracer", TracerProvider(sampler=sampler).get_tracer("test"))
+    spans = tracing.batch_spans("store q", trace.SpanKind.CONSUMER, {}, [parent(n) for n in range(130)])
+    assert sampler.links == [tracing.MAX_LINKS, 2]  # what the sampler saw is what each span keeps
+    assert [len(span.links) for span in spans] == sampler.links  # type: ignore[attr-defined]
+
+
+def test_a_batch_the_sampler_drops_reads_no_more_than_its_first_spans_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    read = 0
+
+    def carriers() -> Iterator[dict[str, str]]:
+        nonlocal read
+        for n in range(1000):
+            read += 1
+            yield parent(n)
+
+    monkeypatch.setattr(tracing, "tracer", TracerProvider(sampler=ALWAYS_OFF).get_tracer("test"))
+    assert tracing.batch_spans("store q", trace.SpanKind.CONSUMER, {}, carriers()) == []
+    assert read == tracing.MAX_LINKS
+
+
+def test_a_publish_batch_links_what_its_messages_carry(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The links come from the outgoing headers (the stored carrier, bounded once), and from
+    # the stored carrier of a row whose message could not be built (it has no headers).
+    monkeypatch.setattr(tracing, "tracer", TRACER)
+    too_long = {"traceparent": "00-" + "a" * tracing.MAX_TRACEPARENT_CHARS}
+    items = [
+        outgoing(claimed(trace=parent(1))),
+        outgoing(claimed(trace=too_long)),
+        outgoing(claimed(trace=None)),
+        unbuildable(claimed(trace=parent(2)), ValueError("bad"))[0],
+    ]
+    batch = publish_spans("s", items)
+    assert batch is not None
+    (span,) = batch._spans
+    assert [link.context.span_id for link in span.links] == [2, 3]  # type: ignore[attr-defined]
 
 
 def test_a_publish_batch_ends_with_its_last_confirm_and_fails_with_any() -> None:

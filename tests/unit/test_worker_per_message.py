@@ -57,9 +57,9 @@ def test_no_span_is_built_when_nothing_records(monkeypatch: pytest.MonkeyPatch) 
         raise AssertionError("a span was built although nothing records")
 
     monkeypatch.setattr(tracing.tracer, "start_as_current_span", no_span)
-    with handler_span(claimed({names.METADATA_TRACE: {"traceparent": PARENT}}), Noop(), recording=False):
+    with handler_span(claimed({names.METADATA_TRACE: {"traceparent": PARENT}}), Noop(), tracer=None):
         # What the handler sends still continues the message's trace.
         assert tracing.current() == {"traceparent": PARENT}
     assert not trace.get_current_span().get_span_context().is_valid
-    with handler_span(claimed({}), Noop(), recording=False):
+    with handler_span(claimed({}), Noop(), tracer=None):
         assert tracing.current() is None
