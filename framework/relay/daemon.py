@@ -63,6 +63,11 @@ from framework.wakeup import Wakeup
 
 log = logging.getLogger("txbox.publisher")
 
+# Marks wait for the next claim to carry them (docs/architecture.md, "Wake-ups"): at most
+# this many rows, and while rows wait so, the loop looks again after at most MARK_DELAY.
+FOLD_AT_MOST = named.HAS_NEXT_AT_MOST
+MARK_DELAY = 0.05  # seconds
+
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -263,6 +268,16 @@ class Relay(Daemon):
         self._wake = Wakeup(self.stop_event)
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
+        # Published rows whose mark waits for the next claim, which carries it (see _fold).
+        self._deferred: list[tuple[Outgoing, PublishError | None]] = []
+        # Confirms in send order, against what was submitted: a claim that ran while rows
+        # were in flight may have found a successor blocked by one of them (_exposed: the
+        # submits up to then), so their confirms wake the loop to mark and claim (see _done).
+        self._submitted = 0
+        self._confirmed = 0
+        self._exposed = 0
+        self._confirm_wakes = True  # in-flight room bounds the claims: every confirm wakes the loop
+        self._due = 0  # confirms that may have made rows due (compared like _notified)
         self._spans: dict[str, PublishSpans] = {}  # a batch's publish spans until its confirms (by message id)
         # A claim lost to a database crash only loses a lease: the row is claimed (and
         # maybe published) again, which at-least-once delivery allows. Losing the last
@@ -303,8 +318,8 @@ class Relay(Daemon):
             while not self.stopping:
                 self.progress()
                 self._wake.clear()
-                if not self._step() and not self._wake.wait(self.config.poll_interval):
-                    self._claim_hint = True  # the poll fallback: look again
+                if not self._step() and not self._wake.wait(self._wait_timeout()):
+                    self._claim_hint = True  # the poll fallback (or marks waiting): look again
             self._drain()
         finally:
             self._wake.set()
@@ -316,6 +331,15 @@ class Relay(Daemon):
             self.pruner.close()
             self._in_flight.set(0)
             self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
+
+    def _wait_timeout(self) -> float:
+        """The poll interval; MARK_DELAY while marks wait for a claim or confirms may come
+        without waking the loop (see :meth:`_done`)."""
+        poll = float(self.config.poll_interval)
+        publisher = self._publisher
+        if self._deferred or self._results or (publisher is not None and publisher.in_flight):
+            return min(poll, MARK_DELAY)
+        return poll
 
     def _declare(self) -> bool:
         while not self.stopping:
@@ -339,8 +363,11 @@ class Relay(Daemon):
         try:
             self._collect_writes(block=False)
             conn = self._db()
-            self._start_write()
+            self._gather()
             publisher = self._broker()
+            if publisher is None or self.stopping:
+                self._undefer()
+            self._start_write()
             if publisher is None:
                 return False
             self._gauges(conn, publisher)
@@ -370,30 +397,48 @@ class Relay(Daemon):
 
     def _claim_and_publish(self, conn: psycopg.Connection[Any], publisher: Publisher) -> int:
         room = min(self.config.batch_size, self.config.max_in_flight - publisher.in_flight)
-        if room <= 0 or not self._claim_hint:
+        if room <= 0:
+            self._undefer()  # no claim to carry the marks: the writer writes them
+            self._start_write()
             return 0
-        params = {"limit": room, "lease": float(self.config.lease), "window": room * 4}
-        notified = self._notified
+        if not self._claim_hint:
+            return 0
+        # Confirms wake the loop when in-flight rows bound the claims (room is short) and
+        # when this claim may find a row blocked by one of them (see _done).
+        self._confirm_wakes = room < self.config.batch_size
+        if publisher.in_flight:
+            self._exposed = self._submitted
+        marked = self._deferred
+        params = {
+            "limit": room,
+            "lease": float(self.config.lease),
+            "window": room * 4,
+            "marked": [item.token.id for item, _ in marked],
+        }
+        notified, due = self._notified, self._due
         started = time.monotonic()
         if self._wide:
             # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.
             rows = named.fetch_claimed(conn, self._sql_claim, params)
+            self._marked(marked)
             self._wide = len(rows) >= room
         else:
             # Few, deep lanes: the plain claim would probe every waiting row (sql.claim_window).
             rows = named.fetch_claimed(conn, self._sql_claim_window, params)
+            self._marked(marked)
             now = time.monotonic()
             if not rows and now >= self._next_full_claim:
                 # The window may be all rows waiting behind blocked heads (say, a long
                 # backoff): look at the whole table now and then so no lane starves.
                 self._next_full_claim = now + float(self.config.poll_interval)
-                rows = named.fetch_claimed(conn, self._sql_claim, params)
+                rows = named.fetch_claimed(conn, self._sql_claim, {**params, "marked": []})
             self._wide = len(rows) >= room
         self._statistics.after_claim(conn, time.monotonic() - started, len(rows), log)
         # A short claim took every due head there is: claiming again is pointless until
-        # something changes (a write frees the next heads, NOTIFY, the poll timer). A
-        # NOTIFY that came during the claim may be for a row its snapshot missed.
-        self._claim_hint = len(rows) >= room or self._notified != notified
+        # something changes (a write frees the next heads, NOTIFY, a confirm whose mark
+        # may free one, the poll timer). A NOTIFY or such a confirm that came during the
+        # claim may be for a row its snapshot missed.
+        self._claim_hint = len(rows) >= room or self._notified != notified or self._due != due
         if not rows:
             return 0
         items = self._outgoing(rows)  # in claim order: priority, then creation
@@ -413,6 +458,7 @@ class Relay(Daemon):
                 self._end_span(item, exc)
             conn.execute(self._sql_release, {"ids": [r.id for r in rows]})
             return 0
+        self._submitted += len(items)
         return len(items)
 
     def _outgoing(self, rows: list[Claimed]) -> list[Outgoing]:
@@ -446,10 +492,24 @@ class Relay(Daemon):
         return keep
 
     def _done(self, item: Outgoing, error: PublishError | None) -> None:
-        """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
+        """Completion callback on the publisher's I/O thread: hand over; wake the loop if it
+        must act now.
+
+        A confirmed row's mark waits for the next claim (docs/architecture.md, "Wake-ups"),
+        unless the mark may make a row due: one waits behind it in its lane (``has_next``,
+        asked at its claim: True, or None for "not asked"), or a claim since its own may
+        have found one blocked by it (exposed). Then the loop claims now, and the claim
+        marks it. Failures, and confirms while in-flight room bounds the claims, wake it too.
+        """
         self._end_span(item, error)
         self._results.append((item, error))
-        self._wake.set()
+        self._confirmed += 1
+        if error is None and (item.token.has_next is not False or self._confirmed <= self._exposed):
+            self._due += 1
+            self._claim_hint = True
+            self._wake.set()
+        elif error is not None or self._confirm_wakes:
+            self._wake.set()
 
     def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
         spans = self._spans.pop(item.message_id, None)
@@ -457,13 +517,33 @@ class Relay(Daemon):
             failed = relay_outcome(item.token, error) is not RelayOutcome.PUBLISHED
             spans.done(str(error) if failed else None)
 
+    def _gather(self) -> None:
+        """Take the outcomes handed over so far: published rows wait for the next claim to
+        mark them (at most FOLD_AT_MOST: more go to the writer, as do failures and releases)."""
+        while self._results:
+            outcome = self._results.popleft()
+            (self._unrecorded if outcome[1] is not None else self._deferred).append(outcome)
+        if len(self._deferred) > FOLD_AT_MOST:
+            self._undefer()
+
+    def _undefer(self) -> None:
+        """The marks that wait for a claim go to the writer instead."""
+        self._unrecorded[:0] = self._deferred
+        self._deferred = []
+
+    def _marked(self, marked: list[tuple[Outgoing, PublishError | None]]) -> None:
+        """The claim that carried the marks of ``marked`` committed: count them."""
+        if not marked:
+            return
+        self._deferred = []
+        published: Tally[str] = Tally(item.token.message_type for item, _ in marked)
+        for message_type, n in published.items():
+            metrics.PUBLISHER_PUBLISHED.labels(self.settings.service, message_type).inc(n)
+        self.published += len(marked)
+
     def _start_write(self) -> None:
         """Hand the outcomes gathered so far to the writer thread (one batch at a time)."""
-        if self._writing is not None:
-            return
-        while self._results:
-            self._unrecorded.append(self._results.popleft())
-        if not self._unrecorded:
+        if self._writing is not None or not self._unrecorded:
             return
         batch, self._unrecorded = self._unrecorded, []
         conn = self._write_db.get()
@@ -518,6 +598,9 @@ class Relay(Daemon):
     def _record_now(self) -> None:
         """Write every outcome gathered so far and wait for it (shutdown)."""
         self._collect_writes(block=True)
+        while self._results:
+            self._unrecorded.append(self._results.popleft())
+        self._undefer()
         self._start_write()
         self._collect_writes(block=True)
 

@@ -293,3 +293,27 @@ def test_claimed_rows_are_read_by_column_name_in_any_order(settings: Settings) -
             assert (row.id, row.kind, row.priority, row.finished_attempts) == ("id", "kind", 1, 4)
             assert row.segment == ("segment" if names_ is every else "")
             assert row.concurrency == ("concurrency" if names_ is every else "sequential")
+
+
+def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
+    settings: Settings, service: Service
+) -> None:
+    # The relay's marks ride its next claim (docs/architecture.md, "Wake-ups"): the
+    # claim must see a marked row's successor as the head of its lane in the same
+    # statement, and say of each row whether a pending row waits behind it.
+    registry = service.registry
+    first, second = insert_rows(settings, registry, orders(1, 2))
+    (lone,) = insert_rows(settings, registry, orders(1, 1, aggregate_id="lone"))
+    claim = outbox_sql.claim_window(settings.schema)
+    params = {"window": 40, "limit": 10, "lease": 60.0}
+    with psycopg.connect(conninfo(settings.database_url), autocommit=True) as conn:
+        rows = outbox_sql.fetch_claimed(conn, claim, {**params, "marked": []})
+        assert {(r.id, r.has_next) for r in rows} == {(first, True), (lone, False)}
+        (row,) = outbox_sql.fetch_claimed(conn, claim, {**params, "marked": [first, lone]})
+        assert (row.id, row.has_next) == (second, False)
+        marked = conn.execute(
+            sql.SQL("SELECT id::text, finished_attempts FROM {} WHERE processed_at IS NOT NULL").format(
+                sql.Identifier(settings.schema, "outbox")
+            )
+        ).fetchall()
+    assert sorted(marked) == sorted([(first, 1), (lone, 1)])
