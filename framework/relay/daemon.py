@@ -268,14 +268,8 @@ class Relay(Daemon):
         self._wake = Wakeup(self.stop_event)
         self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
-        # Published rows whose mark waits for the next claim, which carries it (see _fold).
+        # Published rows whose mark waits for the next claim, which carries it (see _gather).
         self._deferred: list[tuple[Outgoing, PublishError | None]] = []
-        # Confirms in send order, against what was submitted: a claim that ran while rows
-        # were in flight may have found a successor blocked by one of them (_exposed: the
-        # submits up to then), so their confirms wake the loop to mark and claim (see _done).
-        self._submitted = 0
-        self._confirmed = 0
-        self._exposed = 0
         self._confirm_wakes = True  # in-flight room bounds the claims: every confirm wakes the loop
         self._due = 0  # confirms that may have made rows due (compared like _notified)
         self._spans: dict[str, PublishSpans] = {}  # a batch's publish spans until its confirms (by message id)
@@ -356,9 +350,10 @@ class Relay(Daemon):
     def _step(self) -> bool:
         """One round: record outcomes, claim and publish; True when more work is ready now.
 
-        Outcomes are written on a second connection by a writer thread while this one
-        claims, so the two biggest statements of the relay (mark and claim) overlap
-        instead of adding up.
+        The marks of a few confirmed rows ride the claim (docs/architecture.md,
+        "Wake-ups"). Other outcomes, and the marks of large batches at full load, are
+        written on a second connection by a writer thread while this one claims, so the
+        two biggest statements of the relay (mark and claim) overlap instead of adding up.
         """
         try:
             self._collect_writes(block=False)
@@ -403,11 +398,8 @@ class Relay(Daemon):
             return 0
         if not self._claim_hint:
             return 0
-        # Confirms wake the loop when in-flight rows bound the claims (room is short) and
-        # when this claim may find a row blocked by one of them (see _done).
+        # Confirms wake the loop when in-flight rows bound the claims (room is short).
         self._confirm_wakes = room < self.config.batch_size
-        if publisher.in_flight:
-            self._exposed = self._submitted
         marked = self._deferred
         params = {
             "limit": room,
@@ -458,7 +450,6 @@ class Relay(Daemon):
                 self._end_span(item, exc)
             conn.execute(self._sql_release, {"ids": [r.id for r in rows]})
             return 0
-        self._submitted += len(items)
         return len(items)
 
     def _outgoing(self, rows: list[Claimed]) -> list[Outgoing]:
@@ -496,19 +487,22 @@ class Relay(Daemon):
         must act now.
 
         A confirmed row's mark waits for the next claim (docs/architecture.md, "Wake-ups"),
-        unless the mark may make a row due: one waits behind it in its lane (``has_next``,
-        asked at its claim: True, or None for "not asked"), or a claim since its own may
-        have found one blocked by it (exposed). Then the loop claims now, and the claim
-        marks it. Failures, and confirms while in-flight room bounds the claims, wake it too.
+        unless a row waits behind it in its lane (``has_next`` True, asked at its claim):
+        then the loop claims now, and the claim marks it and takes the successor. A row
+        written behind it after its claim comes with a NOTIFY, whose claim carries the
+        mark if the confirm came first; if not, the next claim takes it (the next NOTIFY,
+        or MARK_DELAY at the latest). A row of a large claim (``has_next`` None: not
+        asked) goes to the writer as before (see _gather); failures, and confirms while
+        in-flight room bounds the claims, wake the loop too.
         """
         self._end_span(item, error)
         self._results.append((item, error))
-        self._confirmed += 1
-        if error is None and (item.token.has_next is not False or self._confirmed <= self._exposed):
+        has_next = item.token.has_next
+        if error is None and has_next:
             self._due += 1
             self._claim_hint = True
             self._wake.set()
-        elif error is not None or self._confirm_wakes:
+        elif error is not None or has_next is None or self._confirm_wakes:
             self._wake.set()
 
     def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
@@ -518,11 +512,14 @@ class Relay(Daemon):
             spans.done(str(error) if failed else None)
 
     def _gather(self) -> None:
-        """Take the outcomes handed over so far: published rows wait for the next claim to
-        mark them (at most FOLD_AT_MOST: more go to the writer, as do failures and releases)."""
+        """Take the outcomes handed over so far: published rows of small claims wait for
+        the next claim to mark them (at most FOLD_AT_MOST: more go to the writer, as do
+        failures, releases and the rows of large claims, whose successors the writer's
+        mark reports)."""
         while self._results:
             outcome = self._results.popleft()
-            (self._unrecorded if outcome[1] is not None else self._deferred).append(outcome)
+            foldable = outcome[1] is None and outcome[0].token.has_next is not None
+            (self._deferred if foldable else self._unrecorded).append(outcome)
         if len(self._deferred) > FOLD_AT_MOST:
             self._undefer()
 

@@ -13,6 +13,8 @@ each other, and the outer UPDATE takes the lease and counts the attempt in the s
 round trip. The UPDATE finds the locked rows by ``ctid`` (stable while the CTE holds
 their row locks): a TID scan, instead of probing a primary key that is bloated with one
 entry per earlier row version.
+The same statement marks the rows the relay saw confirmed since its last claim
+(``marked``), so a cycle is one statement and one commit (docs/architecture.md, "Wake-ups").
 
 Ordering lane = (segment, priority) of a *sequential* row: a sequential row is due only
 when no earlier pending sequential row of the same segment and priority exists, so

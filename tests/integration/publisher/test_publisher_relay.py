@@ -259,8 +259,9 @@ def test_a_lane_drains_without_notify_or_poll_as_each_mark_frees_its_successor(
     settings: Settings, service: Service
 ) -> None:
     # No poll for an hour; only the first row's insert NOTIFYs a claim. Each later row of
-    # the lane becomes due when its predecessor's mark commits, and the mark itself must
-    # say so: the relay claims after a mark only when the mark freed a successor.
+    # the lane becomes due when its predecessor's mark commits, and something must say
+    # so: the claim that took the predecessor (has_next), whose confirm then wakes the
+    # relay to mark it and claim the successor in one statement, or the writer's mark.
     config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
     with running_relay(service, config) as relay:
         wait_until(lambda: relay._claim_db.is_open and not relay._claim_hint, 30, message="the relay idle")
