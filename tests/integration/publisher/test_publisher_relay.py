@@ -318,3 +318,16 @@ def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
             )
         ).fetchall()
     assert sorted(marked) == sorted([(first, 1), (lone, 1)])
+
+
+def test_at_a_trickle_each_mark_rides_a_claim_and_the_writer_stays_idle(settings: Settings, service: Service) -> None:
+    # A cycle is one statement: the next claim (a NOTIFY's, or the loop's look after
+    # MARK_DELAY) marks what was confirmed (docs/architecture.md, "Wake-ups"), so plain
+    # publishes never need the writer's connection.
+    with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
+        for n in range(1, 4):
+            insert_rows(settings, service.registry, orders(1, 1, aggregate_id=f"t-{n}"))
+            wait_until(lambda n=n: outbox_state(settings)["processed"] == n, 30, message=f"row {n} marked")
+        wait_until(lambda: relay.published == 3, 30, message="the marks counted")
+        assert not relay._write_db.is_open
+    assert len(drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)) == 3
