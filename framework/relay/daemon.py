@@ -266,10 +266,12 @@ class Relay(Daemon):
         # NOTIFY (with a window under load), confirms, finished writes, stop
         # (docs/architecture.md, "Wake-ups").
         self._wake = Wakeup(self.stop_event)
-        self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
+        # Outcomes handed to the loop, each with the monotonic time it was known.
+        self._results: deque[tuple[Outgoing, PublishError | None, float]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
         # Published rows whose mark waits for the next claim, which carries it (see _gather).
-        self._deferred: list[tuple[Outgoing, PublishError | None]] = []
+        # Each with its confirm's monotonic time: the claim back-dates the mark to it.
+        self._deferred: list[tuple[Outgoing, float]] = []
         self._confirm_wakes = True  # in-flight room bounds the claims: every confirm wakes the loop
         self._due = 0  # confirms that may have made rows due (compared like _notified)
         self._spans: dict[str, PublishSpans] = {}  # a batch's publish spans until its confirms (by message id)
@@ -401,11 +403,13 @@ class Relay(Daemon):
         # Confirms wake the loop when in-flight rows bound the claims (room is short).
         self._confirm_wakes = room < self.config.batch_size
         marked = self._deferred
+        now = time.monotonic()
         params = {
             "limit": room,
             "lease": float(self.config.lease),
             "window": room * 4,
             "marked": [item.token.id for item, _ in marked],
+            "ages": [now - at for _, at in marked],  # the marks say when the confirms came
         }
         notified, due = self._notified, self._due
         started = time.monotonic()
@@ -423,7 +427,7 @@ class Relay(Daemon):
                 # The window may be all rows waiting behind blocked heads (say, a long
                 # backoff): look at the whole table now and then so no lane starves.
                 self._next_full_claim = now + float(self.config.poll_interval)
-                rows = named.fetch_claimed(conn, self._sql_claim, {**params, "marked": []})
+                rows = named.fetch_claimed(conn, self._sql_claim, {**params, "marked": [], "ages": []})
             self._wide = len(rows) >= room
         self._statistics.after_claim(conn, time.monotonic() - started, len(rows), log)
         # A short claim took every due head there is: claiming again is pointless until
@@ -461,7 +465,7 @@ class Relay(Daemon):
                 items.append(outgoing(row, self._user))
             except Exception as exc:  # the last resort: one row must not stop the relay
                 log.exception("outbox row %s: its message could not be built; dead-lettering it", row.id)
-                self._results.append(unbuildable(row, exc))
+                self._results.append((*unbuildable(row, exc), 0.0))
                 self._wake.set()
         return items
 
@@ -475,7 +479,7 @@ class Relay(Daemon):
             expires_at = expiry.from_metadata(row.expires_at)
             if expires_at is not None and expiry.passed(expires_at, now):
                 error = PublishError(expiry.describe(expires_at, "before the relay published it"), Reason.EXPIRED)
-                self._results.append((item, error))
+                self._results.append((item, error, 0.0))
             else:
                 keep.append(item)
         if len(keep) < len(items):
@@ -496,7 +500,7 @@ class Relay(Daemon):
         in-flight room bounds the claims, wake the loop too.
         """
         self._end_span(item, error)
-        self._results.append((item, error))
+        self._results.append((item, error, time.monotonic()))
         has_next = item.token.has_next
         if error is None and has_next:
             self._due += 1
@@ -517,18 +521,20 @@ class Relay(Daemon):
         failures, releases and the rows of large claims, whose successors the writer's
         mark reports)."""
         while self._results:
-            outcome = self._results.popleft()
-            foldable = outcome[1] is None and outcome[0].token.has_next is not None
-            (self._deferred if foldable else self._unrecorded).append(outcome)
+            item, error, at = self._results.popleft()
+            if error is None and item.token.has_next is not None:
+                self._deferred.append((item, at))
+            else:
+                self._unrecorded.append((item, error))
         if len(self._deferred) > FOLD_AT_MOST:
             self._undefer()
 
     def _undefer(self) -> None:
         """The marks that wait for a claim go to the writer instead."""
-        self._unrecorded[:0] = self._deferred
+        self._unrecorded[:0] = [(item, None) for item, _ in self._deferred]
         self._deferred = []
 
-    def _marked(self, marked: list[tuple[Outgoing, PublishError | None]]) -> None:
+    def _marked(self, marked: list[tuple[Outgoing, float]]) -> None:
         """The claim that carried the marks of ``marked`` committed: count them."""
         if not marked:
             return
@@ -596,7 +602,8 @@ class Relay(Daemon):
         """Write every outcome gathered so far and wait for it (shutdown)."""
         self._collect_writes(block=True)
         while self._results:
-            self._unrecorded.append(self._results.popleft())
+            item, error, _ = self._results.popleft()
+            self._unrecorded.append((item, error))
         self._undefer()
         self._start_write()
         self._collect_writes(block=True)

@@ -181,10 +181,14 @@ _PROBE = f"""NOT EXISTS (
 # statement and one commit per cycle, not two: docs/architecture.md, "Wake-ups"). It
 # marks only rows still pending, as :func:`mark_published` does; it is not referenced,
 # so it runs to completion after the claim, and the claim never takes a row it marks.
+# ``processed_at`` stays the time of the broker's confirm: ``ages`` holds, per marked
+# id, the seconds since it came (the relay's own clock measures only the interval).
 _MARK = f"""
 WITH marked AS (
     UPDATE {{outbox}} m
-    SET processed_at = clock_timestamp(), finished_attempts = m.finished_attempts + 1, last_error = NULL,
+    SET processed_at = clock_timestamp() - make_interval(
+            secs => (%(ages)s::float8[])[array_position(%(marked)s::uuid[], m.id)]),
+        finished_attempts = m.finished_attempts + 1, last_error = NULL,
         metadata = m.metadata - 'auth_token'
     WHERE m.id = ANY(%(marked)s::uuid[]) AND {pending_by_id("m")}
 ),"""
@@ -248,8 +252,8 @@ _HEADS_TAKEN = (
 
 
 def claim_window(schema: str) -> sql.Composed:
-    """Params: window, limit, lease (seconds), marked (ids to mark published, see _MARK). The usual
-    claim (rows: :func:`fetch_claimed`).
+    """Params: window, limit, lease (seconds), marked (ids to mark published) and ages (seconds
+    since each one's confirm; see _MARK). The usual claim (rows: :func:`fetch_claimed`).
 
     Looks only at the ``window`` oldest due rows, and probes only the first row of each
     lane among them (a later row of a lane in the window is never its head). With deep
@@ -292,7 +296,7 @@ def claim_window(schema: str) -> sql.Composed:
 
 
 def claim(schema: str) -> sql.Composed:
-    """Params: limit, lease (seconds), marked (as :func:`claim_window`). Every due head of lane, whole
+    """Params: limit, lease (seconds), marked and ages (as :func:`claim_window`). Every due head of lane, whole
     table (the fallback)."""
     return sql.SQL(
         _MARK

@@ -157,7 +157,11 @@ def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_stat
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
         _analyzed_small_then_grown(conn, OUTBOX_ROWS, names.OUTBOX, processed=PENDING, pending=200)
         statement = relay_sql.claim_window("txbox").as_string(conn)
-        plan = _plan(conn, statement, {"window": 800, "limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX)})
+        plan = _plan(
+            conn,
+            statement,
+            {"window": 800, "limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX), "ages": [0.0] * 30},
+        )
 
     assert "Join" not in plan and "Nested Loop" not in plan, plan
 
@@ -208,13 +212,16 @@ PROBES: dict[str, tuple[str, Statement]] = {
     ),
     "relay claim": (
         names.OUTBOX,
-        lambda conn: (relay_sql.claim("txbox"), {"limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX)}),
+        lambda conn: (
+            relay_sql.claim("txbox"),
+            {"limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX), "ages": [0.0] * 30},
+        ),
     ),
     "relay window claim": (
         names.OUTBOX,
         lambda conn: (
             relay_sql.claim_window("txbox"),
-            {"window": 800, "limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX)},
+            {"window": 800, "limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX), "ages": [0.0] * 30},
         ),
     ),
     "relay mark": (

@@ -301,23 +301,28 @@ def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
 ) -> None:
     # The relay's marks ride its next claim (docs/architecture.md, "Wake-ups"): the
     # claim must see a marked row's successor as the head of its lane in the same
-    # statement, and say of each row whether a pending row waits behind it.
+    # statement, say of each row whether a pending row waits behind it, and date each
+    # mark at its confirm, not at the claim.
     registry = service.registry
     first, second = insert_rows(settings, registry, orders(1, 2))
     (lone,) = insert_rows(settings, registry, orders(1, 1, aggregate_id="lone"))
     claim = outbox_sql.claim_window(settings.schema)
     params = {"window": 40, "limit": 10, "lease": 60.0}
     with psycopg.connect(conninfo(settings.database_url), autocommit=True) as conn:
-        rows = outbox_sql.fetch_claimed(conn, claim, {**params, "marked": []})
+        rows = outbox_sql.fetch_claimed(conn, claim, {**params, "marked": [], "ages": []})
         assert {(r.id, r.has_next) for r in rows} == {(first, True), (lone, False)}
-        (row,) = outbox_sql.fetch_claimed(conn, claim, {**params, "marked": [first, lone]})
+        # The first row's confirm came 5 s before the lone one's: its mark says so.
+        (row,) = outbox_sql.fetch_claimed(conn, claim, {**params, "marked": [first, lone], "ages": [5.0, 0.0]})
         assert (row.id, row.has_next) == (second, False)
         marked = conn.execute(
-            sql.SQL("SELECT id::text, finished_attempts FROM {} WHERE processed_at IS NOT NULL").format(
-                sql.Identifier(settings.schema, "outbox")
-            )
+            sql.SQL(
+                "SELECT id::text, finished_attempts, extract(epoch FROM processed_at) FROM {}"
+                " WHERE processed_at IS NOT NULL"
+            ).format(sql.Identifier(settings.schema, "outbox"))
         ).fetchall()
-    assert sorted(marked) == sorted([(first, 1), (lone, 1)])
+    assert sorted((m[0], m[1]) for m in marked) == sorted([(first, 1), (lone, 1)])
+    at = {m[0]: float(m[2]) for m in marked}
+    assert 4.9 < at[lone] - at[first] < 5.5
 
 
 def test_at_a_trickle_each_mark_rides_a_claim_and_the_writer_stays_idle(settings: Settings, service: Service) -> None:
