@@ -273,6 +273,10 @@ class Relay(Daemon):
         # Each with its confirm's monotonic time: the claim back-dates the mark to it.
         self._deferred: list[tuple[Outgoing, float]] = []
         self._confirm_wakes = True  # in-flight room bounds the claims: every confirm wakes the loop
+        # Marks ride claims only under load (NOTIFYs close enough for a window): there a
+        # claim is frequent and already waits; at a trickle marking in the claim made each
+        # claim, and so each message, later by about a mark's time (see _gather).
+        self._fold = False
         self._due = 0  # confirms that may have made rows due (compared like _notified)
         self._spans: dict[str, PublishSpans] = {}  # a batch's publish spans until its confirms (by message id)
         # A claim lost to a database crash only loses a lease: the row is claimed (and
@@ -333,7 +337,8 @@ class Relay(Daemon):
         without waking the loop (see :meth:`_done`)."""
         poll = float(self.config.poll_interval)
         publisher = self._publisher
-        if self._deferred or self._results or (publisher is not None and publisher.in_flight):
+        in_flight = publisher is not None and publisher.in_flight
+        if self._deferred or (self._fold and (self._results or in_flight)):
             return min(poll, MARK_DELAY)
         return poll
 
@@ -402,6 +407,7 @@ class Relay(Daemon):
             return 0
         # Confirms wake the loop when in-flight rows bound the claims (room is short).
         self._confirm_wakes = room < self.config.batch_size
+        self._fold = self._wake.window() > 0
         marked = self._deferred
         now = time.monotonic()
         params = {
@@ -496,17 +502,18 @@ class Relay(Daemon):
         written behind it after its claim comes with a NOTIFY, whose claim carries the
         mark if the confirm came first; if not, the next claim takes it (the next NOTIFY,
         or MARK_DELAY at the latest). A row of a large claim (``has_next`` None: not
-        asked) goes to the writer as before (see _gather); failures, and confirms while
-        in-flight room bounds the claims, wake the loop too.
+        asked) goes to the writer as before (see _gather); failures, confirms while
+        in-flight room bounds the claims, and every confirm at a trickle (no window, so
+        no folding: the writer marks, as before) wake the loop too.
         """
         self._end_span(item, error)
         self._results.append((item, error, time.monotonic()))
         has_next = item.token.has_next
-        if error is None and has_next:
+        if error is None and has_next and self._fold:
             self._due += 1
             self._claim_hint = True
             self._wake.set()
-        elif error is not None or has_next is None or self._confirm_wakes:
+        elif error is not None or has_next is None or self._confirm_wakes or not self._fold:
             self._wake.set()
 
     def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
@@ -516,13 +523,14 @@ class Relay(Daemon):
             spans.done(str(error) if failed else None)
 
     def _gather(self) -> None:
-        """Take the outcomes handed over so far: published rows of small claims wait for
-        the next claim to mark them (at most FOLD_AT_MOST: more go to the writer, as do
-        failures, releases and the rows of large claims, whose successors the writer's
-        mark reports)."""
+        """Take the outcomes handed over so far: under load, published rows of small claims
+        wait for the next claim to mark them (at most FOLD_AT_MOST: more go to the writer,
+        as do failures, releases, the rows of large claims, whose successors the writer's
+        mark reports, and every mark at a trickle)."""
+        fold = self._fold
         while self._results:
             item, error, at = self._results.popleft()
-            if error is None and item.token.has_next is not None:
+            if fold and error is None and item.token.has_next is not None:
                 self._deferred.append((item, at))
             else:
                 self._unrecorded.append((item, error))
