@@ -333,12 +333,14 @@ class Relay(Daemon):
             self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
 
     def _wait_timeout(self) -> float:
-        """The poll interval; MARK_DELAY while marks wait for a claim or confirms may come
-        without waking the loop (see :meth:`_done`)."""
+        """The poll interval; MARK_DELAY while outcomes wait to be recorded or confirms may
+        come without waking the loop (see :meth:`_done`)."""
         poll = float(self.config.poll_interval)
         publisher = self._publisher
         in_flight = publisher is not None and publisher.in_flight
-        if self._deferred or (self._fold and (self._results or in_flight)):
+        # Outcomes for the writer wait while a write runs; its end wakes the loop (_written),
+        # and this bounds the wait should they have been gathered as it looked.
+        if self._deferred or self._unrecorded or (self._fold and (self._results or in_flight)):
             return min(poll, MARK_DELAY)
         return poll
 
@@ -571,6 +573,7 @@ class Relay(Daemon):
         if (
             future.exception() is not None
             or self._results
+            or self._unrecorded
             or self._notified != notified
             or future.result()[3]
             or self.stopping
