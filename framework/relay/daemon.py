@@ -63,6 +63,11 @@ from framework.wakeup import Wakeup
 
 log = logging.getLogger("txbox.publisher")
 
+# Marks wait for the next claim to carry them (docs/architecture.md, "Wake-ups"): at most
+# this many rows, and while rows wait so, the loop looks again after at most MARK_DELAY.
+FOLD_AT_MOST = named.HAS_NEXT_AT_MOST
+MARK_DELAY = 0.05  # seconds
+
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -263,8 +268,18 @@ class Relay(Daemon):
         # NOTIFY (with a window under load), confirms, finished writes, stop
         # (docs/architecture.md, "Wake-ups").
         self._wake = Wakeup(self.stop_event)
-        self._results: deque[tuple[Outgoing, PublishError | None]] = deque()
+        # Outcomes handed to the loop, each with the monotonic time it was known.
+        self._results: deque[tuple[Outgoing, PublishError | None, float]] = deque()
         self._unrecorded: list[tuple[Outgoing, PublishError | None]] = []
+        # Published rows whose mark waits for the next claim, which carries it (see _gather).
+        # Each with its confirm's monotonic time: the claim back-dates the mark to it.
+        self._deferred: list[tuple[Outgoing, float]] = []
+        self._confirm_wakes = True  # in-flight room bounds the claims: every confirm wakes the loop
+        # Marks ride claims only under load (NOTIFYs close enough for a window): there a
+        # claim is frequent and already waits; at a trickle marking in the claim made each
+        # claim, and so each message, later by about a mark's time (see _gather).
+        self._fold = False
+        self._due = 0  # confirms that may have made rows due (compared like _notified)
         self._spans: dict[str, PublishSpans] = {}  # a batch's publish spans until its confirms (by message id)
         # A claim lost to a database crash only loses a lease: the row is claimed (and
         # maybe published) again, which at-least-once delivery allows. Losing the last
@@ -305,8 +320,8 @@ class Relay(Daemon):
             while not self.stopping:
                 self.progress()
                 self._wake.clear()
-                if not self._step() and not self._wake.wait(self.config.poll_interval):
-                    self._claim_hint = True  # the poll fallback: look again
+                if not self._step() and not self._wake.wait(self._wait_timeout()):
+                    self._claim_hint = True  # the poll fallback (or marks waiting): look again
             self._drain()
         finally:
             self._wake.set()
@@ -318,6 +333,18 @@ class Relay(Daemon):
             self.pruner.close()
             self._in_flight.set(0)
             self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
+
+    def _wait_timeout(self) -> float:
+        """The poll interval; MARK_DELAY while outcomes wait to be recorded or confirms may
+        come without waking the loop (see :meth:`_done`)."""
+        poll = float(self.config.poll_interval)
+        publisher = self._publisher
+        in_flight = publisher is not None and publisher.in_flight
+        # Outcomes for the writer wait while a write runs; its end wakes the loop (_written),
+        # and this bounds the wait should they have been gathered as it looked.
+        if self._deferred or self._unrecorded or (self._fold and (self._results or in_flight)):
+            return min(poll, MARK_DELAY)
+        return poll
 
     def _declare(self) -> bool:
         while not self.stopping:
@@ -334,15 +361,19 @@ class Relay(Daemon):
     def _step(self) -> bool:
         """One round: record outcomes, claim and publish; True when more work is ready now.
 
-        Outcomes are written on a second connection by a writer thread while this one
-        claims, so the two biggest statements of the relay (mark and claim) overlap
-        instead of adding up.
+        The marks of a few confirmed rows ride the claim (docs/architecture.md,
+        "Wake-ups"). Other outcomes, and the marks of large batches at full load, are
+        written on a second connection by a writer thread while this one claims, so the
+        two biggest statements of the relay (mark and claim) overlap instead of adding up.
         """
         try:
             self._collect_writes(block=False)
             conn = self._db()
-            self._start_write()
+            self._gather()
             publisher = self._broker()
+            if publisher is None or self.stopping:
+                self._undefer()
+            self._start_write()
             if publisher is None:
                 return False
             self._gauges(conn, publisher)
@@ -372,30 +403,48 @@ class Relay(Daemon):
 
     def _claim_and_publish(self, conn: psycopg.Connection[Any], publisher: Publisher) -> int:
         room = min(self.config.batch_size, self.config.max_in_flight - publisher.in_flight)
-        if room <= 0 or not self._claim_hint:
+        if room <= 0:
+            self._undefer()  # no claim to carry the marks: the writer writes them
+            self._start_write()
             return 0
-        params = {"limit": room, "lease": float(self.config.lease), "window": room * 4}
-        notified = self._notified
+        if not self._claim_hint:
+            return 0
+        # Confirms wake the loop when in-flight rows bound the claims (room is short).
+        self._confirm_wakes = room < self.config.batch_size
+        self._fold = self._wake.window() > 0
+        marked = self._deferred
+        now = time.monotonic()
+        params = {
+            "limit": room,
+            "lease": float(self.config.lease),
+            "window": room * 4,
+            "marked": [item.token.id for item, _ in marked],
+            "ages": [now - at for _, at in marked],  # the marks say when the confirms came
+        }
+        notified, due = self._notified, self._due
         started = time.monotonic()
         if self._wide:
             # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.
             rows = named.fetch_claimed(conn, self._sql_claim, params)
+            self._marked(marked)
             self._wide = len(rows) >= room
         else:
             # Few, deep lanes: the plain claim would probe every waiting row (sql.claim_window).
             rows = named.fetch_claimed(conn, self._sql_claim_window, params)
+            self._marked(marked)
             now = time.monotonic()
             if not rows and now >= self._next_full_claim:
                 # The window may be all rows waiting behind blocked heads (say, a long
                 # backoff): look at the whole table now and then so no lane starves.
                 self._next_full_claim = now + float(self.config.poll_interval)
-                rows = named.fetch_claimed(conn, self._sql_claim, params)
+                rows = named.fetch_claimed(conn, self._sql_claim, {**params, "marked": [], "ages": []})
             self._wide = len(rows) >= room
         self._statistics.after_claim(conn, time.monotonic() - started, len(rows), log)
         # A short claim took every due head there is: claiming again is pointless until
-        # something changes (a write frees the next heads, NOTIFY, the poll timer). A
-        # NOTIFY that came during the claim may be for a row its snapshot missed.
-        self._claim_hint = len(rows) >= room or self._notified != notified
+        # something changes (a write frees the next heads, NOTIFY, a confirm whose mark
+        # may free one, the poll timer). A NOTIFY or such a confirm that came during the
+        # claim may be for a row its snapshot missed.
+        self._claim_hint = len(rows) >= room or self._notified != notified or self._due != due
         if not rows:
             return 0
         items = self._outgoing(rows)  # in claim order: priority, then creation
@@ -426,7 +475,7 @@ class Relay(Daemon):
                 items.append(outgoing(row, self._user))
             except Exception as exc:  # the last resort: one row must not stop the relay
                 log.exception("outbox row %s: its message could not be built; dead-lettering it", row.id)
-                self._results.append(unbuildable(row, exc))
+                self._results.append((*unbuildable(row, exc), 0.0))
                 self._wake.set()
         return items
 
@@ -440,7 +489,7 @@ class Relay(Daemon):
             expires_at = expiry.from_metadata(row.expires_at)
             if expires_at is not None and expiry.passed(expires_at, now):
                 error = PublishError(expiry.describe(expires_at, "before the relay published it"), Reason.EXPIRED)
-                self._results.append((item, error))
+                self._results.append((item, error, 0.0))
             else:
                 keep.append(item)
         if len(keep) < len(items):
@@ -448,10 +497,28 @@ class Relay(Daemon):
         return keep
 
     def _done(self, item: Outgoing, error: PublishError | None) -> None:
-        """Completion callback on the publisher's I/O thread: hand over, wake the loop."""
+        """Completion callback on the publisher's I/O thread: hand over; wake the loop if it
+        must act now.
+
+        A confirmed row's mark waits for the next claim (docs/architecture.md, "Wake-ups"),
+        unless a row waits behind it in its lane (``has_next`` True, asked at its claim):
+        then the loop claims now, and the claim marks it and takes the successor. A row
+        written behind it after its claim comes with a NOTIFY, whose claim carries the
+        mark if the confirm came first; if not, the next claim takes it (the next NOTIFY,
+        or MARK_DELAY at the latest). A row of a large claim (``has_next`` None: not
+        asked) goes to the writer as before (see _gather); failures, confirms while
+        in-flight room bounds the claims, and every confirm at a trickle (no window, so
+        no folding: the writer marks, as before) wake the loop too.
+        """
         self._end_span(item, error)
-        self._results.append((item, error))
-        self._wake.set()
+        self._results.append((item, error, time.monotonic()))
+        has_next = item.token.has_next
+        if error is None and has_next and self._fold:
+            self._due += 1
+            self._claim_hint = True
+            self._wake.set()
+        elif error is not None or has_next is None or self._confirm_wakes or not self._fold:
+            self._wake.set()
 
     def _end_span(self, item: Outgoing, error: PublishError | None) -> None:
         spans = self._spans.pop(item.message_id, None)
@@ -459,13 +526,39 @@ class Relay(Daemon):
             failed = relay_outcome(item.token, error) is not RelayOutcome.PUBLISHED
             spans.done(str(error) if failed else None)
 
+    def _gather(self) -> None:
+        """Take the outcomes handed over so far: under load, published rows of small claims
+        wait for the next claim to mark them (at most FOLD_AT_MOST: more go to the writer,
+        as do failures, releases, the rows of large claims, whose successors the writer's
+        mark reports, and every mark at a trickle)."""
+        fold = self._fold
+        while self._results:
+            item, error, at = self._results.popleft()
+            if fold and error is None and item.token.has_next is not None:
+                self._deferred.append((item, at))
+            else:
+                self._unrecorded.append((item, error))
+        if len(self._deferred) > FOLD_AT_MOST:
+            self._undefer()
+
+    def _undefer(self) -> None:
+        """The marks that wait for a claim go to the writer instead."""
+        self._unrecorded[:0] = [(item, None) for item, _ in self._deferred]
+        self._deferred = []
+
+    def _marked(self, marked: list[tuple[Outgoing, float]]) -> None:
+        """The claim that carried the marks of ``marked`` committed: count them."""
+        if not marked:
+            return
+        self._deferred = []
+        published: Tally[str] = Tally(item.token.message_type for item, _ in marked)
+        for message_type, n in published.items():
+            metrics.PUBLISHER_PUBLISHED.labels(self.settings.service, message_type).inc(n)
+        self.published += len(marked)
+
     def _start_write(self) -> None:
         """Hand the outcomes gathered so far to the writer thread (one batch at a time)."""
-        if self._writing is not None:
-            return
-        while self._results:
-            self._unrecorded.append(self._results.popleft())
-        if not self._unrecorded:
+        if self._writing is not None or not self._unrecorded:
             return
         batch, self._unrecorded = self._unrecorded, []
         conn = self._write_db.get()
@@ -482,6 +575,7 @@ class Relay(Daemon):
         if (
             future.exception() is not None
             or self._results
+            or self._unrecorded
             or self._notified != notified
             or future.result()[3]
             or self.stopping
@@ -520,6 +614,10 @@ class Relay(Daemon):
     def _record_now(self) -> None:
         """Write every outcome gathered so far and wait for it (shutdown)."""
         self._collect_writes(block=True)
+        while self._results:
+            item, error, _ = self._results.popleft()
+            self._unrecorded.append((item, error))
+        self._undefer()
         self._start_write()
         self._collect_writes(block=True)
 

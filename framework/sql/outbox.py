@@ -13,6 +13,8 @@ each other, and the outer UPDATE takes the lease and counts the attempt in the s
 round trip. The UPDATE finds the locked rows by ``ctid`` (stable while the CTE holds
 their row locks): a TID scan, instead of probing a primary key that is bloated with one
 entry per earlier row version.
+The same statement marks the rows the relay saw confirmed since its last claim
+(``marked``), so a cycle is one statement and one commit (docs/architecture.md, "Wake-ups").
 
 Ordering lane = (segment, priority) of a *sequential* row: a sequential row is due only
 when no earlier pending sequential row of the same segment and priority exists, so
@@ -133,6 +135,8 @@ class Claimed(NamedTuple):
     concurrency: str = "sequential"
     trace: dict[str, Any] | None = None  # the writer's span (docs/architecture.md, "Tracing")
     expires_at: Any = None  # metadata's expiry, a number when set (framework/expiry.py)
+    # A pending row waits behind this one in its lane (False: none; None: not asked, maybe).
+    has_next: bool | None = None
 
 
 def fetch_claimed(conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]) -> list[Claimed]:
@@ -163,18 +167,50 @@ def _outbox(schema: str) -> sql.Identifier:
 _PENDING_BY_ID = sql.SQL(pending_by_id())
 
 
+# The rows the claim marks published (``marked``) are processed when it commits, so
+# they block no successor: the probe passes over them.
 _PROBE = f"""NOT EXISTS (
             SELECT 1 FROM {{outbox}} p
             WHERE p.segment = o.segment AND p.priority = o.priority
               AND p.concurrency = 'sequential'
               AND {pending_in_segment("p")}
-              AND (p.created_at, p.id) < (o.created_at, o.id))"""
+              AND (p.created_at, p.id) < (o.created_at, o.id)
+              AND p.id <> ALL(%(marked)s::uuid[]))"""
+
+# The published rows of earlier claims, marked by the claim that follows them (one
+# statement and one commit per cycle, not two: docs/architecture.md, "Wake-ups"). It
+# marks only rows still pending, as :func:`mark_published` does; it is not referenced,
+# so it runs to completion after the claim, and the claim never takes a row it marks.
+# ``processed_at`` stays the time of the broker's confirm: ``ages`` holds, per marked
+# id, the seconds since it came (the relay's own clock measures only the interval).
+_MARK = f"""
+WITH marked AS (
+    UPDATE {{outbox}} m
+    SET processed_at = clock_timestamp() - make_interval(
+            secs => (%(ages)s::float8[])[array_position(%(marked)s::uuid[], m.id)]),
+        finished_attempts = m.finished_attempts + 1, last_error = NULL,
+        metadata = m.metadata - 'auth_token'
+    WHERE m.id = ANY(%(marked)s::uuid[]) AND {pending_by_id("m")}
+),"""
+
+# Claims of at most this many rows say of each sequential row whether its lane holds a
+# pending row behind it (``has_next``): only then must its mark follow its confirm at
+# once. Larger claims say "maybe" (NULL): they come at full load, where the relay
+# claims again anyway.
+HAS_NEXT_AT_MOST = 32
+
+# Per claimed row, with ``marked`` passed over as in the probe (see HAS_NEXT_AT_MOST).
+_HAS_NEXT = f"""CASE WHEN concurrency = 'parallel' THEN false WHEN count(*) OVER () <= {HAS_NEXT_AT_MOST} THEN EXISTS (
+        SELECT 1 FROM {{outbox}} p
+        WHERE p.segment = taken.segment AND p.priority = taken.priority AND p.concurrency = 'sequential'
+          AND {pending_in_segment("p")} AND p.id <> taken.id::uuid AND p.id <> ALL(%(marked)s::uuid[])) END"""
 
 # Take the locked rows: the lease and the attempt in one UPDATE, found by ``ctid``, and
 # return them in claim order. Text that the envelope needs verbatim (id, JSON, the
 # timestamp in the envelope's format) is rendered by PostgreSQL in C rather than
 # parsed into Python objects and formatted again per message.
-_TAKE = """, taken AS (
+_TAKE = (
+    """, taken AS (
 UPDATE {outbox} t
 SET locked_until = now() + make_interval(secs => %(lease)s),
     started_attempts = t.started_attempts + 1
@@ -192,8 +228,11 @@ RETURNING t.id::text AS id, t.message_type, t.aggregate_type, t.aggregate_id, t.
     t.metadata->'trace' AS trace, t.metadata->'expires_at' AS expires_at)
 SELECT id, message_type, aggregate_type, aggregate_id, message_version, kind, routing_key, payload_json,
     context_json, auth_token, correlation_id, priority, stamp, epoch, started_attempts, finished_attempts,
-    segment, concurrency, trace, expires_at
+    segment, concurrency, trace, expires_at, """
+    + _HAS_NEXT
+    + """ AS has_next
 FROM taken ORDER BY priority DESC, created_at, id"""
+)
 
 # The end of both claims: of the due rows chosen, the heads of their lanes (a parallel
 # row heads its own), in claim order, locked (skipping rows another publisher holds),
@@ -203,6 +242,7 @@ _HEADS_TAKEN = (
       AND (o.concurrency = 'parallel' OR """
     + _PROBE
     + """)
+      AND o.id <> ALL(%(marked)s::uuid[])
     ORDER BY o.priority DESC, o.created_at
     LIMIT %(limit)s
     FOR UPDATE OF o SKIP LOCKED
@@ -212,7 +252,8 @@ _HEADS_TAKEN = (
 
 
 def claim_window(schema: str) -> sql.Composed:
-    """Params: window, limit, lease (seconds). The usual claim (rows: :func:`fetch_claimed`).
+    """Params: window, limit, lease (seconds), marked (ids to mark published) and ages (seconds
+    since each one's confirm; see _MARK). The usual claim (rows: :func:`fetch_claimed`).
 
     Looks only at the ``window`` oldest due rows, and probes only the first row of each
     lane among them (a later row of a lane in the window is never its head). With deep
@@ -230,8 +271,8 @@ def claim_window(schema: str) -> sql.Composed:
     5 ms for 18 rows at 500 msg/s and quadratic in the window.
     """
     return sql.SQL(
-        """
-WITH window_rows AS (
+        _MARK
+        + """ window_rows AS (
     SELECT o.ctid, o.id, o.segment, o.priority, o.created_at, o.concurrency
     FROM {outbox} o
     WHERE o.processed_at IS NULL AND o.abandoned_at IS NULL AND o.locked_until <= now()
@@ -255,10 +296,11 @@ WITH window_rows AS (
 
 
 def claim(schema: str) -> sql.Composed:
-    """Params: limit, lease (seconds). Every due head of lane, whole table (the fallback)."""
+    """Params: limit, lease (seconds), marked and ages (as :func:`claim_window`). Every due head of lane, whole
+    table (the fallback)."""
     return sql.SQL(
-        """
-WITH due AS (
+        _MARK
+        + """ due AS (
     SELECT o.ctid
     FROM {outbox} o
     WHERE o.processed_at IS NULL AND o.abandoned_at IS NULL AND o.locked_until <= now()"""

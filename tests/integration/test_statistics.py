@@ -157,7 +157,11 @@ def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_stat
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
         _analyzed_small_then_grown(conn, OUTBOX_ROWS, names.OUTBOX, processed=PENDING, pending=200)
         statement = relay_sql.claim_window("txbox").as_string(conn)
-        plan = _plan(conn, statement, {"window": 800, "limit": 200, "lease": 60.0})
+        plan = _plan(
+            conn,
+            statement,
+            {"window": 800, "limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX), "ages": [0.0] * 30},
+        )
 
     assert "Join" not in plan and "Nested Loop" not in plan, plan
 
@@ -206,10 +210,19 @@ PROBES: dict[str, tuple[str, Statement]] = {
         names.INBOX,
         lambda conn: (q.presume_processed("txbox"), _fenced(conn)),
     ),
-    "relay claim": (names.OUTBOX, lambda conn: (relay_sql.claim("txbox"), {"limit": 200, "lease": 60.0})),
+    "relay claim": (
+        names.OUTBOX,
+        lambda conn: (
+            relay_sql.claim("txbox"),
+            {"limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX), "ages": [0.0] * 30},
+        ),
+    ),
     "relay window claim": (
         names.OUTBOX,
-        lambda conn: (relay_sql.claim_window("txbox"), {"window": 800, "limit": 200, "lease": 60.0}),
+        lambda conn: (
+            relay_sql.claim_window("txbox"),
+            {"window": 800, "limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX), "ages": [0.0] * 30},
+        ),
     ),
     "relay mark": (
         names.OUTBOX,
@@ -260,3 +273,15 @@ def test_lookups_by_id_read_no_partial_index_whatever_the_statistics_say(databas
     plan = _plan_after_a_burst(database, table, make)
     walks = [m[0] for m in re.finditer(r"using \w+_(?:due|segment)_idx on \w+(?: (\w+))?", plan) if m[1] != "p"]
     assert not walks, plan
+
+
+@pytest.mark.parametrize("statement", ["relay claim", "relay window claim"])
+def test_the_marks_a_claim_carries_read_no_partial_index_whatever_the_statistics_say(
+    database: str, statement: str
+) -> None:
+    # The claim marks the published rows of earlier claims by id (alias m): like the
+    # mark of its own, by primary key, never by walking a partial index of pending rows.
+    table, make = PROBES[statement]
+    plan = _plan_after_a_burst(database, table, make)
+    assert "outbox m" in plan, plan
+    assert not re.findall(r"using \w+_(?:due|segment)_idx on \w+ m\b", plan), plan

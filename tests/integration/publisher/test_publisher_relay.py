@@ -259,8 +259,9 @@ def test_a_lane_drains_without_notify_or_poll_as_each_mark_frees_its_successor(
     settings: Settings, service: Service
 ) -> None:
     # No poll for an hour; only the first row's insert NOTIFYs a claim. Each later row of
-    # the lane becomes due when its predecessor's mark commits, and the mark itself must
-    # say so: the relay claims after a mark only when the mark freed a successor.
+    # the lane becomes due when its predecessor's mark commits, and something must say
+    # so: the claim that took the predecessor (has_next), whose confirm then wakes the
+    # relay to mark it and claim the successor in one statement, or the writer's mark.
     config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
     with running_relay(service, config) as relay:
         wait_until(lambda: relay._claim_db.is_open and not relay._claim_hint, 30, message="the relay idle")
@@ -293,3 +294,55 @@ def test_claimed_rows_are_read_by_column_name_in_any_order(settings: Settings) -
             assert (row.id, row.kind, row.priority, row.finished_attempts) == ("id", "kind", 1, 4)
             assert row.segment == ("segment" if names_ is every else "")
             assert row.concurrency == ("concurrency" if names_ is every else "sequential")
+
+
+def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
+    settings: Settings, service: Service
+) -> None:
+    # The relay's marks ride its next claim (docs/architecture.md, "Wake-ups"): the
+    # claim must see a marked row's successor as the head of its lane in the same
+    # statement, say of each row whether a pending row waits behind it, and date each
+    # mark at its confirm, not at the claim.
+    registry = service.registry
+    first, second = insert_rows(settings, registry, orders(1, 2))
+    (lone,) = insert_rows(settings, registry, orders(1, 1, aggregate_id="lone"))
+    claim = outbox_sql.claim_window(settings.schema)
+    params = {"window": 40, "limit": 10, "lease": 60.0}
+    with psycopg.connect(conninfo(settings.database_url), autocommit=True) as conn:
+        rows = outbox_sql.fetch_claimed(conn, claim, {**params, "marked": [], "ages": []})
+        assert {(r.id, r.has_next) for r in rows} == {(first, True), (lone, False)}
+        # The first row's confirm came 5 s before the lone one's: its mark says so.
+        (row,) = outbox_sql.fetch_claimed(conn, claim, {**params, "marked": [first, lone], "ages": [5.0, 0.0]})
+        assert (row.id, row.has_next) == (second, False)
+        marked = conn.execute(
+            sql.SQL(
+                "SELECT id::text, finished_attempts, extract(epoch FROM processed_at) FROM {}"
+                " WHERE processed_at IS NOT NULL"
+            ).format(sql.Identifier(settings.schema, "outbox"))
+        ).fetchall()
+    assert sorted((m[0], m[1]) for m in marked) == sorted([(first, 1), (lone, 1)])
+    at = {m[0]: float(m[2]) for m in marked}
+    assert 4.9 < at[lone] - at[first] < 5.5
+
+
+def test_under_load_each_mark_rides_a_claim_and_the_writer_stays_idle(settings: Settings, service: Service) -> None:
+    # Under load (NOTIFYs close enough for a window) a cycle is one statement: the next
+    # claim (a NOTIFY's, or the loop's look after MARK_DELAY) marks what was confirmed
+    # (docs/architecture.md, "Wake-ups"), so plain publishes never need the writer's
+    # connection. The load is stood for by the window it opens.
+    with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
+        relay._wake.window = lambda: 0.0001  # type: ignore[method-assign]
+        for n in range(1, 4):
+            insert_rows(settings, service.registry, orders(1, 1, aggregate_id=f"t-{n}"))
+            wait_until(lambda n=n: outbox_state(settings)["processed"] == n, 30, message=f"row {n} marked")
+        wait_until(lambda: relay.published == 3, 30, message="the marks counted")
+        assert not relay._write_db.is_open
+    assert len(drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)) == 3
+
+
+def test_at_a_trickle_the_writer_marks_and_claims_stay_light(settings: Settings, service: Service) -> None:
+    # No window: marking in the claim would make each message later by a mark's time.
+    with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
+        insert_rows(settings, service.registry, orders(1, 1, aggregate_id="t-1"))
+        wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the row marked")
+        assert relay._write_db.is_open
