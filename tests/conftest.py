@@ -1,4 +1,4 @@
-"""Fixtures: a migrated template database cloned per test, a RabbitMQ vhost per test.
+"""Fixtures: a migrated template database cloned per test (made ahead, dropped behind), a RabbitMQ vhost per test.
 
 Integration tests need the real PostgreSQL and RabbitMQ (`make test` starts them); if
 either is missing they fail with the fix, they are never skipped silently.
@@ -18,6 +18,7 @@ from framework import migrate
 from framework.service import Service
 from framework.settings import Settings
 from tests import support
+from tests.databases import DatabasePool
 from txbox_tools.processes import ProcessGroup
 
 if TYPE_CHECKING:
@@ -76,13 +77,22 @@ def spark() -> Iterator[SparkSession]:
     session.stop()
 
 
+@pytest.fixture(scope="session")
+def database_pool(template_db: str) -> Iterator[DatabasePool]:
+    """Clones of the template made ahead and dropped behind, off the tests' time (tests/databases.py)."""
+    pool = DatabasePool(template_db)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def database(template_db: str) -> Iterator[str]:
-    """Name of a fresh, migrated database of this test's own."""
-    name = support.unique("txbox_t")
-    support.create_database(name, template=template_db)
+def database(database_pool: DatabasePool) -> Iterator[str]:
+    """Name of a fresh, migrated database of this test's own (never one another test used)."""
+    name = database_pool.take()
     yield name
-    support.drop_database(name)
+    database_pool.give_back(name)
 
 
 @pytest.fixture
