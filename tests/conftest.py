@@ -1,4 +1,5 @@
-"""Fixtures: a migrated template database cloned per test, a RabbitMQ vhost per test.
+"""Fixtures: a migrated template database cloned per test, a RabbitMQ vhost per test (both made
+ahead and dropped behind, tests/pools.py).
 
 Integration tests need the real PostgreSQL and RabbitMQ (`make test` starts them); if
 either is missing they fail with the fix, they are never skipped silently.
@@ -18,6 +19,7 @@ from framework import migrate
 from framework.service import Service
 from framework.settings import Settings
 from tests import support
+from tests.pools import Pool
 from txbox_tools.processes import ProcessGroup
 
 if TYPE_CHECKING:
@@ -76,13 +78,28 @@ def spark() -> Iterator[SparkSession]:
     session.stop()
 
 
+@pytest.fixture(scope="session")
+def database_pool(template_db: str) -> Iterator[Pool]:
+    """Clones of the template made ahead and dropped behind, off the tests' time (tests/pools.py)."""
+
+    def clone() -> str:
+        name = support.unique("txbox_t")
+        support.create_database(name, template=template_db)
+        return name
+
+    pool = Pool("databases", clone, support.drop_database)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def database(template_db: str) -> Iterator[str]:
-    """Name of a fresh, migrated database of this test's own."""
-    name = support.unique("txbox_t")
-    support.create_database(name, template=template_db)
+def database(database_pool: Pool) -> Iterator[str]:
+    """Name of a fresh, migrated database of this test's own (never one another test used)."""
+    name = database_pool.take()
     yield name
-    support.drop_database(name)
+    database_pool.give_back(name)
 
 
 @pytest.fixture
@@ -99,16 +116,32 @@ def empty_database_url() -> Iterator[str]:
     support.drop_database(name)
 
 
-@pytest.fixture
-def vhost() -> Iterator[str]:
-    """A RabbitMQ vhost of this test's own (queues and exchanges vanish with it)."""
-    name = support.unique("txbox-test")
+@pytest.fixture(scope="session")
+def vhost_pool() -> Iterator[Pool]:
+    """Empty vhosts made ahead and deleted behind, off the tests' time (tests/pools.py)."""
     try:
-        support.create_vhost(name)
+        support.mgmt("GET", "/overview")
     except OSError as exc:
         pytest.fail(f"RabbitMQ management API is not reachable at {support.MGMT_URL} ({exc}); run `make setup` first")
+
+    def new_vhost() -> str:
+        name = support.unique("txbox-test")
+        support.create_vhost(name)
+        return name
+
+    pool = Pool("vhosts", new_vhost, support.delete_vhost)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def vhost(vhost_pool: Pool) -> Iterator[str]:
+    """A RabbitMQ vhost of this test's own (queues and exchanges vanish with it)."""
+    name = vhost_pool.take()
     yield name
-    support.delete_vhost(name)
+    vhost_pool.give_back(name)
 
 
 @pytest.fixture
