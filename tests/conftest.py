@@ -87,11 +87,8 @@ def database_pool(template_db: str) -> Iterator[Pool]:
         support.create_database(name, template=template_db)
         return name
 
-    pool = Pool("databases", clone, support.drop_database)
-    try:
+    with Pool("databases", clone, support.drop_database) as pool:
         yield pool
-    finally:
-        pool.close()
 
 
 @pytest.fixture
@@ -129,11 +126,8 @@ def vhost_pool() -> Iterator[Pool]:
         support.create_vhost(name)
         return name
 
-    pool = Pool("vhosts", new_vhost, support.delete_vhost)
-    try:
+    with Pool("vhosts", new_vhost, support.delete_vhost) as pool:
         yield pool
-    finally:
-        pool.close()
 
 
 @pytest.fixture

@@ -44,6 +44,12 @@ class Pool:
         for thread in self._threads:
             thread.start()
 
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def take(self) -> str:
         """A fresh one: made ahead, or made now."""
         with self._changed:

@@ -396,11 +396,8 @@ def _measure(
         if history_rows:
             # The pipeline's own mix: each Ping echoed by a Ponged.
             shapes = [
-                history.Shape(spec.message_type, spec.aggregate_type, spec.kind, spec.routing_key, payload)
-                for spec, payload in (
-                    (service.registry.get("Ping"), {"n": 0, "echo": True}),
-                    (service.registry.get("Ponged"), {"n": 0}),
-                )
+                history.Shape.of(service.registry.get("Ping"), {"n": 0, "echo": True}),
+                history.Shape.of(service.registry.get("Ponged"), {"n": 0}),
             ]
             for table in (names.OUTBOX, names.INBOX):
                 done = history.prefill(

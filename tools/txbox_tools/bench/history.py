@@ -32,6 +32,7 @@ import psycopg
 from psycopg import sql
 
 from framework import names
+from framework.contracts import MessageSpec
 from framework.db import conninfo
 
 CHUNK = 1_000_000  # rows per INSERT: a bounded transaction (and WAL) each
@@ -93,6 +94,11 @@ class Shape(NamedTuple):
     kind: str
     routing_key: str
     payload: dict[str, Any]  # its "n", if it has one, becomes the row's number
+
+    @classmethod
+    def of(cls, spec: MessageSpec, payload: dict[str, Any]) -> Shape:
+        """The rows of message type ``spec`` with ``payload``."""
+        return cls(spec.message_type, spec.aggregate_type, spec.kind, spec.routing_key, payload)
 
 
 def prefill(

@@ -110,15 +110,7 @@ def run(args: argparse.Namespace) -> Result:
                 database_url,
                 names.OUTBOX,
                 args.history,
-                [
-                    history.Shape(
-                        spec.message_type,
-                        spec.aggregate_type,
-                        spec.kind,
-                        spec.routing_key,
-                        {"customer": "bench-customer", "sku": "SKU-1", "quantity": 1},
-                    )
-                ],
+                [history.Shape.of(spec, {"customer": "bench-customer", "sku": "SKU-1", "quantity": 1})],
             )
             _fill(database_url, registry, args.messages)
             _analyze(database_url)

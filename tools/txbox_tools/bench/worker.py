@@ -176,15 +176,7 @@ def run(args: argparse.Namespace) -> Result:
                 scratch.database_url,
                 names.INBOX,
                 args.history,
-                [
-                    history.Shape(
-                        spec.message_type,
-                        spec.aggregate_type,
-                        spec.kind,
-                        spec.routing_key,
-                        {"customer": "bench-customer", "sku": "SKU-1", "quantity": 1},
-                    )
-                ],
+                [history.Shape.of(spec, {"customer": "bench-customer", "sku": "SKU-1", "quantity": 1})],
                 queue=names.inbox_queue(service.name),
             )
             fill_inbox(service, args.messages)
