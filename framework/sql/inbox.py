@@ -161,11 +161,28 @@ def batch_json(rows: Sequence[InboxRow]) -> str:
     return orjson.dumps(list(map(_VALUES, rows))).decode()
 
 
+# PostgreSQL refuses a jsonb value whose elements take more than 256 MB. The receiver's
+# budget of unacked bytes counts bodies, not headers (kept whole in ``metadata``, a control
+# character spelled in six), so a batch of senders' largest headers could reach it: past
+# this many characters (at most four UTF-8 bytes each) a batch goes in halves.
+MAX_BATCH_CHARS = 32 << 20
+
+
 def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow]) -> set[uuid.UUID]:
-    """Store ``rows``; returns the ids that were new (the others were duplicates)."""
+    """Store ``rows``; returns the ids that were new (the others were duplicates).
+
+    A batch too large for one jsonb value goes as several statements of the caller's
+    transaction, in order: a duplicate in a later part meets the row of an earlier part,
+    so the first of a batch still wins.
+    """
     if not rows:
         return set()
-    cur.execute(insert_sql(schema), (batch_json(rows),))
+    text = batch_json(rows)
+    if len(text) > MAX_BATCH_CHARS and len(rows) > 1:
+        half = len(rows) // 2
+        new = insert_rows(cur, schema, rows[:half])
+        return new | insert_rows(cur, schema, rows[half:])
+    cur.execute(insert_sql(schema), (text,))
     return {row[0] for row in cur.fetchall()}
 
 

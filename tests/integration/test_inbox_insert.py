@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from framework.db import conninfo
+from framework.sql import inbox as inbox_sql
 from framework.sql.inbox import InboxRow, insert_rows
 
 _HOSTILE = '"],["x", 1, {"a": [\\"b\\"]}, \\\\, \\u0041, é €, 😀, \t\n'
@@ -103,6 +104,36 @@ def test_duplicates_are_not_new_and_the_first_of_a_batch_wins(database_url: str)
         conn.commit()
         assert insert_rows(cur, "txbox", [again, fresh, fresh]) == {fresh.id}
     assert _stored(database_url, [first.id])[first.id].aggregate_id == "agg-0"
+
+
+def test_a_batch_too_large_for_one_jsonb_value_goes_in_parts_and_the_first_still_wins(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch past jsonb's limit (here a small stand-in for 256 MB) is stored whole, in parts."""
+    monkeypatch.setattr(inbox_sql, "MAX_BATCH_CHARS", 1_000)  # a row is about 500 characters
+    rows = [_row(n) for n in range(7)]
+    again = replace(rows[1], aggregate_id="later")
+
+    class Counting:
+        """The cursor, counting its statements."""
+
+        def __init__(self, cur: psycopg.Cursor[Any]) -> None:
+            self.cur, self.statements = cur, 0
+
+        def execute(self, *args: Any) -> None:
+            self.statements += 1
+            self.cur.execute(*args)
+
+        def fetchall(self) -> list[Any]:
+            return self.cur.fetchall()
+
+    with psycopg.connect(conninfo(database_url)) as conn, conn.cursor() as cur:
+        counting = Counting(cur)
+        assert insert_rows(counting, "txbox", [*rows, again]) == {row.id for row in rows}  # type: ignore[arg-type]
+    assert counting.statements > 1
+    stored = _stored(database_url, [row.id for row in rows])
+    # Every row stored once, and the duplicate in a later part did not win.
+    assert {i: r.aggregate_id for i, r in stored.items()} == {row.id: row.aggregate_id for row in rows}
 
 
 @pytest.mark.parametrize(
