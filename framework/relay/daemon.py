@@ -342,9 +342,17 @@ class Relay(Daemon):
         in_flight = publisher is not None and publisher.in_flight
         # Outcomes for the writer wait while a write runs; its end wakes the loop (_written),
         # and this bounds the wait should they have been gathered as it looked.
-        if self._deferred or self._unrecorded or (self._fold and (self._results or in_flight)):
+        if self._deferred:
+            # From the oldest waiting confirm, not from this wake-up: wake-ups that bring
+            # no claim must not keep putting its mark off (see _marks_overdue).
+            return max(0.0, min(poll, self._deferred[0][1] + MARK_DELAY - time.monotonic()))
+        if self._unrecorded or (self._fold and (self._results or in_flight)):
             return min(poll, MARK_DELAY)
         return poll
+
+    def _marks_overdue(self) -> bool:
+        """A mark has waited MARK_DELAY for a claim to carry it: claim now, hint or not."""
+        return bool(self._deferred) and time.monotonic() >= self._deferred[0][1] + MARK_DELAY
 
     def _declare(self) -> bool:
         while not self.stopping:
@@ -407,11 +415,16 @@ class Relay(Daemon):
             self._undefer()  # no claim to carry the marks: the writer writes them
             self._start_write()
             return 0
-        if not self._claim_hint:
+        if not self._claim_hint and not self._marks_overdue():
             return 0
         # Confirms wake the loop when in-flight rows bound the claims (room is short).
         self._confirm_wakes = room < self.config.batch_size
         self._fold = self._wake.window() > 0
+        # What came since the step gathered rides this claim too: a confirm whose row has a
+        # successor and that came before this line is carried; one after it changes
+        # ``_due`` and keeps the claim hint below.
+        notified, due = self._notified, self._due
+        self._gather()
         marked = self._deferred
         now = time.monotonic()
         params = {
@@ -421,7 +434,6 @@ class Relay(Daemon):
             "marked": [item.token.id for item, _ in marked],
             "ages": [now - at for _, at in marked],  # the marks say when the confirms came
         }
-        notified, due = self._notified, self._due
         started = time.monotonic()
         if self._wide:
             # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.

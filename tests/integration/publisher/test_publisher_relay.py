@@ -340,6 +340,31 @@ def test_under_load_each_mark_rides_a_claim_and_the_writer_stays_idle(settings: 
     assert len(drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)) == 3
 
 
+def test_a_waiting_mark_is_carried_after_mark_delay_however_often_the_loop_wakes(
+    settings: Settings, service: Service
+) -> None:
+    # Under load a mark waits for the next claim, MARK_DELAY at most, counted from its
+    # confirm: wake-ups that bring no claim (confirms while in-flight room bounds the
+    # claims, finished writes) must not keep putting it off. Here they come every 5 ms.
+    stop = threading.Event()
+    with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
+        relay._wake.window = lambda: 0.0001  # type: ignore[method-assign]
+
+        def wake_often() -> None:
+            while not stop.wait(0.005):
+                relay._wake.set()
+
+        waker = threading.Thread(target=wake_often, daemon=True)
+        waker.start()
+        try:
+            insert_rows(settings, service.registry, orders(1, 1, aggregate_id="w-1"))
+            wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the waiting mark written")
+        finally:
+            stop.set()
+            waker.join()
+        assert not relay._write_db.is_open  # a claim carried it, not the writer
+
+
 def test_at_a_trickle_the_writer_marks_and_claims_stay_light(settings: Settings, service: Service) -> None:
     # No window: marking in the claim would make each message later by a mark's time.
     with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
