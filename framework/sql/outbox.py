@@ -167,6 +167,22 @@ def _outbox(schema: str) -> sql.Identifier:
 _PENDING_BY_ID = sql.SQL(pending_by_id())
 
 
+def _published(row: str, at: str) -> str:
+    """SQL SET list: outbox row ``row`` published at ``at``; its auth_token, no longer needed, dropped."""
+    return (
+        f"processed_at = {at}, finished_attempts = {row}.finished_attempts + 1, last_error = NULL, "
+        f"metadata = {row}.metadata - 'auth_token'"
+    )
+
+
+def _others_in_lane(row: str, row_id: str, also: str = "") -> str:
+    """SQL: another pending sequential row (id not ``row_id``) shares ``row``'s lane (``also``: more conditions)."""
+    return f"""EXISTS (
+        SELECT 1 FROM {{outbox}} p
+        WHERE p.segment = {row}.segment AND p.priority = {row}.priority AND p.concurrency = 'sequential'
+          AND {pending_in_segment("p")} AND p.id <> {row_id}{also})"""
+
+
 # The rows the claim marks published (``marked``) are processed when it commits, so
 # they block no successor: the probe passes over them.
 _PROBE = f"""NOT EXISTS (
@@ -183,13 +199,13 @@ _PROBE = f"""NOT EXISTS (
 # so it runs to completion after the claim, and the claim never takes a row it marks.
 # ``processed_at`` stays the time of the broker's confirm: ``ages`` holds, per marked
 # id, the seconds since it came (the relay's own clock measures only the interval).
+_CONFIRMED_AT = (
+    "clock_timestamp() - make_interval(secs => (%(ages)s::float8[])[array_position(%(marked)s::uuid[], m.id)])"
+)
 _MARK = f"""
 WITH marked AS (
     UPDATE {{outbox}} m
-    SET processed_at = clock_timestamp() - make_interval(
-            secs => (%(ages)s::float8[])[array_position(%(marked)s::uuid[], m.id)]),
-        finished_attempts = m.finished_attempts + 1, last_error = NULL,
-        metadata = m.metadata - 'auth_token'
+    SET {_published("m", _CONFIRMED_AT)}
     WHERE m.id = ANY(%(marked)s::uuid[]) AND {pending_by_id("m")}
 ),"""
 
@@ -200,10 +216,11 @@ WITH marked AS (
 HAS_NEXT_AT_MOST = 32
 
 # Per claimed row, with ``marked`` passed over as in the probe (see HAS_NEXT_AT_MOST).
-_HAS_NEXT = f"""CASE WHEN concurrency = 'parallel' THEN false WHEN count(*) OVER () <= {HAS_NEXT_AT_MOST} THEN EXISTS (
-        SELECT 1 FROM {{outbox}} p
-        WHERE p.segment = taken.segment AND p.priority = taken.priority AND p.concurrency = 'sequential'
-          AND {pending_in_segment("p")} AND p.id <> taken.id::uuid AND p.id <> ALL(%(marked)s::uuid[])) END"""
+_HAS_NEXT = (
+    f"CASE WHEN concurrency = 'parallel' THEN false WHEN count(*) OVER () <= {HAS_NEXT_AT_MOST} THEN "
+    + _others_in_lane("taken", "taken.id::uuid", " AND p.id <> ALL(%(marked)s::uuid[])")
+    + " END"
+)
 
 # Take the locked rows: the lease and the attempt in one UPDATE, found by ``ctid``, and
 # return them in claim order. Text that the envelope needs verbatim (id, JSON, the
@@ -334,13 +351,9 @@ def mark_published(schema: str) -> sql.Composed:
         f"""
 WITH marked AS (
     UPDATE {{outbox}} t
-    SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, last_error = NULL,
-        metadata = t.metadata - 'auth_token'
+    SET {_published("t", "clock_timestamp()")}
     WHERE t.id = ANY(%(ids)s::uuid[]) AND {pending_by_id("t")}
-    RETURNING %(probe)s AND t.concurrency = 'sequential' AND EXISTS (
-        SELECT 1 FROM {{outbox}} p
-        WHERE p.segment = t.segment AND p.priority = t.priority AND p.concurrency = 'sequential'
-          AND {pending_in_segment("p")} AND p.id <> t.id) AS frees
+    RETURNING %(probe)s AND t.concurrency = 'sequential' AND {_others_in_lane("t", "t.id")} AS frees
 )
 SELECT coalesce(bool_or(frees), false) FROM marked
 """
