@@ -340,22 +340,24 @@ class _Measured(NamedTuple):
 
 def run(args: argparse.Namespace) -> Result:
     extra: dict[str, Any] = {}
+    # The untraced run's own rows, which the history repeats (txbox_tools.bench.history).
+    templates: dict[str, list[dict[str, Any]]] | None = {} if args.history else None
     if args.tracing:
         from opentelemetry import trace
 
         from txbox_tools.bench import tracing
 
-        plain = _measure(args, traced=False)
+        plain = _measure(args, traced=False, templates=templates)
         trace.set_tracer_provider(tracing.driver_provider())  # the business spans of _drive
         measured = _measure(args, traced=True, exporter=tracing.EXPORTER)
         extra = {"untraced_rate": round(plain.rate, 1), "tracing_ratio": round(measured.rate / plain.rate, 3)}
     else:
-        measured = _measure(args, traced=False)
-    if args.history:
+        measured = plain = _measure(args, traced=False, templates=templates)
+    if templates:
         # The same run again, on a service whose outbox and inbox hold N finished rows each.
         filled: list[dict[str, Any]] = []
-        past = _measure(args, traced=False, history_rows=args.history, filled=filled)
-        extra["history"] = history.summary(args.history, measured.rate, past.rate, filled)
+        past = _measure(args, traced=False, prefill=(args.history, templates), filled=filled)
+        extra["history"] = history.summary(args.history, plain.rate, past.rate, filled)
     seconds, total, raw_publish, raw_consume, body_size = measured
     raw = min(raw_publish, raw_consume)
     return Result(
@@ -385,24 +387,21 @@ def _measure(
     *,
     traced: bool,
     exporter: str = "none",
-    history_rows: int = 0,
+    templates: dict[str, list[dict[str, Any]]] | None = None,
+    prefill: tuple[int, dict[str, list[dict[str, Any]]]] | None = None,
     filled: list[dict[str, Any]] | None = None,
 ) -> _Measured:
-    """One run on a scratch service of its own; ``exporter`` is the daemons' OTEL_TRACES_EXPORTER;
-    ``history_rows`` finished rows in its outbox and inbox each first (what was filled goes to ``filled``)."""
+    """One run on a scratch service of its own; ``exporter`` is the daemons' OTEL_TRACES_EXPORTER.
+    ``templates`` receives a sample of the finished rows of each table at the end;
+    ``prefill`` (N, such samples) puts N finished rows repeating them in each table first
+    (what was filled goes to ``filled``)."""
     with Scratch(args, "e2e") as scratch:
         service = scratch.service()
         topology.declare(service.settings, service.registry)
-        if history_rows:
-            # The pipeline's own mix: each Ping echoed by a Ponged.
-            shapes = [
-                history.Shape.of(service.registry.get("Ping"), {"n": 0, "echo": True}),
-                history.Shape.of(service.registry.get("Ponged"), {"n": 0}),
-            ]
-            for table in (names.OUTBOX, names.INBOX):
-                done = history.prefill(
-                    scratch.database_url, table, history_rows, shapes, queue=names.inbox_queue(SERVICE)
-                )
+        if prefill is not None:
+            rows, samples = prefill
+            for table, sample in samples.items():
+                done = history.prefill(scratch.database_url, table, rows, sample)
                 if filled is not None:
                     filled.append(done)
         body_size = _envelope_size(service)
@@ -413,6 +412,9 @@ def _measure(
             scratch.start_daemons(group, args.workers)
             wait_ready(scratch, group)
             seconds, total = _drive(service, scratch, group, args, traced=traced)
+            if templates is not None:
+                for table in (names.OUTBOX, names.INBOX):
+                    templates[table] = history.sample(scratch.database_url, table)
         finally:
             group.stop_all()
             service.engine.dispose()

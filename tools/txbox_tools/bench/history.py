@@ -9,16 +9,19 @@ is old: vacuumed, and flushed long ago), and measure again in the same run;
 ``history.ratio`` is the second rate over the first (the bar: ≥ 0.9 at N = 5,000,000).
 
 Their ids are UUIDv7 of their creation time, as txbox makes them (framework/ids.py), and
-they are shaped like the rows the bench itself writes: an aggregate id as short, the
-bench's payload with its own ``n``, and in the inbox the delivery record the receiver
-keeps. Rows of another size would not be history of this service, and they would change
-what is measured: PostgreSQL puts a new row (or a row's new version) on any page whose
-free space the free-space map says fits it, so history rows a little longer than the new
-ones leave on each old page a leftover that fits a new row, and every insert then reads
-and dirties an old page out of cache (docs/architecture.md, "The tables").
-The rows were created over ``SPAN`` up to an hour ago, inside each table's default
+each repeats a row the bench itself wrote and finished in its run on the empty tables
+(:func:`sample`, a random sample of them, so the history has the bench's own mix): every
+column but the row's own id, times and outcome is that row's, its aggregate ids
+included. Rows of another size would not be history of this service, and they would
+change what is measured: PostgreSQL puts a new row (or a row's new version) on any page
+whose free space the free-space map says fits it, so history rows a little longer than
+the new ones leave on each old page a leftover that fits a new row, and every insert
+then reads and dirties an old page out of cache (docs/architecture.md, "The tables").
+The rows were created over ``SPAN`` ending ``AGE`` ago, inside each table's default
 retention, so the daemons' pruners have nothing to delete during the measurement: what
-is measured is the cost of a big table, not of pruning it.
+is measured is the cost of a big table, not of pruning it. The partial indexes the
+claims read hold no finished row, so sharing the bench's aggregate ids adds nothing to
+its lane and segment probes.
 """
 
 from __future__ import annotations
@@ -26,20 +29,49 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from framework import names
-from framework.contracts import MessageSpec
 from framework.db import conninfo
+from framework.errors import TxboxError
 
 CHUNK = 1_000_000  # rows per INSERT: a bounded transaction (and WAL) each
 ABANDONED_EVERY = 50  # 2 % abandoned, each with its dead letter
 TOMBSTONE_EVERY = 50  # inbox: 2 % tombstones (archived, kept for dedup)
-AGGREGATE_PREFIX = "h-"  # the history rows' aggregate ids: 'h-<n>', as short as the benches' own
+SAMPLE = 1_000  # the bench's rows the history repeats
+AGE = "1 hour"  # the newest history row is this old: the bench's own rows are newer
 SPAN = {names.OUTBOX: "20 hours", names.INBOX: "6 days"}  # inside TXBOX_OUTBOX_/INBOX_RETENTION's defaults
+# What each history row sets itself (SQL over the row's number i, its time t, its id k.id
+# and its template p.template); every other column is its template's.
+_ABANDONED = f"i %% {ABANDONED_EVERY} = 0"
+_TOMBSTONE = f"i %% {TOMBSTONE_EVERY} = 1"
+_OWN = {
+    "id": "k.id",
+    "created_at": "t",
+    "locked_until": "t",
+    "started_attempts": "1",
+    "finished_attempts": "1",
+    "processed_at": f"CASE WHEN {_ABANDONED} THEN NULL ELSE t + interval '50 milliseconds' END",
+    "abandoned_at": f"CASE WHEN {_ABANDONED} THEN t + interval '5 seconds' END",
+    "last_error": f"CASE WHEN {_ABANDONED} THEN 'history: gave up' END",
+}
+# The inbox's own: the receiver's times; the delivery record naming the row's own id
+# (where the template's has one); a tombstone stripped as `txbox archive` strips it.
+_INBOX_OWN = {
+    "message_timestamp": "t",
+    "received_at": "t",
+    "archived_at": f"CASE WHEN {_TOMBSTONE} THEN t + interval '1 minute' END",
+}
+_INBOX_STRIPPED = {
+    "payload": f"CASE WHEN {_TOMBSTONE} THEN '{{}}'::jsonb ELSE (p.template).payload END",
+    "message_context": f"CASE WHEN {_TOMBSTONE} THEN '{{}}'::jsonb ELSE (p.template).message_context END",
+    "metadata": f"CASE WHEN {_TOMBSTONE} THEN jsonb_build_object('payload_sha256', md5(i::text) || md5(i::text)) "
+    "ELSE jsonb_set((p.template).metadata, '{properties,message_id}', to_jsonb(k.id::text), false) END",
+}
+OWN_COLUMNS = [*_OWN, *_INBOX_OWN]  # left out of a template
 
 
 def add_option(parser: argparse.ArgumentParser) -> None:
@@ -54,24 +86,13 @@ def add_option(parser: argparse.ArgumentParser) -> None:
 
 
 _ROWS = """
-INSERT INTO {table} (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, metadata, segment,
-                     created_at, locked_until, started_attempts, finished_attempts, processed_at, abandoned_at,
-                     last_error{inbox_columns})
-SELECT k.id, s.shape->>'message_type', s.shape->>'aggregate_type', %(prefix)s || i, s.shape->>'kind',
-       s.shape->>'routing_key',
-       CASE WHEN {tombstone} THEN '{{}}'::jsonb
-            WHEN s.shape->'payload' ? 'n' THEN (s.shape->'payload') || jsonb_build_object('n', i)
-            ELSE s.shape->'payload' END,
-       CASE WHEN {tombstone} THEN jsonb_build_object('payload_sha256', md5(i::text) || md5(i::text))
-            ELSE {metadata} END,
-       (s.shape->>'aggregate_type') || ':' || %(prefix)s || i,
-       t, t, 1, 1,
-       CASE WHEN i %% {every} = 0 THEN NULL ELSE t + interval '50 milliseconds' END,
-       CASE WHEN i %% {every} = 0 THEN t + interval '5 seconds' END,
-       CASE WHEN i %% {every} = 0 THEN 'history: gave up' END{inbox_values}
-FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i,
-     LATERAL (SELECT %(shapes)s::jsonb -> (i %% jsonb_array_length(%(shapes)s::jsonb))::int) AS s(shape),
-     LATERAL (SELECT now() - interval '1 hour' - %(span)s::interval * (1 - i::float8 / %(n)s)) AS c(t),
+INSERT INTO {table} ({columns})
+SELECT {values}
+FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i
+JOIN (SELECT e.k - 1, t FROM jsonb_array_elements(%(templates)s::jsonb) WITH ORDINALITY AS e(value, k),
+                              LATERAL jsonb_populate_record(NULL::{table}, e.value) AS t) AS p(k, template)
+  ON p.k = i %% jsonb_array_length(%(templates)s::jsonb),
+     LATERAL (SELECT now() - %(age)s::interval - %(span)s::interval * (1 - i::float8 / %(n)s)) AS c(t),
      LATERAL (SELECT md5(i::text || random()::text)) AS h(r),
      LATERAL (SELECT (lpad(to_hex(floor(extract(epoch FROM t) * 1000)::bigint), 12, '0') || '7' || substr(r, 1, 3)
                       || '8' || substr(r, 4, 15))::uuid) AS k(id)
@@ -86,57 +107,49 @@ FROM {table} WHERE abandoned_at IS NOT NULL AND last_error = 'history: gave up'
 """
 
 
-class Shape(NamedTuple):
-    """One kind of row the bench writes; the history repeats the benches' own mix of them."""
-
-    message_type: str
-    aggregate_type: str
-    kind: str
-    routing_key: str
-    payload: dict[str, Any]  # its "n", if it has one, becomes the row's number
-
-    @classmethod
-    def of(cls, spec: MessageSpec, payload: dict[str, Any]) -> Shape:
-        """The rows of message type ``spec`` with ``payload``."""
-        return cls(spec.message_type, spec.aggregate_type, spec.kind, spec.routing_key, payload)
+def sample(database_url: str, table: str, *, schema: str = "txbox", limit: int = SAMPLE) -> list[dict[str, Any]]:
+    """At most ``limit`` of the finished rows the bench wrote into ``table``, picked at random
+    (so in the bench's own mix), without the columns each history row sets itself: what
+    :func:`prefill` repeats."""
+    statement = sql.SQL(
+        "SELECT to_jsonb(t) - %s::text[] FROM {} t WHERE processed_at IS NOT NULL ORDER BY random() LIMIT %s"
+    ).format(sql.Identifier(schema, table))
+    with psycopg.connect(conninfo(database_url)) as conn:
+        rows = [row[0] for row in conn.execute(statement, (OWN_COLUMNS, limit))]
+    if not rows:
+        raise TxboxError(f"no processed rows in {schema}.{table} to repeat as history: the bench's own run made none")
+    return rows
 
 
 def prefill(
-    database_url: str, table: str, n: int, shapes: list[Shape], *, queue: str = "", schema: str = "txbox"
+    database_url: str, table: str, n: int, templates: list[dict[str, Any]], *, schema: str = "txbox"
 ) -> dict[str, Any]:
-    """``n`` finished rows in ``table`` (created over its ``SPAN`` up to now, taking ``shapes`` in
-    turn), their dead letters, VACUUM ANALYZE, CHECKPOINT."""
-    inbox = table == names.INBOX
-    statement = sql.SQL(_ROWS).format(
-        table=sql.Identifier(schema, table),
-        every=sql.Literal(ABANDONED_EVERY),
-        # The inbox keeps the delivery record the receiver wrote (framework/receiver/intake.py).
-        metadata=sql.SQL(
-            "jsonb_set(jsonb_set(s.shape->'delivery', '{properties,message_id}', to_jsonb(k.id::text)), "
-            "'{fields,delivery_tag}', to_jsonb(i))"
-            if inbox
-            else "'{}'::jsonb"
-        ),
-        tombstone=sql.SQL(f"i %% {TOMBSTONE_EVERY} = 1" if inbox else "FALSE"),
-        inbox_columns=sql.SQL(", message_timestamp, received_at, queue, archived_at" if inbox else ""),
-        inbox_values=sql.SQL(
-            f", t, t, %(queue)s, CASE WHEN i %% {TOMBSTONE_EVERY} = 1 THEN t + interval '1 minute' END" if inbox else ""
-        ),
-    )
+    """``n`` finished rows in ``table`` (created over its ``SPAN``, taking ``templates`` in
+    turn: rows of :func:`sample`), their dead letters, VACUUM ANALYZE, CHECKPOINT."""
+    own = {**_OWN, **_INBOX_OWN, **_INBOX_STRIPPED} if table == names.INBOX else _OWN
     params: dict[str, Any] = {
-        "shapes": json.dumps(
-            [
-                {**shape._asdict(), "delivery": _delivery(shape.message_type, shape.kind, shape.routing_key)}
-                for shape in shapes
-            ]
-        ),
-        "prefix": AGGREGATE_PREFIX,
-        "queue": queue,
+        "templates": json.dumps(templates),
+        "age": AGE,
         "span": SPAN[table],
         "n": max(n, 1),
     }
     started = time.perf_counter()
     with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
+        columns = [
+            row[0]
+            for row in conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
+                "ORDER BY ordinal_position",
+                (schema, table),
+            )
+        ]
+        statement = sql.SQL(_ROWS).format(
+            table=sql.Identifier(schema, table),
+            columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
+            values=sql.SQL(", ").join(
+                sql.SQL(own[c]) if c in own else sql.SQL("(p.template).{}").format(sql.Identifier(c)) for c in columns
+            ),
+        )
         for first in range(1, n + 1, CHUNK):
             conn.execute(statement, {**params, "first": first, "last": min(first + CHUNK - 1, n)})
         letters = conn.execute(
@@ -158,22 +171,6 @@ def prefill(
         "abandoned": letters,
         "fill_seconds": round(time.perf_counter() - started, 1),
         "table_bytes": int(size[0]) if size else 0,
-    }
-
-
-def _delivery(message_type: str, exchange: str, routing_key: str) -> dict[str, Any]:
-    """The delivery record the receiver keeps with an inbox row, as it keeps it for the benches' messages."""
-    return {
-        "properties": {
-            "type": message_type,
-            "headers": {},
-            "user_id": "guest",
-            "timestamp": 1_790_000_000,
-            "message_id": "",
-            "content_type": "application/json",
-            "delivery_mode": 2,
-        },
-        "fields": {"exchange": exchange, "routing_key": routing_key, "delivery_tag": 0, "redelivered": False},
     }
 
 

@@ -26,7 +26,7 @@ import pika.frame
 import psycopg
 from psycopg import sql
 
-from framework import metrics, migrate, names, topology
+from framework import ids, metrics, migrate, names, topology
 from framework.contracts import load_registry
 from framework.db import conninfo
 from framework.envelope import format_timestamp
@@ -107,10 +107,7 @@ def run(args: argparse.Namespace) -> Result:
             # The same run again over N finished rows (txbox_tools.bench.history).
             _purge(settings.amqp_url, queue)
             filled = history.prefill(
-                database_url,
-                names.OUTBOX,
-                args.history,
-                [history.Shape.of(spec, {"customer": "bench-customer", "sku": "SKU-1", "quantity": 1})],
+                database_url, names.OUTBOX, args.history, history.sample(database_url, names.OUTBOX)
             )
             _fill(database_url, registry, args.messages)
             _analyze(database_url)
@@ -175,7 +172,7 @@ def _fill(database_url: str, registry: Any, n: int) -> int:
                 aggregate = f"bench-{i}"
                 copy.write_row(
                     (
-                        uuid.uuid4(),
+                        ids.message_id(),  # UUIDv7, as the Outbox gives them
                         spec.message_type,
                         spec.aggregate_type,
                         aggregate,
