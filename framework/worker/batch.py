@@ -62,7 +62,6 @@ from framework import dead_letters as dl
 from framework.backoff import backoff_seconds
 from framework.envelope import Message
 from framework.errors import HandlerMisuse, HandlerTimeout, PermanentError
-from framework.handlers import Handler
 from framework.middleware import Middleware
 from framework.outbox import Outbox
 from framework.outcomes import WorkerOutcome
@@ -484,7 +483,7 @@ class BatchRunner:
         started = time.perf_counter()
         assert self._watchdog is not None
         try:
-            span = handler_span(claimed, handler, tracer=self._tracer)
+            span = handler_span(claimed, tracer=self._tracer)
             with self._watchdog.guard(timeout, hard, raw.cancel_safe), span:
                 outbox = Outbox(
                     session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
@@ -677,9 +676,7 @@ def driver(conn: Connection) -> psycopg.Connection[Any]:
     return raw
 
 
-def handler_span(
-    claimed: Claimed, handler: Handler, *, tracer: trace.Tracer | None
-) -> contextlib.AbstractContextManager[object]:
+def handler_span(claimed: Claimed, *, tracer: trace.Tracer | None) -> contextlib.AbstractContextManager[object]:
     """The CONSUMER span of one handler run, current while it runs: child of the context the
     inbox row keeps (the span that wrote the message), so what the handler sends continues
     the message's trace (docs/architecture.md, "Tracing").
@@ -693,7 +690,7 @@ def handler_span(
         carrier = claimed.metadata.get(names.METADATA_TRACE)
         context = tracing.extract(carrier) if carrier else None
         return _current(context) if context else contextlib.nullcontext()
-    return _recorded_span(tracer, claimed, handler.name)
+    return _recorded_span(tracer, claimed)
 
 
 @contextlib.contextmanager
@@ -705,19 +702,19 @@ def _current(context: otel_context.Context) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def _recorded_span(tracer: trace.Tracer, claimed: Claimed, handler: str) -> tracing.CurrentSpan:
+def _recorded_span(tracer: trace.Tracer, claimed: Claimed) -> tracing.CurrentSpan:
     """The recording span of :func:`handler_span`, current while it runs and marked failed
     by an exception out of the handler (:class:`framework.tracing.CurrentSpan`).
 
     Once per message, so kept lean: started and made current by hand rather than through
     ``start_as_current_span`` (the same calls without its layers of context managers), and
-    no attribute the span's name already says (the SDK checks each one on every span),
-    ``txbox.attempt`` only on a retry."""
+    no attribute the span's name already says (the SDK checks each one on every span,
+    about a microsecond each): the handler is the one of the message type in the name,
+    the service is the resource's; ``txbox.attempt`` only on a retry."""
     attributes: dict[str, Any] = {
         "messaging.system": tracing.MESSAGING_SYSTEM,
         "messaging.operation.type": "process",
         "messaging.message.id": str(claimed.id),
-        "txbox.handler": handler,
     }
     if claimed.message.attempt > 1:
         attributes["txbox.attempt"] = claimed.message.attempt

@@ -13,15 +13,11 @@ import pytest
 from opentelemetry import trace
 from psycopg.types.datetime import TimestamptzLoader
 
-from framework import CommandHandler, Message, names, tracing
+from framework import Message, names, tracing
 from framework.worker import decode
 from framework.worker.batch import Claimed, handler_span
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-class Noop(CommandHandler):
-    message_type = "PlaceOrder"
 
 
 def claimed(metadata: dict[str, Any]) -> Claimed:
@@ -57,9 +53,9 @@ def test_no_span_is_built_when_nothing_records(monkeypatch: pytest.MonkeyPatch) 
         raise AssertionError("a span was built although nothing records")
 
     monkeypatch.setattr(tracing.tracer, "start_as_current_span", no_span)
-    with handler_span(claimed({names.METADATA_TRACE: {"traceparent": PARENT}}), Noop(), tracer=None):
+    with handler_span(claimed({names.METADATA_TRACE: {"traceparent": PARENT}}), tracer=None):
         # What the handler sends still continues the message's trace.
         assert tracing.current() == {"traceparent": PARENT}
     assert not trace.get_current_span().get_span_context().is_valid
-    with handler_span(claimed({}), Noop(), tracer=None):
+    with handler_span(claimed({}), tracer=None):
         assert tracing.current() is None
