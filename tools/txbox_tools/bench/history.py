@@ -91,7 +91,7 @@ SELECT {values}
 FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i
 JOIN (SELECT e.k - 1, t FROM jsonb_array_elements(%(templates)s::jsonb) WITH ORDINALITY AS e(value, k),
                               LATERAL jsonb_populate_record(NULL::{table}, e.value) AS t) AS p(k, template)
-  ON p.k = i %% jsonb_array_length(%(templates)s::jsonb),
+  ON p.k = i %% %(count)s,
      LATERAL (SELECT now() - %(age)s::interval - %(span)s::interval * (1 - i::float8 / %(n)s)) AS c(t),
      LATERAL (SELECT md5(i::text || random()::text)) AS h(r),
      LATERAL (SELECT (lpad(to_hex(floor(extract(epoch FROM t) * 1000)::bigint), 12, '0') || '7' || substr(r, 1, 3)
@@ -129,6 +129,7 @@ def prefill(
     own = {**_OWN, **_INBOX_OWN, **_INBOX_STRIPPED} if table == names.INBOX else _OWN
     params: dict[str, Any] = {
         "templates": json.dumps(templates),
+        "count": len(templates),
         "age": AGE,
         "span": SPAN[table],
         "n": max(n, 1),
