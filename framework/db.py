@@ -151,21 +151,34 @@ def _read_only_is_a_disconnect(context: sa.engine.ExceptionContext) -> None:
 
 
 def connect(
-    database_url: str, *, autocommit: bool = False, synchronous_commit: bool = True, **kwargs: Any
+    database_url: str,
+    *,
+    autocommit: bool = False,
+    synchronous_commit: bool = True,
+    generic_plans: bool = False,
+    **kwargs: Any,
 ) -> psycopg.Connection[Any]:
     """A raw psycopg connection; connection failures become DatabaseUnavailable.
 
     ``synchronous_commit=False``: its commits do not wait for the WAL flush, for the
     daemons' leases and marks that a database crash may lose without harm (each caller
-    says why). Set per session, so options in the URL stay as they are.
+    says why). ``generic_plans=True``: its prepared statements keep one plan instead of
+    being planned again on every run (docs/architecture.md, "Generic plans"), for
+    statements whose plan does not depend on their parameters' values. Both are set per
+    session, so options in the URL stay as they are.
     """
     try:
         conn = psycopg.connect(conninfo(database_url), autocommit=autocommit, **kwargs)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc
-    if not synchronous_commit:
+    settings = [
+        *([] if synchronous_commit else ["SET synchronous_commit = off"]),
+        *(["SET plan_cache_mode = force_generic_plan"] if generic_plans else []),
+    ]
+    if settings:
         try:
-            conn.execute("SET synchronous_commit = off")
+            for statement in settings:
+                conn.execute(statement)
             if not autocommit:
                 conn.commit()
         except BaseException:

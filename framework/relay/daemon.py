@@ -286,8 +286,10 @@ class Relay(Daemon):
         # marks only means those rows are published again (the inbox dedups). So neither
         # connection waits for fsync.
         url = self.settings.database_url
-        self._claim_db = ConnectionSlot(url, autocommit=True, synchronous_commit=False)
-        self._write_db = ConnectionSlot(url, autocommit=True, synchronous_commit=False)
+        # Generic plans: left to choose, PostgreSQL planned every claim again (docs/architecture.md,
+        # "Generic plans").
+        self._claim_db = ConnectionSlot(url, autocommit=True, synchronous_commit=False, generic_plans=True)
+        self._write_db = ConnectionSlot(url, autocommit=True, synchronous_commit=False, generic_plans=True)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="publisher write")
         self._writing: tuple[list[tuple[Outgoing, PublishError | None]], Future[Any], int] | None = None
         self._notified = 0  # NOTIFYs seen by the listener: a write compares it (see _collect_writes)

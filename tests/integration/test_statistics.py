@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg
@@ -121,8 +122,23 @@ FROM generate_series(1, {count}) g
 """
 
 
-def _plan(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> str:
-    return "\n".join(r[0] for r in conn.execute("EXPLAIN " + statement, params))
+def _plan(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any], *, generic: bool = False) -> str:
+    """The plan of ``statement`` for ``params``; ``generic``: the one plan a connection made
+    with ``generic_plans=True`` (the relay's) keeps for every run, whatever the values."""
+    if not generic:
+        return "\n".join(r[0] for r in conn.execute("EXPLAIN " + statement, params))
+    order = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    text = re.sub(r"%\((\w+)\)s", lambda m: f"${order.index(m[1]) + 1}", statement).replace("%%", "%")
+    values = [[uuid.UUID(v) for v in params[n]] if n in ("marked", "ids") else params[n] for n in order]
+    conn.execute("SET plan_cache_mode = force_generic_plan")
+    conn.execute(f"PREPARE txbox_generic AS {text}")
+    try:
+        cur = psycopg.ClientCursor(conn)  # EXECUTE's arguments are literals, not bound parameters
+        args = ", ".join(["%s"] * len(values))
+        return "\n".join(r[0] for r in cur.execute(f"EXPLAIN EXECUTE txbox_generic({args})", values))
+    finally:
+        conn.execute("DEALLOCATE txbox_generic")
+        conn.execute("RESET plan_cache_mode")
 
 
 def _ids(conn: psycopg.Connection[Any], table: str) -> list[str]:
@@ -150,7 +166,15 @@ def test_the_worker_claim_updates_its_rows_by_tid_whatever_the_statistics_say(da
     assert scans and all("Tid Scan" in scan for scan in scans), plan
 
 
-def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_statistics_say(database: str) -> None:
+# The relay runs its statements with generic plans (framework/db.py, generic_plans): each
+# of its plans is checked both ways, the plan for these values and the one for any.
+PLANNED = pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+
+
+@PLANNED
+def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_statistics_say(
+    database: str, generic: bool
+) -> None:
     # Joined by id under statistics from a smaller outbox, the heads were a nested loop
     # that re-ran the whole window for every row (quadratic in the window); by ctid there
     # is no join to misplan.
@@ -161,18 +185,22 @@ def test_the_relay_window_claim_finds_its_heads_without_a_join_whatever_the_stat
             conn,
             statement,
             {"window": 800, "limit": 200, "lease": 60.0, "marked": _ids(conn, names.OUTBOX), "ages": [0.0] * 30},
+            generic=generic,
         )
 
     assert "Join" not in plan and "Nested Loop" not in plan, plan
 
 
-def test_the_relay_mark_probes_each_marked_row_without_a_join_whatever_the_statistics_say(database: str) -> None:
+@PLANNED
+def test_the_relay_mark_probes_each_marked_row_without_a_join_whatever_the_statistics_say(
+    database: str, generic: bool
+) -> None:
     # As a join against the marked rows, statistics from a smaller outbox made the probe
     # a nested loop over every pending row per marked row (9 s for a mark of 1,101 rows).
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
         _analyzed_small_then_grown(conn, OUTBOX_ROWS, names.OUTBOX, processed=0, pending=PENDING)
         statement = relay_sql.mark_published("txbox").as_string(conn)
-        plan = _plan(conn, statement, {"ids": _ids(conn, names.OUTBOX), "probe": True})
+        plan = _plan(conn, statement, {"ids": _ids(conn, names.OUTBOX), "probe": True}, generic=generic)
 
     assert "Join" not in plan and "Nested Loop" not in plan and "SubPlan" in plan, plan
 
@@ -231,26 +259,35 @@ PROBES: dict[str, tuple[str, Statement]] = {
 }
 
 
-def _plan_after_a_burst(database: str, table: str, make: Statement) -> str:
-    """The plan of a statement over ``table`` analyzed while all its rows were processed, then a burst."""
+def _plan_after_a_burst(database: str, table: str, make: Statement, *, generic: bool = False) -> str:
+    """The plan of a statement over ``table`` analyzed while all its rows were processed, then a burst
+    (``generic``: see :func:`_plan`)."""
     rows = ROW if table == names.INBOX else OUTBOX_ROWS
     with psycopg.connect(db.conninfo(db_url(database)), autocommit=True) as conn:
         conn.execute(rows.format(processed="now()", count=PENDING))
         conn.execute(db.analyze("txbox", table))
         conn.execute(rows.format(processed="NULL", count=PENDING))
         composed, params = make(conn)
-        return _plan(conn, composed.as_string(conn), params)
+        return _plan(conn, composed.as_string(conn), params, generic=generic)
 
 
-@pytest.mark.parametrize("statement", PROBES)
+def _planned(statements: Iterable[str]) -> Any:
+    """Each statement with its plan for the test's values; the relay's also with its generic plan."""
+    cases = [(s, False) for s in statements] + [(s, True) for s in statements if s.startswith("relay")]
+    return pytest.mark.parametrize(
+        ("statement", "generic"), cases, ids=[f"{s}-{'generic' if g else 'custom'}" for s, g in cases]
+    )
+
+
+@_planned(PROBES)
 def test_each_head_of_segment_probe_reads_the_segment_index_whatever_the_statistics_say(
-    database: str, statement: str
+    database: str, statement: str, generic: bool
 ) -> None:
     # The planner believed both partial indexes empty and probed through *_due_idx, every
     # earlier pending row per probe (seconds per claim). Only the segment index's
     # predicate matches a probe now.
     table, make = PROBES[statement]
-    plan = _plan_after_a_burst(database, table, make)
+    plan = _plan_after_a_burst(database, table, make, generic=generic)
     assert _probe_indexes(plan, table) == {f"{table}_segment_idx"}, plan
 
 
@@ -265,23 +302,25 @@ BY_ID: dict[str, tuple[str, Statement]] = {
 }
 
 
-@pytest.mark.parametrize("statement", BY_ID)
-def test_lookups_by_id_read_no_partial_index_whatever_the_statistics_say(database: str, statement: str) -> None:
+@_planned(BY_ID)
+def test_lookups_by_id_read_no_partial_index_whatever_the_statistics_say(
+    database: str, statement: str, generic: bool
+) -> None:
     # They find their rows by cost (primary key, or a scan of a small table), never by
     # walking a partial index of every pending row that the statistics call empty.
     table, make = BY_ID[statement]
-    plan = _plan_after_a_burst(database, table, make)
+    plan = _plan_after_a_burst(database, table, make, generic=generic)
     walks = [m[0] for m in re.finditer(r"using \w+_(?:due|segment)_idx on \w+(?: (\w+))?", plan) if m[1] != "p"]
     assert not walks, plan
 
 
-@pytest.mark.parametrize("statement", ["relay claim", "relay window claim"])
+@_planned(["relay claim", "relay window claim"])
 def test_the_marks_a_claim_carries_read_no_partial_index_whatever_the_statistics_say(
-    database: str, statement: str
+    database: str, statement: str, generic: bool
 ) -> None:
     # The claim marks the published rows of earlier claims by id (alias m): like the
     # mark of its own, by primary key, never by walking a partial index of pending rows.
     table, make = PROBES[statement]
-    plan = _plan_after_a_burst(database, table, make)
+    plan = _plan_after_a_burst(database, table, make, generic=generic)
     assert "outbox m" in plan, plan
     assert not re.findall(r"using \w+_(?:due|segment)_idx on \w+ m\b", plan), plan
