@@ -129,6 +129,7 @@ def _plan(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any],
         return "\n".join(r[0] for r in conn.execute("EXPLAIN " + statement, params))
     order = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
     text = re.sub(r"%\((\w+)\)s", lambda m: f"${order.index(m[1]) + 1}", statement).replace("%%", "%")
+    # The id lists as uuid[] literals (the statement's casts apply to parameters, not to EXECUTE's arguments).
     values = [[uuid.UUID(v) for v in params[n]] if n in ("marked", "ids") else params[n] for n in order]
     conn.execute("SET plan_cache_mode = force_generic_plan")
     conn.execute(f"PREPARE txbox_generic AS {text}")
@@ -169,6 +170,14 @@ def test_the_worker_claim_updates_its_rows_by_tid_whatever_the_statistics_say(da
 # The relay runs its statements with generic plans (framework/db.py, generic_plans): each
 # of its plans is checked both ways, the plan for these values and the one for any.
 PLANNED = pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+
+
+def _planned(statements: Iterable[str]) -> Any:
+    """PLANNED for a set of statements: each with its custom plan, the relay's also generic."""
+    cases = [(s, False) for s in statements] + [(s, True) for s in statements if s.startswith("relay")]
+    return pytest.mark.parametrize(
+        ("statement", "generic"), cases, ids=[f"{s}-{'generic' if g else 'custom'}" for s, g in cases]
+    )
 
 
 @PLANNED
@@ -269,14 +278,6 @@ def _plan_after_a_burst(database: str, table: str, make: Statement, *, generic: 
         conn.execute(rows.format(processed="NULL", count=PENDING))
         composed, params = make(conn)
         return _plan(conn, composed.as_string(conn), params, generic=generic)
-
-
-def _planned(statements: Iterable[str]) -> Any:
-    """Each statement with its plan for the test's values; the relay's also with its generic plan."""
-    cases = [(s, False) for s in statements] + [(s, True) for s in statements if s.startswith("relay")]
-    return pytest.mark.parametrize(
-        ("statement", "generic"), cases, ids=[f"{s}-{'generic' if g else 'custom'}" for s, g in cases]
-    )
 
 
 @_planned(PROBES)

@@ -281,9 +281,7 @@ def test_the_relay_plans_its_claims_once_not_on_every_claim(settings: Settings, 
             wait_until(lambda n=n: outbox_state(settings)["processed"] == n + 1, 30, message="the row published")
         plans = (
             relay._claim_db.get()
-            .execute(
-                "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%%taken AS%%'"
-            )
+            .execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%taken AS%'")
             .fetchall()
         )
     assert plans and sum(generic for generic, _ in plans) >= 1, plans
