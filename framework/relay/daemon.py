@@ -275,7 +275,7 @@ class Relay(Daemon):
         # Each with its confirm's monotonic time: the claim back-dates the mark to it.
         self._deferred: list[tuple[Outgoing, float]] = []
         self._confirm_wakes = True  # in-flight room bounds the claims: every confirm wakes the loop
-        # Marks ride claims only under load (NOTIFYs close enough for a window): there a
+        # Marks ride claims only under load (Wakeup.under_load: NOTIFYs under 5 ms apart): there a
         # claim is frequent and already waits; at a trickle marking in the claim made each
         # claim, and so each message, later by about a mark's time (see _gather).
         self._fold = False
@@ -421,7 +421,7 @@ class Relay(Daemon):
             return 0
         # Confirms wake the loop when in-flight rows bound the claims (room is short).
         self._confirm_wakes = room < self.config.batch_size
-        self._fold = self._wake.window() > 0
+        self._fold = self._wake.under_load()
         # What came since the step gathered rides this claim too: a confirm whose row has a
         # successor and that came before this line is carried; one after it changes
         # ``_due`` and keeps the claim hint below.

@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
+from framework import wakeup
 from framework.wakeup import HOLD_FIRST, WINDOW_MAX, Wakeup
 
 
@@ -14,6 +17,19 @@ def test_a_trickle_gets_no_window_and_a_burst_at_most_the_longest() -> None:
     for _ in range(50):  # NOTIFYs microseconds apart
         wake.notify()
     assert wake.window() == WINDOW_MAX
+
+
+def test_the_window_grows_with_the_rate_and_is_none_when_shorter_than_the_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(wakeup.time, "monotonic", lambda: clock[0])
+    wake = Wakeup(threading.Event())
+    # (mean gap between NOTIFYs, window): 250 msg/s would wait 2 ms for a NOTIFY due in 4,
+    # 333 msg/s waits 4 ms, 500 msg/s the longest.
+    for gap, window in ((0.004, 0.0), (0.003, 0.004), (0.002, WINDOW_MAX)):
+        for _ in range(100):  # the running mean settles on this gap
+            clock[0] += gap
+            wake.notify()
+        assert wake.window() == pytest.approx(window)
 
 
 def test_an_empty_claim_after_a_notify_holds_the_next_ones_back_and_rows_end_the_hold() -> None:
