@@ -343,12 +343,12 @@ def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
 
 
 def test_under_load_each_mark_rides_a_claim_and_the_writer_stays_idle(settings: Settings, service: Service) -> None:
-    # Under load (NOTIFYs close enough for a window) a cycle is one statement: the next
-    # claim (a NOTIFY's, or the loop's look after MARK_DELAY) marks what was confirmed
+    # Under load (NOTIFYs under 5 ms apart) a cycle is one statement: the next claim (a
+    # NOTIFY's, or the loop's look after MARK_DELAY) marks what was confirmed
     # (docs/architecture.md, "Wake-ups"), so plain publishes never need the writer's
-    # connection. The load is stood for by the window it opens.
+    # connection. The load is stood for by what the wake-up says of it.
     with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
-        relay._wake.window = lambda: 0.0001  # type: ignore[method-assign]
+        relay._wake.under_load = lambda: True  # type: ignore[method-assign]
         for n in range(1, 4):
             insert_rows(settings, service.registry, orders(1, 1, aggregate_id=f"t-{n}"))
             wait_until(lambda n=n: outbox_state(settings)["processed"] == n, 30, message=f"row {n} marked")
@@ -365,7 +365,7 @@ def test_a_waiting_mark_is_carried_after_mark_delay_however_often_the_loop_wakes
     # claims, finished writes) must not keep putting it off. Here they come every 5 ms.
     stop = threading.Event()
     with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
-        relay._wake.window = lambda: 0.0001  # type: ignore[method-assign]
+        relay._wake.under_load = lambda: True  # type: ignore[method-assign]
 
         def wake_often() -> None:
             while not stop.wait(0.005):
@@ -383,7 +383,7 @@ def test_a_waiting_mark_is_carried_after_mark_delay_however_often_the_loop_wakes
 
 
 def test_at_a_trickle_the_writer_marks_and_claims_stay_light(settings: Settings, service: Service) -> None:
-    # No window: marking in the claim would make each message later by a mark's time.
+    # Not under load: marking in the claim would make each message later by a mark's time.
     with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
         insert_rows(settings, service.registry, orders(1, 1, aggregate_id="t-1"))
         wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the row marked")
