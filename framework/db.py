@@ -171,10 +171,11 @@ def connect(
         conn = psycopg.connect(conninfo(database_url), autocommit=autocommit, **kwargs)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc
-    settings = [
-        *([] if synchronous_commit else ["SET synchronous_commit = off"]),
-        *(["SET plan_cache_mode = force_generic_plan"] if generic_plans else []),
-    ]
+    settings = []
+    if not synchronous_commit:
+        settings.append("SET synchronous_commit = off")
+    if generic_plans:
+        settings.append("SET plan_cache_mode = force_generic_plan")
     if settings:
         try:
             for statement in settings:
