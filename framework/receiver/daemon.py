@@ -54,6 +54,11 @@ from framework.sql import redeliveries
 from framework.sql.inbox import InboxRow
 
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
+# Deliveries at most in a batch that an idle receiver writes on its consuming thread
+# rather than handing to the database thread: two thread hand-offs fewer per batch
+# (docs/architecture.md, "The daemons and their threads"). Larger batches, and any batch while a write is in
+# flight, keep the overlap of collecting one batch while the last one is written.
+_INLINE_MAX = 32
 _DRAIN_SECONDS = 5.0  # at most this long, on the way out, for copies still waiting for their confirm
 
 
@@ -272,7 +277,9 @@ class Receiver(Daemon):
 
         The write runs on one database thread; everything pika does (acks, the delay
         chain) stays on this thread, which waits for batch N's commit before acking it and
-        before handing over batch N+1, so acks still follow commits in order.
+        before handing over batch N+1, so acks still follow commits in order. A small batch
+        that finds no write in flight (light load) is written on this thread instead
+        (:data:`_INLINE_MAX`).
         """
         pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-receiver-db")
         inflight: tuple[list[Delivery], Future[None]] | None = None
@@ -310,9 +317,15 @@ class Receiver(Daemon):
                     for delivery in batch:
                         self._settle_group([delivery], channel)
                     continue
+                idle = inflight is None
                 if inflight is not None:
                     self._finish(inflight, channel)
                 self._writing = batch_bytes
+                if idle and len(batch) <= _INLINE_MAX:
+                    # Light load: nothing to overlap the write with, so no hand-off.
+                    self._finish((batch, self._write_here(prepared)), channel)
+                    inflight = None
+                    continue
                 inflight = (batch, pool.submit(self._write, prepared))
                 inflight[1].add_done_callback(functools.partial(_wake, connection))
             if inflight is not None:
@@ -501,6 +514,17 @@ class Receiver(Daemon):
             _end(prepared.spans, exc)
             raise
         _end(prepared.spans)
+
+    def _write_here(self, prepared: _Prepared) -> Future[None]:
+        """:meth:`_write` on this thread, its outcome as the database thread's would be."""
+        done: Future[None] = Future()
+        try:
+            self._write(prepared)
+        except Exception as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        return done
 
     def _write_batch(self, prepared: _Prepared) -> None:
         pairs, settled_keys = prepared.pairs, prepared.settled_keys

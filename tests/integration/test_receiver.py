@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pika
+import psycopg
 import pytest
 
 from framework import dead_letters, names, topology
+from framework.db import conninfo
 from framework.dead_letters import decode_body
 from framework.receiver import Receiver, ReceiverConfig
 from framework.receiver import daemon as receiver_daemon
@@ -86,8 +89,11 @@ def test_the_end_of_a_write_acks_its_batch_at_once_not_after_the_wait(
     service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With prefetch 1 the second delivery comes only after the first is acked: no
-    delivery can end the receiver's wait, only the finished write (``daemon._wake``)."""
+    delivery can end the receiver's wait, only the finished write (``daemon._wake``).
+    Every batch goes to the database thread here (``_INLINE_MAX`` 0), whose end is what
+    must wake the consuming thread."""
     monkeypatch.setattr(receiver_daemon, "_IDLE_WAIT", 60.0)
+    monkeypatch.setattr(receiver_daemon, "_INLINE_MAX", 0)
     topology.declare(service.settings, service.registry)
     publish(amqp_url, [encode(place_order()), encode(place_order())])
     with running(Receiver(service, config(prefetch=1, batch_size=1, batch_wait=60))):
@@ -95,6 +101,36 @@ def test_the_end_of_a_write_acks_its_batch_at_once_not_after_the_wait(
         # A delivery ends the long wait the receiver is in now, so it can see the stop.
         monkeypatch.undo()
         publish(amqp_url, [encode(place_order())])
+
+
+def test_light_load_is_written_on_the_consuming_thread_and_a_backlog_on_the_database_thread(
+    service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle receiver writes a small batch itself (two thread hand-offs fewer); under
+    load, batch N is written on the database thread while batch N+1 is collected."""
+    writes: list[tuple[str, int]] = []
+    write = Receiver._write
+
+    def recorded(self: Receiver, prepared: Any) -> None:
+        writes.append((threading.current_thread().name, len(prepared.pairs)))
+        write(self, prepared)
+
+    monkeypatch.setattr(Receiver, "_write", recorded)
+    topology.declare(service.settings, service.registry)
+    with running(Receiver(service, config())):
+        publish(amqp_url, [encode(place_order())])
+        support.wait_until(lambda: inbox_count(database_url) == 1, 15, message="the lone delivery stored")
+        # A backlog: its first write waits on the lock until every delivery reached the
+        # receiver, so the batch after it is larger than a light load's.
+        with psycopg.connect(conninfo(database_url)) as blocker:
+            blocker.execute("LOCK TABLE txbox.inbox IN SHARE ROW EXCLUSIVE MODE")
+            publish(amqp_url, [encode(place_order()) for _ in range(150)])
+            support.wait_until(lambda: queue_depth(amqp_url, QUEUE) == 0, 15, message="the backlog delivered")
+        support.wait_until(lambda: inbox_count(database_url) == 151, 20, message="the backlog stored")
+    db_thread = "txbox-receiver-db"
+    assert writes[0][1] == 1 and not writes[0][0].startswith(db_thread), writes
+    assert any(name.startswith(db_thread) for name, _ in writes[1:]), writes
+    assert all(size <= receiver_daemon._INLINE_MAX for name, size in writes if not name.startswith(db_thread)), writes
 
 
 def test_a_duplicate_delivery_is_acked_but_stored_once(

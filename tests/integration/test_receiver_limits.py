@@ -14,10 +14,12 @@ from typing import Any
 
 import pika
 import psycopg
+import pytest
 
 from framework import names, topology
 from framework.db import conninfo
 from framework.receiver import Delivery, Intake, Receiver, ReceiverConfig
+from framework.receiver import daemon as receiver_daemon
 from framework.redaction import redact_bytes
 from framework.service import Service
 from framework.sql.inbox import InboxRow, insert_rows
@@ -77,9 +79,13 @@ def test_header_tables_deeper_than_pika_decodes_are_judged_and_the_rest_is_store
 
 
 def test_body_bytes_held_unacked_are_bounded_while_the_database_is_slow(
-    service: Service, database_url: str, amqp_url: str
+    service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The write of the first batch stalls on a row lock; deliveries keep arriving meanwhile."""
+    """The write of the first batch stalls on a row lock; deliveries keep arriving meanwhile.
+    The bound holds for the pipeline, where the next batch is collected while one is
+    written: every batch goes there (``_INLINE_MAX`` 0; a small batch written on the
+    consuming thread reads nothing meanwhile)."""
+    monkeypatch.setattr(receiver_daemon, "_INLINE_MAX", 0)
     topology.declare(service.settings, service.registry)
     first = place_order(aggregate_id="first")
     padding = "x" * 100_000
