@@ -56,8 +56,10 @@ from framework.sql.inbox import InboxRow
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
 # Deliveries at most in a batch that an idle receiver writes on its consuming thread
 # rather than handing to the database thread: two thread hand-offs fewer per batch
-# (docs/architecture.md, "The daemons and their threads"). Larger batches, and any batch while a write is in
-# flight, keep the overlap of collecting one batch while the last one is written.
+# (docs/architecture.md, "The daemons and their threads"). Larger batches, full ones,
+# and any batch while a write is in flight keep the overlap of collecting one batch
+# while the last one is written. A receiver stays on this path only while it keeps up:
+# when more than this arrives during one write, the next batch goes to the pipeline.
 _INLINE_MAX = 32
 _DRAIN_SECONDS = 5.0  # at most this long, on the way out, for copies still waiting for their confirm
 
@@ -321,8 +323,10 @@ class Receiver(Daemon):
                 if inflight is not None:
                     self._finish(inflight, channel)
                 self._writing = batch_bytes
-                if idle and len(batch) <= _INLINE_MAX:
-                    # Light load: nothing to overlap the write with, so no hand-off.
+                if idle and len(batch) <= _INLINE_MAX and len(batch) < self.config.batch_size:
+                    # Light load: nothing to overlap the write with, so no hand-off. Never
+                    # a full batch: with a small TXBOX_RECEIVER_BATCH_SIZE a receiver at
+                    # full load would otherwise stay here, writing without the overlap.
                     self._finish((batch, self._write_here(prepared)), channel)
                     inflight = None
                     continue

@@ -133,6 +133,26 @@ def test_light_load_is_written_on_the_consuming_thread_and_a_backlog_on_the_data
     assert all(size <= receiver_daemon._INLINE_MAX for name, size in writes if not name.startswith(db_thread)), writes
 
 
+def test_a_full_batch_goes_to_the_database_thread_even_when_idle(
+    service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a batch size within ``_INLINE_MAX`` every batch under full load is full: those
+    keep the pipeline, or such a receiver would write without its overlap for good."""
+    threads: list[str] = []
+    write = Receiver._write
+
+    def recorded(self: Receiver, prepared: Any) -> None:
+        threads.append(threading.current_thread().name)
+        write(self, prepared)
+
+    monkeypatch.setattr(Receiver, "_write", recorded)
+    topology.declare(service.settings, service.registry)
+    with running(Receiver(service, config(batch_size=1))):
+        publish(amqp_url, [encode(place_order())])
+        support.wait_until(lambda: inbox_count(database_url) == 1, 15, message="the lone delivery stored")
+    assert len(threads) == 1 and threads[0].startswith("txbox-receiver-db"), threads
+
+
 def test_a_duplicate_delivery_is_acked_but_stored_once(
     service: Service, database_url: str, amqp_url: str, vhost: str
 ) -> None:
