@@ -328,7 +328,6 @@ class Receiver(Daemon):
                     # a full batch: with a small TXBOX_RECEIVER_BATCH_SIZE a receiver at
                     # full load would otherwise stay here, writing without the overlap.
                     self._finish((batch, self._write_here(prepared)), channel)
-                    inflight = None
                     continue
                 inflight = (batch, pool.submit(self._write, prepared))
                 inflight[1].add_done_callback(functools.partial(_wake, connection))

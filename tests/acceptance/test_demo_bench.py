@@ -32,11 +32,23 @@ def bench(*args: str, common: tuple[str, ...] = COMMON) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_bench_e2e_smoke() -> None:
-    result = bench("e2e", "--pings", "150", "--window", "100", "--batch", "50", "--raw-messages", "300")
+    """Both runs of ``--tracing`` (untraced, then traced), each with its CPU by part."""
+    result = bench("e2e", "--pings", "150", "--window", "100", "--batch", "50", "--raw-messages", "300", "--tracing")
     assert result["stage"] == "e2e"
     assert result["messages"] == 300  # every Ping and its Pong handled
-    for key in ("seconds", "rate", "raw_limit_rate", "ratio", "raw_limit"):
+    for key in ("seconds", "rate", "raw_limit_rate", "ratio", "raw_limit", "untraced_rate", "tracing_ratio"):
         assert result[key], key
+    parts = {"publisher", "receiver", "worker-1", "postgres", "rabbitmq", "total"}
+    traced, untraced = result["cpu_us_per_message"], result["untraced_cpu_us_per_message"]
+    assert isinstance(traced, dict) and isinstance(untraced, dict)
+    for spent in (traced, untraced):
+        assert set(spent) == parts, spent
+        # Each daemon and its backends worked for every message; the meter saw it.
+        assert all(spent[part] > 0 for part in ("publisher", "receiver", "worker-1", "postgres")), spent
+        assert spent["total"] == pytest.approx(sum(v for k, v in spent.items() if k != "total"), abs=1)
+    more = result["tracing_cpu_us_per_message"]
+    assert isinstance(more, dict) and set(more) == parts
+    assert more["total"] == pytest.approx(traced["total"] - untraced["total"], abs=0.2)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import psutil
@@ -117,6 +118,17 @@ def database_servers(
 def broker() -> list[psutil.Process]:
     """The RabbitMQ node's Erlang VM(s) on this machine."""
     return [p for p in psutil.process_iter(["name"]) if p.info["name"] == BROKER_PROCESS]
+
+
+def pipeline(daemons: Iterable[tuple[str, int]], database_url: str) -> Meter:
+    """The meter of a running pipeline: each daemon (name, pid) with its children, the
+    PostgreSQL processes serving them (not the load generator's) and the broker."""
+    components: dict[str, Callable[[], list[psutil.Process]]] = {
+        name: partial(with_children, pid) for name, pid in daemons
+    }
+    components["postgres"] = partial(database_servers, database_url)
+    components["rabbitmq"] = broker
+    return Meter(components)
 
 
 def summary(spent: dict[str, float], wall_seconds: float, messages: int, prefix: str = "") -> dict[str, Any]:

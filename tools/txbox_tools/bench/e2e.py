@@ -17,6 +17,14 @@ before the daemons start: the slower of plain pika publishing with streamed conf
 and plain pika consuming (prefetch 1,000, ``multiple=True`` acks), no database — the
 most any broker-based pipeline can move on this machine right now.
 
+CPU, beside the rate: ``cpu_us_per_message`` is what each daemon (with its children),
+the PostgreSQL processes serving them (not the driver's) and the RabbitMQ node spent per
+handled message while the pipeline was driven, and their ``total`` (the meter of
+``txbox bench latency``, tools/txbox_tools/bench/cpu.py). With ``--tracing`` the untraced
+run's figures are ``untraced_cpu_us_per_message`` and ``tracing_cpu_us_per_message`` says
+what each part spent more traced: where tracing's cost goes. The broker and the server's
+helper processes are measured whole, so these figures hold on a quiet machine only.
+
 The scratch app is this module's ``app`` attribute (``--app txbox_tools.bench.e2e:app``),
 built on first access from the ``TXBOX_*`` environment the bench gives its daemons.
 """
@@ -37,6 +45,7 @@ import pika
 import psycopg
 from psycopg import sql
 from sqlalchemy import DateTime, Text, func
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from framework import CommandHandler, EventHandler, Message, Outbox, Service, migrate, names, topology
@@ -44,7 +53,7 @@ from framework.db import conninfo, create_engine
 from framework.errors import TxboxError
 from framework.settings import Settings
 from framework.sql import outbox as outbox_sql
-from txbox_tools.bench import history
+from txbox_tools.bench import cpu, history
 from txbox_tools.bench.result import Result
 from txbox_tools.processes import ProcessGroup
 
@@ -206,10 +215,13 @@ class Scratch:
         }
 
     def service(self) -> Service:
+        """The load generator's view of the service (its connections named
+        :data:`cpu.LOAD_APPLICATION`, so no CPU meter counts them)."""
+        url = make_url(self.database_url).update_query_dict({"application_name": cpu.LOAD_APPLICATION})
         service = Service(
             settings=Settings(
                 service=SERVICE,
-                database_url=self.database_url,
+                database_url=url.render_as_string(hide_password=False),
                 amqp_url=self.amqp_url,
                 contracts_dir=self.contracts,
                 queue_type=self.queue_type,
@@ -332,6 +344,13 @@ class _Measured(NamedTuple):
     raw_publish: float
     raw_consume: float
     body_size: int
+    cpu: dict[str, float]  # CPU seconds of each part of the pipeline while it was driven (cpu.pipeline)
+
+    def cpu_us_per_message(self) -> dict[str, float]:
+        """Each part's CPU microseconds per message, and their ``total``."""
+        parts = {name: seconds * 1e6 / max(self.total, 1) for name, seconds in self.cpu.items()}
+        parts["total"] = sum(parts.values())
+        return {name: round(value, 1) for name, value in parts.items()}
 
     @property
     def rate(self) -> float:
@@ -350,15 +369,23 @@ def run(args: argparse.Namespace) -> Result:
         plain = _measure(args, traced=False, templates=templates)
         trace.set_tracer_provider(tracing.driver_provider())  # the business spans of _drive
         measured = _measure(args, traced=True, exporter=tracing.EXPORTER)
-        extra = {"untraced_rate": round(plain.rate, 1), "tracing_ratio": round(measured.rate / plain.rate, 3)}
+        traced_cpu, plain_cpu = measured.cpu_us_per_message(), plain.cpu_us_per_message()
+        extra = {
+            "untraced_rate": round(plain.rate, 1),
+            "tracing_ratio": round(measured.rate / plain.rate, 3),
+            "untraced_cpu_us_per_message": plain_cpu,
+            # Where tracing's cost goes: what each part spends more per message traced.
+            "tracing_cpu_us_per_message": {name: round(traced_cpu[name] - plain_cpu[name], 1) for name in traced_cpu},
+        }
     else:
         measured = plain = _measure(args, traced=False, templates=templates)
+    extra["cpu_us_per_message"] = measured.cpu_us_per_message()
     if templates:
         # The same run again, on a service whose outbox and inbox hold N finished rows each.
         filled: list[dict[str, Any]] = []
         past = _measure(args, traced=False, prefill=(args.history, templates), filled=filled)
         extra["history"] = history.summary(args.history, plain.rate, past.rate, filled)
-    seconds, total, raw_publish, raw_consume, body_size = measured
+    seconds, total, raw_publish, raw_consume, body_size, _ = measured
     raw = min(raw_publish, raw_consume)
     return Result(
         stage="e2e",
@@ -411,14 +438,17 @@ def _measure(
         try:
             scratch.start_daemons(group, args.workers)
             wait_ready(scratch, group)
+            meter = cpu.pipeline(((d.name, d.process.pid) for d in group.daemons), scratch.database_url)
+            meter.start()
             seconds, total = _drive(service, scratch, group, args, traced=traced)
+            spent = meter.stop()
             if templates is not None:
                 for table in (names.OUTBOX, names.INBOX):
                     templates[table] = history.sample(scratch.database_url, table)
         finally:
             group.stop_all()
             service.engine.dispose()
-    return _Measured(seconds, total, raw_publish, raw_consume, body_size)
+    return _Measured(seconds, total, raw_publish, raw_consume, body_size, spent)
 
 
 def _business_span() -> contextlib.AbstractContextManager[Any]:
@@ -448,7 +478,9 @@ def _drive(
     written = done = 0
     stalled_since = time.monotonic()
     last = -1
-    with psycopg.connect(conninfo(scratch.database_url), autocommit=True) as conn:
+    with psycopg.connect(
+        conninfo(scratch.database_url), autocommit=True, application_name=cpu.LOAD_APPLICATION
+    ) as conn:
         started = time.perf_counter()
         while done < expected:
             allowed = min(args.pings - written, args.batch, args.window - (written - done // 2))

@@ -93,13 +93,7 @@ def run(args: argparse.Namespace) -> Result:
         try:
             scratch.start_daemons(group, args.workers)
             wait_ready(scratch, group)
-            meter = cpu.Meter(
-                {
-                    **{d.name: partial(cpu.with_children, d.process.pid) for d in group.daemons},
-                    "postgres": partial(cpu.database_servers, scratch.database_url),
-                    "rabbitmq": cpu.broker,
-                }
-            )
+            meter = cpu.pipeline(((d.name, d.process.pid) for d in group.daemons), scratch.database_url)
             meter.start()
             began = time.perf_counter()
             sent, seconds = _offer(service, group, args)
