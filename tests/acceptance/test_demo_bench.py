@@ -6,11 +6,15 @@ to end through the real daemons and print the documented JSON line.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import psutil
+import psycopg
 import pytest
 
 from tests import support
@@ -109,3 +113,43 @@ def test_bench_soak_smoke(tmp_path: Path) -> None:
     # Everything older than 3 s goes within a second or so: never all 480 rows at once.
     assert max(s["outbox"]["rows"] for s in samples) < 480 and max(s["inbox"]["rows"] for s in samples) < 480
     assert (tmp_path / "soak.svg").read_text().startswith("<svg")
+
+
+def _scratch_services() -> tuple[set[str], set[str]]:
+    """The e2e benches' scratch databases and vhosts that exist now."""
+    with psycopg.connect(support.PG_ADMIN_URL, autocommit=True) as conn:
+        rows = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'txbox_bench_e2e_%'").fetchall()
+    vhosts = {v["name"] for v in support.mgmt("GET", "/vhosts") if v["name"].startswith("txbox-bench-e2e-")}
+    return {r[0] for r in rows}, vhosts
+
+
+@pytest.mark.slow
+def test_a_killed_bench_stops_its_daemons_and_drops_its_scratch_service() -> None:
+    """SIGTERM (a CI timeout, ``kill``) unwinds the bench like Ctrl-C, so nothing of it is left behind."""
+    before = _scratch_services()
+    bench_process = subprocess.Popen(
+        [*txbox_command(), "bench", "e2e", "--pings", "1000000", "--raw-messages", "200", *COMMON],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        process = psutil.Process(bench_process.pid)
+
+        def started() -> list[psutil.Process]:
+            """The bench's daemon processes once all three run: publisher, receiver, worker-1."""
+            found = []
+            for child in process.children():
+                with contextlib.suppress(psutil.Error):
+                    if "--app" in child.cmdline():
+                        found.append(child)
+            return found if len(found) == 3 else []
+
+        daemons = support.wait_until(started, 120, message="the bench's daemons")
+        assert _scratch_services() != before
+        bench_process.send_signal(signal.SIGTERM)
+        bench_process.wait(timeout=60)
+    finally:
+        if bench_process.poll() is None:
+            bench_process.kill()
+    _, alive = psutil.wait_procs(daemons, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    assert _scratch_services() == before

@@ -16,8 +16,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 from txbox_tools import repository
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM (a CI timeout, ``kill``) unwind the main thread like Ctrl-C, so the
+    ``finally`` blocks of a run stop its daemons and drop its scratch database and vhost
+    instead of leaving them behind, orphaned."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def txbox_command() -> list[str]:

@@ -6,6 +6,7 @@ import argparse
 import importlib
 
 from txbox_tools.bench.result import Result
+from txbox_tools.processes import unwind_on_sigterm
 
 HELP = "benchmarks: relay, receiver, worker, e2e, latency, analyze, outbox-write, dashboard, soak"
 
@@ -50,6 +51,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(STAGES[args.stage][0])
+    unwind_on_sigterm()  # a killed bench stops its daemons and drops its scratch service
     result: Result = module.run(args)
     print(result.report(args.json), flush=True)
     return 0

@@ -9,11 +9,10 @@ example services live in ``examples/``).
 from __future__ import annotations
 
 import argparse
-import signal
 from pathlib import Path
-from types import FrameType
 
 from framework.errors import ConfigurationError
+from txbox_tools.processes import unwind_on_sigterm
 
 HELP = "fault-injection run: kills and restarts under load"
 
@@ -76,15 +75,10 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per migration step, twice
-    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the daemons and the private
-    # PostgreSQL and RabbitMQ stop with the run instead of living on, orphaned.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # The private PostgreSQL and RabbitMQ stop with the run too.
+    unwind_on_sigterm()
     report = chaos.run(options)
     print(report.line(), flush=True)
     if args.json:
         print(chaos.report_json(report), flush=True)
     return 0 if report.ok else 1
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
