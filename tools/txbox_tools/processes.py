@@ -24,7 +24,10 @@ from txbox_tools import repository
 def unwind_on_sigterm() -> None:
     """Make SIGTERM (a CI timeout, ``kill``) unwind the main thread like Ctrl-C, so the
     ``finally`` blocks of a run stop its daemons and drop its scratch database and vhost
-    instead of leaving them behind, orphaned."""
+    instead of leaving them behind, orphaned. (An interrupt that lands in a garbage
+    collector's callback is lost, and the run then ends as it would have: with its own
+    clean-up. The demo, whose HTTP clients make that frequent, also sets a flag its
+    loops check: examples/demo.py.)"""
     signal.signal(signal.SIGTERM, _interrupt)
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from framework.errors import ConfigurationError
 from txbox_tools import repository
-from txbox_tools.processes import unwind_on_sigterm
 
 HELP = "the example saga, end to end, with a summary"
 
@@ -97,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if options.orders < 1 or options.window < 1:
         raise ConfigurationError("--orders and --window must be at least 1")
-    unwind_on_sigterm()  # a killed demo stops its daemons
     summary = demo.run(options)
     if args.json:
         print(json.dumps(summary.as_dict()))
