@@ -103,11 +103,11 @@ def test_the_end_of_a_write_acks_its_batch_at_once_not_after_the_wait(
         publish(amqp_url, [encode(place_order())])
 
 
-def test_light_load_is_written_on_the_consuming_thread_and_a_backlog_on_the_database_thread(
-    service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An idle receiver writes a small batch itself (two thread hand-offs fewer); under
-    load, batch N is written on the database thread while batch N+1 is collected."""
+DB_THREAD = "txbox-receiver-db"
+
+
+def record_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(thread, deliveries) of each batch the receiver writes from now on."""
     writes: list[tuple[str, int]] = []
     write = Receiver._write
 
@@ -116,6 +116,15 @@ def test_light_load_is_written_on_the_consuming_thread_and_a_backlog_on_the_data
         write(self, prepared)
 
     monkeypatch.setattr(Receiver, "_write", recorded)
+    return writes
+
+
+def test_light_load_is_written_on_the_consuming_thread_and_a_backlog_on_the_database_thread(
+    service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle receiver writes a small batch itself (two thread hand-offs fewer); under
+    load, batch N is written on the database thread while batch N+1 is collected."""
+    writes = record_writes(monkeypatch)
     topology.declare(service.settings, service.registry)
     with running(Receiver(service, config())):
         publish(amqp_url, [encode(place_order())])
@@ -127,10 +136,9 @@ def test_light_load_is_written_on_the_consuming_thread_and_a_backlog_on_the_data
             publish(amqp_url, [encode(place_order()) for _ in range(150)])
             support.wait_until(lambda: queue_depth(amqp_url, QUEUE) == 0, 15, message="the backlog delivered")
         support.wait_until(lambda: inbox_count(database_url) == 151, 20, message="the backlog stored")
-    db_thread = "txbox-receiver-db"
-    assert writes[0][1] == 1 and not writes[0][0].startswith(db_thread), writes
-    assert any(name.startswith(db_thread) for name, _ in writes[1:]), writes
-    assert all(size <= receiver_daemon._INLINE_MAX for name, size in writes if not name.startswith(db_thread)), writes
+    assert writes[0][1] == 1 and not writes[0][0].startswith(DB_THREAD), writes
+    assert any(name.startswith(DB_THREAD) for name, _ in writes[1:]), writes
+    assert all(size <= receiver_daemon._INLINE_MAX for name, size in writes if not name.startswith(DB_THREAD)), writes
 
 
 def test_a_full_batch_goes_to_the_database_thread_even_when_idle(
@@ -138,19 +146,12 @@ def test_a_full_batch_goes_to_the_database_thread_even_when_idle(
 ) -> None:
     """With a batch size within ``_INLINE_MAX`` every batch under full load is full: those
     keep the pipeline, or such a receiver would write without its overlap for good."""
-    threads: list[str] = []
-    write = Receiver._write
-
-    def recorded(self: Receiver, prepared: Any) -> None:
-        threads.append(threading.current_thread().name)
-        write(self, prepared)
-
-    monkeypatch.setattr(Receiver, "_write", recorded)
+    writes = record_writes(monkeypatch)
     topology.declare(service.settings, service.registry)
     with running(Receiver(service, config(batch_size=1))):
         publish(amqp_url, [encode(place_order())])
         support.wait_until(lambda: inbox_count(database_url) == 1, 15, message="the lone delivery stored")
-    assert len(threads) == 1 and threads[0].startswith("txbox-receiver-db"), threads
+    assert len(writes) == 1 and writes[0][0].startswith(DB_THREAD), writes
 
 
 def test_a_duplicate_delivery_is_acked_but_stored_once(
