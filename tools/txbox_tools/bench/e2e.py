@@ -478,9 +478,8 @@ def _drive(
     written = done = 0
     stalled_since = time.monotonic()
     last = -1
-    with psycopg.connect(
-        conninfo(scratch.database_url), autocommit=True, application_name=cpu.LOAD_APPLICATION
-    ) as conn:
+    # The load generator's URL (Scratch.service): the meter leaves this connection out.
+    with psycopg.connect(conninfo(service.settings.database_url), autocommit=True) as conn:
         started = time.perf_counter()
         while done < expected:
             allowed = min(args.pings - written, args.batch, args.window - (written - done // 2))
