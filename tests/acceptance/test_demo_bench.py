@@ -36,8 +36,12 @@ def bench(*args: str, common: tuple[str, ...] = COMMON) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_bench_e2e_smoke() -> None:
-    """Both runs of ``--tracing`` (untraced, then traced), each with its CPU by part."""
-    result = bench("e2e", "--pings", "150", "--window", "100", "--batch", "50", "--raw-messages", "300", "--tracing")
+    """``--tracing``'s two pairs of runs (untraced and traced, A B B A), with their CPU by part."""
+    small = ("--pings", "150", "--window", "100", "--batch", "50", "--raw-messages", "300")
+    result = bench("e2e", *small, "--tracing", "--pairs", "2")
+    ratios = result["tracing_ratios"]
+    assert isinstance(ratios, list) and len(ratios) == 2 and all(r > 0 for r in ratios), ratios
+    assert result["tracing_ratio"] == pytest.approx(sum(ratios) / 2, abs=0.002)
     assert result["stage"] == "e2e"
     assert result["messages"] == 300  # every Ping and its Pong handled
     for key in ("seconds", "rate", "raw_limit_rate", "ratio", "raw_limit", "untraced_rate", "tracing_ratio"):

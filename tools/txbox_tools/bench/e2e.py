@@ -20,10 +20,17 @@ most any broker-based pipeline can move on this machine right now.
 CPU, beside the rate: ``cpu_us_per_message`` is what each daemon (with its children),
 the PostgreSQL processes serving them (not the driver's) and the RabbitMQ node spent per
 handled message while the pipeline was driven, and their ``total`` (the meter of
-``txbox bench latency``, tools/txbox_tools/bench/cpu.py). With ``--tracing`` the untraced
-run's figures are ``untraced_cpu_us_per_message`` and ``tracing_cpu_us_per_message`` says
-what each part spent more traced: where tracing's cost goes. The broker and the server's
+``txbox bench latency``, tools/txbox_tools/bench/cpu.py). The broker and the server's
 helper processes are measured whole, so these figures hold on a quiet machine only.
+
+``--tracing`` runs ``--pairs`` pairs of an untraced and a traced run, interleaved in
+A B B A order: on this kind of machine one run's rate moves by a tenth from the run
+before, so a single pair decides nothing, and a traced run that always came second
+would alone pay for whatever a run leaves to the next. ``tracing_ratio`` is the median of the
+pairs' ratios (``tracing_ratios`` each one), ``untraced_rate`` the untraced runs' median
+rate, and the result itself the traced run of median rate. ``untraced_cpu_us_per_message``
+is the untraced runs' median by part, and ``tracing_cpu_us_per_message`` what each part
+spent more traced (medians): where tracing's cost goes.
 
 The scratch app is this module's ``app`` attribute (``--app txbox_tools.bench.e2e:app``),
 built on first access from the ``TXBOX_*`` environment the bench gives its daemons.
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 import uuid
@@ -331,8 +339,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tracing",
         action="store_true",
-        help="run twice, without then with spans recorded (SDK, batch processor, discarding exporter); "
-        "the result is the traced run, tracing_ratio its rate over the untraced one",
+        help="run without and with spans recorded (SDK, batch processor, discarding exporter), --pairs "
+        "times each, interleaved; tracing_ratio is the median of the pairs' traced over untraced rates",
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=2, help="with --tracing: untraced/traced pairs, in A B B A order (default 2)"
     )
     history.add_option(parser)
     add_common_options(parser)
@@ -366,20 +377,36 @@ def run(args: argparse.Namespace) -> Result:
 
         from txbox_tools.bench import tracing
 
-        plain = _measure(args, traced=False, templates=templates)
-        trace.set_tracer_provider(tracing.driver_provider())  # the business spans of _drive
-        measured = _measure(args, traced=True, exporter=tracing.EXPORTER)
-        traced_cpu, plain_cpu = measured.cpu_us_per_message(), plain.cpu_us_per_message()
+        # The business spans of _drive; an untraced run starts none, so this provider only
+        # records in the traced ones.
+        trace.set_tracer_provider(tracing.driver_provider())
+        runs: dict[bool, list[_Measured]] = {False: [], True: []}
+        for pair in range(args.pairs):
+            for traced in (False, True) if pair % 2 == 0 else (True, False):
+                runs[traced].append(
+                    _measure(
+                        args,
+                        traced=traced,
+                        exporter=tracing.EXPORTER if traced else "none",
+                        templates=None if traced or runs[False] else templates,
+                    )
+                )
+        ratios = [t.rate / p.rate for p, t in zip(runs[False], runs[True], strict=True)]
+        plain, measured = _median_run(runs[False]), _median_run(runs[True])
+        plain_cpu, traced_cpu = _median_cpu(runs[False]), _median_cpu(runs[True])
         extra = {
-            "untraced_rate": round(plain.rate, 1),
-            "tracing_ratio": round(measured.rate / plain.rate, 3),
+            "pairs": args.pairs,
+            "untraced_rate": round(statistics.median(m.rate for m in runs[False]), 1),
+            "tracing_ratio": round(statistics.median(ratios), 3),
+            "tracing_ratios": [round(r, 3) for r in ratios],
             "untraced_cpu_us_per_message": plain_cpu,
             # Where tracing's cost goes: what each part spends more per message traced.
             "tracing_cpu_us_per_message": {name: round(traced_cpu[name] - plain_cpu[name], 1) for name in traced_cpu},
+            "cpu_us_per_message": traced_cpu,
         }
     else:
         measured = plain = _measure(args, traced=False, templates=templates)
-    extra["cpu_us_per_message"] = measured.cpu_us_per_message()
+        extra["cpu_us_per_message"] = measured.cpu_us_per_message()
     if templates:
         # The same run again, on a service whose outbox and inbox hold N finished rows each.
         filled: list[dict[str, Any]] = []
@@ -407,6 +434,19 @@ def run(args: argparse.Namespace) -> Result:
             **extra,
         },
     )
+
+
+def _median_run(runs: list[_Measured]) -> _Measured:
+    """The run of median rate (the slower of the middle two of an even number)."""
+    return sorted(runs, key=lambda m: m.rate)[(len(runs) - 1) // 2]
+
+
+def _median_cpu(runs: list[_Measured]) -> dict[str, float]:
+    """Each part's median CPU microseconds per message over ``runs``, and their ``total``."""
+    each = [m.cpu_us_per_message() for m in runs]
+    parts = {name: statistics.median(e[name] for e in each) for name in each[0] if name != "total"}
+    parts["total"] = sum(parts.values())
+    return {name: round(value, 1) for name, value in parts.items()}
 
 
 def _measure(
