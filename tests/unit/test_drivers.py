@@ -15,7 +15,7 @@ _GLOBALS = """
 import gc, pika.data, psycopg._queries
 def driver_globals():
     return (pika.data.decode_value, psycopg._queries.MAX_CACHED_STATEMENT_PARAMS,
-            psycopg._queries.MAX_CACHED_STATEMENT_LENGTH, gc.get_freeze_count() > 0)
+            psycopg._queries.MAX_CACHED_STATEMENT_LENGTH, gc.get_freeze_count() > 0, gc.get_threshold())
 before = driver_globals()
 """
 
@@ -47,6 +47,16 @@ def test_a_daemon_tunes_the_drivers_when_it_is_built_and_tuning_again_changes_no
         "assert tuned[0] is not before[0] and tuned[0].bounded\n"
         "assert tuned[1] >= 1 << 16 and tuned[2] >= 1 << 20\n"
         "assert tuned[3], 'the heap built before the first message is frozen for the garbage collector'\n"
+        "assert tuned[4] == (drivers.YOUNG_THRESHOLD, *before[4][1:]), (tuned[4], before[4])\n"
         "drivers.tune_drivers()\n"
         "assert driver_globals() == tuned\n"
+    )
+
+
+def test_a_daemon_keeps_the_collector_thresholds_an_application_chose() -> None:
+    _run(
+        "gc.set_threshold(5000, 20, 20)\n"
+        "from framework import drivers\n"
+        "drivers.tune_drivers()\n"
+        "assert gc.get_threshold() == (5000, 20, 20), gc.get_threshold()\n"
     )
