@@ -155,7 +155,7 @@ class BatchRunner:
         self._release_quietly = give_back
         self._presume = q.presume_processed(self.schema)
         self._insert_outbox = outbox_sql.insert(self.schema)
-        self._create_guard, self._disarm = guard.create_guard(), guard.disarm()
+        self._create_guard, self._truncate_guard, self._disarm = guard.create_guard(), guard.truncate(), guard.disarm()
         self._disarm_text = self._disarm.as_string()
         self._pipeline = service.settings.outbox_commit_pipeline  # off behind poolers that refuse pipelines
         self._presume_armed = guard.armed(self._presume)  # the commit guard and batch mark (guard.py)
@@ -164,6 +164,7 @@ class BatchRunner:
         self._processed_counters: dict[str, Any] = {}
         self._watchdog: Watchdog | None = None
         self._guarded: Connection | None = None  # the connection known to have the commit guard's table
+        self._guard_batches = 0  # batches armed on it since the table was created or truncated
         self._middleware: Sequence[Middleware] = ()
         self._tracer: trace.Tracer | None = None  # the provider's tracer when spans record
         self.freed = False  # the last run made rows due that no NOTIFY will announce
@@ -374,6 +375,11 @@ class BatchRunner:
             cur = raw.cursor()
             if self._guarded is not conn:  # this connection may lack the commit guard's table
                 cur.execute(self._create_guard)
+                self._guard_batches = 0
+            elif self._guard_batches >= guard.TRUNCATE_EVERY:
+                cur.execute(self._truncate_guard)
+                self._guard_batches = 0
+            self._guard_batches += 1
             # The presumption armed: the commit guard and the batch mark ride its round trip.
             cur.execute(self._presume_armed, {"ids": [c.id for c in batch], "started": [c.started for c in batch]})
             presumed = cur.fetchall()  # (id, frees)

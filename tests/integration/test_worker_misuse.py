@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from framework import CommandHandler, Message, Outbox
 from framework.service import Service
+from framework.worker import guard
 from tests import support
 from tests.apps.helpers import place_order, query, running, scalar, store_in_inbox
 from tests.integration.test_worker import Recorder, done, letters, row, worker
@@ -247,3 +248,30 @@ def test_a_handler_exception_whose_text_fails_is_still_its_message_failure(servi
         support.wait_until(lambda: done(business) == 1, 20, message="abandoned")
     [(_id, _source, reason, error, _body)] = letters(business)
     assert reason == "max_attempts" and "Unprintable" in error
+
+
+def test_the_commit_guards_table_stays_small_however_many_batches_one_connection_runs(
+    service: Service, business: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard's keys are deleted before each COMMIT and the table emptied every
+    ``guard.TRUNCATE_EVERY`` batches: its dead rows do not pile up on a long-lived
+    connection (autovacuum never visits a temporary table)."""
+    monkeypatch.setattr(guard, "TRUNCATE_EVERY", 20)
+    service.register(Recorder())
+    messages = [place_order(aggregate_id=f"o{i}") for i in range(400)]
+    store_in_inbox(service, messages)
+    with running(worker(service, batch_size=1)):  # 400 batches on one processing connection
+        support.wait_until(lambda: done(business) == 400, 60, message="every message processed")
+        # Another session sees the worker's temporary table in the catalog, and its size on disk.
+        [(tables, largest)] = query(
+            business,
+            "SELECT count(*), max(pg_relation_size(c.oid)) FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relname = %s AND n.nspname LIKE 'pg\\_temp\\_%%'",
+            (guard.GUARD_TABLE,),
+        )
+    assert tables == 1, "the worker's processing connection holds the guard's table"
+    # 400 batches leave 800 dead rows without the TRUNCATEs: at most 291 line pointers fit
+    # on a page, so at least three pages.
+    assert largest <= 8192, f"the guard's table grew to {largest} bytes"
+    assert scalar(business, "SELECT count(*) FROM seen") == 400, "each message once"
