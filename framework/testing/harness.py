@@ -272,7 +272,6 @@ class Harness:
             try:
                 cur = raw.cursor()
                 cur.execute(guard.create_guard())
-                cur.execute(guard.truncate())  # a pooled connection's earlier deliveries left dead keys
                 cur.execute(guard.arm())
                 try:
                     guard.run_handler(

@@ -373,10 +373,12 @@ class BatchRunner:
         transaction = conn.begin()
         try:
             cur = raw.cursor()
-            if self._guarded is not conn:  # this connection may lack the commit guard's table
+            # A new connection may lack the commit guard's table; after a failed pass (which
+            # also rolled back any TRUNCATE in it) its dead keys are emptied too, so that
+            # failures coming more often than TRUNCATE_EVERY batches cannot keep them growing.
+            if self._guarded is not conn:
                 cur.execute(self._create_guard)
-                self._guard_batches = 0
-            elif self._guard_batches >= guard.TRUNCATE_EVERY:
+            if self._guarded is not conn or self._guard_batches >= guard.TRUNCATE_EVERY:
                 cur.execute(self._truncate_guard)
                 self._guard_batches = 0
             self._guard_batches += 1

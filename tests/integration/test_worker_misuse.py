@@ -250,18 +250,26 @@ def test_a_handler_exception_whose_text_fails_is_still_its_message_failure(servi
     assert reason == "max_attempts" and "Unprintable" in error
 
 
+@pytest.mark.parametrize("fail_every", [0, 15], ids=["healthy", "a failed pass every 15 batches"])
 def test_the_commit_guards_table_stays_small_however_many_batches_one_connection_runs(
-    service: Service, business: str, monkeypatch: pytest.MonkeyPatch
+    service: Service, business: str, monkeypatch: pytest.MonkeyPatch, fail_every: int
 ) -> None:
     """The guard's keys are deleted before each COMMIT and the table emptied every
-    ``guard.TRUNCATE_EVERY`` batches: its dead rows do not pile up on a long-lived
-    connection (autovacuum never visits a temporary table)."""
+    ``guard.TRUNCATE_EVERY`` batches and after a failed pass: its dead rows do not pile up
+    on a long-lived connection (autovacuum never visits a temporary table), also where
+    failures come more often than the TRUNCATEs."""
     monkeypatch.setattr(guard, "TRUNCATE_EVERY", 20)
-    service.register(Recorder())
-    messages = [place_order(aggregate_id=f"o{i}") for i in range(400)]
-    store_in_inbox(service, messages)
-    with running(worker(service, batch_size=1)):  # 400 batches on one processing connection
-        support.wait_until(lambda: done(business) == 400, 60, message="every message processed")
+    count = 600
+    failing = {f"o{i}" for i in range(fail_every, count, fail_every)} if fail_every else set()
+
+    def fail_some(message: Message, session: Session, outbox: Outbox) -> None:
+        if message.aggregate_id in failing:
+            raise RuntimeError("this one fails")
+
+    service.register(Recorder(fail_some))
+    store_in_inbox(service, [place_order(aggregate_id=f"o{i}") for i in range(count)])
+    with running(worker(service, batch_size=1, max_attempts=1)):  # one batch per message, one connection
+        support.wait_until(lambda: done(business) == count, 60, message="every message settled")
         # Another session sees the worker's temporary table in the catalog, and its size on disk.
         [(tables, largest)] = query(
             business,
@@ -271,7 +279,8 @@ def test_the_commit_guards_table_stays_small_however_many_batches_one_connection
             (guard.GUARD_TABLE,),
         )
     assert tables == 1, "the worker's processing connection holds the guard's table"
-    # 400 batches leave 800 dead rows without the TRUNCATEs: at most 291 line pointers fit
-    # on a page, so at least three pages.
+    # 600 batches leave 1,200 dead rows without the TRUNCATEs: at most 291 line pointers
+    # fit on a page, so at least five pages.
     assert largest <= 8192, f"the guard's table grew to {largest} bytes"
-    assert scalar(business, "SELECT count(*) FROM seen") == 400, "each message once"
+    assert scalar(business, "SELECT count(*) FROM seen") == count - len(failing), "each healthy message once"
+    assert len(letters(business)) == len(failing)
