@@ -404,10 +404,18 @@ def _claim_order(row: tuple[Any, ...]) -> tuple[Any, Any]:
 # taken while the inbox was small, the planner picked one of them and scanned every
 # pending row per id (0.8 s per batch); a plain join to the unnest hashed the whole inbox
 # per batch instead.
+#
+# The ids are walked by their subscripts, not by ``unnest``: the planner knows how many
+# elements a given array unnests to but not a parameter, so a plan for the values at
+# hand (a batch of one or two at moderate load) always looked cheaper than the generic
+# one, and PostgreSQL planned the presumption again at every batch: 0.25-0.35 ms of its
+# CPU, more than running it. It guesses the same number of subscripts either way, and so
+# keeps one generic plan per connection (docs/architecture.md, "Generic plans").
 _FENCE = f"""t.ctid = ANY(ARRAY(
-    SELECT (SELECT i.ctid FROM {{inbox}} i WHERE i.id = c.id AND i.started_attempts = c.started
+    SELECT (SELECT i.ctid FROM {{inbox}} i
+            WHERE i.id = (%(ids)s::uuid[])[k] AND i.started_attempts = (%(started)s::int2[])[k]
               AND {pending_by_id("i")})
-    FROM unnest(%(ids)s::uuid[], %(started)s::int2[]) AS c(id, started)))
+    FROM generate_subscripts(%(ids)s::uuid[], 1) AS k))
     AND {pending_by_id("t")}"""
 
 

@@ -22,6 +22,7 @@ from psycopg import sql
 from framework import db, names
 from framework.sql import inbox as q
 from framework.sql import outbox as relay_sql
+from framework.worker import guard
 from tests import support
 from tests.support import db_url
 
@@ -325,3 +326,28 @@ def test_the_marks_a_claim_carries_read_no_partial_index_whatever_the_statistics
     plan = _plan_after_a_burst(database, table, make, generic=generic)
     assert "outbox m" in plan, plan
     assert not re.findall(r"using \w+_(?:due|segment)_idx on \w+ m\b", plan), plan
+
+
+def test_the_worker_presumption_keeps_one_generic_plan_when_postgresql_chooses(database: str) -> None:
+    # The batch connection runs the handlers' queries too, so the worker leaves the choice
+    # between generic and custom plans to PostgreSQL. Its presumption, written over
+    # unnest(ids), got a custom plan at every batch of one: planned again each time,
+    # 0.25-0.35 ms of the server's CPU (docs/architecture.md, "Generic plans").
+    statement = guard.armed(q.presume_processed("txbox"))
+    batches = 12
+    with psycopg.connect(db.conninfo(db_url(database))) as conn:  # plan_cache_mode as the server's
+        conn.execute(ROW.format(processed="NULL", count=batches))
+        conn.execute(guard.create_guard())
+        conn.commit()
+        for id_ in _ids(conn, names.INBOX)[:batches]:
+            # Prepared from the first run, as the worker's from its fifth (psycopg's threshold).
+            presumed = conn.execute(statement, {"ids": [id_], "started": [0]}, prepare=True).fetchall()
+            assert [str(row[0]) for row in presumed] == [id_]
+            conn.execute(guard.disarm())
+            conn.commit()
+        [(generic, custom)] = conn.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE %s",
+            ("%txbox_guard%",),
+        ).fetchall()
+    # PostgreSQL always plans the first five runs for their values, then compares.
+    assert (generic, custom) == (batches - 5, 5)
