@@ -112,7 +112,7 @@ ARCHIVE_BATCHES = "archive_batches"
 ALEMBIC_VERSION_TABLE = "txbox_alembic_version"
 
 _SERVICE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 def exchange_for(kind: str) -> str:
@@ -225,7 +225,7 @@ def valid_service_id(value: str) -> bool:
 
 
 def valid_schema(value: str) -> bool:
-    return bool(_IDENTIFIER.match(value))
+    return _IDENTIFIER.fullmatch(value) is not None  # not match: its $ also matches before a final newline
 
 
 def kebab_case(title: str) -> str:

@@ -58,6 +58,7 @@ from framework.service import Service
 from framework.settings import RetentionSettings
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import outbox as named
+from framework.sql import rendered
 from framework.sql.outbox import Claimed
 from framework.wakeup import Wakeup
 
@@ -256,14 +257,15 @@ class Relay(Daemon):
         self.declare_topology = declare_topology
         self.schema = self.settings.schema
         self._user = amqp.username(self.settings.amqp_url)  # our messages' user_id (lane headers: lane_headers)
-        self._sql_claim_window = named.claim_window(self.schema)
-        self._sql_claim = named.claim(self.schema)
-        self._sql_mark = named.mark_published(self.schema)
-        self._sql_retry = named.retry_later(self.schema)
-        self._sql_abandon = named.abandon(self.schema)
-        self._sql_release = named.release(self.schema)
-        self._sql_backlog = named.backlog(self.schema)
-        self._sql_dead = dead_letters_sql.insert_sql(self.schema)
+        # Rendered once: run per claim or batch (framework/sql/__init__.py, ``rendered``).
+        self._sql_claim_window = rendered(named.claim_window(self.schema))
+        self._sql_claim = rendered(named.claim(self.schema))
+        self._sql_mark = rendered(named.mark_published(self.schema))
+        self._sql_retry = rendered(named.retry_later(self.schema))
+        self._sql_abandon = rendered(named.abandon(self.schema))
+        self._sql_release = rendered(named.release(self.schema))
+        self._sql_backlog = rendered(named.backlog(self.schema))
+        self._sql_dead = rendered(dead_letters_sql.insert_sql(self.schema))
         self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
         # NOTIFY (with a window under load), confirms, finished writes, stop
         # (docs/architecture.md, "Wake-ups").

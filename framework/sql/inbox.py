@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import psycopg
 from psycopg import sql
+from psycopg.abc import QueryNoTemplate as Query
 
 from framework import jsoncodec, names
+from framework.sql import rendered
 from framework.tables import pending_by_id, pending_in_segment
 
 if TYPE_CHECKING:
@@ -123,8 +125,8 @@ _COLUMNS: tuple[tuple[str, str], ...] = tuple((f.name, _TYPES.get(f.name, "text"
 _VALUES = operator.attrgetter(*(c for c, _ in _COLUMNS))  # a row's values in column order
 
 
-@functools.cache  # composed once per schema, not once per batch
-def insert_sql(schema: str) -> sql.Composed:
+@functools.cache  # rendered once per schema, not once per batch
+def insert_sql(schema: str) -> bytes:
     """The inbox INSERT: one parameter, the batch as a JSON array of rows (:func:`batch_json`).
 
     Each row is a JSON array of its values in :data:`_COLUMNS` order; PostgreSQL takes it
@@ -137,13 +139,15 @@ def insert_sql(schema: str) -> sql.Composed:
         text = sql.SQL("r ->> {}").format(sql.Literal(index))
         return text if column_type == "text" else sql.SQL("({})::{}").format(text, sql.SQL(column_type))
 
-    return sql.SQL(
-        "INSERT INTO {table} ({cols}) SELECT {select} FROM jsonb_array_elements(%s::jsonb) AS r "
-        "ON CONFLICT (id) DO NOTHING RETURNING id"
-    ).format(
-        table=sql.Identifier(schema, names.INBOX),
-        cols=sql.SQL(", ").join(sql.Identifier(c) for c, _ in _COLUMNS),
-        select=sql.SQL(", ").join(value(i, t) for i, (_, t) in enumerate(_COLUMNS)),
+    return rendered(
+        sql.SQL(
+            "INSERT INTO {table} ({cols}) SELECT {select} FROM jsonb_array_elements(%s::jsonb) AS r "
+            "ON CONFLICT (id) DO NOTHING RETURNING id"
+        ).format(
+            table=sql.Identifier(schema, names.INBOX),
+            cols=sql.SQL(", ").join(sql.Identifier(c) for c, _ in _COLUMNS),
+            select=sql.SQL(", ").join(value(i, t) for i, (_, t) in enumerate(_COLUMNS)),
+        )
     )
 
 
@@ -383,9 +387,7 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
     )
 
 
-def fetch_claimed(
-    conn: psycopg.Connection[Any], statement: sql.Composed, params: dict[str, Any]
-) -> list[tuple[Any, ...]]:
+def fetch_claimed(conn: psycopg.Connection[Any], statement: Query, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     """Run a claim; its rows (:data:`CLAIM_COLUMNS`) in priority, then arrival order."""
     with conn.cursor() as cur:
         rows = cur.execute(statement, params).fetchall()

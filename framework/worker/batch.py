@@ -70,6 +70,7 @@ from framework.service import Service
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as q
 from framework.sql import outbox as outbox_sql
+from framework.sql import rendered
 from framework.sql.outbox import OutboxRow
 from framework.worker import guard
 from framework.worker.config import GRACE, LEASE_MARGIN, MIN_RUN, WorkerConfig
@@ -153,12 +154,15 @@ class BatchRunner:
         self._connection = connection
         self._drop_processing_connection = drop_connection
         self._release_quietly = give_back
-        self._presume = q.presume_processed(self.schema)
-        self._insert_outbox = outbox_sql.insert(self.schema)
-        self._create_guard, self._truncate_guard, self._disarm = guard.create_guard(), guard.truncate(), guard.disarm()
-        self._disarm_text = self._disarm.as_string()
+        # Rendered once: run per batch (framework/sql/__init__.py, ``rendered``).
+        presume = q.presume_processed(self.schema)
+        self._presume = rendered(presume)
+        self._presume_armed = rendered(guard.armed(presume))  # the commit guard and batch mark (guard.py)
+        self._insert_outbox = rendered(outbox_sql.insert(self.schema))
+        self._create_guard, self._truncate_guard = rendered(guard.create_guard()), rendered(guard.truncate())
+        self._disarm = rendered(guard.disarm())
+        self._disarm_text = guard.disarm().as_string()
         self._pipeline = service.settings.outbox_commit_pipeline  # off behind poolers that refuse pipelines
-        self._presume_armed = guard.armed(self._presume)  # the commit guard and batch mark (guard.py)
         self._labels = {"service": service.settings.service}
         self._durations: dict[str, Any] = {}
         self._processed_counters: dict[str, Any] = {}

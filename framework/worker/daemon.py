@@ -35,6 +35,7 @@ from framework.retention import inbox_pruner
 from framework.service import Service
 from framework.settings import RetentionSettings
 from framework.sql import inbox as q
+from framework.sql import rendered
 from framework.wakeup import HOLD_MAX, Wakeup
 from framework.worker import decode
 from framework.worker.batch import BatchRunner, Claimed, driver
@@ -66,8 +67,9 @@ class Worker(Daemon):
         self.pruner = inbox_pruner(self, retention)
         self.schema = self.settings.schema
         park = self.config.segment_policy == "park"
-        self._claim_batch = q.claim(self.schema, suspects=False, park=park)
-        self._claim_suspect = q.claim(self.schema, suspects=True, park=park)
+        # Rendered once: run per claim (framework/sql/__init__.py, ``rendered``).
+        self._claim_batch = rendered(q.claim(self.schema, suspects=False, park=park))
+        self._claim_suspect = rendered(q.claim(self.schema, suspects=True, park=park))
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
         # Set by NOTIFY (the listener) and by stop(); a worker whose claim after a NOTIFY

@@ -7,8 +7,8 @@ from dataclasses import fields
 import pytest
 from sqlalchemy import Table
 
-from framework import tables
-from framework.sql import dead_letters, inbox, outbox
+from framework import names, tables
+from framework.sql import dead_letters, inbox, outbox, rendered
 
 
 @pytest.mark.parametrize(
@@ -30,3 +30,18 @@ def test_the_outbox_insert_writes_every_column_a_writer_sets() -> None:
     assert set(outbox.COLUMNS) == set(tables.outbox.c.keys()) - later
     text = outbox.insert_text("txbox")
     assert text.count("$") == len(outbox.COLUMNS) and "COALESCE($14::timestamptz, clock_timestamp())" in text
+
+
+@pytest.mark.parametrize("schema", ["txbox", "orders_2", "_x"])
+def test_statements_rendered_once_are_the_bytes_every_client_encoding_sends(schema: str) -> None:
+    # The daemons render their per-batch statements once, without a connection
+    # (framework.sql.rendered): right only while every name in them is ASCII.
+    assert names.valid_schema(schema)
+    claims = (outbox.claim(schema), inbox.claim(schema, suspects=False, park=True))
+    for statement in (inbox.insert_sql(schema), *map(rendered, claims)):
+        assert statement.isascii() and f'"{schema}".'.encode() in statement
+
+
+@pytest.mark.parametrize("schema", ["Txbox", "tx-box", "txbox\n", "schéma", "1x", ""])
+def test_a_schema_name_outside_lower_case_ascii_is_refused(schema: str) -> None:
+    assert not names.valid_schema(schema)
