@@ -407,17 +407,16 @@ def _claim_order(row: tuple[Any, ...]) -> tuple[Any, Any]:
 # pending row per id (0.8 s per batch); a plain join to the unnest hashed the whole inbox
 # per batch instead.
 #
-# The ids are walked by their subscripts, not by ``unnest``: the planner knows how many
-# elements a given array unnests to but not a parameter, so a plan for the values at
-# hand (a batch of one or two at moderate load) always looked cheaper than the generic
-# one, and PostgreSQL planned the presumption again at every batch: 0.25-0.35 ms of its
-# CPU, more than running it. It guesses the same number of subscripts either way, and so
-# keeps one generic plan per connection (docs/architecture.md, "Generic plans").
+# The arrays reach ``unnest`` through scalar subqueries: the planner knows how many rows a
+# given array unnests to, but not an array it gets from a subquery, so the plan for the
+# values at hand (a batch of one or two at moderate load) no longer looks cheaper than the
+# generic one, which PostgreSQL then keeps per connection. Passed straight in, they could
+# make it plan the presumption again at every batch (always, on an inbox not analyzed yet):
+# 0.25-0.35 ms of its CPU, more than running it (docs/architecture.md, "Generic plans").
 _FENCE = f"""t.ctid = ANY(ARRAY(
-    SELECT (SELECT i.ctid FROM {{inbox}} i
-            WHERE i.id = (%(ids)s::uuid[])[k] AND i.started_attempts = (%(started)s::int2[])[k]
+    SELECT (SELECT i.ctid FROM {{inbox}} i WHERE i.id = c.id AND i.started_attempts = c.started
               AND {pending_by_id("i")})
-    FROM generate_subscripts(%(ids)s::uuid[], 1) AS k))
+    FROM unnest((SELECT %(ids)s::uuid[]), (SELECT %(started)s::int2[])) AS c(id, started)))
     AND {pending_by_id("t")}"""
 
 
