@@ -505,9 +505,7 @@ class Receiver(Daemon):
 
         A message id that was already stored is compared with what is stored only then
         (one more statement, for those ids alone): a true duplicate is quiet, a different
-        message under that id is an ``id_conflict`` letter. A batch of at most
-        :data:`_INLINE_MAX` rows and nothing else is its one statement, committed by itself
-        (:meth:`_insert_alone`).
+        message under that id is an ``id_conflict`` letter.
         """
         if not prepared.spans:
             self._write_batch(prepared)
@@ -538,10 +536,7 @@ class Receiver(Daemon):
         conn = self._connection()
         try:
             with conn.cursor() as cur:
-                if prepared.letters or settled_keys or len(rows) > _INLINE_MAX:
-                    new = inbox_sql.insert_rows(cur, schema, rows)
-                else:
-                    new = self._insert_alone(conn, cur, rows)
+                new = inbox_sql.insert_rows(cur, schema, rows)
                 letters = prepared.letters + self._conflicts(cur, pairs, new)
                 dead_letters_sql.insert_letters(cur, schema, [letter for _, letter in letters])
                 redeliveries.forget(cur, schema, self.queue, settled_keys)
@@ -554,24 +549,6 @@ class Receiver(Daemon):
             # refuses): find the culprits one savepoint at a time.
             new, letters = self._store_carefully(conn, prepared)
         self._count(rows, new, [letter for _, letter in letters])
-
-    def _insert_alone(self, conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any], rows: list[InboxRow]) -> set[Any]:
-        """The rows of a small batch that writes nothing else, committed by their one statement.
-
-        In autocommit, so no BEGIN and no COMMIT round trip (docs/architecture.md, "Receiver
-        intake"). ``id_conflict`` letters, for ids already stored with other content, then go
-        in a transaction of their own: a crash between the two redelivers the batch, whose
-        rows are duplicates by then, and finds the conflicts again.
-        """
-        conn.autocommit = True
-        try:
-            return inbox_sql.insert_rows(cur, self.settings.schema, rows)
-        finally:
-            try:
-                conn.autocommit = False
-            except psycopg.Error:
-                # Only a connection that broke under the statement refuses: never reuse it.
-                self._drop_db()
 
     def _conflicts(
         self, cur: psycopg.Cursor[Any], pairs: Sequence[tuple[Delivery, InboxRow]], new: set[Any]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -13,12 +12,11 @@ from typing import Any
 import pika
 import psycopg
 import pytest
-from psycopg import pq
 
 from framework import dead_letters, names, topology
 from framework.db import conninfo
 from framework.dead_letters import decode_body
-from framework.receiver import Delivery, Receiver, ReceiverConfig
+from framework.receiver import Receiver, ReceiverConfig
 from framework.receiver import daemon as receiver_daemon
 from framework.redaction import redact_bytes
 from framework.service import Service
@@ -336,54 +334,3 @@ def _consumers(amqp_url: str) -> int:
         return int(connection.channel().queue_declare(QUEUE, passive=True).method.consumer_count)
     finally:
         connection.close()
-
-
-# The client's messages in libpq's trace (psycopg sends both as simple queries).
-BEGIN, COMMIT = b'Query\t "BEGIN"', b'Query\t "COMMIT"'
-
-
-def _sent(receiver: Receiver, deliveries: list[Delivery]) -> bytes:
-    """What the receiver sends PostgreSQL to settle ``deliveries`` (libpq's trace of the protocol)."""
-    conn = receiver._connection()
-    with tempfile.TemporaryFile() as trace:
-        conn.pgconn.trace(trace.fileno())
-        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-        try:
-            receiver._write(receiver._admit(deliveries, {}))
-        finally:
-            conn.pgconn.untrace()
-        trace.seek(0)
-        return trace.read()
-
-
-def _delivery(tag: int, body: bytes) -> Delivery:
-    return Delivery(delivery_tag=tag, body=body, properties={"content_type": "application/json"})
-
-
-def test_a_small_batch_of_rows_alone_commits_with_its_insert_and_letters_still_share_a_transaction(
-    service: Service, database_url: str
-) -> None:
-    receiver = Receiver(service, config())
-    first = place_order()
-    sent = _sent(receiver, [_delivery(1, encode(first))])
-    # One round trip: no BEGIN before the INSERT, no COMMIT after it.
-    assert BEGIN not in sent and COMMIT not in sent, sent.decode(errors="replace")
-    assert inbox_count(database_url) == 1
-
-    # The same id with other content beside a new message: the new row commits with its
-    # statement, the conflict is found after it and dead-lettered in a transaction.
-    reused = {**first, "payload": {**first["payload"], "quantity": 9}}
-    second = place_order()
-    sent = _sent(receiver, [_delivery(2, encode(reused)), _delivery(3, encode(second))])
-    assert sent.count(COMMIT) == 1, sent.decode(errors="replace")
-    assert inbox_count(database_url) == 2
-    assert query(database_url, "SELECT reason, message_id::text FROM txbox.dead_letters") == [
-        ("id_conflict", first["message_id"])
-    ]
-
-    # A batch with a rejected delivery stores its rows and its letter in one transaction.
-    sent = _sent(receiver, [_delivery(4, b"not json"), _delivery(5, encode(place_order()))])
-    assert BEGIN in sent and sent.count(COMMIT) == 1, sent.decode(errors="replace")
-    assert inbox_count(database_url) == 3
-    assert scalar(database_url, "SELECT count(*) FROM txbox.dead_letters WHERE reason = 'not_json'") == 1
-    receiver._drop_db()
