@@ -37,7 +37,7 @@ _CONTRACTS = "# contracts: "
 _SERVICES = "# services: "
 _LINE = 120  # the line length of ruff's configuration here, so generated code passes its checks
 _MAX_DEPTH = 16  # nested schemas deeper than this are typed Any (and a $ref cycle ends here)
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: $ would pass a final newline
 _SCALARS = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "null": "None"}
 
 
@@ -115,7 +115,7 @@ def _typed_dict(module: _Module, name: str, schema: dict[str, Any], root: dict[s
             module.uses_not_required = True
             annotation = f"NotRequired[{annotation}]"
         fields.append((str(key), annotation))
-    if all(_IDENTIFIER.match(k) and not keyword.iskeyword(k) for k, _ in fields):
+    if all(_IDENTIFIER.fullmatch(k) and not keyword.iskeyword(k) for k, _ in fields):
         lines = [f"    {key}: {annotation}" for key, annotation in fields]
         body = [_docstring(doc), *([""] if lines else []), *lines] if doc else lines or ["    pass"]
         module.classes.append(f"class {name}(TypedDict):\n" + "\n".join(body))

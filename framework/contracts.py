@@ -52,8 +52,9 @@ from framework.errors import ContractError, PayloadValidationError, Problem, Unk
 
 Kind = Literal["command", "event"]
 
-_ROUTING_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
-_BINDING_KEY = re.compile(r"^([A-Za-z0-9_-]+|\*|#)(\.([A-Za-z0-9_-]+|\*|#))*$")
+# Checked with fullmatch: ``$`` would also match before a final newline.
+_ROUTING_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+_BINDING_KEY = re.compile(r"([A-Za-z0-9_-]+|\*|#)(\.([A-Za-z0-9_-]+|\*|#))*")
 _IRREGULAR_PAST = frozenset(
     """Done Sent Paid Built Made Held Lost Won Taken Given Begun Run Set Put Cut Read Left Kept Found Sold
     Bought Shown Known Drawn Seen Written Spent Split Shut Hit Quit Froze Frozen Chosen Broken Sung Torn""".split()  # noqa: SIM905
@@ -335,7 +336,7 @@ class _Loader:
                 self.problem(where, "a channel must be a mapping")
                 continue
             channel = str(channel)
-            if not _ROUTING_KEY.match(channel):
+            if not _ROUTING_KEY.fullmatch(channel):
                 self.problem(
                     where,
                     "a channel name is the `entity.action` part of a routing key: words of letters, digits, "
@@ -363,7 +364,7 @@ class _Loader:
             self.problem("x-subscribes", "must be a list of event routing keys")
             subscribes = []
         for i, key in enumerate(subscribes):
-            if not isinstance(key, str) or not _BINDING_KEY.match(key):
+            if not isinstance(key, str) or not _BINDING_KEY.fullmatch(key):
                 self.problem(f"x-subscribes[{i}]", f"{key!r} is not a routing key or topic pattern")
             else:
                 contract.subscribes.append(key)

@@ -111,7 +111,8 @@ DAEMON_HEARTBEATS = "daemon_heartbeats"
 ARCHIVE_BATCHES = "archive_batches"
 ALEMBIC_VERSION_TABLE = "txbox_alembic_version"
 
-_SERVICE_ID = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+# Whole names only: checked with fullmatch (``$`` would also match before a final newline).
+_SERVICE_ID = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
 
 
@@ -221,11 +222,11 @@ def qualified(schema: str, table: str) -> str:
 
 
 def valid_service_id(value: str) -> bool:
-    return bool(_SERVICE_ID.match(value))
+    return _SERVICE_ID.fullmatch(value) is not None
 
 
 def valid_schema(value: str) -> bool:
-    return _IDENTIFIER.fullmatch(value) is not None  # not match: its $ also matches before a final newline
+    return _IDENTIFIER.fullmatch(value) is not None
 
 
 def kebab_case(title: str) -> str:

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 from psycopg import sql
 
+from framework.errors import TxboxError
+
 
 def rendered(statement: sql.Composable) -> bytes:
-    """``statement`` as the bytes psycopg sends, for a statement a daemon runs per batch.
+    """``statement`` as the bytes psycopg sends, rendered once for a daemon's hot path.
 
-    psycopg renders a composed statement again at every execute, adapting each identifier
-    and literal anew: 0.26 ms for the inbox INSERT and 0.2 ms for the outbox's, 10-45 µs
-    for the claims, paid by every batch of one at a moderate load. Rendered once, the
-    statement costs psycopg a cache lookup. Without a connection: txbox's identifiers are
-    ASCII (``names.valid_schema``), the same bytes in every client encoding.
+    psycopg composes a ``sql.Composed`` statement again at every execute, adapting each
+    identifier and literal anew, which a batch of one pays in full (docs/architecture.md,
+    "Tables and their SQL"). Rendered without a connection: right only while its names
+    and literals are ASCII, the same bytes in every client encoding, which is checked here.
     """
-    return statement.as_bytes()
+    text = statement.as_bytes()
+    if not text.isascii():
+        raise TxboxError(f"a statement rendered once must be ASCII, whatever the client encoding: {text[:200]!r}")
+    return text

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import psycopg
 from psycopg import sql
-from psycopg.abc import QueryNoTemplate as Query
 
 from framework import jsoncodec, names
 from framework.sql import rendered
@@ -387,7 +386,9 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
     )
 
 
-def fetch_claimed(conn: psycopg.Connection[Any], statement: Query, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+def fetch_claimed(
+    conn: psycopg.Connection[Any], statement: bytes | sql.Composed, params: dict[str, Any]
+) -> list[tuple[Any, ...]]:
     """Run a claim; its rows (:data:`CLAIM_COLUMNS`) in priority, then arrival order."""
     with conn.cursor() as cur:
         rows = cur.execute(statement, params).fetchall()
@@ -407,12 +408,12 @@ def _claim_order(row: tuple[Any, ...]) -> tuple[Any, Any]:
 # pending row per id (0.8 s per batch); a plain join to the unnest hashed the whole inbox
 # per batch instead.
 #
-# The arrays reach ``unnest`` through scalar subqueries: the planner knows how many rows a
-# given array unnests to, but not an array it gets from a subquery, so the plan for the
-# values at hand (a batch of one or two at moderate load) no longer looks cheaper than the
-# generic one, which PostgreSQL then keeps per connection. Passed straight in, they could
-# make it plan the presumption again at every batch (always, on an inbox not analyzed yet):
-# 0.25-0.35 ms of its CPU, more than running it (docs/architecture.md, "Generic plans").
+# The arrays reach ``unnest`` through scalar subqueries: the planner counts the elements of
+# a given array but guesses 10 for a parameter's, so for the small batches of a moderate
+# load the plan for the values at hand looked cheaper than the generic one, and PostgreSQL
+# planned the presumption again at every batch, which cost more than running it. It
+# guesses the same for a subquery's array whatever the values, and so keeps the generic
+# plan per connection (docs/architecture.md, "Generic plans").
 _FENCE = f"""t.ctid = ANY(ARRAY(
     SELECT (SELECT i.ctid FROM {{inbox}} i WHERE i.id = c.id AND i.started_attempts = c.started
               AND {pending_by_id("i")})

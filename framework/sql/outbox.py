@@ -45,7 +45,6 @@ from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
-from psycopg.abc import QueryNoTemplate as Query
 from psycopg.rows import RowMaker, class_row
 
 from framework import jsoncodec, names
@@ -140,7 +139,9 @@ class Claimed(NamedTuple):
     has_next: bool | None = None
 
 
-def fetch_claimed(conn: psycopg.Connection[Any], statement: Query, params: dict[str, Any]) -> list[Claimed]:
+def fetch_claimed(
+    conn: psycopg.Connection[Any], statement: bytes | sql.Composed, params: dict[str, Any]
+) -> list[Claimed]:
     """Run a claim (:func:`claim`, :func:`claim_window`); its rows in claim order, read by name."""
     with conn.cursor(row_factory=_claimed) as cur:
         return cur.execute(statement, params).fetchall()

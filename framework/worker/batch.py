@@ -161,7 +161,7 @@ class BatchRunner:
         self._insert_outbox = rendered(outbox_sql.insert(self.schema))
         self._create_guard, self._truncate_guard = rendered(guard.create_guard()), rendered(guard.truncate())
         self._disarm = rendered(guard.disarm())
-        self._disarm_text = guard.disarm().as_string()
+        self._disarm_text = self._disarm.decode()
         self._pipeline = service.settings.outbox_commit_pipeline  # off behind poolers that refuse pipelines
         self._labels = {"service": service.settings.service}
         self._durations: dict[str, Any] = {}

@@ -168,14 +168,16 @@ def test_the_worker_claim_updates_its_rows_by_tid_whatever_the_statistics_say(da
     assert scans and all("Tid Scan" in scan for scan in scans), plan
 
 
-# The relay runs its statements with generic plans (framework/db.py, generic_plans): each
-# of its plans is checked both ways, the plan for these values and the one for any.
+# The relay runs its statements with generic plans (framework/db.py, generic_plans), and the
+# worker's fenced statements get one by PostgreSQL's choice (docs/architecture.md, "Generic
+# plans"): each of their plans is checked both ways, the plan for these values and the one for any.
 PLANNED = pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 
 
 def _planned(statements: Iterable[str]) -> Any:
-    """PLANNED for a set of statements: each with its custom plan, the relay's also generic."""
-    cases = [(s, False) for s in statements] + [(s, True) for s in statements if s.startswith("relay")]
+    """PLANNED for a set of statements: each with its custom plan, those that run generic plans also generic."""
+    generic = ("relay", "worker presume", "worker release")
+    cases = [(s, False) for s in statements] + [(s, True) for s in statements if s.startswith(generic)]
     return pytest.mark.parametrize(
         ("statement", "generic"), cases, ids=[f"{s}-{'generic' if g else 'custom'}" for s, g in cases]
     )
@@ -330,9 +332,9 @@ def test_the_marks_a_claim_carries_read_no_partial_index_whatever_the_statistics
 
 def test_the_worker_presumption_keeps_one_generic_plan_when_postgresql_chooses(database: str) -> None:
     # The batch connection runs the handlers' queries too, so the worker leaves the choice
-    # between generic and custom plans to PostgreSQL. Its presumption, written over
-    # unnest(ids), got a custom plan at every batch of one: planned again each time,
-    # 0.25-0.35 ms of the server's CPU (docs/architecture.md, "Generic plans").
+    # between generic and custom plans to PostgreSQL. Its presumption, with the arrays
+    # passed straight to unnest, got a custom plan at every batch of one: planned again
+    # each time (docs/architecture.md, "Generic plans").
     statement = guard.armed(q.presume_processed("txbox"))
     batches = 12
     with psycopg.connect(db.conninfo(db_url(database))) as conn:  # plan_cache_mode as the server's
@@ -340,7 +342,7 @@ def test_the_worker_presumption_keeps_one_generic_plan_when_postgresql_chooses(d
         conn.execute(guard.create_guard())
         conn.commit()
         for id_ in _ids(conn, names.INBOX)[:batches]:
-            # Prepared from the first run, as the worker's from its fifth (psycopg's threshold).
+            # Prepared from the first run (the worker's is from its sixth: psycopg's threshold).
             presumed = conn.execute(statement, {"ids": [id_], "started": [0]}, prepare=True).fetchall()
             assert [str(row[0]) for row in presumed] == [id_]
             conn.execute(guard.disarm())

@@ -45,3 +45,9 @@ def test_statements_rendered_once_are_the_bytes_every_client_encoding_sends(sche
 @pytest.mark.parametrize("schema", ["Txbox", "tx-box", "txbox\n", "schéma", "1x", ""])
 def test_a_schema_name_outside_lower_case_ascii_is_refused(schema: str) -> None:
     assert not names.valid_schema(schema)
+
+
+@pytest.mark.parametrize("service", ["orders\n", "Orders", "-orders", ""])
+def test_a_service_id_with_a_final_newline_or_outside_its_alphabet_is_refused(service: str) -> None:
+    # It names queues, connections and metric labels; re.match with $ let "orders\n" through.
+    assert not names.valid_service_id(service) and names.valid_service_id("orders-2_b")
