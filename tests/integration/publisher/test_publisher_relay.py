@@ -311,6 +311,11 @@ def test_claimed_rows_are_read_by_column_name_in_any_order(settings: Settings) -
             assert (row.id, row.kind, row.priority, row.finished_attempts) == ("id", "kind", 1, 4)
             assert row.segment == ("segment" if names_ is every else "")
             assert row.concurrency == ("concurrency" if names_ is every else "sequential")
+        # In the claim's own order the rows are made as they come, with no mapping per row.
+        in_order = sql.SQL("SELECT " + ", ".join(f"{values[n]} AS {n}" for n in Claimed._fields))
+        with conn.cursor() as cur:
+            cur.execute(in_order)
+            assert outbox_sql._claimed(cur) == Claimed._make
 
 
 def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
