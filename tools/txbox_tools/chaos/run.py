@@ -571,8 +571,15 @@ def _inject(
     if fault.kind is Kind.RABBITMQ_RESTART:
         rabbit.restart()
         if isinstance(rabbit, PrivateRabbitCluster):
-            return "RabbitMQ nodes stopped and started one after the other", None
-        return "RabbitMQ node stopped and started", None
+            nodes, what = rabbit.nodes, "RabbitMQ nodes stopped and started one after the other"
+        else:
+            nodes, what = [rabbit], "RabbitMQ node stopped and started"
+        failures = [failure for node in nodes for failure in node.boot_failures]
+        for node in nodes:
+            node.boot_failures.clear()
+        if failures:  # PrivateRabbit.restart started a node a second time
+            what += f"; a node died while booting and was started again: {failures[0]}"
+        return what, None
     if fault.kind is Kind.RABBITMQ_NODE_KILL:
         if not isinstance(rabbit, PrivateRabbitCluster):
             raise ChaosFailed("the rabbitmq_node_kill fault needs a RabbitMQ cluster (--rabbit-nodes 3)")
