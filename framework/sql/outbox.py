@@ -147,19 +147,24 @@ def fetch_claimed(
         return cur.execute(statement, params).fetchall()
 
 
+# The fields' names as a result spells them: ASCII, the same bytes in every client encoding.
+_FIELD_NAMES = tuple(name.encode() for name in Claimed._fields)
+
+
 def _claimed(cursor: psycopg.Cursor[Any]) -> RowMaker[Claimed]:
     """Rows as :class:`Claimed`, by column name: the names are matched once per result, not
     once per row (``class_row`` builds a keyword dict per row, on the relay's hot path).
 
-    The names are read from the result itself: ``cursor.description`` would build a
-    ``Column`` with its type looked up for each of the twenty-one columns: 20 µs a claim
-    against 2.6 µs for the names alone (docs/architecture.md, "CPU per message")."""
+    The names are compared as the result's bytes: ``cursor.description`` would build a
+    ``Column`` and look its type up for each column of every claim (17-20 µs against 2.6;
+    benchmarks/cpu-per-message.md, "The relay's column names"). A non-ASCII name is never
+    equal to a field's, whatever the encoding, since its bytes start at 0x80 or above."""
     result = cursor.pgresult
-    index = {} if result is None else {(result.fname(i) or b"").decode(): i for i in range(result.nfields)}
-    missing = [name for name in Claimed._fields if name not in index]
+    index = {} if result is None else {result.fname(i): i for i in range(result.nfields)}
+    missing = [name for name in _FIELD_NAMES if name not in index]
     if missing:
         return class_row(Claimed)(cursor)  # defaults for what the statement does not select
-    positions = [index[name] for name in Claimed._fields]
+    positions = [index[name] for name in _FIELD_NAMES]
     if positions == list(range(len(index))):  # exactly the fields, in their order
         return Claimed._make
     return lambda values: Claimed._make([values[i] for i in positions])

@@ -316,6 +316,11 @@ def test_claimed_rows_are_read_by_column_name_in_any_order(settings: Settings) -
         with conn.cursor() as cur:
             cur.execute(in_order)
             assert outbox_sql._claimed(cur) == Claimed._make
+        # A column of another name, non-ASCII in a one-byte client encoding, is passed over.
+        conn.execute("SET client_encoding TO 'LATIN1'")
+        extra = sql.SQL("SELECT " + ", ".join(f"{values[n]} AS {n}" for n in every) + ', 1 AS "café"')
+        (row,) = outbox_sql.fetch_claimed(conn, extra, {})
+        assert (row.id, row.priority) == ("id", 1)
 
 
 def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
