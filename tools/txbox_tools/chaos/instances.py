@@ -510,8 +510,7 @@ class PrivateRabbit(_Management):
             self.start()
         except NodeExited as exc:
             self.boot_failures.append(str(exc))
-            self._proc = None
-            self.start()
+            self.start()  # launch() replaces the exited process
         self.restarts += 1
 
     def running(self) -> bool:
