@@ -109,7 +109,7 @@ def test_body_bytes_held_unacked_are_bounded_while_the_database_is_slow(
                     lambda: scalar(
                         database_url,
                         "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'txbox-receiver'"
-                        " AND wait_event_type = 'Lock'",
+                        " AND wait_event_type = 'Lock' AND datname = current_database()",
                     ),
                     30,
                     message="the receiver's first write to wait on the lock",
