@@ -40,19 +40,7 @@ os.environ.setdefault("SPARK_SUBMIT_OPTS", SPARK_JVM_OPTIONS)
 os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", SPARK_JVM_OPTIONS)
 
 
-# The suites whose files take longest, collected first: `make test` runs files in two
-# processes, each taking the next file as it finishes one (scripts/test.sh), so the long
-# ones started last would leave one process working alone at the end.
-_FIRST = {"spark": 0, "acceptance": 1}
-
-
-def _suite(item: pytest.Item) -> str:
-    path = Path(str(item.fspath))
-    return path.relative_to(ROOT / "tests").parts[0] if path.is_relative_to(ROOT / "tests") else ""
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: _FIRST.get(_suite(item), len(_FIRST)))  # stable: file order kept within
     for item in items:
         parts = Path(str(item.fspath)).parts
         for suite in ("unit", "integration", "acceptance"):
