@@ -16,6 +16,7 @@ import contextvars
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
@@ -129,12 +130,32 @@ def _current_trace_id() -> str | None:
         return None
 
 
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is at each record, like logging's own last resort.
+
+    A command run in-process (``framework.cli.main`` from a test or an embedding program)
+    would otherwise keep the stream that was ``sys.stderr`` when it configured logging: a
+    capture that is later closed, so the lines of threads that outlive the call fail.
+    """
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # always the current sys.stderr
+
+
 def configure(level: int, log_format: str | None) -> None:
     """The root handler on stderr, in ``log_format`` (``TXBOX_LOG_FORMAT``; ``text`` when empty)."""
     chosen = (log_format or "text").strip().lower()
     if chosen not in FORMATS:
         raise ConfigurationError(f"TXBOX_LOG_FORMAT={log_format!r} is not valid: use text or json. Example: "
                                  "TXBOX_LOG_FORMAT=json")  # fmt: skip
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if chosen == "json" else TextFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)

@@ -100,6 +100,25 @@ def test_configure_installs_the_chosen_formatter() -> None:
         root.setLevel(level)
 
 
+def test_the_handler_writes_to_stderr_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command run in-process leaves its handler behind: a later line must not go to (and
+    fail on) the stream that was stderr when it was configured."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    then, now = io.StringIO(), io.StringIO()
+    try:
+        monkeypatch.setattr(sys, "stderr", then)
+        logs.configure(logging.INFO, "text")
+        then.close()  # as a test's capture is, once the test ends
+        monkeypatch.setattr(sys, "stderr", now)
+        logging.getLogger("txbox.test").info("after the capture closed")
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    [line] = now.getvalue().splitlines()  # not logging's "--- Logging error ---" report
+    assert line.endswith("INFO txbox.test: after the capture closed"), line
+
+
 def test_the_command_refuses_an_unknown_format_naming_the_fix() -> None:
     code = "import sys; from framework.cli import main; sys.exit(main(['migrate', '--sql']))"
     env = {"TXBOX_LOG_FORMAT": "xml", "TXBOX_SERVICE": "order-service", "PATH": ""}
