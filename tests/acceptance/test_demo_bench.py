@@ -82,10 +82,12 @@ def test_bench_latency_smoke() -> None:
 @pytest.mark.parametrize("stage", ["receiver", "worker"])
 def test_bench_stage_with_two_instances(stage: str) -> None:
     """Two daemon processes share the work, and the bench counts all of it (instances.timed)."""
-    result = bench(stage, "--messages", "3000", "--instances", "2", common=("--admin-url", support.PG_ADMIN_URL))
+    floor = ("--floor",) if stage == "receiver" else ()
+    common = ("--admin-url", support.PG_ADMIN_URL)
+    result = bench(stage, "--messages", "3000", "--instances", "2", *floor, common=common)
     assert result["stage"] == stage
     assert result["messages"] == 3000 and result["instances"] == 2
-    for key in ("seconds", "rate", "raw_limit_rate", "ratio"):
+    for key in ("seconds", "rate", "raw_limit_rate", "ratio", *(("floor_rate", "floor_ratio") if floor else ())):
         assert float(result[key]) > 0, key  # type: ignore[arg-type]
 
 

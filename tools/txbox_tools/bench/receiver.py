@@ -4,6 +4,10 @@ Scratch database and vhost of its own, created and dropped. The same run measure
 raw limit: plain pika consuming the same queue with prefetch 500 and one
 ``basic_ack(multiple=True)`` every 100 deliveries, no database — the most any receiver
 can take out of this broker on this machine right now.
+
+``--floor`` adds, in the same run, the raw consume with the receiver's admission of
+each delivery and no database (``floor_rate``, ``floor_ratio``): what any receiver that
+judges deliveries in Python on its consuming thread can reach at most.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from framework import ids, metrics, migrate, names, topology
 from framework.db import conninfo
 from framework.envelope import Message
 from framework.errors import TxboxError
-from framework.receiver import Receiver, ReceiverConfig
+from framework.receiver import Delivery, Intake, Receiver, ReceiverConfig
 from framework.service import Service
 from framework.settings import Settings
+from framework.sql.inbox import InboxRow, batch_json
 from txbox_tools import repository
 from txbox_tools.bench import instances
 from txbox_tools.bench.cpu import Saturation
@@ -169,6 +174,47 @@ def raw_consume(
         connection.close()
 
 
+def admission_floor(
+    amqp_url: str, service: Service, n: int, prefetch: int = 500, ack_every: int = 100, cpu: Saturation | None = None
+) -> float:
+    """:func:`raw_consume` that also admits every delivery as the receiver does (parsed,
+    judged, made a row) and renders each hundred rows as the INSERT's parameter, with no
+    database: messages/s; the most a receiver that admits in Python can take here
+    (docs/architecture.md, "CPU per message")."""
+    intake = Intake(service.registry, service.name, max_body_bytes=ReceiverConfig().max_body_bytes)
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=prefetch)
+        got = 0
+        rows: list[InboxRow] = []
+        if cpu is not None:
+            cpu.start([os.getpid()])
+        started = time.perf_counter()
+
+        def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
+            nonlocal got
+            got += 1
+            row = intake.admit(Delivery.from_pika(method, props, body))
+            if not isinstance(row, InboxRow):
+                raise TxboxError(f"the bench's own delivery was not admitted: {row}")
+            rows.append(row)
+            if got % ack_every == 0 or got == n:
+                batch_json(rows)
+                rows.clear()
+                ch.basic_ack(method.delivery_tag, multiple=True)
+
+        channel.basic_consume(names.inbox_queue(service.name), on_message)
+        while got < n:
+            connection.process_data_events(time_limit=1)
+        seconds = time.perf_counter() - started
+        if cpu is not None:
+            cpu.stop()
+        return n / seconds
+    finally:
+        connection.close()
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     add_scratch_options(parser)
     parser.add_argument("--messages", type=int, default=50_000, help="queued deliveries (default 50000)")
@@ -180,6 +226,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="receiver processes consuming the queue (default 1; more run with TXBOX_RECEIVER_STANDBY=false, "
         "as competing consumers that do not keep per-segment order; see README 'Scaling')",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure the raw consume plus the receiver's admission of each delivery, no database "
+        "(floor_rate, floor_ratio: the most a receiver admitting in Python reaches here)",
     )
 
 
@@ -201,6 +253,18 @@ def run(args: argparse.Namespace) -> Result:
         fill_queue(scratch.amqp_url, bodies, spec.routing_key)
         raw_cpu = Saturation(None)
         raw_rate = raw_consume(scratch.amqp_url, queue, args.messages, cpu=raw_cpu)
+
+        floor: dict[str, Any] = {}
+        if args.floor:
+            fill_queue(scratch.amqp_url, bodies, spec.routing_key)
+            floor_cpu = Saturation(None)
+            floor_rate = admission_floor(scratch.amqp_url, service, args.messages, cpu=floor_cpu)
+            floor = {
+                "floor_rate": round(floor_rate, 1),
+                "floor_ratio": round(floor_rate / raw_rate, 3),
+                "floor": "the raw consume + Intake.admit of each delivery + the INSERT's JSON per 100, no database",
+                **floor_cpu.per_message(args.messages, prefix="floor_"),
+            }
 
         fill_queue(scratch.amqp_url, bodies, spec.routing_key)
         used = Saturation(scratch.database_url)
@@ -230,6 +294,7 @@ def run(args: argparse.Namespace) -> Result:
                 "body_bytes": len(bodies[0]),
                 **used.per_message(args.messages),
                 **raw_cpu.per_message(args.messages, prefix="raw_"),
+                **floor,
             },
         )
 
