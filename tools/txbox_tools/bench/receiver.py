@@ -20,6 +20,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +146,17 @@ def fill_queue(amqp_url: str, bodies: list[bytes], routing_key: str) -> None:
 
 
 def raw_consume(
-    amqp_url: str, queue: str, n: int, prefetch: int = 500, ack_every: int = 100, cpu: Saturation | None = None
+    amqp_url: str,
+    queue: str,
+    n: int,
+    prefetch: int = 500,
+    ack_every: int = 100,
+    cpu: Saturation | None = None,
+    each: Callable[[Any, Any, bytes], None] | None = None,
+    before_ack: Callable[[], None] | None = None,
 ) -> float:
-    """Plain pika consume + multiple acks, no database: messages/s; ``cpu`` measures it."""
+    """Plain pika consume + multiple acks, no database: messages/s; ``cpu`` measures it.
+    ``each`` (method, properties, body) runs for every delivery, ``before_ack`` before each ack."""
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
         channel = connection.channel()
@@ -160,7 +169,11 @@ def raw_consume(
         def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
             nonlocal got
             got += 1
+            if each is not None:
+                each(method, props, body)
             if got % ack_every == 0 or got == n:
+                if before_ack is not None:
+                    before_ack()
                 ch.basic_ack(method.delivery_tag, multiple=True)
 
         channel.basic_consume(queue, on_message)
@@ -174,45 +187,25 @@ def raw_consume(
         connection.close()
 
 
-def admission_floor(
-    amqp_url: str, service: Service, n: int, prefetch: int = 500, ack_every: int = 100, cpu: Saturation | None = None
-) -> float:
+def admission_floor(amqp_url: str, service: Service, n: int, cpu: Saturation | None = None) -> float:
     """:func:`raw_consume` that also admits every delivery as the receiver does (parsed,
     judged, made a row) and renders each hundred rows as the INSERT's parameter, with no
     database: messages/s; the most a receiver that admits in Python can take here
     (docs/architecture.md, "CPU per message")."""
     intake = Intake(service.registry, service.name, max_body_bytes=ReceiverConfig().max_body_bytes)
-    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
-    try:
-        channel = connection.channel()
-        channel.basic_qos(prefetch_count=prefetch)
-        got = 0
-        rows: list[InboxRow] = []
-        if cpu is not None:
-            cpu.start([os.getpid()])
-        started = time.perf_counter()
+    rows: list[InboxRow] = []
 
-        def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
-            nonlocal got
-            got += 1
-            row = intake.admit(Delivery.from_pika(method, props, body))
-            if not isinstance(row, InboxRow):
-                raise TxboxError(f"the bench's own delivery was not admitted: {row}")
-            rows.append(row)
-            if got % ack_every == 0 or got == n:
-                batch_json(rows)
-                rows.clear()
-                ch.basic_ack(method.delivery_tag, multiple=True)
+    def admit(method: Any, props: Any, body: bytes) -> None:
+        row = intake.admit(Delivery.from_pika(method, props, body))
+        if not isinstance(row, InboxRow):
+            raise TxboxError(f"the bench's own delivery was not admitted: {row}")
+        rows.append(row)
 
-        channel.basic_consume(names.inbox_queue(service.name), on_message)
-        while got < n:
-            connection.process_data_events(time_limit=1)
-        seconds = time.perf_counter() - started
-        if cpu is not None:
-            cpu.stop()
-        return n / seconds
-    finally:
-        connection.close()
+    def render() -> None:
+        batch_json(rows)
+        rows.clear()
+
+    return raw_consume(amqp_url, names.inbox_queue(service.name), n, cpu=cpu, each=admit, before_ack=render)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
