@@ -20,19 +20,31 @@ from types import FrameType
 
 from txbox_tools import repository
 
+_terminated = False  # SIGTERM came (see unwind_on_sigterm)
+
 
 def unwind_on_sigterm() -> None:
     """Make SIGTERM (a CI timeout, ``kill``) unwind the main thread like Ctrl-C, so the
     ``finally`` blocks of a run stop its daemons and drop its scratch database and vhost
-    instead of leaving them behind, orphaned. (An interrupt that lands in a garbage
-    collector's callback is lost, and the run then ends as it would have: with its own
-    clean-up. The demo, whose HTTP clients make that frequent, also sets a flag its
-    loops check: examples/demo.py.)"""
+    instead of leaving them behind, orphaned. An interrupt that lands in a garbage
+    collector's callback or a ``__del__`` is lost ("Exception ignored"), so the signal
+    also leaves a flag that the runs' waiting loops check (:func:`raise_if_terminated`):
+    a lost one is raised again at the next turn of the loop instead of the run going on
+    to its end. (The demo sets a flag of its own: examples/demo.py.)"""
     signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
+    global _terminated
+    _terminated = True
     raise KeyboardInterrupt
+
+
+def raise_if_terminated() -> None:
+    """KeyboardInterrupt if SIGTERM came: for a loop that waits, so that an interrupt lost
+    on its way (:func:`unwind_on_sigterm`) still ends the run."""
+    if _terminated:
+        raise KeyboardInterrupt
 
 
 def txbox_command() -> list[str]:

@@ -63,7 +63,7 @@ from framework.settings import Settings
 from framework.sql import outbox as outbox_sql
 from txbox_tools.bench import cpu, history
 from txbox_tools.bench.result import Result
-from txbox_tools.processes import ProcessGroup
+from txbox_tools.processes import ProcessGroup, raise_if_terminated
 
 SERVICE = "bench-e2e"
 CONTRACT = """\
@@ -300,6 +300,7 @@ def wait_ready(scratch: Scratch, group: ProcessGroup, timeout: float = 60.0) -> 
             pass
         if time.monotonic() > deadline:
             raise TxboxError(f"the daemons did not come up within {timeout:.0f}s; logs: {group.log_dir}")
+        raise_if_terminated()
         time.sleep(0.2)
 
 
@@ -536,6 +537,7 @@ def _drive(
             dead = group.dead()
             if dead:
                 raise TxboxError(f"{dead[0].name} exited: {dead[0].log_tail()}")
+            raise_if_terminated()
             if allowed <= 0:
                 time.sleep(0.01)  # pacing the writer while the window is full
         seconds = time.perf_counter() - started

@@ -46,7 +46,7 @@ from framework.service import Service
 from txbox_tools.bench import cpu
 from txbox_tools.bench.e2e import Scratch, add_common_options, handled, wait_ready
 from txbox_tools.bench.result import Result
-from txbox_tools.processes import ProcessGroup
+from txbox_tools.processes import ProcessGroup, raise_if_terminated
 
 Sender = Callable[[int], None]
 PERCENTILES = "percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY ms)"
@@ -215,6 +215,7 @@ def _wait_handled(scratch: Scratch, group: ProcessGroup, expected: int, timeout:
                 raise TxboxError(f"{group.dead()[0].name} exited: {group.dead()[0].log_tail()}")
             if time.monotonic() > deadline:
                 raise TxboxError(f"only {handled(conn)} of {expected} handled after {timeout:.0f}s")
+            raise_if_terminated()
             time.sleep(0.1)
 
 
