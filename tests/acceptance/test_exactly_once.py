@@ -45,7 +45,7 @@ class Chaos:
         self.env = env
         self.rng = random.Random(seed)
         self.kills = {"receiver": 0, "worker": 0}
-        self.crashes = 0  # processes that ended on their own (the poison handler)
+        self.crashes = 0  # workers the poison handler ended (its exit code)
         self.started = 0
         self.daemons: dict[str, Daemon] = {}
         for name in ("receiver", "worker-a", "worker-b"):
@@ -59,7 +59,7 @@ class Chaos:
     def revive(self) -> None:
         for name, daemon in list(self.daemons.items()):
             if not daemon.alive:
-                self.crashes += 1
+                self.crashes += daemon.process.returncode == counter.CRASH_EXIT_CODE
                 self._start(name)
 
     def strike(self) -> None:

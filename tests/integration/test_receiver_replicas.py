@@ -73,7 +73,10 @@ def test_a_holder_that_lost_its_session_to_another_stands_down_until_the_turn_is
         with psycopg.connect(conninfo(database_url), autocommit=True) as rival:
             pid = scalar(
                 database_url,
+                # This database's lock only: another test's receiver of the same service
+                # holds the same key in its own database on this server.
                 "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
                 " AND (classid::bigint << 32 | objid::bigint) = %s",
                 (names.receiver_lock_key("order-service"),),
             )
