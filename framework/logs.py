@@ -142,12 +142,8 @@ class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         logging.Handler.__init__(self)
 
     @property
-    def stream(self) -> Any:
+    def stream(self) -> Any:  # read-only: setStream() fails rather than appear to switch
         return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass  # always the current sys.stderr
 
 
 def configure(level: int, log_format: str | None) -> None:

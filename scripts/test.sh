@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: lint, types, a vulnerability audit, then unit → integration → acceptance tests against
+# The whole test suite: lint, types, a vulnerability audit, then the unit, integration and acceptance tests against
 # the real PostgreSQL and RabbitMQ that scripts/setup.sh made sure are running.
 set -euo pipefail
 cd "$(dirname "$0")/.."

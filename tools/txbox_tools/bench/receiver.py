@@ -28,7 +28,7 @@ import pika
 import psycopg
 from psycopg import sql
 
-from framework import ids, metrics, migrate, names, topology
+from framework import amqp, ids, metrics, migrate, names, topology
 from framework.db import conninfo
 from framework.envelope import Message
 from framework.errors import TxboxError
@@ -187,25 +187,33 @@ def raw_consume(
         connection.close()
 
 
-def admission_floor(amqp_url: str, service: Service, n: int, cpu: Saturation | None = None) -> float:
+def admission_floor(amqp_url: str, queue: str, service: Service, n: int, cpu: Saturation | None = None) -> float:
     """:func:`raw_consume` that also admits every delivery as the receiver does (parsed,
-    judged, made a row) and renders each hundred rows as the INSERT's parameter, with no
-    database: messages/s; the most a receiver that admits in Python can take here
-    (docs/architecture.md, "CPU per message")."""
-    intake = Intake(service.registry, service.name, max_body_bytes=ReceiverConfig().max_body_bytes)
+    judged, made a row; framework/receiver/daemon.py builds its intake the same way) and
+    renders each hundred rows as the INSERT's parameter, with no database: messages/s; the
+    most a receiver that admits in Python can take here (docs/architecture.md, "CPU per message")."""
+    config = ReceiverConfig()
+    intake = Intake(service.registry, service.name, max_body_bytes=config.max_body_bytes, selectors=service.selectors)
+    trusted = config.trusted(amqp.username(amqp_url))
     rows: list[InboxRow] = []
+    admitted = 0
 
     def admit(method: Any, props: Any, body: bytes) -> None:
-        row = intake.admit(Delivery.from_pika(method, props, body))
+        nonlocal admitted
+        row = intake.admit(Delivery.from_pika(method, props, body, trusted))
         if not isinstance(row, InboxRow):
             raise TxboxError(f"the bench's own delivery was not admitted: {row}")
         rows.append(row)
+        admitted += 1
 
     def render() -> None:
         batch_json(rows)
         rows.clear()
 
-    return raw_consume(amqp_url, names.inbox_queue(service.name), n, cpu=cpu, each=admit, before_ack=render)
+    rate = raw_consume(amqp_url, queue, n, cpu=cpu, each=admit, before_ack=render)
+    if admitted != n:
+        raise TxboxError(f"the floor admitted {admitted} of {n} deliveries")
+    return rate
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -251,7 +259,7 @@ def run(args: argparse.Namespace) -> Result:
         if args.floor:
             fill_queue(scratch.amqp_url, bodies, spec.routing_key)
             floor_cpu = Saturation(None)
-            floor_rate = admission_floor(scratch.amqp_url, service, args.messages, cpu=floor_cpu)
+            floor_rate = admission_floor(scratch.amqp_url, queue, service, args.messages, cpu=floor_cpu)
             floor = {
                 "floor_rate": round(floor_rate, 1),
                 "floor_ratio": round(floor_rate / raw_rate, 3),
