@@ -31,7 +31,6 @@ import json
 import logging
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +43,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, TextIO
 
 import psycopg
@@ -54,7 +52,7 @@ from sqlalchemy.orm import Session
 from examples import _defaults, migrate
 from framework import Service
 from framework.errors import ConfigurationError, TxboxError
-from txbox_tools.processes import ProcessGroup, txbox_command
+from txbox_tools.processes import ProcessGroup, raise_if_terminated, txbox_command, unwind_on_sigterm
 
 ORDERS_APP = "examples.orders.app:service"
 INVENTORY_APP = "examples.inventory.app:service"
@@ -379,8 +377,7 @@ def drive(
     last_done = -1
     with psycopg.connect(orders.settings.database_url.replace("+psycopg", ""), autocommit=True) as conn:
         while done < options.orders:
-            if TERMINATED.is_set():
-                raise KeyboardInterrupt("SIGTERM")
+            raise_if_terminated()
             now = time.monotonic()
             allowed = options.orders - sent
             if options.rate > 0:
@@ -576,31 +573,13 @@ def start_daemons(group: ProcessGroup, options: DemoOptions, urls: dict[str, str
 def wait_for(predicate: Any, timeout: float, what: str, group: ProcessGroup) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        if TERMINATED.is_set():
-            raise KeyboardInterrupt("SIGTERM")
+        raise_if_terminated()
         if group.dead():
             daemon = group.dead()[0]
             raise DemoFailed(f"daemon {daemon.name} exited while {what}; last lines:\n{daemon.log_tail()}")
         if time.monotonic() > deadline:
             raise DemoFailed(f"timed out after {timeout:.0f}s {what}; daemon logs are in {group.log_dir}")
         time.sleep(0.1)
-
-
-#: Set by SIGTERM. The handler's KeyboardInterrupt is lost when it lands in a garbage
-#: collector's weakref callback ("Exception ignored in ..."), which the HTTP clients'
-#: threads make frequent; the loops that wait check this as well.
-TERMINATED = threading.Event()
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so the daemons are stopped rather than orphaned."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        TERMINATED.set()
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt)
 
 
 def run(options: DemoOptions, out: TextIO = sys.stdout) -> Summary:
@@ -613,7 +592,7 @@ def run(options: DemoOptions, out: TextIO = sys.stdout) -> Summary:
         print(text, file=out, flush=True)
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per step is enough here
-    stop_on_sigterm()
+    unwind_on_sigterm()  # its HTTP clients' threads make lost interrupts frequent
     say(f"txbox demo: {options.orders:,} orders through order-service ⇄ inventory-service")
     urls = {
         "orders": database_url(options.pg_url, options.orders_db),

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,10 @@ def unwind_on_sigterm() -> None:
     collector's callback or a ``__del__`` is lost ("Exception ignored"), so the signal
     also leaves a flag that the runs' waiting loops check (:func:`raise_if_terminated`):
     a lost one is raised again at the next turn of the loop instead of the run going on
-    to its end. (The demo sets a flag of its own: examples/demo.py.)"""
-    signal.signal(signal.SIGTERM, _interrupt)
+    to its end. Only the main thread can set a signal handler: elsewhere (a run started
+    from a test's thread) SIGTERM keeps its default."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
