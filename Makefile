@@ -37,8 +37,10 @@ rabbit-cluster: setup-test
 chaos-replicas: setup-test
 	.venv/bin/txbox chaos --replicas 2 --messages 2000 --faults 5 --seed $(SEED)
 
+# What scripts/test.sh runs first, and .pre-commit-config.yaml before each commit.
+LINT_PATHS = framework tests migrations examples tools
 lint:
-	.venv/bin/ruff check framework tests migrations examples tools && .venv/bin/mypy
+	.venv/bin/ruff check $(LINT_PATHS) && .venv/bin/ruff format --check $(LINT_PATHS) && .venv/bin/mypy
 
 bench: setup
 	for stage in relay receiver worker e2e latency analyze; do .venv/bin/txbox bench $$stage --json; done
