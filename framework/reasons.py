@@ -41,6 +41,10 @@ class Reason(StrEnum):
     POISON = "poison"
     NO_HANDLER = "no_handler"  # a message type this process has no handler for
     UNAUTHORIZED = "unauthorized"  # auth_token missing, invalid or short of the handler's permissions
+    # An event's signature did not pass its producer's policy (docs/architecture.md, "Event signing").
+    SIGNATURE_MISSING = "signature_missing"
+    SIGNATURE_INVALID = "signature_invalid"
+    SIGNING_KEY_UNKNOWN = "signing_key_unknown"
     # The relay gave up: the broker's answer to a publish (also PublishError.reason).
     UNROUTABLE = "unroutable"
     NACKED = "nacked"

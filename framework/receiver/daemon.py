@@ -48,6 +48,7 @@ from framework.receiver.intake import (
 )
 from framework.receiver.standby import POLL_SECONDS, ConsumerTurn
 from framework.service import Service
+from framework.signing import SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as inbox_sql
 from framework.sql import redeliveries
@@ -106,6 +107,7 @@ class Receiver(Daemon):
             self.settings.service,
             max_body_bytes=self.config.max_body_bytes,
             selectors=service.selectors,
+            verifier=SigningConfig.from_env().verifier(),  # a bad key or policy fails here, at start
         )
         self._schedule = self.config.schedule
         self._db = ConnectionSlot(

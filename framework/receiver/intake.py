@@ -22,6 +22,7 @@ from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessa
 from framework.outbox import default_segment
 from framework.reasons import Reason
 from framework.selectors import Fields, Selector
+from framework.signing import SignatureRejected, Verifier
 from framework.sql.inbox import InboxRow
 
 MAX_SEGMENT_CHARS = 1024  # a longer lane name would not fit the inbox's segment index
@@ -193,8 +194,11 @@ class Intake:
         *,
         max_body_bytes: int,
         selectors: Mapping[str, Selector] | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         self.registry = registry
+        # Producers' event signatures (docs/architecture.md, "Event signing"); None: not checked.
+        self.verifier = verifier
         # Message type → its handler's selector (framework/selectors.py).
         self.selectors = dict(selectors or {})
         self.service = service
@@ -313,6 +317,11 @@ class Intake:
         route_error = self.wrong_route(delivery, spec) if delivery.wire else None
         if route_error is not None:
             return self.reject(delivery, Reason.WRONG_ROUTE, route_error, data=data)
+        if self.verifier is not None and spec.kind == "event" and delivery.wire:
+            try:
+                self.verifier.verify(spec.service, delivery.headers, delivery.body)
+            except SignatureRejected as exc:
+                return self.reject(delivery, exc.reason, str(exc), data=data)
         try:
             spec.validate(message.payload, message.message_version)
         except PayloadValidationError as exc:

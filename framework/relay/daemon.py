@@ -56,6 +56,7 @@ from framework.reasons import Reason
 from framework.relay.config import RelayConfig
 from framework.service import Service
 from framework.settings import RetentionSettings
+from framework.signing import Signer, SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import outbox as named
 from framework.sql import rendered
@@ -141,14 +142,19 @@ def lane_headers(row: Claimed) -> dict[str, Any]:
     return headers
 
 
-def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
+def outgoing(row: Claimed, user_id: str = "", signer: Signer | None = None) -> Outgoing:
     """The AMQP message of a row: persistent, mandatory, properties mirroring the envelope.
 
     ``user_id`` (the relay's broker user) lets RabbitMQ vouch for the lane headers. The
     AMQP ``priority`` mirrors the row's where it fits 0-255 (classic priority queues
-    and other consumers read it; quorum queues ignore it).
+    and other consumers read it; quorum queues ignore it). With a ``signer``, an event
+    carries the signature of its body, as Mosaic's do (docs/architecture.md, "Event
+    signing"); commands are not signed.
     """
+    body = envelope_body(row)
     headers = lane_headers(row)
+    if signer is not None and row.kind == "event":
+        headers.update(signer.headers(body))
     if row.correlation_id:
         headers[names.HEADER_CORRELATION_ID] = row.correlation_id
     if row.expires_at is not None:
@@ -174,7 +180,7 @@ def outgoing(row: Claimed, user_id: str = "") -> Outgoing:
         priority=row.priority if 0 < row.priority <= 255 else None,
         user_id=user_id or None,
     )
-    return Outgoing(names.exchange_for(row.kind), row.routing_key, envelope_body(row), props, True, row)
+    return Outgoing(names.exchange_for(row.kind), row.routing_key, body, props, True, row)
 
 
 class PublishSpans:
@@ -257,6 +263,7 @@ class Relay(Daemon):
         self.declare_topology = declare_topology
         self.schema = self.settings.schema
         self._user = amqp.username(self.settings.amqp_url)  # our messages' user_id (lane headers: lane_headers)
+        self._signer = SigningConfig.from_env().signer()  # a bad key fails here, at start
         # Rendered once: run per claim or batch (framework/sql/__init__.py, ``rendered``).
         self._sql_claim_window = rendered(named.claim_window(self.schema))
         self._sql_claim = rendered(named.claim(self.schema))
@@ -488,7 +495,7 @@ class Relay(Daemon):
         items: list[Outgoing] = []
         for row in rows:
             try:
-                items.append(outgoing(row, self._user))
+                items.append(outgoing(row, self._user, self._signer))
             except Exception as exc:  # the last resort: one row must not stop the relay
                 log.exception("outbox row %s: its message could not be built; dead-lettering it", row.id)
                 self._results.append((*unbuildable(row, exc), 0.0))

@@ -31,6 +31,7 @@ _TITLES = {
     "AnalyzeSettings": "`txbox analyze`",
     "ArchiveSettings": "`txbox archive`",
     "RetentionSettings": "Retention: `txbox publisher` prunes the outbox, `txbox worker` the inbox",
+    "SigningConfig": "Event signing: `txbox publisher` signs events, `txbox receiver` verifies them",
     "JwtSettings": "The permission guard: tokens of messages whose handler declares `permissions`",
 }
 
