@@ -15,12 +15,19 @@
  * generator rules). PEER_FAIL_FIRST names a message type whose first delivery the inbox
  * writer refuses, so that delivery goes round Mosaic's delay/retry path.
  *
+ * Event signing, as a Mosaic service configures it: PEER_SIGNING_PRIVATE_KEY (base64
+ * PKCS#8, Mosaic's RMQ_EVENT_SIGNING_PRIVATE_KEY) and PEER_SIGNING_KEY_VERSION make the
+ * message bus sign every event the peer publishes; PEER_KEY_SERVICE_URL turns on
+ * Mosaic's validateSignedEventMiddleware for the events it receives, which looks
+ * producers' public keys up in the key service at that URL (PEER_TRUSTED_KEYS: a JSON
+ * list of Mosaic's extraTrustedPublicKeys entries, {serviceId, version, key}).
+ *
  * Environment: PEER_CONTRACTS (folder), PEER_DATABASE_URL (its own database),
- * PEER_AMQP_URL, PEER_SEND_WIDGET, PEER_FAIL_FIRST, LOG_LEVEL.
+ * PEER_AMQP_URL, PEER_SEND_WIDGET, PEER_FAIL_FIRST, LOG_LEVEL, and the signing ones above.
  */
 const { Pool } = require('pg');
 const { Logger, ShutdownActionsMiddleware } = require('@axinom/mosaic-service-common');
-const { setupMessagingBroker } = require('@axinom/mosaic-message-bus');
+const { setupMessagingBroker, validateSignedEventMiddleware } = require('@axinom/mosaic-message-bus');
 const {
   RabbitMqInboxWriter,
   RascalTransactionalConfigBuilder,
@@ -122,13 +129,28 @@ const main = async () => {
     rmqVHost: decodeURIComponent(amqp.pathname.slice(1)) || '/',
     rmqVHostAssert: false,
   };
+  if (process.env.PEER_SIGNING_PRIVATE_KEY) {
+    config.rmqEventSigningPrivateKey = process.env.PEER_SIGNING_PRIVATE_KEY;
+    config.rmqEventSigningKeyVersion = Number(env('PEER_SIGNING_KEY_VERSION'));
+  }
   const builders = [
     new RascalTransactionalConfigBuilder(own.CreateGadget, config).subscribeForCommand(() => inboxWriter),
     new RascalTransactionalConfigBuilder(own.GadgetCreated, config).publishEvent(),
     new RascalTransactionalConfigBuilder(widgets.CreateWidget, config).sendCommand(),
     new RascalTransactionalConfigBuilder(widgets.WidgetCreated, config).subscribeForEvent(() => inboxWriter),
   ];
-  const broker = await setupMessagingBroker({ config, builders, logger, shutdownActions });
+  const onMessageMiddleware = [];
+  if (process.env.PEER_KEY_SERVICE_URL) {
+    onMessageMiddleware.push(
+      validateSignedEventMiddleware({
+        builders,
+        keyServiceBaseUrl: process.env.PEER_KEY_SERVICE_URL,
+        getTokenCallback: async () => ({ accessToken: 'interop-token', expiresInSeconds: 3600 }),
+        extraTrustedPublicKeys: JSON.parse(process.env.PEER_TRUSTED_KEYS ?? '[]'),
+      }),
+    );
+  }
+  const broker = await setupMessagingBroker({ config, builders, logger, shutdownActions, onMessageMiddleware });
 
   class CreateGadgetHandler extends TransactionalInboxMessageHandler {
     constructor() {
