@@ -60,6 +60,22 @@ def test_bench_e2e_smoke() -> None:
 
 
 @pytest.mark.slow
+def test_bench_e2e_signing_smoke() -> None:
+    """``--signing``: a pair of runs, the second signing every Pong and verifying it in the receiver.
+
+    Every message handled means the receiver accepted every signature the publisher made:
+    one it refused would be dead-lettered and the run would stall and fail.
+    """
+    small = ("--pings", "150", "--window", "100", "--batch", "50", "--raw-messages", "300")
+    result = bench("e2e", *small, "--signing", "--pairs", "1")
+    assert result["messages"] == 300
+    assert isinstance(result["signing_ratios"], list) and len(result["signing_ratios"]) == 1
+    assert result["signed_events"] == [150]  # every Pong of the signed run came signed
+    for key in ("unsigned_rate", "signing_ratio", "unsigned_cpu_us_per_message", "signing_cpu_us_per_message"):
+        assert result[key], key
+
+
+@pytest.mark.slow
 def test_bench_latency_smoke() -> None:
     result = bench("latency", "--rate", "50", "--seconds", "3", "--raw-seconds", "1", "--warmup", "0")
     assert result["stage"] == "latency"

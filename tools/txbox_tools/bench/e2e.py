@@ -30,7 +30,9 @@ would alone pay for whatever a run leaves to the next. ``tracing_ratio`` is the 
 pairs' ratios (``tracing_ratios`` each one), ``untraced_rate`` the untraced runs' median
 rate, and the result itself the traced run of median rate. ``untraced_cpu_us_per_message``
 is the untraced runs' median by part, and ``tracing_cpu_us_per_message`` what each part
-spent more traced (medians): where tracing's cost goes.
+spent more traced (medians): where tracing's cost goes. ``--signing`` does the same for
+event signing (an RSA-2048 key; the Pongs are signed by the publisher and verified by the
+receiver): ``signing_ratio``, ``unsigned_rate``, ``signing_cpu_us_per_message``.
 
 The scratch app is this module's ``app`` attribute (``--app txbox_tools.bench.e2e:app``),
 built on first access from the ``TXBOX_*`` environment the bench gives its daemons.
@@ -344,7 +346,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "times each, interleaved; tracing_ratio is the median of the pairs' traced over untraced rates",
     )
     parser.add_argument(
-        "--pairs", type=int, default=2, help="with --tracing: untraced/traced pairs, in A B B A order (default 2)"
+        "--signing",
+        action="store_true",
+        help="run without and with event signing (an RSA-2048 key; the receiver verifies the service's own "
+        "events), --pairs times each, interleaved; signing_ratio: the median of the pairs' signed over unsigned rates",
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=2, help="with --tracing or --signing: pairs of runs, in A B B A order (default 2)"
     )
     history.add_option(parser)
     add_common_options(parser)
@@ -357,6 +365,7 @@ class _Measured(NamedTuple):
     raw_consume: float
     body_size: int
     cpu: dict[str, float]  # CPU seconds of each part of the pipeline while it was driven (cpu.pipeline)
+    signed: int = 0  # inbox rows that came with a signature (the Pongs of a --signing run)
 
     def cpu_us_per_message(self) -> dict[str, float]:
         """Each part's CPU microseconds per message, and their ``total``."""
@@ -373,38 +382,52 @@ def run(args: argparse.Namespace) -> Result:
     extra: dict[str, Any] = {}
     # The untraced run's own rows, which the history repeats (txbox_tools.bench.history).
     templates: dict[str, list[dict[str, Any]]] | None = {} if args.history else None
-    if args.tracing:
-        from opentelemetry import trace
+    if args.tracing and args.signing:
+        raise TxboxError("--tracing and --signing each measure one cost against plain runs: give one of them")
+    if args.tracing or args.signing:
+        # What the variant runs add, and the names of its figures: tracing_ratio and
+        # untraced_rate, or signing_ratio and unsigned_rate.
+        variant, plain_name = ("tracing", "untraced") if args.tracing else ("signing", "unsigned")
+        exporter = "none"
+        if args.tracing:
+            from opentelemetry import trace
 
-        from txbox_tools.bench import tracing
+            from txbox_tools.bench import tracing
 
-        # The business spans of _drive; an untraced run starts none, so this provider only
-        # records in the traced ones.
-        trace.set_tracer_provider(tracing.driver_provider())
+            # The business spans of _drive; an untraced run starts none, so this provider only
+            # records in the traced ones.
+            trace.set_tracer_provider(tracing.driver_provider())
+            exporter = tracing.EXPORTER
         runs: dict[bool, list[_Measured]] = {False: [], True: []}
         for pair in range(args.pairs):
-            for traced in (False, True) if pair % 2 == 0 else (True, False):
-                runs[traced].append(
+            for on in (False, True) if pair % 2 == 0 else (True, False):
+                runs[on].append(
                     _measure(
                         args,
-                        traced=traced,
-                        exporter=tracing.EXPORTER if traced else "none",
-                        templates=None if traced or runs[False] else templates,
+                        traced=on and args.tracing,
+                        signed=on and args.signing,
+                        exporter=exporter if on else "none",
+                        templates=None if on or runs[False] else templates,
                     )
                 )
         ratios = [t.rate / p.rate for p, t in zip(runs[False], runs[True], strict=True)]
         plain, measured = _median_run(runs[False]), _median_run(runs[True])
-        plain_cpu, traced_cpu = _median_cpu(runs[False]), _median_cpu(runs[True])
+        plain_cpu, variant_cpu = _median_cpu(runs[False]), _median_cpu(runs[True])
         extra = {
             "pairs": args.pairs,
-            "untraced_rate": round(statistics.median(m.rate for m in runs[False]), 1),
-            "tracing_ratio": round(statistics.median(ratios), 3),
-            "tracing_ratios": [round(r, 3) for r in ratios],
-            "untraced_cpu_us_per_message": plain_cpu,
-            # Where tracing's cost goes: what each part spends more per message traced.
-            "tracing_cpu_us_per_message": {name: round(traced_cpu[name] - plain_cpu[name], 1) for name in traced_cpu},
-            "cpu_us_per_message": traced_cpu,
+            f"{plain_name}_rate": round(statistics.median(m.rate for m in runs[False]), 1),
+            f"{variant}_ratio": round(statistics.median(ratios), 3),
+            f"{variant}_ratios": [round(r, 3) for r in ratios],
+            f"{plain_name}_cpu_us_per_message": plain_cpu,
+            # Where the variant's cost goes: what each part spends more per message with it.
+            f"{variant}_cpu_us_per_message": {
+                name: round(variant_cpu[name] - plain_cpu[name], 1) for name in variant_cpu
+            },
+            "cpu_us_per_message": variant_cpu,
         }
+        if args.signing:
+            # Proof that the signed runs signed: their Pongs reached the inbox with a signature.
+            extra["signed_events"] = [m.signed for m in runs[True]]
     else:
         measured = plain = _measure(args, traced=False, templates=templates)
         extra["cpu_us_per_message"] = measured.cpu_us_per_message()
@@ -413,7 +436,7 @@ def run(args: argparse.Namespace) -> Result:
         filled: list[dict[str, Any]] = []
         past = _measure(args, traced=False, prefill=(args.history, templates), filled=filled)
         extra["history"] = history.summary(args.history, plain.rate, past.rate, filled)
-    seconds, total, raw_publish, raw_consume, body_size, _ = measured
+    seconds, total, raw_publish, raw_consume, body_size = measured[:5]
     raw = min(raw_publish, raw_consume)
     return Result(
         stage="e2e",
@@ -454,12 +477,14 @@ def _measure(
     args: argparse.Namespace,
     *,
     traced: bool,
+    signed: bool = False,
     exporter: str = "none",
     templates: dict[str, list[dict[str, Any]]] | None = None,
     prefill: tuple[int, dict[str, list[dict[str, Any]]]] | None = None,
     filled: list[dict[str, Any]] | None = None,
 ) -> _Measured:
-    """One run on a scratch service of its own; ``exporter`` is the daemons' OTEL_TRACES_EXPORTER.
+    """One run on a scratch service of its own; ``exporter`` is the daemons' OTEL_TRACES_EXPORTER;
+    ``signed``: the publisher signs every event and the receiver verifies them (:func:`signing_env`).
     ``templates`` receives a sample of the finished rows of each table at the end;
     ``prefill`` (N, such samples) puts N finished rows repeating them in each table first
     (what was filled goes to ``filled``)."""
@@ -475,7 +500,10 @@ def _measure(
         body_size = _envelope_size(service)
         raw_publish, raw_consume = raw_pipe(scratch.amqp_url, names.inbox_queue(SERVICE), body_size, args.raw_messages)
         log_dir = args.log_dir or Path(scratch.tmp.name) / "logs"
-        group = ProcessGroup(log_dir, env={**scratch.env, "OTEL_TRACES_EXPORTER": exporter})
+        env = {**scratch.env, "OTEL_TRACES_EXPORTER": exporter}
+        if signed:
+            env.update(signing_env(Path(scratch.tmp.name)))
+        group = ProcessGroup(log_dir, env=env)
         try:
             scratch.start_daemons(group, args.workers)
             wait_ready(scratch, group)
@@ -483,13 +511,45 @@ def _measure(
             meter.start()
             seconds, total = _drive(service, scratch, group, args, traced=traced)
             spent = meter.stop()
+            signed_rows = _signed_rows(scratch.database_url) if signed else 0
             if templates is not None:
                 for table in (names.OUTBOX, names.INBOX):
                     templates[table] = history.sample(scratch.database_url, table)
         finally:
             group.stop_all()
             service.engine.dispose()
-    return _Measured(seconds, total, raw_publish, raw_consume, body_size, spent)
+    return _Measured(seconds, total, raw_publish, raw_consume, body_size, spent, signed_rows)
+
+
+def _signed_rows(database_url: str) -> int:
+    from framework.signing import SIGNATURE_HEADER
+
+    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM txbox.inbox WHERE metadata->'properties'->'headers' ? %s", (SIGNATURE_HEADER,)
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def signing_env(folder: Path) -> dict[str, str]:
+    """Daemons' settings that sign the service's events with a new RSA-2048 key (version 1)
+    and verify them in its receiver, the producer being the service itself."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from framework.signing import public_key_text
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    (folder / "signing-key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    (folder / "producers").mkdir(exist_ok=True)
+    (folder / "producers" / f"{SERVICE}.1.pem").write_text(public_key_text(key))
+    return {
+        "TXBOX_SIGNING_KEY_FILE": str(folder / "signing-key.pem"),
+        "TXBOX_SIGNING_KEY_VERSION": "1",
+        "TXBOX_SIGNING_PUBLIC_KEYS": str(folder / "producers"),
+    }
 
 
 def _business_span() -> contextlib.AbstractContextManager[Any]:
