@@ -1,6 +1,9 @@
 """Replay and discard dead letters; mark replayed ones resolved once processed.
 
-Replay semantics (each covered by tests/integration/test_dlq_replay.py):
+Replay semantics (each covered by tests/integration/dlq/test_dlq_replay.py and
+test_replay_route.py). Every letter is first judged by :func:`framework.dlq.route.route`:
+its parts must agree with each other and with the route this service's contracts give
+its type, or it is refused and stays open (docs/architecture.md, "Dead letters").
 
 * **inbox** letters (the worker abandoned the message): the inbox row is reset in the
   transaction that marks the letter replayed — ``abandoned_at``/``last_error`` cleared,
@@ -13,8 +16,10 @@ Replay semantics (each covered by tests/integration/test_dlq_replay.py):
   the transaction that marks them replayed (same ``message_id``, validated against the
   current contracts, routed by its contract): the relay publishes it, and the receiver
   stores it like any delivery, checks included. An event goes to every subscriber
-  again; the others already have its id in their inboxes and drop it. If this
-  service's inbox already holds that id, the inbox rules apply instead.
+  again; the others already have its id in their inboxes and drop it. Another
+  producer's event is not published under this service's broker user: it is written
+  into this service's inbox instead. If this service's inbox already holds that id, the
+  inbox rules apply instead.
 * **outbox** letters (the publisher gave up): the outbox row is reset the same way (or,
   if it is gone, a fresh outbox row with the same ``message_id`` is written), so the
   publisher relays it again; receivers dedupe by ``message_id``.

@@ -406,3 +406,31 @@ def test_crafted_dead_letters_replay_only_as_the_contracts_say_whatever_their_si
     [row] = rows(conn, "outbox", large.message_id)
     assert row["message_context"] == envelope["message_context"], "the whole message is replayed"
     assert (row["message_type"], row["routing_key"]) == ("PlaceOrder", CONTRACT["PlaceOrder"][1])
+
+
+def test_a_body_refused_for_its_size_is_refused_for_replay_with_the_reason(
+    database_url: str, conn: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lid = conn.execute(
+        """INSERT INTO txbox.dead_letters (message_id, source, reason, error, fingerprint, message_type,
+               routing_key, raw_body, raw_encoding, headers)
+           VALUES (%s, 'broker', 'too_large', 'body too large', 'f', 'PlaceOrder', 'order-service.order.place',
+               '{"payload": {"customer": "c', 'utf-8', %s) RETURNING id""",
+        (uuid.uuid4(), Jsonb({"x-txbox-body": {"length": 2 << 20, "stored": 65536, "truncated": True}})),
+    ).fetchone()["id"]
+
+    code, outcomes = replay(database_url, capsys, str(lid))
+
+    assert code == 1 and outcomes[lid]["action"] == "refused"
+    assert "larger than this service accepts" in outcomes[lid]["detail"], outcomes
+    assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
+
+
+def test_a_receiver_limit_above_what_a_letter_keeps_whole_fails_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TXBOX_RECEIVER_MAX_BODY_BYTES", str(9 << 20))
+    urls = ["--database-url", "postgresql://postgres@127.0.0.1:1/none", "--amqp-url", "amqp://guest:guest@127.0.0.1:1/"]
+    assert main(["receiver", "--service", SERVICE, "--contracts-dir", str(CONTRACTS), *urls]) == 2
+    err = capsys.readouterr().err
+    assert "TXBOX_RECEIVER_MAX_BODY_BYTES=9437184 exceeds 8388608" in err and "Example:" in err
