@@ -4,7 +4,8 @@ Receiver rejections, worker and publisher abandons and the broker's dead_letter 
 all end as one row of ``txbox.dead_letters`` built here, in the same transaction that
 abandons the message, so a message is never both pending and dead, nor lost between.
 Building a row never raises and always yields what PostgreSQL stores, and a body is
-kept as a bounded prefix with its length and sha256 (docs/architecture.md, "Dead letters").
+kept as a bounded prefix with its length and sha256, a parsed envelope whole up to
+:data:`MESSAGE_LIMIT` (docs/architecture.md, "Dead letters").
 """
 
 from __future__ import annotations
@@ -86,7 +87,14 @@ def fingerprint(message_type: str | None, error_type: str, error_text: str) -> s
 
 
 BODY_LIMIT = 64 * 1024
-"""Bytes of a body a dead letter keeps: beyond it, a prefix with the body's length and sha256."""
+"""Bytes of a raw body a dead letter keeps: beyond it, a prefix with the body's length and sha256."""
+MAX_ACCEPTED_BODY = 8 * 1024 * 1024
+"""The largest TXBOX_RECEIVER_MAX_BODY_BYTES a receiver may be configured with."""
+MESSAGE_LIMIT = 2 * MAX_ACCEPTED_BODY
+"""Bytes of a parsed envelope's JSON a dead letter keeps whole; a larger one is kept as a raw
+prefix only. Above every body a receiver accepts (compact JSON is not longer than the body
+it was parsed from, but for a few escapes), so each message a service accepts stays
+replayable (docs/architecture.md, "Dead letters")."""
 ERROR_LIMIT = 16 * 1024  # characters of an error text kept (errors may quote whole payloads)
 
 
@@ -143,9 +151,9 @@ class DeadLetter:
             headers[f"{names.BODY_FACTS} (sender)"] = headers.pop(names.BODY_FACTS)
         message = _json_text(self.message) if self.message is not None else None
         body = self.raw_body
-        if message is not None and len(message) > BODY_LIMIT:  # characters ≤ bytes: cheap first test
+        if message is not None and len(message) > MESSAGE_LIMIT // 4:  # bytes are 1 to 4 per character
             encoded = message.encode("utf-8")
-            if len(encoded) > BODY_LIMIT:
+            if len(encoded) > MESSAGE_LIMIT:
                 # Never the whole body: the raw body (or the envelope's JSON) keeps a prefix.
                 message = None
                 body = encoded if body is None else body

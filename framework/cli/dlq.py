@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from datetime import datetime
 from typing import Any
 
@@ -16,6 +17,7 @@ from framework.cli.output import utc as _fmt_time
 from framework.dlq import queries, replay
 from framework.dlq.present import masked
 from framework.errors import ConfigurationError
+from framework.permissions import MAX_TOKEN_CHARS
 from framework.sql import dead_letters as dead_letters_sql
 
 
@@ -57,6 +59,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         _filters(p, status=False)
         p.add_argument("--dry-run", action="store_true", help="show what would happen, change nothing")
         p.add_argument("--json", action="store_true")
+        if action == "replay":
+            p.add_argument(
+                "--auth-token-file",
+                metavar="PATH",
+                help="file holding the auth_token to replay with ('-': read it from stdin); a letter keeps none",
+            )
 
 
 def _selected(args: argparse.Namespace, status: str = "open") -> queries.Filters:
@@ -75,6 +83,7 @@ def _selected(args: argparse.Namespace, status: str = "open") -> queries.Filters
 def run(args: argparse.Namespace) -> int:
     service = load_service(args)
     schema = service.settings.schema
+    token = _auth_token(getattr(args, "auth_token_file", None))  # read (and checked) before any change
     with queries.connection(service.engine) as conn:
         replay.resolve_replayed(conn, schema)
         if args.action == "list":
@@ -92,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigurationError(f"txbox dlq {args.action}: give dead-letter ids or a filter (e.g. --fingerprint)")
         ids = sorted(set(ids))
         if args.action == "replay":
-            outcomes = replay.replay(conn, schema, service.registry, service.name, ids, dry_run=args.dry_run)
+            outcomes = replay.replay(
+                conn, schema, service.registry, service.name, ids, dry_run=args.dry_run, auth_token=token
+            )
         else:
             outcomes = replay.discard(conn, schema, ids, dry_run=args.dry_run)
     if args.json:
@@ -105,6 +116,23 @@ def run(args: argparse.Namespace) -> int:
         verb = "would " + args.action if args.dry_run else args.action + "ed"
         _print(f"{verb}: {ok} of {len(outcomes)}" + (" (dry run: nothing changed)" if args.dry_run else ""))
     return 0 if all(o.ok for o in outcomes) else 1
+
+
+def _auth_token(path: str | None) -> str | None:
+    """The operator's token from ``path`` (``-``: stdin), read bounded; never on the command line."""
+    if path is None:
+        return None
+    limit = MAX_TOKEN_CHARS + 2  # the token and a line end: anything longer is refused unread
+    if path == "-":
+        return replay.operator_token(sys.stdin.read(limit + 1), "stdin (--auth-token-file -)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"--auth-token-file {path}: cannot read it ({exc.strerror}): give a file holding the token"
+        ) from None
+    return replay.operator_token(data.decode("utf-8", errors="replace"), f"--auth-token-file {path}")
 
 
 def _list(conn: Any, schema: str, args: argparse.Namespace) -> int:

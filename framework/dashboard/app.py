@@ -59,6 +59,20 @@ HERE = Path(__file__).parent
 PAGE_SIZE = 50
 CHOICES_TTL = 60.0
 ACTIONS = ("replay", "discard")
+# Where an operator gives the auth_token to replay with (a letter keeps none): the confirm
+# form's field, or the JSON API's header. Empty or absent: replayed without one.
+REPLAY_TOKEN_FIELD = "auth_token"
+REPLAY_TOKEN_HEADER = "X-Txbox-Replay-Auth-Token"
+
+
+def operator_token(value: Any, where: str) -> str | None:
+    """The operator's replay token from a form field or header (None when empty); 400 when malformed."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    try:
+        return replay.operator_token(value, where)
+    except TxboxError as exc:
+        raise HttpError(400, str(exc)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,12 +377,15 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             raise HttpError(404, f"no dead letter {letter_id} in {s.name}")
         return s, masked(row)
 
-    def act(s: Source, action: str, ids: list[int], *, dry_run: bool) -> list[replay.Outcome]:
+    def act(
+        s: Source, action: str, ids: list[int], *, dry_run: bool, auth_token: str | None = None
+    ) -> list[replay.Outcome]:
+        """Replay or discard ``ids``; ``auth_token``: the operator's, for the replayed messages only."""
         if action not in ACTIONS:
             raise HttpError(404, f"unknown action {action!r}")
         with queries.connection(s.engine) as conn:
             if action == "replay":
-                return replay.replay(conn, s.schema, s.registry, s.name, ids, dry_run=dry_run)
+                return replay.replay(conn, s.schema, s.registry, s.name, ids, dry_run=dry_run, auth_token=auth_token)
             return replay.discard(conn, s.schema, ids, dry_run=dry_run)
 
     def group_ids(s: Source, fingerprint: str) -> list[int]:
@@ -437,7 +454,8 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         name, key, action = (request.path_params[p] for p in ("service", what, "action"))
         if request.method == "POST":
             form = await request.form()
-            return await _in_thread(lambda: post(request, name, key, action, str(form.get("csrf", ""))))
+            token = form.get(REPLAY_TOKEN_FIELD)
+            return await _in_thread(lambda: post(request, name, key, action, str(form.get("csrf", "")), token))
         if action not in ACTIONS:
             raise HttpError(404, f"unknown action {action!r}")
         return await _in_thread(lambda: page(request, name, key, action))
@@ -463,10 +481,11 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             count=1,
         )
 
-    def _post_letter(request: Request, name: str, letter_id: int, action: str, csrf: str) -> Response:
+    def _post_letter(request: Request, name: str, letter_id: int, action: str, csrf: str, form_token: Any) -> Response:
         require_change_rights(request, csrf)
+        token = operator_token(form_token, f"the form's {REPLAY_TOKEN_FIELD} field")
         s = source(name)
-        [outcome] = act(s, action, [letter_id], dry_run=False)
+        [outcome] = act(s, action, [letter_id], dry_run=False, auth_token=token)
         return RedirectResponse(
             f"/letters/{s.name}/{letter_id}?" + urlencode({"done": f"{outcome.action}: {outcome.detail}"}), 303
         )
@@ -490,10 +509,11 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             count=len(ids),
         )
 
-    def _post_group(request: Request, name: str, fp: str, action: str, csrf: str) -> Response:
+    def _post_group(request: Request, name: str, fp: str, action: str, csrf: str, form_token: Any) -> Response:
         require_change_rights(request, csrf)
+        token = operator_token(form_token, f"the form's {REPLAY_TOKEN_FIELD} field")
         s = source(name)
-        outcomes = act(s, action, group_ids(s, fp), dry_run=False)
+        outcomes = act(s, action, group_ids(s, fp), dry_run=False, auth_token=token)
         ok = sum(o.ok for o in outcomes)
         return RedirectResponse(
             "/letters?"
@@ -575,14 +595,17 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         require_change_rights(request, None)
         s = source(request.path_params["service"])
         dry = request.query_params.get("dry_run") in ("1", "true")
-        outcomes = act(s, request.path_params["action"], [request.path_params["id"]], dry_run=dry)
+        token = operator_token(request.headers.get(REPLAY_TOKEN_HEADER), f"the {REPLAY_TOKEN_HEADER} header")
+        outcomes = act(s, request.path_params["action"], [request.path_params["id"]], dry_run=dry, auth_token=token)
         return JSONResponse({"dry_run": dry, "outcomes": [o.as_dict() for o in outcomes]})
 
     def api_act_group(request: Request) -> Response:
         require_change_rights(request, None)
         s = source(request.path_params["service"])
         dry = request.query_params.get("dry_run") in ("1", "true")
-        outcomes = act(s, request.path_params["action"], group_ids(s, request.path_params["fingerprint"]), dry_run=dry)
+        token = operator_token(request.headers.get(REPLAY_TOKEN_HEADER), f"the {REPLAY_TOKEN_HEADER} header")
+        ids = group_ids(s, request.path_params["fingerprint"])
+        outcomes = act(s, request.path_params["action"], ids, dry_run=dry, auth_token=token)
         return JSONResponse({"dry_run": dry, "outcomes": [o.as_dict() for o in outcomes]})
 
     def healthz(request: Request) -> Response:

@@ -1,6 +1,9 @@
 """Replay and discard dead letters; mark replayed ones resolved once processed.
 
-Replay semantics (each covered by tests/integration/test_dlq_replay.py):
+Replay semantics (each covered by tests/integration/dlq/test_dlq_replay.py and
+test_replay_route.py). Every letter is first judged by :func:`framework.dlq.route.route`:
+its parts must agree with each other and with the route this service's contracts give
+its type, or it is refused and stays open (docs/architecture.md, "Dead letters").
 
 * **inbox** letters (the worker abandoned the message): the inbox row is reset in the
   transaction that marks the letter replayed — ``abandoned_at``/``last_error`` cleared,
@@ -13,8 +16,10 @@ Replay semantics (each covered by tests/integration/test_dlq_replay.py):
   the transaction that marks them replayed (same ``message_id``, validated against the
   current contracts, routed by its contract): the relay publishes it, and the receiver
   stores it like any delivery, checks included. An event goes to every subscriber
-  again; the others already have its id in their inboxes and drop it. If this
-  service's inbox already holds that id, the inbox rules apply instead.
+  again; the others already have its id in their inboxes and drop it. Another
+  producer's event is not published under this service's broker user: it is written
+  into this service's inbox instead. If this service's inbox already holds that id, the
+  inbox rules apply instead.
 * **outbox** letters (the publisher gave up): the outbox row is reset the same way (or,
   if it is gone, a fresh outbox row with the same ``message_id`` is written), so the
   publisher relays it again; receivers dedupe by ``message_id``.
@@ -49,7 +54,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import psycopg
@@ -59,9 +64,13 @@ from psycopg.types.json import Jsonb
 
 from framework import jsoncodec, names
 from framework.contracts import MessageSpec, Registry
+from framework.dlq.route import Route, route
 from framework.envelope import Message, message_from_dict
-from framework.errors import ReplayRefused, TxboxError
+from framework.errors import ConfigurationError, ReplayRefused, TxboxError
 from framework.outbox import Outbox, default_segment
+from framework.permissions import MAX_TOKEN_CHARS
+from framework.reasons import Reason
+from framework.redaction import AUTH_TOKEN
 from framework.sql import dead_letters as letters_sql
 from framework.sql import inbox as inbox_sql
 from framework.sql import messages as messages_sql
@@ -69,6 +78,27 @@ from framework.sql import outbox as outbox_sql
 from framework.sql.inbox import InboxRow
 
 CHUNK = 500
+
+
+def operator_token(text: str, where: str) -> str:
+    """The auth_token an operator supplies for a replay (``text`` as read from ``where``), checked.
+
+    Surrounding whitespace (a file's last newline) goes; what is left must be 1 to
+    :data:`framework.permissions.MAX_TOKEN_CHARS` printable ASCII characters without
+    spaces, as every JWT is. Raises :class:`ConfigurationError` naming ``where``, never
+    the token.
+    """
+    token = text.strip()
+    if not token:
+        raise ConfigurationError(f"{where} holds no auth token: write the token there (one line)")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ConfigurationError(f"{where} holds {len(token)} characters: an auth token has at most {MAX_TOKEN_CHARS}")
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        raise ConfigurationError(
+            f"{where} holds spaces, control or non-ASCII characters, which no auth token (JWT) has: "
+            "write only the token there"
+        )
+    return token
 
 
 @dataclass(frozen=True)
@@ -105,12 +135,19 @@ def replay(
     ids: Sequence[int],
     *,
     dry_run: bool = False,
+    auth_token: str | None = None,
 ) -> list[Outcome]:
     """Replay letters, ``CHUNK`` per transaction; ``dry_run`` runs the same steps and rolls back.
 
-    ``conn`` must be in autocommit mode (each chunk is its own transaction here).
+    ``conn`` must be in autocommit mode (each chunk is its own transaction here). Each
+    letter is first judged by :func:`framework.dlq.route.route`: one whose parts disagree
+    with each other or with this service's contracts is refused and stays open.
+    ``auth_token``: the token the operator supplies for the replayed messages (a letter
+    keeps none, and one a letter holds all the same is never used); it is written only
+    where sending or running the message needs it (the outbox or inbox row's metadata,
+    which drops it once published or processed), never into the letter or an outcome.
     """
-    replaying = _Replaying(conn, schema, registry, service)
+    replaying = _Replaying(conn, schema, registry, service, auth_token)
     outcomes: list[Outcome] = []
     for chunk in _chunks(ids):
         with conn.transaction(force_rollback=dry_run):
@@ -130,6 +167,7 @@ class _Replaying:
     schema: str
     registry: Registry
     service: str
+    auth_token: str | None = field(default=None, repr=False)
 
     def one(self, letter: dict[str, Any]) -> Outcome:
         lid = letter["id"]
@@ -141,27 +179,44 @@ class _Replaying:
             return Outcome(lid, "refused", "no valid message_id: nothing to replay (discard it)", False)
         try:
             with self.conn.transaction():  # a savepoint: a refused letter leaves the others of the chunk intact
+                judged = route(letter, self.registry, self.service)
                 if letter["source"] == "broker":
-                    return self._resend(letter)
+                    return self._resend(letter, judged)
                 table = names.OUTBOX if letter["source"] == "outbox" else names.INBOX
-                return self._into(letter, table)
+                return self._into(letter, judged, table)
         except ReplayRefused as exc:
             return Outcome(lid, "refused", str(exc), False)
 
-    def _resend(self, letter: dict[str, Any]) -> Outcome:
-        """A broker letter: through the outbox again, unless the inbox has the message by now."""
+    def _resend(self, letter: dict[str, Any], judged: Route) -> Outcome:
+        """A broker letter: through the outbox again, unless the inbox has the message by now
+        or the route is not one this service sends on (then straight into its inbox)."""
         in_inbox = _x(self.conn, inbox_sql.holds(self.schema), {"id": letter["message_id"]}).fetchone()
-        if in_inbox is not None:
-            return self._into(letter, names.INBOX)
-        if letter["message_type"] is not None:
-            _ensure_received(self.registry, self.service, letter["message_type"])
-        return self._into(letter, names.OUTBOX, resend=True)
+        if in_inbox is not None or not judged.send:
+            return self._into(letter, judged, names.INBOX)
+        return self._into(letter, judged, names.OUTBOX, resend=True)
 
-    def _into(self, letter: dict[str, Any], table: str, *, resend: bool = False) -> Outcome:
+    def _into(self, letter: dict[str, Any], judged: Route, table: str, *, resend: bool = False) -> Outcome:
         """Reset (or write) the message's row in ``table``; ``resend``: an outbox row that
         was published already is published again (a broker letter never reached the inbox)."""
         lid, mid = letter["id"], letter["message_id"]
         row = self._current_row(letter, table)
+        if (
+            row is not None
+            and table == names.OUTBOX
+            and (row["message_type"], row["routing_key"])
+            != (
+                judged.spec.message_type,
+                judged.routing_key,
+            )
+        ):
+            return Outcome(
+                lid,
+                "id-conflict",
+                f"the outbox holds message {mid} as {row['message_type']} on {row['routing_key']!r}, not as "
+                f"{judged.spec.message_type} on {judged.routing_key!r}: the letter does not describe what this "
+                "service sent, so it is not replayed",
+                False,
+            )
         if row is not None and row["same"] is False:
             return Outcome(
                 lid,
@@ -172,7 +227,7 @@ class _Replaying:
                 False,
             )
         if row is None:
-            self._insert_from_envelope(letter, table)
+            self._insert_from_envelope(letter, judged, table)
             action, detail = f"{table}-insert", f"written to {table} as {mid}" + (" to be sent again" if resend else "")
         elif row["processed_at"] is not None and not resend:
             _x(self.conn, letters_sql.mark_resolved(self.schema), {"at": row["processed_at"], "id": lid})
@@ -186,8 +241,8 @@ class _Replaying:
             action, detail = f"{table}-pending", f"{table} row {mid} is already pending"
         else:
             if row["archived_at"] is not None:  # a tombstone: only the id is left, the letter has the rest
-                self._restore_from_envelope(letter)
-            _x(self.conn, messages_sql.reset(self.schema, table), {"id": mid})
+                self._restore_from_envelope(letter, judged)
+            _x(self.conn, messages_sql.reset(self.schema, table), {"id": mid, "auth_token": self.auth_token})
             action, detail = f"{table}-reset", f"{table} row {mid} reset for processing"
         history = {
             "replayed_at": None,  # filled by SQL below (clock of the database)
@@ -222,8 +277,8 @@ class _Replaying:
             )
         return _x(self.conn, messages_sql.current(self.schema, table, same), params).fetchone()
 
-    def _insert_from_envelope(self, letter: dict[str, Any], table: str) -> None:
-        message, spec = self._validated(letter)
+    def _insert_from_envelope(self, letter: dict[str, Any], judged: Route, table: str) -> None:
+        message, spec = self._validated(letter, judged)
         if table == names.OUTBOX:
             row = Outbox(cast(Any, None), self.registry).build(
                 spec,
@@ -232,32 +287,39 @@ class _Replaying:
                 message_context=message.message_context,
                 message_id=message.message_id,
                 message_version=message.message_version,
-                auth_token=message.auth_token,
+                auth_token=self.auth_token,  # the operator's: never one the letter kept
             )
             _x(self.conn, outbox_sql.insert(self.schema), row.params())
             return
         inbox_sql.insert_rows(
-            self.conn.cursor(row_factory=tuple_row), self.schema, [self._inbox_row(letter, message, spec)]
+            self.conn.cursor(row_factory=tuple_row), self.schema, [self._inbox_row(letter, judged, message)]
         )
 
-    def _restore_from_envelope(self, letter: dict[str, Any]) -> None:
+    def _restore_from_envelope(self, letter: dict[str, Any], judged: Route) -> None:
         """Fill a tombstone in again from the letter (its id, type and aggregate already match)."""
-        message, spec = self._validated(letter)
-        row = self._inbox_row(letter, message, spec)
+        message, _ = self._validated(letter, judged)
+        row = self._inbox_row(letter, judged, message)
         _x(
             self.conn,
             inbox_sql.restore_tombstone(self.schema),
             {"id": row.id, "payload": row.payload, "message_context": row.message_context, "metadata": row.metadata},
         )
 
-    def _validated(self, letter: dict[str, Any]) -> tuple[Message, MessageSpec]:
-        """The letter's envelope, parsed and checked against the current contracts."""
+    def _validated(self, letter: dict[str, Any], judged: Route) -> tuple[Message, MessageSpec]:
+        """The letter's envelope, parsed and checked against the contracts (its type is ``judged``'s)."""
         envelope = letter["message"]
         if not isinstance(envelope, dict):
+            facts = letter["headers"].get(names.BODY_FACTS) if isinstance(letter["headers"], dict) else None
+            if letter["reason"] == Reason.TOO_LARGE or (isinstance(facts, dict) and facts.get("truncated")):
+                raise ReplayRefused(
+                    "the letter keeps only a prefix of a body larger than this service accepts (its receiver "
+                    "refused it for its size, or the letter's limit cut it): it cannot be replayed; have the "
+                    "sender send it smaller, then discard this letter"
+                )
             raise ReplayRefused("the letter holds no JSON envelope (raw body only): fix the sender and discard it")
         try:
-            message = message_from_dict(envelope)
-            spec = self.registry.get(message.message_type)
+            message = message_from_dict({k: v for k, v in envelope.items() if k != AUTH_TOKEN})
+            spec = judged.spec
             spec.validate(message.payload, message.message_version)
         except TxboxError as exc:
             raise ReplayRefused(f"cannot replay: {exc}") from None
@@ -267,18 +329,18 @@ class _Replaying:
             )
         return message, spec
 
-    def _inbox_row(self, letter: dict[str, Any], message: Message, spec: MessageSpec) -> InboxRow:
+    def _inbox_row(self, letter: dict[str, Any], judged: Route, message: Message) -> InboxRow:
         """The letter's message as an inbox row. A dead letter does not keep the lane the
         receiver gave it, so it rejoins its aggregate's lane, as an outbox replay does."""
-        _ensure_received(self.registry, self.service, spec.message_type)
+        spec = judged.spec
         metadata: dict[str, Any] = {"replayed_from_dead_letter": letter["id"]}
-        if message.auth_token is not None:
-            metadata["auth_token"] = message.auth_token
+        if self.auth_token is not None:
+            metadata[AUTH_TOKEN] = self.auth_token  # the operator's: never one the letter kept
         return InboxRow.of(
             message,
-            message_type=message.message_type,
+            message_type=spec.message_type,
             kind=spec.kind,
-            routing_key=letter["routing_key"] or spec.routing_key,
+            routing_key=judged.routing_key,
             metadata=jsoncodec.dumps(metadata),
             lane=(default_segment(message.aggregate_type, message.aggregate_id), "sequential", 0),
             queue=names.inbox_queue(self.service),
@@ -378,8 +440,3 @@ def resolve_processed(cursor: psycopg.Cursor[Any], schema: str, message_ids: Seq
     their replayed letters at once (optional: the collector's sweep does it within seconds)."""
     cursor.execute(letters_sql.resolve_processed(schema), {"ids": list(message_ids)})
     return cursor.rowcount
-
-
-def _ensure_received(registry: Registry, service: str, message_type: str) -> None:
-    if message_type not in {s.message_type for s in registry.accepted_types(service)}:
-        raise ReplayRefused(f"{service} does not receive {message_type} (check its contract's x-subscribes)")

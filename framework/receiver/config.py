@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from framework import names
+from framework import dead_letters, names
 from framework.errors import ConfigurationError
 from framework.settings import FromEnv, Seconds, parse_duration, setting
 
@@ -102,6 +102,12 @@ class ReceiverConfig(FromEnv):
         ):
             if value < minimum:
                 raise ConfigurationError(f"{name}={value} must be ≥ {minimum}")
+        if self.max_body_bytes > dead_letters.MAX_ACCEPTED_BODY:
+            # A letter keeps an envelope whole up to its limit: a larger message could not be replayed.
+            raise ConfigurationError(
+                f"TXBOX_RECEIVER_MAX_BODY_BYTES={self.max_body_bytes} exceeds {dead_letters.MAX_ACCEPTED_BODY}, the "
+                "largest message a dead letter keeps whole (replayable). Example: TXBOX_RECEIVER_MAX_BODY_BYTES=1048576"
+            )
         if self.batch_size > self.prefetch:
             raise ConfigurationError(
                 f"TXBOX_RECEIVER_BATCH_SIZE={self.batch_size} exceeds TXBOX_RECEIVER_PREFETCH={self.prefetch}: "

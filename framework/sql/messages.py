@@ -23,18 +23,21 @@ def current(schema: str, table: str, same: sql.Composable) -> sql.Composed:
     ``archived_at`` (inbox tombstones; NULL in the outbox), and ``same`` as a column."""
     archived = "r.archived_at" if table == names.INBOX else "NULL::timestamptz"
     return sql.SQL(
-        "SELECT started_attempts, finished_attempts, last_error, processed_at, abandoned_at, "
+        "SELECT message_type, routing_key, started_attempts, finished_attempts, last_error, processed_at, "
+        "abandoned_at, "
         "{archived} AS archived_at, {same} AS same FROM {t} r WHERE id = %(id)s FOR UPDATE"
     ).format(archived=sql.SQL(archived), same=same, t=sql.Identifier(schema, table))
 
 
 def reset(schema: str, table: str) -> sql.Composed:
-    """Params: id. An abandoned row due again at once, with a fresh set of attempts and no
-    expiry: replaying is someone's decision to run it now (docs/architecture.md, "Expiry and filters")."""
+    """Params: id, auth_token. An abandoned row due again at once, with a fresh set of attempts and no
+    expiry: replaying is someone's decision to run it now (docs/architecture.md, "Expiry and filters").
+    Its auth_token is the one given (the operator's, or NULL: none), never one it kept."""
     return sql.SQL(
         """UPDATE {t} SET processed_at = NULL, abandoned_at = NULL, last_error = NULL,
                started_attempts = 0, finished_attempts = 0, locked_until = clock_timestamp(),
-               metadata = metadata - 'expires_at'
+               metadata = (metadata - 'expires_at' - 'auth_token')
+                   || jsonb_strip_nulls(jsonb_build_object('auth_token', %(auth_token)s::text))
            WHERE id = %(id)s"""
     ).format(t=sql.Identifier(schema, table))
 

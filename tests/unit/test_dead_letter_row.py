@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from framework import dead_letters as dl
 from framework import names
-from framework.dead_letters import BODY_LIMIT, DeadLetter
+from framework.dead_letters import BODY_LIMIT, MAX_ACCEPTED_BODY, MESSAGE_LIMIT, DeadLetter
 from framework.jsoncodec import JSON_DEPTH_LIMIT, TOO_DEEP, to_storable
 from framework.reasons import Reason
 
@@ -95,9 +95,16 @@ def test_an_oversized_body_keeps_a_prefix_with_length_and_hash() -> None:
     }
 
 
+def test_a_message_up_to_the_largest_accepted_body_is_stored_whole() -> None:
+    """Replayable: a letter keeps every envelope a receiver may accept whole, not a raw prefix."""
+    message = {"payload": {"blob": "ü" * (MAX_ACCEPTED_BODY // 2)}}  # two bytes a character
+    row = DeadLetter(source="inbox", reason="max_attempts", error="e", message=message).row()
+    assert row["raw_body"] is None and json.loads(row["message"]) == message
+
+
 def test_an_oversized_message_is_not_stored_whole() -> None:
     """The worker's abandon has no raw body: the envelope's JSON is what gets a prefix."""
-    message = {"payload": {"blob": "x" * (2 * BODY_LIMIT)}}
+    message = {"payload": {"blob": "x" * MESSAGE_LIMIT}}
     row = DeadLetter(source="inbox", reason="max_attempts", error="e", message=message).row()
     assert row["message"] is None and len(row["raw_body"]) == BODY_LIMIT
     assert json.loads(row["headers"])[names.BODY_FACTS]["length"] == len(json.dumps(message, separators=(",", ":")))

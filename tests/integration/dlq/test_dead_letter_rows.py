@@ -45,6 +45,6 @@ def test_a_hostile_letter_is_stored_bounded(conn: Any, case: str) -> None:
         letter.row(),
     ).fetchone()
     assert row["reason"] == "poison"  # stored as itself, not even as the last resort
-    assert (row["m"] or 0) <= 2 * dl.BODY_LIMIT and (row["r"] or 0) <= 2 * dl.BODY_LIMIT
+    assert (row["m"] or 0) <= dl.MESSAGE_LIMIT and (row["r"] or 0) <= 2 * dl.BODY_LIMIT
     if letter.raw_body is not None:
         assert row["headers"][names.BODY_FACTS]["length"] == len(letter.raw_body)
