@@ -628,8 +628,14 @@ class _Loader:
         if schema.get("type") not in (None, "object"):
             self.problem(label, "a payload schema must describe an object")
 
+        refused: list[ContractError] = []  # why a retrieval failed: referencing words it as the bare URI
+
         def retrieve(uri: str) -> Resource[Any]:
-            return Resource.from_contents(files.retrieve(uri), default_specification=DRAFT7)
+            try:
+                return Resource.from_contents(files.retrieve(uri), default_specification=DRAFT7)
+            except ContractError as exc:
+                refused.append(exc)
+                raise
 
         registry: RefRegistry = RefRegistry(retrieve=retrieve).with_resource(  # type: ignore[call-arg]
             uri, Resource.from_contents(schema, default_specification=DRAFT7)
@@ -639,8 +645,8 @@ class _Loader:
             try:
                 resolver.lookup(ref)
             except Exception as exc:  # referencing raises several unrelated types
-                cause = exc.__cause__ if isinstance(exc.__cause__, ContractError) else exc
-                self.problem(label, f"$ref {ref[:200]!r} inside the schema does not resolve: {str(cause)[:300]}")
+                cause = refused[-1] if refused else exc
+                self.problem(label, f"$ref {ref[:200]!r} inside the schema does not resolve: {str(cause)[:800]}")
                 return None
         # An `$id` makes relative `$ref`s inside the schema resolve against its own file.
         full = {"$id": uri, **schema}
