@@ -30,27 +30,26 @@ validator that is reused for every message of that type.
 
 from __future__ import annotations
 
-import json
+import itertools
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import suppress
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema_rs
-import yaml
 from jsonschema import Draft7Validator
 from jsonschema.exceptions import SchemaError
 from referencing import Registry as RefRegistry
 from referencing import Resource
 from referencing.jsonschema import DRAFT7
 
-from framework import names
+from framework import contract_files, names
 from framework.errors import ContractError, PayloadValidationError, Problem, UnknownMessageType
 
 Kind = Literal["command", "event"]
+# A payload schema, its reference validator (the lint) and its jsonschema-rs one (payloads).
+_Compiled = tuple[dict[str, Any], Draft7Validator, Any]
 
 # Checked with fullmatch: ``$`` would also match before a final newline.
 _ROUTING_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
@@ -63,7 +62,6 @@ _IRREGULAR_PAST = frozenset(
 
 # Nouns of an outcome that Mosaic names events with (`EntityPublishSuccess`).
 _OUTCOME_NOUNS = frozenset({"Success", "Failure", "Error", "Result"})
-_CONTRACT_SUFFIXES = (".yml", ".yaml", ".json")
 _MAX_ROUTING_KEY_BYTES = 255  # AMQP 0-9-1 shortstr
 
 
@@ -96,6 +94,8 @@ class MessageSpec:
     version: str | None = field(default=None, compare=False)
     # Older version → its spec (`x-previous-versions`); each has its own schema and validator.
     previous: Mapping[str, MessageSpec] = field(default_factory=dict, repr=False, compare=False)
+    # The same schema compiled by jsonschema-rs with its linear regex engine: what checks payloads.
+    checker: Any = field(default=None, repr=False, compare=False)
 
     @property
     def versions(self) -> tuple[str, ...]:
@@ -118,40 +118,35 @@ class MessageSpec:
             )
         return older
 
-    @cached_property
+    @property
     def _fast(self) -> Any:
-        """The same schema compiled by jsonschema-rs, or None if it cannot take it.
-
-        ``validator`` (the reference ``jsonschema`` one) costs ~40 µs per small payload
-        here — more than the rest of an outbox write or a receiver's work per message;
-        jsonschema-rs checks the same draft-07 schema in ~1 µs.
-        """
-        try:
-            return jsonschema_rs.Draft7Validator(self.validator.schema, retriever=_retrieve_json)
-        except Exception:  # a schema it cannot compile: the reference validator does it all
-            return None
+        """The jsonschema-rs validator of this schema (``checker``)."""
+        return self.checker
 
     def validate(self, payload: Any, version: str | None = None) -> None:
-        """Raise PayloadValidationError listing every violation (path: message).
+        """Raise PayloadValidationError listing the violations (path: message, at most 10).
 
         ``version`` is the envelope's ``message_version``: the payload is checked against
         that version's schema (None: the current one).
 
-        jsonschema-rs answers first; a payload it does not accept (or cannot read) goes to
-        the reference validator, which words the errors and has the last word.
+        Only jsonschema-rs, with its linear regex engine, judges and words the errors: a
+        contract's `pattern` never runs in a backtracking engine on a sender's data, so a
+        check costs bounded time per byte whatever the contract says (docs/architecture.md,
+        "Contracts are outside input"). ``validator``, the reference one, lints the schema
+        at load and never sees a payload.
         """
         spec = self.at_version(version)
-        fast = spec._fast
-        if fast is not None:
-            with suppress(Exception):  # e.g. a value that is not JSON: let the reference judge
-                if fast.is_valid(payload):
-                    return
-        errors = sorted(spec.validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
-        if errors:
-            raise PayloadValidationError(
-                self.message_type,
-                [f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in errors[:10]],
-            )
+        try:
+            if spec.checker.is_valid(payload):
+                return
+            errors = list(itertools.islice(spec.checker.iter_errors(payload), _MAX_ERRORS))
+        except (ValueError, TypeError, OverflowError) as exc:  # a value JSON has no counterpart for
+            raise PayloadValidationError(self.message_type, [f"(root): not JSON: {str(exc)[:200]}"]) from None
+        errors.sort(key=lambda e: [str(p) for p in e.instance_path])
+        raise PayloadValidationError(
+            self.message_type,
+            [f"{'/'.join(map(str, e.instance_path)) or '(root)'}: {_wording(e.message)}" for e in errors],
+        )
 
 
 @dataclass
@@ -224,6 +219,42 @@ class Registry:
         return [p for p in self.problems if p.severity == "error"]
 
 
+_MAX_ERRORS = 10
+_MAX_ERROR_TEXT = 300  # a violation's text quotes the value: a long one is cut
+
+
+def _wording(message: str) -> str:
+    return message if len(message) <= _MAX_ERROR_TEXT else message[:_MAX_ERROR_TEXT] + "..."
+
+
+def compile_checker(schema: dict[str, Any], files: contract_files.SchemaFiles) -> Any:
+    """``schema`` compiled by jsonschema-rs for payload checks; ContractError if it cannot be.
+
+    Its regex engine is the linear one (``RegexOptions``): a pattern that needs
+    backtracking (lookaround, backreferences) does not compile, so it is refused here,
+    at load, rather than run on a sender's data. ``format`` is an annotation, as for the
+    reference validator (so ``format: regex`` compiles nothing a sender wrote).
+    """
+    try:
+        return jsonschema_rs.Draft7Validator(
+            schema,
+            retriever=files.retrieve,
+            pattern_options=jsonschema_rs.RegexOptions(),
+            validate_formats=False,
+        )
+    except ContractError:
+        raise
+    except Exception as exc:  # jsonschema-rs raises ValidationError, ValueError and others
+        text = " ".join(str(exc).split())[:400]
+        hint = (
+            "; patterns run in a linear-time engine: lookaround, backreferences and possessive or atomic groups "
+            "are not supported"
+            if "regex" in text
+            else ""
+        )
+        raise ContractError(f"the schema does not compile: {text}{hint}") from None
+
+
 def topic_matches(pattern: str, key: str) -> bool:
     """AMQP topic matching: `*` one word, `#` zero or more words."""
     return _topic(pattern.split("."), key.split("."))
@@ -255,9 +286,19 @@ def load_registry(contracts_dir: Path | str, *, strict: bool = True) -> Registry
             f"contracts folder {str(directory)!r} does not exist; set TXBOX_CONTRACTS_DIR "
             "(example: TXBOX_CONTRACTS_DIR=contracts)"
         )
-    files = sorted(p for p in directory.rglob("*") if p.suffix in _CONTRACT_SUFFIXES and p.is_file())
+    try:
+        files = list(contract_files.contract_files(directory))
+    except ContractError as exc:
+        files = []
+        registry.problems.append(Problem("error", str(directory), str(exc)))
     for path in files:
-        _Loader(path, directory, registry).load()
+        loader = _Loader(path, directory, registry)
+        try:
+            loader.load()
+        except ContractError as exc:  # the last resort: one bad file is one error, never a crash
+            loader.problem("", str(exc))
+        except RecursionError:
+            loader.problem("", f"nested too deep to load (at most {contract_files.MAX_DEPTH} levels)")
     _lint_cross_file(registry)
     _settle_aliases(registry)
     if strict and registry.errors:
@@ -279,13 +320,18 @@ class _Loader:
         """The AsyncAPI document in the file, or None (a problem is recorded if it is one)."""
         is_json = self.path.suffix == ".json"
         try:
-            text = self.path.read_text(encoding="utf-8")
-            doc = json.loads(text) if is_json else yaml.safe_load(text)
-        except (OSError, ValueError, yaml.YAMLError) as exc:
+            data = contract_files.read_bytes(self.root, self.path)
+        except ContractError as exc:
+            self.problem("", str(exc).removeprefix(f"{self.path}: "))
+            return None
+        try:
+            doc = contract_files.parse(data, is_json=is_json, label=self.label)
+        except ContractError as exc:
+            text = str(exc).removeprefix(f"{self.label}: ")
             if is_json:  # most JSON files are payload schemas; a contract that uses one reports it
-                self.problem("", f"not valid JSON, ignored: {exc}", "warning")
+                self.problem("", f"{text}, ignored", "warning")
             else:
-                self.problem("", f"cannot read YAML: {exc}")
+                self.problem("", f"cannot read YAML: {text}")
             return None
         if not isinstance(doc, dict) or "asyncapi" not in doc:
             if not is_json:
@@ -303,16 +349,14 @@ class _Loader:
         if top and nested and top != nested:
             self.problem("x-service-id", f"{top!r} differs from info.x-service-id {nested!r}; keep one")
             return None
-        service = str(top or nested or names.kebab_case(str(info.get("title", ""))))
+        title = str(info.get("title", ""))[: names.MAX_NAME * 2]  # bounded before any regex sees it
+        service = str(top or nested or names.kebab_case(title))
         if not service:
             self.problem("info", "needs `x-service-id` or `info.title` to name the service")
             return None
-        if not names.valid_service_id(service):
-            self.problem(
-                "x-service-id",
-                f"{service!r} is not a service id: lower-case letters, digits, '-' or '_' "
-                "(it is the first word of every routing key of the service)",
-            )
+        why = names.service_id_problem(service)
+        if why is not None:
+            self.problem("x-service-id" if top or nested else "info.title", why)
             return None
         if service in self.registry.services:
             other = self.registry.services[service].path
@@ -329,14 +373,23 @@ class _Loader:
             return
         contract = ServiceContract(service=service, path=self.path)
         self.registry.services[service] = contract
-        components = (doc.get("components") or {}).get("messages") or {}
-        for channel, item in (doc.get("channels") or {}).items():
-            where = f"channels.{channel}"
+        components = doc.get("components") or {}
+        components = components.get("messages") if isinstance(components, dict) else None
+        if not isinstance(components, dict):
+            components = {}
+        channels = doc.get("channels") or {}
+        if not isinstance(channels, dict):
+            self.problem("channels", "must map each channel name to its operations")
+            channels = {}
+        for channel, item in channels.items():
+            channel = str(channel)
+            where = (
+                f"channels.{channel[:100]!r}" if not _ROUTING_KEY.fullmatch(channel[:300]) else f"channels.{channel}"
+            )
             if not isinstance(item, dict):
                 self.problem(where, "a channel must be a mapping")
                 continue
-            channel = str(channel)
-            if not _ROUTING_KEY.fullmatch(channel):
+            if len(channel) > 300 or not _ROUTING_KEY.fullmatch(channel):
                 self.problem(
                     where,
                     "a channel name is the `entity.action` part of a routing key: words of letters, digits, "
@@ -364,8 +417,8 @@ class _Loader:
             self.problem("x-subscribes", "must be a list of event routing keys")
             subscribes = []
         for i, key in enumerate(subscribes):
-            if not isinstance(key, str) or not _BINDING_KEY.fullmatch(key):
-                self.problem(f"x-subscribes[{i}]", f"{key!r} is not a routing key or topic pattern")
+            if not isinstance(key, str) or len(key) > _MAX_ROUTING_KEY_BYTES or not _BINDING_KEY.fullmatch(key):
+                self.problem(f"x-subscribes[{i}]", f"{str(key)[:100]!r} is not a routing key or topic pattern")
             else:
                 contract.subscribes.append(key)
 
@@ -384,6 +437,9 @@ class _Loader:
             self.problem(where, "the operation has no `message`")
             return
         candidates = message["oneOf"] if isinstance(message, dict) and "oneOf" in message else [message]
+        if not isinstance(candidates, list):
+            self.problem(f"{where}.message.oneOf", "must be a list of messages")
+            return
         for i, candidate in enumerate(candidates):
             mwhere = f"{where}.message" + (f".oneOf[{i}]" if len(candidates) > 1 else "")
             key: str | None = None
@@ -391,7 +447,7 @@ class _Loader:
                 ref = str(candidate["$ref"])
                 prefix = "#/components/messages/"
                 if not ref.startswith(prefix) or ref[len(prefix) :] not in components:
-                    self.problem(mwhere, f"$ref {ref!r} does not resolve to a message in components.messages")
+                    self.problem(mwhere, f"$ref {ref[:200]!r} does not resolve to a message in components.messages")
                     continue
                 key = ref[len(prefix) :]
                 candidate = components[key]
@@ -407,12 +463,17 @@ class _Loader:
         self, msg: dict[str, Any], key: str | None, where: str, channel: str, kind: Kind, service: str
     ) -> MessageSpec | None:
         aggregate = None
-        for tag in msg.get("tags") or []:
-            name = str((tag or {}).get("name", ""))
+        tags = msg.get("tags") or []
+        for tag in tags if isinstance(tags, list) else []:
+            name = str(tag.get("name", "")) if isinstance(tag, dict) else ""
             if name.startswith("aggregate-type:"):
                 aggregate = name.split(":", 1)[1].strip()
         if not aggregate:
             self.problem(where, "needs a tag `aggregate-type:<name>`")
+            return None
+        why = names.aggregate_type_problem(aggregate)
+        if why is not None:
+            self.problem(f"{where}.tags", why)
             return None
         content_type = msg.get("contentType", "application/json")
         if content_type != "application/json":
@@ -420,19 +481,29 @@ class _Loader:
         schema = self._schema(msg.get("payload"), f"{where}.payload")
         if schema is None:
             return None
-        schema_doc, validator = schema
+        schema_doc, validator, checker = schema
         title = schema_doc.get("title")
-        generated = names.mosaic_message_type(title) if isinstance(title, str) else ""
-        from_key = names.pascal_case(key) if key else ""
+        # Bounded before a regex sees them: a longer name is refused below anyway.
+        generated = names.mosaic_message_type(title[: names.MAX_NAME * 2]) if isinstance(title, str) else ""
+        from_key = names.pascal_case(key[: names.MAX_NAME * 2]) if key else ""
         explicit = msg.get("name")
         if explicit is not None and not (isinstance(explicit, str) and explicit):
-            self.problem(f"{where}.name", f"{explicit!r} is not a message type: give a PascalCase name or none")
+            self.problem(
+                f"{where}.name", f"{repr(explicit)[:60]} is not a message type: give a PascalCase name or none"
+            )
             return None
         message_type = explicit or generated or from_key
         if not message_type:
             self.problem(where, "an inline message needs a `name` or a payload schema with a `title`")
             return None
-        for alias in {generated, from_key} - {"", message_type}:
+        why = names.message_type_problem(message_type)
+        if why is not None:
+            origin = "name" if explicit else "payload.title" if generated else "(its component key)"
+            self.problem(f"{where}.{origin}" if origin != "(its component key)" else where, why)
+            return None
+        # An alias that is not a valid message type is not offered: nothing can be sent under it.
+        aliases = {a for a in (generated, from_key) if a and names.message_type_problem(a) is None}
+        for alias in aliases - {message_type}:
             self.registry.alias_claims.setdefault(alias, []).append(message_type)
         if kind == "event" and not _reads_as_event(message_type):
             self.problem(
@@ -455,18 +526,22 @@ class _Loader:
             validator=validator,
             channel=channel,
             version=version,
+            checker=checker,
         )
         previous = {
             old: replace(
-                spec, schema=s, validator=v, source=f"{self.label}: {where}.x-previous-versions.{old}", version=old
+                spec,
+                schema=s,
+                validator=v,
+                checker=c,
+                source=f"{self.label}: {where}.x-previous-versions.{old}",
+                version=old,
             )
-            for old, (s, v) in older.items()
+            for old, (s, v, c) in older.items()
         }
         return replace(spec, previous=previous)
 
-    def _versions(
-        self, msg: dict[str, Any], where: str
-    ) -> tuple[str | None, dict[str, tuple[dict[str, Any], Draft7Validator]]] | None:
+    def _versions(self, msg: dict[str, Any], where: str) -> tuple[str | None, dict[str, _Compiled]] | None:
         """(`x-message-version`, older version → its compiled schema), or None on a problem."""
         version, previous = msg.get("x-message-version"), msg.get("x-previous-versions")
         if version is None:
@@ -481,23 +556,32 @@ class _Loader:
         if not isinstance(version, str) or not version:
             self.problem(
                 f"{where}.x-message-version",
-                f'{version!r} is not a version: give it as a string, quoted in YAML (e.g. x-message-version: "2")',
+                f"{str(version)[:60]!r} is not a version: give it as a string, quoted in YAML "
+                '(e.g. x-message-version: "2")',
             )
+            return None
+        why = names.version_problem(version)
+        if why is not None:
+            self.problem(f"{where}.x-message-version", why)
             return None
         if previous is None:
             previous = {}
         if not isinstance(previous, dict):
             self.problem(f"{where}.x-previous-versions", "must map each older version to its payload schema")
             return None
-        older: dict[str, tuple[dict[str, Any], Draft7Validator]] = {}
+        older: dict[str, _Compiled] = {}
         for old, payload in previous.items():
-            vwhere = f"{where}.x-previous-versions.{old}"
+            vwhere = f"{where}.x-previous-versions.{str(old)[:60]}"
             if not isinstance(old, str) or old == version:
                 self.problem(
                     vwhere,
-                    f"{old!r} is not an older version: quote it in YAML, and leave out the current one "
+                    f"{str(old)[:60]!r} is not an older version: quote it in YAML, and leave out the current one "
                     f"({version!r}, whose schema is `payload`)",
                 )
+                return None
+            why = names.version_problem(old)
+            if why is not None:
+                self.problem(f"{where}.x-previous-versions", why)
                 return None
             schema = self._schema(payload, vwhere)
             if schema is None:
@@ -505,42 +589,55 @@ class _Loader:
             older[old] = schema
         return version, older
 
-    def _schema(self, payload: Any, where: str) -> tuple[dict[str, Any], Draft7Validator] | None:
+    def _schema(self, payload: Any, where: str) -> _Compiled | None:
         if not isinstance(payload, dict):
             self.problem(where, "needs a payload schema (`$ref` to a JSON Schema file or inline)")
             return None
-        base = self.path.parent
+        files = contract_files.SchemaFiles(self.root)
         if "$ref" in payload and len(payload) == 1:
             ref = str(payload["$ref"])
             file_part, _, fragment = ref.partition("#")
-            target = (base / file_part).resolve()
-            if not target.is_file():
-                self.problem(f"{where}.$ref", f"{ref!r} does not resolve: no file {target}")
-                return None
-            try:
-                schema = json.loads(target.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                self.problem(f"{where}.$ref", f"{ref!r} is not valid JSON: {exc}")
+            try:  # docs/architecture.md, "Contracts are outside input": only files inside the folder
+                target = contract_files.ref_target(self.root, self.path.parent, file_part)
+                schema = files.load(target, f"$ref {ref[:200]!r}")
+            except ContractError as exc:
+                self.problem(f"{where}.$ref", str(exc))
                 return None
             if fragment:
                 schema = _pointer(schema, fragment)
                 if schema is None:
-                    self.problem(f"{where}.$ref", f"{ref!r}: fragment does not resolve")
+                    self.problem(f"{where}.$ref", f"{ref[:200]!r}: fragment does not resolve")
                     return None
             uri = target.as_uri()
         else:
             schema = payload
             uri = self.path.resolve().as_uri()
         label = f"{where} ({uri.removeprefix('file://')})"
+        if not isinstance(schema, dict):
+            self.problem(label, "a payload schema must be a JSON object")
+            return None
+        for path, why in _schema_names(schema):
+            self.problem(f"{where}.payload{path}" if not where.endswith("payload") else f"{where}{path}", why)
+            return None
         try:
             Draft7Validator.check_schema(schema)
         except SchemaError as exc:
             path = "/".join(map(str, exc.absolute_path)) or "(root)"
-            self.problem(label, f"not a valid draft-07 schema at {path}: {exc.message}")
+            self.problem(label, f"not a valid draft-07 schema at {path}: {exc.message[:300]}")
             return None
         if schema.get("type") not in (None, "object"):
             self.problem(label, "a payload schema must describe an object")
-        registry: RefRegistry = RefRegistry(retrieve=_retrieve_file).with_resource(  # type: ignore[call-arg]
+
+        refused: list[ContractError] = []  # why a retrieval failed: referencing words it as the bare URI
+
+        def retrieve(uri: str) -> Resource[Any]:
+            try:
+                return Resource.from_contents(files.retrieve(uri), default_specification=DRAFT7)
+            except ContractError as exc:
+                refused.append(exc)
+                raise
+
+        registry: RefRegistry = RefRegistry(retrieve=retrieve).with_resource(  # type: ignore[call-arg]
             uri, Resource.from_contents(schema, default_specification=DRAFT7)
         )
         resolver = registry.resolver(base_uri=uri)
@@ -548,10 +645,17 @@ class _Loader:
             try:
                 resolver.lookup(ref)
             except Exception as exc:  # referencing raises several unrelated types
-                self.problem(label, f"$ref {ref!r} inside the schema does not resolve: {exc}")
+                cause = refused[-1] if refused else exc
+                self.problem(label, f"$ref {ref[:200]!r} inside the schema does not resolve: {str(cause)[:800]}")
                 return None
         # An `$id` makes relative `$ref`s inside the schema resolve against its own file.
-        return schema, Draft7Validator({"$id": uri, **schema}, registry=registry)
+        full = {"$id": uri, **schema}
+        try:
+            checker = compile_checker(full, files)
+        except ContractError as exc:
+            self.problem(label, str(exc))
+            return None
+        return schema, Draft7Validator(full, registry=registry), checker
 
     def _register(self, spec: MessageSpec) -> None:
         existing = self.registry.messages.get(spec.message_type)
@@ -564,14 +668,31 @@ class _Loader:
         self.registry.messages[spec.message_type] = spec
 
 
-def _retrieve_json(uri: str) -> Any:
-    if not uri.startswith("file://"):
-        raise ContractError(f"only local file references are allowed in schemas, not {uri}")
-    return json.loads(Path(uri.removeprefix("file://")).read_text(encoding="utf-8"))
+def _schema_names(schema: Any) -> Iterator[tuple[str, str]]:
+    """(JSON path, why) of each property name in ``schema`` that breaks names.property_name_problem.
 
-
-def _retrieve_file(uri: str) -> Resource[Any]:
-    return Resource.from_contents(_retrieve_json(uri), default_specification=DRAFT7)
+    Iterative: the document was bounded by contract_files.check_size when it was read.
+    """
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        for keyword in ("properties", "dependencies"):
+            if isinstance(node.get(keyword), dict):
+                for key in node[keyword]:
+                    why = names.property_name_problem(key)
+                    if why is not None:
+                        yield f"{path}.{keyword}", why
+        if isinstance(node.get("required"), list):
+            for key in node["required"]:
+                why = names.property_name_problem(key)
+                if why is not None:
+                    yield f"{path}.required", why
+        stack.extend((v, f"{path}.{k}") for k, v in node.items() if isinstance(v, dict | list))
 
 
 def _pointer(doc: Any, fragment: str) -> Any:

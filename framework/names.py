@@ -251,3 +251,84 @@ def mosaic_message_type(schema_title: str) -> str:
     `EntityPublishFailed`. Empty when the title has no word.
     """
     return _KIND_SUFFIX.sub("", pascal_case(schema_title))
+
+
+# --- names a contract gives (docs/architecture.md, "Contracts are outside input") ---------
+# They reach routing keys, queue names, metric labels, SQL rows and generated Python, so
+# each is checked against one of these at load (fullmatch, after a length check: the
+# patterns never see more than MAX_NAME characters).
+MAX_NAME = 100
+MAX_PROPERTY_NAME = 128
+_MESSAGE_TYPE = re.compile(r"[A-Z][A-Za-z0-9_]*")
+_AGGREGATE_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+# Names the generated module imports, or Python's constants: a class of that name breaks it.
+RESERVED_MESSAGE_TYPES = frozenset({"Any", "Literal", "NotRequired", "TypedDict", "None", "True", "False"})
+
+
+def message_type_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a message type (it becomes a Python class name), or None."""
+    if not isinstance(value, str) or not value:
+        return f"{str(value)[:60]!r} is not a message type: give a PascalCase name"
+    if len(value) > MAX_NAME or not _MESSAGE_TYPE.fullmatch(value):
+        return (
+            f"{value[:60]!r} is not a message type: PascalCase, an upper-case ASCII letter then letters, "
+            f"digits or '_', at most {MAX_NAME} characters (it becomes a Python class and a metric label)"
+        )
+    if value in RESERVED_MESSAGE_TYPES:
+        return f"{value!r} is reserved (the generated module uses that name); pick another message type"
+    return None
+
+
+def service_id_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a service id, or None."""
+    if len(value) > MAX_NAME or not valid_service_id(value):
+        return (
+            f"{value[:60]!r} is not a service id: lower-case letters, digits, '-' or '_', at most {MAX_NAME} "
+            "characters (it is the first word of every routing key of the service)"
+        )
+    return None
+
+
+def aggregate_type_problem(value: str) -> str | None:
+    """Why ``value`` cannot be an aggregate type, or None."""
+    if len(value) > MAX_NAME or not _AGGREGATE_TYPE.fullmatch(value):
+        return (
+            f"{value[:60]!r} is not an aggregate type: ASCII letters, digits, '_', '.' or '-', "
+            f"at most {MAX_NAME} characters"
+        )
+    return None
+
+
+def version_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a message version (`x-message-version`), or None."""
+    if len(value) > MAX_NAME or not _VERSION.fullmatch(value):
+        return (
+            f"{value[:60]!r} is not a version: ASCII letters, digits, '.', '_', '+' or '-' "
+            f'(e.g. "2" or "1.1"), at most {MAX_NAME} characters'
+        )
+    return None
+
+
+def property_name_problem(value: object) -> str | None:
+    """Why ``value`` cannot name a payload property, or None.
+
+    Any printable text (JSON payloads use `order-id`, `@type`...), without control
+    characters, line separators or invisible format characters: it is shown in errors
+    and written into generated code, escaped.
+    """
+    if not isinstance(value, str) or not value:
+        return f"{str(value)[:60]!r} is not a property name: give a non-empty string"
+    if len(value) > MAX_PROPERTY_NAME:
+        return f"{value[:60]!r}... is longer than {MAX_PROPERTY_NAME} characters"
+    if not value.isprintable():
+        return f"{value!r} holds a control, separator or invisible character; property names are printable text"
+    return None
+
+
+def identifier_part(text: str) -> str:
+    """``text`` in PascalCase with every character a Python identifier cannot hold dropped.
+
+    For the names of nested classes the generator derives from property keys.
+    """
+    return "".join(c for c in pascal_case(text[:MAX_PROPERTY_NAME]) if c.isascii() and (c.isalnum() or c == "_"))

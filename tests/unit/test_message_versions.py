@@ -44,9 +44,9 @@ def test_each_version_is_validated_against_its_own_schema(spec: Any) -> None:
     spec.validate(V2, "2")
     spec.validate(V2)  # no version: the current one
     spec.validate(V1, "1")
-    with pytest.raises(PayloadValidationError, match="'count' is a required property"):
+    with pytest.raises(PayloadValidationError, match='"count" is a required property'):
         spec.validate(V2, "1")
-    with pytest.raises(PayloadValidationError, match="'quantity' is a required property"):
+    with pytest.raises(PayloadValidationError, match='"quantity" is a required property'):
         spec.validate(V1, "2")
 
 
