@@ -291,3 +291,99 @@ def _json_type(value: Any) -> str:
 
 def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
+
+
+# docs/architecture.md, "Receiver intake" (Ids of bodies too deep or too large): a body
+# refused before it parsed whole still names its message. Only the first bytes are
+# looked at, each once: the three patterns are single character classes (no
+# backtracking), and every step moves forward, so the scan is linear in its window.
+PEEK_BYTES = 65536
+_STRING_STOP = re.compile(rb'["\\]')
+_NESTING_STOP = re.compile(rb'["\[\]{}]')
+_SCALAR_STOP = re.compile(rb"[,}\]\s]")
+_WHITESPACE = b" \t\r\n"
+_MAX_PEEKED_CHARS = 256  # a longer key or value is not one a caller looks for
+
+
+def peek_top_level(body: bytes, key: str, limit: int = PEEK_BYTES) -> str | None:
+    """The string value of ``key`` in the top-level JSON object of ``body``, read from its
+    first ``limit`` bytes only, or None.
+
+    For a body that cannot or may not be parsed whole (deeper than ``MAX_JSON_DEPTH``,
+    larger than the receiver's limit): nested values are skipped by counting brackets,
+    never parsed or recursed into; keys and the value found are decoded as JSON strings,
+    at most 256 characters each. A key that is not a string, a body that is not an
+    object, malformed or cut off by the window before ``key`` is reached: None. The last
+    occurrence wins, as in :func:`json.loads`. Never raises.
+    """
+    head = bytes(body[:limit])
+    size = len(head)
+    found: str | None = None
+
+    def skip_space(pos: int) -> int:
+        while pos < size and head[pos] in _WHITESPACE:
+            pos += 1
+        return pos
+
+    def string_end(pos: int) -> int:
+        """Index after the string whose opening quote is at ``pos - 1``; -1 when cut off."""
+        while (stop := _STRING_STOP.search(head, pos)) is not None:
+            if stop.group() == b'"':
+                return stop.end()
+            pos = stop.end() + 1  # an escape: the next byte is part of the string
+        return -1
+
+    def decoded(start: int, end: int) -> str | None:
+        if end - start > _MAX_PEEKED_CHARS * 6 + 2:  # six bytes per escaped character at most
+            return None
+        try:
+            text = json.loads(head[start:end])
+        except ValueError:  # invalid UTF-8 or escapes, control characters
+            return None
+        return text if isinstance(text, str) and len(text) <= _MAX_PEEKED_CHARS else None
+
+    def value_end(pos: int) -> int:
+        """Index after the value starting at ``pos``; -1 when cut off or malformed."""
+        if pos >= size:
+            return -1
+        first = head[pos : pos + 1]
+        if first == b'"':
+            return string_end(pos + 1)
+        if first not in (b"{", b"["):
+            stop = _SCALAR_STOP.search(head, pos)
+            return -1 if stop is None or stop.start() == pos else stop.start()
+        depth, pos = 1, pos + 1
+        while depth and (stop := _NESTING_STOP.search(head, pos)) is not None:
+            pos = stop.end()
+            char = stop.group()
+            if char == b'"':
+                pos = string_end(pos)
+                if pos < 0:
+                    return -1
+            else:
+                depth += 1 if char in (b"{", b"[") else -1
+        return pos if depth == 0 else -1
+
+    pos = skip_space(0)
+    if head[pos : pos + 1] != b"{":
+        return None
+    pos = skip_space(pos + 1)
+    while pos < size and head[pos : pos + 1] == b'"':
+        key_end = string_end(pos + 1)
+        if key_end < 0:
+            return found
+        name = decoded(pos, key_end)
+        pos = skip_space(key_end)
+        if head[pos : pos + 1] != b":":
+            return found
+        pos = skip_space(pos + 1)
+        end = value_end(pos)
+        if end < 0:
+            return found
+        if name == key and head[pos : pos + 1] == b'"':
+            found = decoded(pos, end)
+        pos = skip_space(end)
+        if head[pos : pos + 1] != b",":
+            return found
+        pos = skip_space(pos + 1)
+    return found

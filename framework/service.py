@@ -168,8 +168,13 @@ class Service:
             commit_pipeline=self.settings.outbox_commit_pipeline,
         )
 
-    def problems(self) -> list[Problem]:
-        """Everything that does not fit (errors) or looks wrong (warnings)."""
+    def problems(self, *, runs_handlers: bool = True) -> list[Problem]:
+        """Everything that does not fit (errors) or looks wrong (warnings).
+
+        ``runs_handlers=False`` (the receiver, the publisher, the collector): a message type
+        the service receives without a handler is no misfit of a daemon that runs none;
+        every other finding, on the handlers registered too, stands.
+        """
         try:
             registry = load_registry(self.settings.contracts_dir, strict=False)
         except ContractError as exc:
@@ -229,7 +234,7 @@ class Service:
             self.middleware  # noqa: B018 -- builds the permission guard if needed: bad settings fail at start
         except ConfigurationError as exc:
             problems.append(Problem("error", "permissions", str(exc)))
-        for message_type, spec in sorted(accepted.items()):
+        for message_type, spec in sorted(accepted.items()) if runs_handlers else ():
             if message_type not in self._handlers:
                 what = "accepts command" if spec.kind == "command" else "subscribes to event"
                 problems.append(
@@ -237,12 +242,12 @@ class Service:
                 )
         return problems
 
-    def check(self) -> list[Problem]:
+    def check(self, *, runs_handlers: bool = True) -> list[Problem]:
         """Assembly validation: raise AssemblyError naming every misfit.
 
-        Returns the warnings when nothing is wrong.
+        Returns the warnings when nothing is wrong. ``runs_handlers``: as :meth:`problems`.
         """
-        problems = self.problems()
+        problems = self.problems(runs_handlers=runs_handlers)
         errors = [p for p in problems if p.severity == "error"]
         if errors:
             raise AssemblyError(errors)

@@ -48,8 +48,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import psycopg
 from sqlalchemy import Table
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
@@ -62,6 +63,7 @@ from framework.analytics.sources import Source
 from framework.db import connect, database_errors
 from framework.errors import ArchiveError
 from framework.sql import archive_batches as batches_sql
+from framework.sql import retention as locks_sql
 from framework.sql.archive_batches import Batch
 
 if TYPE_CHECKING:
@@ -170,20 +172,42 @@ class Archiver:
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[SparkSession]:
-        """The Spark session, while this run holds the service's archive lock."""
+        """The Spark session, while this run holds the service's archive lock.
+
+        The lock is released with ``pg_advisory_unlock`` when the run ends, however it
+        ends, and the release is checked (stage ``unlocked`` of the checkpoint follows it,
+        the lock's connection still open): a session lock left to the connection's end
+        would outlive the run wherever that end is late (a pooler's server connection, a
+        close that hangs).
+        """
+        key = {"key": names.archive_lock_key(self.service)}
         with database_errors("archive: cannot take its lock"), connect(self.url, autocommit=True) as lock:
-            row = lock.execute("SELECT pg_try_advisory_lock(%s)", (names.archive_lock_key(self.service),)).fetchone()
+            row = lock.execute(locks_sql.try_lock(), key).fetchone()
             if not (row and row[0]):
                 # Two runs would archive the same rows twice before one of them failed.
                 raise ArchiveError(
                     f"another `txbox archive` of {self.service} is running on this database; "
-                    "wait for it to finish (its lock goes with its connection)"
+                    "wait for it to finish (its lock is released when it ends)"
                 )
-            if self.spark is not None:
-                yield self.spark
-                return
-            with job_session(self.settings, "txbox-archive") as spark:
-                yield spark
+            try:
+                if self.spark is not None:
+                    yield self.spark
+                else:
+                    with job_session(self.settings, "txbox-archive") as spark:
+                        yield spark
+            finally:
+                self._unlock(lock, key)
+
+    def _unlock(self, lock: psycopg.Connection[Any], key: dict[str, int]) -> None:
+        """Release the run's lock; never raises (it must not hide the run's own error)."""
+        try:
+            row = lock.execute(locks_sql.unlock(), key).fetchone()
+        except psycopg.Error as exc:  # the connection is gone, and the lock with it
+            log.warning("archive: could not release its lock of %s (%s)", self.service, type(exc).__name__)
+            return
+        if not (row and row[0]):
+            log.warning("archive: its lock of %s was not held when the run ended", self.service)
+        self.checkpoint("unlocked")
 
     def _recover(self, spark: SparkSession) -> ArchiveResult:
         result = ArchiveResult()

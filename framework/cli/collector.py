@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
+from framework.cli.common import add_probe_options, add_service_options, check_assembly, liveness_config, load_service
 from framework.dlq.collector import Collector, CollectorConfig
 from framework.liveness import watch
 
@@ -17,6 +17,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     service = load_service(args)
+    check_assembly(service, "collector", runs_handlers=False)
     config = CollectorConfig.from_env(batch_size=args.batch_size)
     collector = Collector(service, config)
     collector.install_signal_handlers()

@@ -105,6 +105,14 @@ def import_app(spec: str) -> Service:
     return service
 
 
+def check_assembly(service: Service, command: str, *, runs_handlers: bool) -> None:
+    """The assembly check every daemon command runs at start (``Service.check``): raises
+    AssemblyError naming every misfit and its fix before anything connects; prints the
+    warnings. ``runs_handlers``: whether this command runs the service's handlers."""
+    for warning in service.check(runs_handlers=runs_handlers):
+        print(f"txbox {command}: {warning}")
+
+
 def settings_only(args: argparse.Namespace) -> Settings:
     """Settings without importing handlers (commands that do not run user code)."""
     return load_service(args).settings

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service, quiet_pika
+from framework.cli.common import (
+    add_probe_options,
+    add_service_options,
+    check_assembly,
+    liveness_config,
+    load_service,
+    quiet_pika,
+)
 from framework.liveness import watch
 from framework.relay import Relay, RelayConfig
 
@@ -38,6 +45,7 @@ def config_from(args: argparse.Namespace) -> RelayConfig:
 def run(args: argparse.Namespace) -> int:
     quiet_pika(args)
     service = load_service(args)
+    check_assembly(service, "publisher", runs_handlers=False)
     config = config_from(args)
     relay = Relay(service, config)
     relay.install_signal_handlers()

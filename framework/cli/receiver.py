@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
+from framework.cli.common import add_probe_options, add_service_options, check_assembly, liveness_config, load_service
 from framework.liveness import watch
 from framework.receiver import Receiver, ReceiverConfig
 
@@ -21,7 +21,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     service = load_service(args)
-    service.contract  # noqa: B018 - fails at start, naming the fix, when the contracts lack this service
+    check_assembly(service, "receiver", runs_handlers=False)  # also: the contracts lack this service
     config = ReceiverConfig.from_env(
         prefetch=args.prefetch, batch_size=args.batch_size, retry_schedule=args.retry_schedule
     )

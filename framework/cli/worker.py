@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
+from framework.cli.common import add_probe_options, add_service_options, check_assembly, liveness_config, load_service
 from framework.liveness import watch
 from framework.worker import Worker, WorkerConfig
 
@@ -22,8 +22,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     service = load_service(args)
-    for warning in service.check():  # assembly validation: fail fast naming the misfit
-        print(f"txbox worker: {warning}")
+    check_assembly(service, "worker", runs_handlers=True)
     config = WorkerConfig.from_env(batch_size=args.batch_size, segment_policy=args.segment_policy)
     worker = Worker(service, config)
     worker.install_signal_handlers()

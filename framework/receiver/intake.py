@@ -17,7 +17,7 @@ from typing import Any
 from framework import dead_letters as dl
 from framework import expiry, jsoncodec, names
 from framework.contracts import MessageSpec, Registry
-from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict
+from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict, peek_top_level
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
 from framework.reasons import Reason
@@ -80,9 +80,9 @@ class Delivery:
         body, so the key is always storable and the same on every redelivery.
         """
         message_id = self.properties.get("message_id")
-        if isinstance(message_id, str) and len(message_id) <= _MAX_KEY_CHARS:
-            with contextlib.suppress(ValueError):
-                return str(uuid.UUID(message_id))
+        canonical = _uuid(message_id)
+        if canonical is not None:
+            return str(canonical)
         digest = hashlib.sha1(repr(message_id).encode("utf-8", "backslashreplace"))
         digest.update(b"\x00")
         digest.update(self.body)
@@ -176,6 +176,25 @@ class Filtered:
     message_type: str
 
 
+def _uuid(value: Any) -> uuid.UUID | None:
+    if isinstance(value, str) and len(value) <= _MAX_KEY_CHARS:
+        with contextlib.suppress(ValueError):
+            return uuid.UUID(value)
+    return None
+
+
+def unparsed_message_id(delivery: Delivery) -> uuid.UUID | None:
+    """The id of a delivery whose body did not parse whole (too deep, too large, not JSON).
+
+    The AMQP ``message_id`` property when it is a UUID, else the envelope's top-level
+    ``message_id`` read from the body's first bytes without parsing the rest
+    (:func:`~framework.envelope.peek_top_level`), else None: an operator finds the letter
+    by id either way (docs/architecture.md, "Receiver intake").
+    """
+    found = _uuid(delivery.properties.get("message_id"))
+    return found if found is not None else _uuid(peek_top_level(delivery.body, "message_id"))
+
+
 def _metadata_text(metadata: dict[str, Any]) -> str:
     """AMQP headers are the sender's, not the message: clean what jsonb refuses rather than reject."""
     text = jsoncodec.amqp_json(metadata)
@@ -222,6 +241,8 @@ class Intake:
                 message_id = uuid.UUID(str(data.get("message_id")))
             if isinstance(data.get("message_type"), str):
                 message_type = data["message_type"]
+        else:
+            message_id = unparsed_message_id(delivery)
         return dl.DeadLetter(
             source="broker",
             reason=reason,

@@ -3,6 +3,7 @@
 - Header tables nested deeper than pika's own decoder recursion are decoded (framework.amqp
   bounds it), so the delivery is judged and what is queued around it is stored.
 - Body bytes held unacked are bounded, whatever the prefetch count allows.
+- A body too deep or too large to parse whole still gives a dead letter with its id.
 """
 
 from __future__ import annotations
@@ -76,6 +77,42 @@ def test_header_tables_deeper_than_pika_decodes_are_judged_and_the_rest_is_store
         support.wait_until(lambda: len(query(database_url, ids)) == 11, 60, message="every delivery settled")
     assert sorted(r[0] for r in query(database_url, ids)) == sorted(m["message_id"] for m in (*before, deep, *after))
     assert queue_depth(amqp_url, names.inbox_queue(service.name)) == 0
+
+
+def test_a_body_too_deep_or_too_large_to_parse_gives_a_dead_letter_with_its_id(
+    service: Service, database_url: str, amqp_url: str
+) -> None:
+    """Raw bytes by plain pika, the envelope's fields in the order txbox writes them
+    (payload first): the id comes from the AMQP property, else from the body's top level."""
+    topology.declare(service.settings, service.registry)
+    deep_text = '{"a":' * 10_000 + "1" + "}" * 10_000
+    padding = "x" * 200_000
+    cases = [
+        ("deep payload field, no property", {"payload": "HOLE"}, False, "too_deep"),
+        ("deep payload field, the property", {"payload": "HOLE"}, True, "too_deep"),
+        ("deep context, no property", {"message_context": "HOLE"}, False, "too_deep"),
+        ("too large, the property", {"payload": {"pad": padding}}, True, "too_large"),
+        ("too large, id first, no property", {"message_context": {"pad": padding}}, False, "too_large"),
+    ]
+    bodies, properties, expected = [], [], {}
+    for name, fields, property_id, reason in cases:
+        message = place_order(**fields)
+        if "id first" in name:
+            message = {"message_id": message.pop("message_id"), **message}
+        bodies.append(json.dumps(message).replace('"HOLE"', deep_text).encode())
+        properties.append(
+            pika.BasicProperties(
+                content_type="application/json",
+                message_id=message["message_id"] if property_id else None,
+                headers={"x-case": name},
+            )
+        )
+        expected[name] = (reason, message["message_id"])
+    publish(amqp_url, bodies, properties=properties)
+    letters = "SELECT headers->>'x-case', reason, message_id::text FROM txbox.dead_letters"
+    with running(Receiver(service, ReceiverConfig(max_body_bytes=100_000))):  # type: ignore[arg-type]
+        support.wait_until(lambda: len(query(database_url, letters)) == len(cases), 60, message="every letter")
+    assert {name: (reason, message_id) for name, reason, message_id in query(database_url, letters)} == expected
 
 
 def test_body_bytes_held_unacked_are_bounded_while_the_database_is_slow(

@@ -2,14 +2,17 @@
 
 Every daemon is a JVM started with ``spark-class`` in the foreground (so its pid is ours to
 stop), on free ports, with its logs, work and scratch directories under one temporary
-directory. The workers get one core and 512 MB each: executors are small, the machine is
-shared.
+directory. A port picked free may be taken before the master binds it (another run of the
+suite beside this one): Spark then binds the next one, so the master's ports are read from
+its own log, and the status page counts only when it names this master's URL. The
+workers get one core and 512 MB each: executors are small, the machine is shared.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import urllib.request
@@ -21,6 +24,9 @@ from typing import IO
 from tests.support import wait_until
 
 START_TIMEOUT = 240.0  # JVM start-ups on a loaded two-core machine
+# The master's own report of the ports it bound (Spark's Utils.startServiceOnPort).
+_BOUND = re.compile(rb"Successfully started service '(sparkMaster|MasterUI)' on port (\d{1,5})\b")
+_LOG_HEAD = 1 << 20  # the lines sought come within the first second of the log
 
 
 def free_port() -> int:
@@ -87,6 +93,16 @@ class Cluster:
             *("--host", "127.0.0.1", "--port", str(self.port), "--webui-port", str(self.ui_port)),
             env=env,
         )
+        bound: dict[bytes, int] = {}
+
+        def master_bound() -> bool:
+            self._check_alive()
+            with open(self.root / "master.log", "rb") as log:
+                bound.update((m.group(1), int(m.group(2))) for m in _BOUND.finditer(log.read(_LOG_HEAD)))
+            return len(bound) == 2
+
+        wait_until(master_bound, timeout=START_TIMEOUT, interval=0.2, message=f"the master's ports ({self.root})")
+        self.port, self.ui_port = bound[b"sparkMaster"], bound[b"MasterUI"]
         for n in range(self.workers):
             self.worker_dir(n).mkdir(parents=True)
             self._start(
@@ -111,13 +127,14 @@ class Cluster:
         return True
 
     def state(self) -> dict[str, object]:
-        """The master's status page as JSON ({} while it is not up)."""
+        """This master's status page as JSON ({} while it is not up, or when what answers on
+        its UI port is not this master: the page names the master's URL)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/", timeout=5) as resp:
-                data: dict[str, object] = json.load(resp)
-                return data
-        except OSError:
+                data = json.load(resp)
+        except (OSError, ValueError):
             return {}
+        return data if isinstance(data, dict) and data.get("url") == self.master_url else {}
 
     def executor_logs(self, n: int) -> list[Path]:
         """stderr of every executor worker ``n`` ran (work dir: app id / executor id / stderr)."""

@@ -202,6 +202,47 @@ def test_a_second_archive_of_the_service_at_once_is_refused(
     assert pending_batches(url) == 0
 
 
+def _archive_locks(url: str) -> int:
+    """Advisory locks held on the archive's key of SERVICE in this database (pg_locks splits a
+    bigint key into its high 32 bits, ``classid``, and its low 32 bits, ``objid``)."""
+    key = names.archive_lock_key(SERVICE) & 0xFFFFFFFFFFFFFFFF
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid::bigint = %s AND objid::bigint = %s AND granted",
+            (key >> 32, key & 0xFFFFFFFF),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("fails_at", [None, "written"])
+def test_the_archive_lock_is_released_explicitly_when_the_run_ends(
+    fails_at: str | None, make_database: Callable[[], str], registry: Registry, tmp_path: Path, spark: Any
+) -> None:
+    """At stage ``unlocked`` the run's lock connection is still open: the lock is gone from
+    pg_locks because the run released it, not because its connection ended."""
+    url = make_database()
+    seed_old_rows(url, registry)
+    seen: dict[str, int] = {}
+
+    def look(stage: str) -> None:
+        seen.setdefault(stage, _archive_locks(url))
+        if stage == fails_at:
+            raise RuntimeError(f"stopped at {stage}")
+
+    archiver = Archiver(database_url=url, service=SERVICE, root=tmp_path, batch_size=5, spark=spark, checkpoint=look)
+    if fails_at is None:
+        archiver.run(timedelta(days=7))
+    else:
+        with pytest.raises(RuntimeError, match=f"stopped at {fails_at}"):
+            archiver.run(timedelta(days=7))
+    assert seen["manifest"] == 1, "the run holds the lock"
+    assert seen.get("unlocked") == 0, seen
+    assert _archive_locks(url) == 0
+
+
 def test_kill_9_mid_batch_then_txbox_archive_recovers(
     make_database: Callable[[], str],
     registry: Registry,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from framework.envelope import Message, message_from_dict, parse_message
+from framework.envelope import Message, message_from_dict, parse_message, peek_top_level
 from framework.errors import EnvelopeError
 
 # The sample envelope of Mosaic's guide (docs/architecture.md, "The envelope"), verbatim.
@@ -150,3 +150,15 @@ def test_a_parsed_envelope_is_a_whole_message() -> None:
     assert set(vars(parsed)) == {f.name for f in dataclasses.fields(Message)}
     assert parsed == dataclasses.replace(original, timestamp=parsed.timestamp)
     assert (parsed.attempt, parsed.max_attempts, parsed.routing_key, parsed.auth_token) == (1, None, None, None)
+
+
+def test_peek_top_level_reads_one_top_level_string_and_skips_nested_values() -> None:
+    deep = b'{"a":' * 10_000 + b'"message_id"' + b"}" * 10_000
+    assert peek_top_level(b'{"payload":' + deep + b', "message_id": "m"}', "message_id") == "m"
+    assert peek_top_level(b'{"x": ["\\"}]", {"message_id": "inner"}], "message\\u005fid": "m"}', "message_id") == "m"
+    assert peek_top_level(b'{"message_id": "a", "message_id": "b"}', "message_id") == "b"  # as json.loads
+    for body in (b"", b"[]", b'"message_id"', b'{"message_id": 7}', b'{"message_id": "\xff"}', b'{"a": tru'):
+        assert peek_top_level(body, "message_id") is None, body
+    # Cut off by the window: what follows is not read.
+    assert peek_top_level(b'{"a": "' + b"x" * 100 + b'", "message_id": "m"}', "message_id", limit=50) is None
+    assert peek_top_level(b'{"a": [' + b"[" * 100_000, "message_id") is None

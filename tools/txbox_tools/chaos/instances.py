@@ -468,10 +468,12 @@ class PrivateRabbit(_Management):
         if self.management_port is None:
             return True
         try:
-            self.api("GET", "/overview")
-            return True
-        except (OSError, InstanceError):
+            overview = self.api("GET", "/overview")
+        except (OSError, InstanceError, ValueError):
             return False
+        # A port picked free may be another broker's by now (a second run beside this one):
+        # only this node's own name on its API says the node answering is ours.
+        return isinstance(overview, dict) and overview.get("node") == self.node
 
     def stop(self, timeout: float = 60) -> None:
         """Graceful stop (SIGTERM: RabbitMQ closes connections and flushes its stores)."""
