@@ -171,8 +171,10 @@ class Receiver(Daemon):
                 except BrokerUnavailable as exc:
                     self._careful = self.config.prefetch
                     if self._turn is not None:
-                        # A replica that still reaches the broker may consume meanwhile.
+                        # A replica that still reaches the broker may consume meanwhile;
+                        # a turn taken again later waits for its consumer afresh.
                         self._turn.release()
+                        self._takeover.reset()
                     if reconnect.failed("RabbitMQ", exc):
                         break
         finally:
