@@ -68,7 +68,7 @@ def test_exactly_once_survives_crashes_restarts_and_a_poison_message(tmp_path: P
 
 
 @pytest.mark.timeout(720)
-def test_a_node_lost_for_good_with_receiver_replicas_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+def test_a_node_lost_for_good_with_receiver_replicas_loses_nothing_and_applies_nothing_twice(tmp_path: Path) -> None:
     """Beside the node killed and restarted (tests/acceptance/test_rabbit_cluster.py): the
     inbox leader's node killed for good, two processes of every daemon per service."""
     # 15 s of load at 100 orders/s: the node dies at 75 % handled, while orders still arrive.
