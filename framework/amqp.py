@@ -61,7 +61,12 @@ def bound_decoder_depth() -> None:
         pika.data.decode_value = _bounded(pika.data.decode_value)
 
 
-def parameters(amqp_url: str, *, name: str = "txbox", heartbeat: int = 30) -> pika.URLParameters:
+#: The heartbeat timeout every connection asks for: the broker closes a connection it has
+#: heard nothing from for about this long (and requeues what its consumers held).
+HEARTBEAT_SECONDS = 30
+
+
+def parameters(amqp_url: str, *, name: str = "txbox", heartbeat: int = HEARTBEAT_SECONDS) -> pika.URLParameters:
     try:
         params = pika.URLParameters(amqp_url)
     except Exception as exc:  # pika raises assorted types for bad URLs

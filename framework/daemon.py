@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from framework import logs, tracing
 from framework.backoff import backoff_seconds
@@ -94,6 +94,11 @@ class Daemon:
 
     def ready(self) -> bool:
         return all(self._ready.values())
+
+    def waiting(self) -> dict[str, Any] | None:
+        """What the daemon waits for instead of working although it is ready (a receiver's
+        turn), with ``seconds`` since the wait began; None when it is not waiting."""
+        return None
 
     def idle_for(self) -> float:
         """Seconds since the last :meth:`progress`."""

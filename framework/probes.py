@@ -34,8 +34,17 @@ def health(daemons: Sequence[Daemon], stuck_after: float) -> tuple[bool, dict[st
 
 
 def readiness(daemons: Sequence[Daemon]) -> tuple[bool, dict[str, Any]]:
+    """(ready, body); ``waiting`` names the daemons that are ready yet wait (a receiver
+    standing by, or taking over from a consumer still counted), and for how long."""
     ready = all(daemon.ready() for daemon in daemons)
-    return ready, {"status": "ready" if ready else "not ready", "daemons": {d.name: d.readiness() for d in daemons}}
+    body: dict[str, Any] = {
+        "status": "ready" if ready else "not ready",
+        "daemons": {d.name: d.readiness() for d in daemons},
+    }
+    waiting = {d.name: w for d in daemons if (w := d.waiting()) is not None}
+    if waiting:
+        body["waiting"] = waiting
+    return ready, body
 
 
 class ProbeServer:

@@ -75,9 +75,15 @@ def _finding(df: DataFrame, as_of: datetime, **exprs: Column) -> DataFrame:
 
 
 def contract_frames(spark: SparkSession, registry: Registry) -> tuple[DataFrame, DataFrame]:
-    """(message_type → expected subscriber, message_type → kind and owner) from the contracts."""
-    expected = [(spec.message_type, sub) for spec in registry.messages.values() for sub in registry.subscribers(spec)]
-    types = [(spec.message_type, spec.kind, spec.service) for spec in registry.messages.values()]
+    """(message_type → expected subscriber, message_type → kind and owner) from the contracts.
+
+    Keyed by every name the registry answers to, aliases too, each resolved as the
+    receiver resolves it (``Registry.get``): a row written under a type's old name, or
+    by a sender that still uses it, is judged as the type it is an alias of.
+    """
+    known = [(name, registry.get(name)) for name in (*registry.messages, *registry.aliases)]
+    expected = [(name, sub) for name, spec in known for sub in registry.subscribers(spec)]
+    types = [(name, spec.kind, spec.service) for name, spec in known]
     return (
         local_frame(spark, expected, [("message_type", "string"), ("subscriber", "string")]),
         local_frame(spark, types, [("message_type", "string"), ("contract_kind", "string"), ("owner", "string")]),

@@ -46,7 +46,7 @@ from framework.receiver.intake import (
     Filtered,
     Intake,
 )
-from framework.receiver.standby import POLL_SECONDS, ConsumerTurn
+from framework.receiver.turns import POLL_SECONDS, ConsumerTurn, Takeover, takeover_seconds
 from framework.service import Service
 from framework.signing import SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
@@ -132,7 +132,7 @@ class Receiver(Daemon):
         # Deliveries still to take one at a time after a lost connection (see _consume).
         self._careful = 0
         self._limit_checked = False
-        # The one consuming replica per inbox queue (framework/receiver/standby.py).
+        # The one consuming replica per inbox queue (docs/architecture.md, "Replicas of every daemon").
         self._turn = (
             ConsumerTurn(
                 self.settings.database_url, self.settings.service, connect_timeout=self.config.db_connect_timeout
@@ -140,6 +140,15 @@ class Receiver(Daemon):
             if self.config.standby
             else None
         )
+        self._takeover = Takeover(
+            takeover_seconds(
+                connect_timeout=self.config.db_connect_timeout,
+                drain_seconds=_DRAIN_SECONDS,
+                heartbeat_seconds=amqp.HEARTBEAT_SECONDS,
+            )
+        )
+        # What the receiver waits for instead of consuming, and since when (monotonic): /readyz.
+        self._waiting: tuple[str, str, float] | None = None
         self.consuming = False  # between basic_consume and leaving it: for tests and logs
         self._copies = Copies(
             self.settings.amqp_url,
@@ -164,8 +173,10 @@ class Receiver(Daemon):
                 except BrokerUnavailable as exc:
                     self._careful = self.config.prefetch
                     if self._turn is not None:
-                        # A replica that still reaches the broker may consume meanwhile.
+                        # A replica that still reaches the broker may consume meanwhile;
+                        # a turn taken again later waits for its consumer afresh.
                         self._turn.release()
+                        self._takeover.reset()
                     if reconnect.failed("RabbitMQ", exc):
                         break
         finally:
@@ -207,6 +218,7 @@ class Receiver(Daemon):
                 channel.basic_cancel(tag)
         finally:
             self.consuming = False
+            self._waiting = None  # not waiting for a turn: for the broker (readiness says so)
             self.set_ready(RABBITMQ, False)
             self._buffer = []  # unacked: the broker requeues them when the channel closes
             self._buffered = self._writing = 0
@@ -225,11 +237,13 @@ class Receiver(Daemon):
             self.log.warning("%s", outcome.message)
 
     def _await_turn(self, connection: pika.BlockingConnection, channel: Any) -> bool:
-        """Stand by until this replica holds the turn and the queue has no other consumer.
+        """Stand by until this replica holds the turn and may start (framework.receiver.turns).
 
-        The second condition closes the gap of a holder whose session was lost while its
-        consumer still holds deliveries: taking over before those are requeued would store
-        later messages first. Returns False when stopped meanwhile.
+        Holding the turn, it waits while the broker counts another consumer, for at most
+        the takeover bound: a holder whose session was lost while its consumer still held
+        deliveries must have them requeued before anything later is stored, but the
+        consumer of a node that died stays counted until that node returns, perhaps never
+        (docs/architecture.md, "A RabbitMQ cluster"). Returns False when stopped meanwhile.
         """
         if self._turn is None:
             others = channel.queue_declare(self.queue, passive=True).method.consumer_count
@@ -254,14 +268,53 @@ class Receiver(Daemon):
                 # turn must still wait for our consumer to leave, and ours keeps the retry
                 # chain going until it can check the turn (_our_turn).
                 others = channel.queue_declare(self.queue, passive=True).method.consumer_count
-                if not others:
+                if held:
+                    start = self._takeover.ready(others)
+                else:
+                    self._takeover.reset()  # the broker's count is the only guard: no bound
+                    start = not others
+                if start:
+                    if others:
+                        self.log.warning(
+                            "taking over %s after %.0fs although RabbitMQ still counts %d other consumer(s): a "
+                            "receiver that lost its turn stops within that time, so they are consumers of a lost "
+                            "node (their deliveries were requeued when it went) or not txbox receivers",
+                            self.queue,
+                            self._takeover.waited(),
+                            others,
+                        )
+                    self._takeover.reset()
                     self._standing_down = False
+                    self._waiting = None
                     return True
-                self.state("taking over" if held else "standby", f"{others} other consumer(s) on {self.queue}")
+                state, detail = (
+                    ("taking over", f"{others} other consumer(s) on {self.queue}; waiting at most "
+                                    f"{self._takeover.bound:.0f}s for them to leave")
+                    if held
+                    else ("standby", f"{others} other consumer(s) on {self.queue}; the turn cannot be checked")
+                )  # fmt: skip
             else:
-                self.state("standby", f"another receiver consumes {self.queue}")
+                self._takeover.reset()
+                state, detail = "standby", f"another receiver consumes {self.queue}"
+            self._wait_for(state, detail)
             connection.process_data_events(time_limit=POLL_SECONDS)  # keeps the broker connection alive
         return False
+
+    def _wait_for(self, state: str, detail: str) -> None:
+        """Log the state once; keep when this wait began for :meth:`waiting`."""
+        self.state(state, detail)
+        if self._waiting is None or self._waiting[0] != state:
+            self._waiting = (state, detail, time.monotonic())
+        else:
+            self._waiting = (state, detail, self._waiting[2])
+
+    def waiting(self) -> dict[str, Any] | None:
+        """What the receiver waits for instead of consuming (its turn), and for how long; None while consuming."""
+        waiting = self._waiting
+        if waiting is None:
+            return None
+        state, detail, since = waiting
+        return {"state": state, "detail": detail, "seconds": round(time.monotonic() - since, 3)}
 
     def _our_turn(self) -> bool:
         """While consuming: False once another replica took the turn (checked every POLL_SECONDS),

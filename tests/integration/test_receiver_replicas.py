@@ -105,3 +105,26 @@ def test_the_lock_key_is_a_stable_bigint(service_id: str) -> None:
     key = names.receiver_lock_key(service_id)
     assert key == names.receiver_lock_key(service_id)
     assert -(2**63) <= key < 2**63
+
+
+def test_readyz_says_which_receiver_waits_for_its_turn_and_for_how_long(
+    service: Service, database_url: str, amqp_url: str
+) -> None:
+    from framework import probes
+
+    topology.declare(service.settings, service.registry)
+    first, second = Receiver(service, config()), Receiver(service, config())
+    with running(first):
+        support.wait_until(lambda: first.consuming, 20, message="first receiver consumes")
+        with running(second):
+            support.wait_until(lambda: second._state == "standby", 20, message="second receiver stands by")
+            _, body = probes.readiness([second])
+            assert body["waiting"]["receiver"]["state"] == "standby"
+            assert "another receiver consumes order-service:inbox" in body["waiting"]["receiver"]["detail"]
+            earlier = body["waiting"]["receiver"]["seconds"]
+            support.wait_until(
+                lambda: probes.readiness([second])[1]["waiting"]["receiver"]["seconds"] > earlier,
+                20,
+                message="the wait is measured from its start",
+            )
+            assert "waiting" not in probes.readiness([first])[1], "a consuming receiver waits for nothing"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from txbox_tools.chaos.faults import DAEMON_KINDS, Kind, plan
 
 
@@ -49,3 +51,16 @@ def test_with_replicas_kills_pick_among_them_and_one_replica_keeps_the_old_sched
     targets = {f.target for f in plan(4, 40, replicas=2) if f.kind is Kind.KILL}
     assert any(t.endswith("-2") for t in targets) and any(not t.endswith("-2") for t in targets)
     assert plan(4, 40, replicas=1) == plan(4, 40)
+
+
+def test_a_node_lost_for_good_ends_the_schedule_and_leaves_the_rest_as_it_was() -> None:
+    before = plan(4, 8, cluster=True)
+    after = plan(4, 8, cluster=True, lose_node=True)
+    assert after[:-1] == before
+    assert after[-1].kind is Kind.RABBITMQ_NODE_LOST
+    assert after[-1].at_progress >= max(f.at_progress for f in before)
+
+
+def test_a_node_lost_for_good_needs_a_cluster() -> None:
+    with pytest.raises(ValueError, match="cluster"):
+        plan(4, 1, lose_node=True)

@@ -27,6 +27,9 @@ class Kind(StrEnum):
     #: kill -9 of the cluster node leading the inbox queues, started again later
     #: (a run on a RabbitMQ cluster only: ``--rabbit-nodes 3``)
     RABBITMQ_NODE_KILL = "rabbitmq_node_kill"
+    #: kill -9 of the cluster node leading the inbox queues, never started again; the last
+    #: fault of a run (``--rabbit-nodes 3 --lose-node``): no node fault can follow it
+    RABBITMQ_NODE_LOST = "rabbitmq_node_lost"
 
 
 DAEMON_KINDS = ("publisher", "receiver", "worker")
@@ -72,6 +75,7 @@ def plan(
     last: float = 0.75,
     cluster: bool = False,
     replicas: int = 1,
+    lose_node: bool = False,
 ) -> list[Fault]:
     """The schedule: ``faults`` faults (plus the poison message) sorted by progress point.
 
@@ -79,7 +83,9 @@ def plan(
     (:data:`CLUSTER_PRIORITY`); every further one is a ``kill -9``, cycling
     through the daemon kinds so that each kind is killed about equally often. Targets
     (which service's daemon and, with ``replicas`` > 1, which replica of it:
-    :func:`replica_name`) and moments are drawn from the seed.
+    :func:`replica_name`) and moments are drawn from the seed. ``lose_node`` (a cluster
+    only) adds the loss of a node for good at ``last``, after every other fault, and
+    draws nothing from the seed: the rest of the schedule is the same without it.
     """
     if faults < 0:
         raise ValueError("faults must be >= 0")
@@ -106,6 +112,10 @@ def plan(
             out.append(Fault(kind, target, round(moment, 4), down_seconds=round(rng.uniform(3.0, 8.0), 2)))
         else:
             out.append(Fault(kind, target, round(moment, 4)))
+    if lose_node:
+        if not cluster:
+            raise ValueError("losing a node for good needs a RabbitMQ cluster")
+        out.append(Fault(Kind.RABBITMQ_NODE_LOST, "", round(max([last, *(f.at_progress for f in out)]), 4)))
     return out
 
 

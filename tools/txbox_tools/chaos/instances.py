@@ -571,6 +571,7 @@ class PrivateRabbitCluster(_Management):
         ]
         self.restarts = 0  # rolling restarts of every node
         self.node_kills = 0
+        self.lost: list[PrivateRabbit] = []  # killed for good (lose_leader): never started again
 
     @property
     def description(self) -> str:
@@ -594,7 +595,7 @@ class PrivateRabbitCluster(_Management):
         return {n["name"] for n in self.api("GET", "/nodes") or [] if n.get("running")}
 
     def wait_complete(self, timeout: float = 120) -> None:
-        want = {node.node for node in self.nodes}
+        want = {node.node for node in self.nodes if node not in self.lost}
         _wait(lambda: _safe(self.running_members) == want, timeout, f"all of {sorted(want)} to run as one cluster")
 
     def close(self) -> None:
@@ -625,6 +626,13 @@ class PrivateRabbitCluster(_Management):
         self.node_kills += 1
         return node
 
+    def lose_leader(self, queues: list[str], vhost: str = "/") -> PrivateRabbit:
+        """``kill -9`` of the node leading most of ``queues``, for good: the cluster goes on
+        with the others (:meth:`wait_complete` and :meth:`restart` leave it out)."""
+        node = self.kill_leader(queues, vhost)
+        self.lost.append(node)
+        return node
+
     def bring_back(self, node: PrivateRabbit, timeout: float = 120) -> None:
         """Start a killed node again; it rejoins the cluster from its own data."""
         node.start(timeout)
@@ -633,6 +641,8 @@ class PrivateRabbitCluster(_Management):
     def restart(self, hard: bool = False) -> None:
         """A rolling restart: each node in turn stops and starts, the others keep serving."""
         for node in self.nodes:
+            if node in self.lost:
+                continue
             node.restart(hard)
             self.wait_complete()
         self.restarts += 1

@@ -84,6 +84,7 @@ class ChaosOptions:
     workers: int = 1  # worker processes per service (they share the inbox with SKIP LOCKED)
     replicas: int = 1  # processes of every daemon per service; kills pick among them
     rabbit_nodes: int = 1  # 3 or more: a RabbitMQ cluster, and the rabbitmq_node_kill fault
+    lose_node: bool = False  # on a cluster: the rabbitmq_node_lost fault ends the schedule
     keep_logs: bool = False
     log_dir: Path | None = None
 
@@ -107,6 +108,9 @@ class Report:
     rabbit_restarts: int
     rabbit_node_kills: int
     connection_kills: int
+    #: Seconds from the loss of a node for good to the first message stored afterwards by
+    #: the service that took longest (None without that fault).
+    node_lost_resumed: float | None
     wall_seconds: float
     load_seconds: float
     rate_between_faults: float
@@ -131,6 +135,9 @@ class Report:
             "pg_restarts": self.pg_restarts,
             "rabbitmq_restarts": self.rabbit_restarts,
             "rabbitmq_node_kills": self.rabbit_node_kills,
+            "rabbitmq_node_lost_resumed_s": None
+            if self.node_lost_resumed is None
+            else round(self.node_lost_resumed, 1),
             "connection_kills": self.connection_kills,
             "crashes": sum(self.unexpected_exits.values()),
             "lost": v.lost,
@@ -145,11 +152,13 @@ class Report:
 
     def line(self) -> str:
         f = self.figures()
+        resumed = f["rabbitmq_node_lost_resumed_s"]
         return (
             f"chaos seed={f['seed']}: orders={f['orders']:,} messages={f['messages']:,} kills={f['kills']} "
             f"restarts={f['restarts']} (pg {f['pg_restarts']}, rabbitmq {f['rabbitmq_restarts']}) "
             f"rabbitmq_node_kills={f['rabbitmq_node_kills']} "
-            f"connection_kills={f['connection_kills']} crashes={f['crashes']} lost={f['lost']} "
+            + ("" if resumed is None else f"node_lost_resumed={resumed}s ")
+            + f"connection_kills={f['connection_kills']} crashes={f['crashes']} lost={f['lost']} "
             f"duplicated={f['duplicated']} abandoned={f['abandoned']} "
             f"rate_between_faults={f['rate_between_faults']:,}/s recovery={f['recovery_s']}s "
             f"wall={f['wall_s']}s analyze={f['analyze']} verdict={'OK' if self.ok else 'VIOLATED'}"
@@ -285,6 +294,7 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
         daemons=tuple(daemons),
         cluster=cluster,
         replicas=options.replicas,
+        lose_node=options.lose_node,
     )
     say(f"txbox chaos: {options.messages:,} orders, seed {options.seed}, schedule: {describe(schedule)}")
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="txbox-chaos-logs-"))
@@ -373,6 +383,7 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
             rabbit_restarts=rabbit.restarts,
             rabbit_node_kills=rabbit.node_kills if isinstance(rabbit, PrivateRabbitCluster) else 0,
             connection_kills=sum(1 for e in events if e.fault.kind in (Kind.PG_TERMINATE, Kind.AMQP_CLOSE)),
+            node_lost_resumed=_resumed_after(dsns, events),
             wall_seconds=time.monotonic() - wall_start,
             load_seconds=drained_at - samples[0][0] if samples else 0.0,
             rate_between_faults=_rate_between_faults(samples, events, drained_at, supervisor.tally.exit_times),
@@ -588,6 +599,11 @@ def _inject(
         time.sleep(fault.down_seconds)
         rabbit.bring_back(node)
         return f"kill -9 of {node.node} (leading the inbox queues), back after {fault.down_seconds:.1f}s", None
+    if fault.kind is Kind.RABBITMQ_NODE_LOST:
+        if not isinstance(rabbit, PrivateRabbitCluster):
+            raise ChaosFailed("the rabbitmq_node_lost fault needs a RabbitMQ cluster (--rabbit-nodes 3)")
+        node = rabbit.lose_leader(inboxes)
+        return f"kill -9 of {node.node} (leading the inbox queues), never started again", None
     if fault.kind is Kind.POSTGRES_RESTART:
         pg.restart(mode="immediate")
         return "PostgreSQL immediate shutdown (crash) and WAL recovery", None
@@ -600,6 +616,26 @@ def _inject(
         feeder.write(rows)
         return f"poison PlaceOrder {rows[0]['id']} written", uuid.UUID(str(rows[0]["id"]))
     raise AssertionError(fault.kind)
+
+
+def _resumed_after(dsns: dict[str, str], events: list[Event]) -> float | None:
+    """Seconds from the loss of a node for good to the first inbox row stored after it, for
+    the service that took longest (docs/architecture.md, "A RabbitMQ cluster")."""
+    lost = next((e for e in events if e.fault.kind is Kind.RABBITMQ_NODE_LOST), None)
+    if lost is None:
+        return None
+    killed_at = time.time() - (time.monotonic() - lost.started)  # the wall clock PostgreSQL stamps by
+    resumed = []
+    for dsn in dsns.values():
+        with psycopg.connect(dsn, connect_timeout=5) as conn:
+            row = conn.execute(
+                "SELECT extract(epoch FROM min(received_at))::float8 FROM txbox.inbox"
+                " WHERE received_at > to_timestamp(%s)",
+                (killed_at,),
+            ).fetchone()
+        if row and row[0] is not None:
+            resumed.append(float(row[0]) - killed_at)
+    return max(resumed) if resumed else None
 
 
 def _write_timeline(path: Path, samples: list[tuple[float, int]], events: list[Event]) -> None:

@@ -38,6 +38,11 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         default=1,
         help="private RabbitMQ nodes: 1 (default) or a cluster of 3 or more, which adds the rabbitmq_node_kill fault",
     )
+    parser.add_argument(
+        "--lose-node",
+        action="store_true",
+        help="on a cluster, end the schedule with rabbitmq_node_lost: the inbox leader's node killed for good",
+    )
     parser.add_argument("--queue-type", choices=("quorum", "classic"), default="quorum", help="inbox queue type")
     parser.add_argument("--drain-timeout", type=float, default=600.0, help="seconds allowed for the final drain")
     parser.add_argument("--stall-timeout", type=float, default=180.0, help="fail after this many s without progress")
@@ -53,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             f"--rabbit-nodes {args.rabbit_nodes}: give 1, or 3 or more (a cluster of two cannot lose a node)"
         )
+    if args.lose_node and args.rabbit_nodes < 3:
+        raise ConfigurationError("--lose-node needs a RabbitMQ cluster: add --rabbit-nodes 3")
     from txbox_tools.chaos import run as chaos  # finds the clone's examples/ (txbox_tools.repository)
 
     options = chaos.ChaosOptions(
@@ -67,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         workers=max(1, args.workers),
         replicas=max(1, args.replicas),
         rabbit_nodes=args.rabbit_nodes,
+        lose_node=args.lose_node,
         drain_timeout=args.drain_timeout,
         stall_timeout=args.stall_timeout,
         log_dir=args.log_dir,
