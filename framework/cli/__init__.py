@@ -134,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     except TxboxError as exc:
         # Our errors carry the fix in their text; a stack trace would only hide it.
-        print(f"txbox {name}: error: {exc}", file=sys.stderr)
+        # Masked: a driver's text can quote the DSN (docs/architecture.md, "Secrets").
+        print(f"txbox {name}: error: {redaction.mask_credentials(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
