@@ -230,3 +230,13 @@ def test_a_cli_error_never_prints_a_url_password(
     text = out.out + out.err
     assert text.count("error:") == 2 and "***" in text
     assert first not in text and second not in text
+
+
+def test_a_bad_argument_never_prints_a_url_password(capsys: pytest.CaptureFixture[str]) -> None:
+    from framework.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["dlq", "show", f"postgresql://app:{PW}@db/orders"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "invalid int value" in err and "app:***@db" in err
+    assert PW not in err
