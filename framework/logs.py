@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import re
 import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -38,8 +37,6 @@ _context: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
 )
 _service = ""
 _trace_id_source: Callable[[], str | None] | None = None
-# scheme://user:password@ → scheme://user:••••@ (each part bounded: linear on any input).
-_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]{0,32}://[^\s:/@]{0,256}:)[^\s@/]{1,256}@")
 
 
 def set_service(service: str) -> None:
@@ -79,7 +76,8 @@ class _Bound:
 def scrub(text: str) -> str:
     if len(text) > MAX_MESSAGE_CHARS:
         text = text[:MAX_MESSAGE_CHARS] + "… (cut)"
-    return _URL_PASSWORD.sub(r"\1••••@", redaction.redact_text(text))
+    # URL and DSN passwords too: redact_text is the one scrub (docs/architecture.md, "Secrets").
+    return redaction.redact_text(text)
 
 
 class TextFormatter(logging.Formatter):

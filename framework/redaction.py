@@ -143,8 +143,11 @@ def _replace(value: str) -> str:
 
 
 def redact_text(text: str, words: Iterable[str] | None = None) -> str:
-    """``text`` with the value of every ``<sensitive key>: <value>`` replaced by ``[redacted]``."""
+    """The one scrub for text that leaves the process (logs, CLI errors, views, stored letters):
+    credentials in URLs and DSNs masked (:func:`mask_credentials`, whatever the configured
+    keys), then the value of every ``<sensitive key>: <value>`` replaced by ``[redacted]``."""
     keys = tuple(words) if words is not None else sensitive_keys()
+    text = mask_credentials(text)
     if not text or not _mentions(text.lower(), keys):
         return text
     return _pattern(keys).sub(lambda m: m.group("key") + _replace(m.group("value")), text)
@@ -153,11 +156,73 @@ def redact_text(text: str, words: Iterable[str] | None = None) -> str:
 def redact_bytes(body: bytes, words: Iterable[str] | None = None) -> bytes:
     """:func:`redact_text` over bytes: works on any encoding whose keys are ASCII bytes (UTF-8, Latin-1)."""
     keys = tuple(words) if words is not None else sensitive_keys()
+    if body:
+        # Latin-1 maps every byte to one character and back: only the masked spans change.
+        body = mask_credentials(body.decode("latin-1")).encode("latin-1")
     if not body or not _mentions(body.decode("latin-1").lower(), keys):
         return body
     return _bytes_pattern(keys).sub(
         lambda m: m.group("key") + _replace(m.group("value").decode("latin-1")).encode(), body
     )
+
+
+# --- credentials in URLs and DSNs ------------------------------------------------------
+
+CREDENTIAL_MARK = "***"
+"""What a masked password reads as: ``postgresql://app:***@db/orders``, ``password=***``."""
+
+_BLANK = " \t\r\n\f\v"
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]{0,32}+://"
+_URL_START = re.compile(_SCHEME)
+# The rest of one URL: up to a blank, or a `,`/`;` that starts the next URL (a list of
+# AMQP URLs). Alternatives are disjoint and the lookahead bounded: linear.
+_URL_REST = re.compile(rf"(?:[^{_BLANK},;]|[,;](?!{_SCHEME})){{0,4096}}+")
+# libpq `password=...` (bare to a blank, or quoted with backslash escapes) and URL query
+# `?password=...` / `&password=...` (to `&` or `#`), whatever TXBOX_SENSITIVE_KEYS says.
+_KEY = r"(?i:(?:pg|ssl)?(?:password|passwd|pwd))[ \t]{0,16}+=[ \t]{0,16}+"
+_KEY_VALUE = re.compile(
+    rf"(?<=[?&])(?P<qkey>{_KEY})(?P<qvalue>[^{_BLANK}&#]{{1,4096}}+)"
+    rf"|(?<![?&A-Za-z0-9_])(?P<key>{_KEY})(?P<value>'(?:[^'\\]|\\.){{0,4096}}+'?"
+    rf'|"(?:[^"\\]|\\.){{0,4096}}+"?|[^{_BLANK}\'"][^{_BLANK}]{{0,4095}}+)'
+)
+
+
+def mask_credentials(text: str) -> str:
+    """``text`` with every password a URL or DSN can carry replaced by :data:`CREDENTIAL_MARK`.
+
+    Forms: ``scheme://user:pw@host`` (also multi-host ``postgresql://u:pw@a,b/db``, IPv6
+    hosts, several URLs separated by ``,`` or ``;``), ``?password=``/``&password=`` query
+    parameters and libpq ``password=pw`` / ``password='a b'`` (also ``passwd``, ``pwd``,
+    ``sslpassword``, ``PGPASSWORD``). A password may hold ``@ : / ? #`` and quotes: the
+    userinfo ends at the last ``@`` before a blank or the next URL, so when in doubt more is
+    masked, never less. Not caught: a raw blank inside a URL's password (not a valid URL).
+    Linear on any input: every repetition is bounded or possessive (docs/architecture.md, "Secrets").
+    """
+    lowered = text.lower()
+    if "://" not in text and "pass" not in lowered and "pwd" not in lowered:
+        return text
+    out: list[str] = []
+    pos = 0
+    while (start := _URL_START.search(text, pos)) is not None:
+        rest = _URL_REST.match(text, start.end())
+        end = rest.end() if rest else start.end()
+        at = text.rfind("@", start.end(), end)
+        colon = text.find(":", start.end(), at) if at > 0 else -1
+        if colon >= 0 and colon + 1 < at:
+            out.append(text[pos : colon + 1] + CREDENTIAL_MARK + text[at:end])
+        else:
+            out.append(text[pos:end])
+        pos = end
+    out.append(text[pos:])
+    return _KEY_VALUE.sub(_mask_value, "".join(out))
+
+
+def _mask_value(m: re.Match[str]) -> str:
+    if m.group("qkey") is not None:
+        return m.group("qkey") + CREDENTIAL_MARK
+    value = m.group("value")
+    quote = value[0] if value[0] in "'\"" else ""
+    return m.group("key") + quote + CREDENTIAL_MARK + quote
 
 
 def scrub_values(text: str, secrets: Iterable[str]) -> str:

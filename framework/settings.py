@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar, get_args, get_origin
 
-from framework import db, names
+from framework import db, names, redaction
 from framework.errors import ConfigurationError
 
 T = TypeVar("T")
@@ -206,12 +206,8 @@ class Settings:
         return load(cls, environ, **overrides)
 
 
-def _mask(url: str) -> str:
-    """Hide the password of a URL in messages."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
-
-
-mask_url = _mask
+# Hide the password of a URL in messages: the one masker (docs/architecture.md, "Secrets").
+mask_url = _mask = redaction.mask_credentials
 
 MAX_AMQP_URLS = 64
 """More broker addresses than this is a pasting accident, not a cluster."""

@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from types import ModuleType
@@ -97,6 +98,14 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse quotes a bad value in its error (``invalid int value: '<url>'``): masked here,
+    and in every sub-command's parser (they are made of this class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        super().error(redaction.mask_credentials(message))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] in (["-V"], ["--version"]):
@@ -120,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"txbox: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"txbox {name}", description=description)
+    parser = _Parser(prog=f"txbox {name}", description=description)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     module.configure(parser, name)
     ns = parser.parse_args(args[1:])
@@ -134,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     except TxboxError as exc:
         # Our errors carry the fix in their text; a stack trace would only hide it.
-        print(f"txbox {name}: error: {exc}", file=sys.stderr)
+        # Masked: a driver's text can quote the DSN (docs/architecture.md, "Secrets").
+        print(f"txbox {name}: error: {redaction.mask_credentials(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -91,3 +91,37 @@ def test_a_handlers_error_text_never_carries_the_token(service: Service, databas
     assert errors and all("upstream said no" in e or "refused for" in e for e in errors[:2])
     for text in [*errors, caplog.text]:
         assert "secret-token" not in text
+
+
+URL_PASSWORD = "hunter2-CaNaRy-41c"
+
+
+class QuotesUrls(CommandHandler):
+    """A handler whose exceptions quote URLs and DSNs with their passwords, as drivers' do."""
+
+    message_type = "PlaceOrder"
+
+    def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+        if message.payload["quantity"] == 9:
+            raise PermanentError(f"cannot reach amqp://app:{URL_PASSWORD}@mq1/%2F,amqp://app:{URL_PASSWORD}@mq2")
+        raise RuntimeError(f"cannot reach postgresql://app:{URL_PASSWORD}@db/x (dsn: password='{URL_PASSWORD}')")
+
+
+def test_a_handlers_error_quoting_a_url_is_stored_masked(service: Service, database_url: str) -> None:
+    service.register(QuotesUrls())
+    retried, rejected = place_order(aggregate_id="1"), place_order(aggregate_id="2", quantity=9)
+    store_in_inbox(service, [retried, rejected])
+    with running(Worker(service, WorkerConfig(**FAST))):  # type: ignore[arg-type]
+        support.wait_until(
+            lambda: (
+                scalar(database_url, "SELECT count(*) FROM txbox.inbox WHERE last_error IS NOT NULL") == 2
+                and scalar(database_url, "SELECT count(*) FROM txbox.dead_letters") == 1
+            ),
+            20,
+            message="one failed once, one dead-lettered",
+        )
+    errors = [r[0] for r in query(database_url, "SELECT last_error FROM txbox.inbox")]
+    errors += [r[0] for r in query(database_url, "SELECT error FROM txbox.dead_letters")]
+    assert len(errors) == 3 and all("cannot reach" in e and "app:***@" in e for e in errors)
+    for text in errors:
+        assert URL_PASSWORD not in text

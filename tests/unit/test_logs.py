@@ -72,7 +72,7 @@ def test_neither_format_carries_a_token_or_a_url_password(
             logger.exception("failed auth_token=s3cr3t-tok at amqp://app:hunter22@broker:5672/")
     text = stream.getvalue()
     assert "s3cr3t-tok" not in text and "hunter22" not in text
-    assert text.count("[redacted]") >= 4 and "amqp://app:••••@broker" in text
+    assert text.count("[redacted]") >= 4 and "amqp://app:***@broker" in text
 
 
 def test_a_huge_message_is_cut(captured: tuple[logging.Logger, io.StringIO, logging.Handler]) -> None:

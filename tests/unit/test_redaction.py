@@ -150,3 +150,93 @@ def test_a_bad_list_fails_every_command_at_start(
     finally:
         monkeypatch.delenv("TXBOX_SENSITIVE_KEYS")
         redaction.sensitive_keys.cache_clear()
+
+
+# --- credentials in URLs and DSNs -------------------------------------------------------
+
+PW = "Pw-CaNaRy-9f3"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (f"postgresql://app:{PW}@db:5432/orders", "postgresql://app:***@db:5432/orders"),
+        (f"postgresql+psycopg://app:{PW}@db/orders", "postgresql+psycopg://app:***@db/orders"),
+        (f"postgresql://app:{PW}@a:5432,b:5433/orders", "postgresql://app:***@a:5432,b:5433/orders"),
+        (f"postgresql://app:{PW}@[::1]:5432/orders", "postgresql://app:***@[::1]:5432/orders"),
+        (f"amqp://u:{PW}@[fe80::1%25eth0]:5672/%2F", "amqp://u:***@[fe80::1%25eth0]:5672/%2F"),
+        (f"amqp://g:{PW}@mq1/%2F,amqp://g:{PW}x@mq2/%2F", "amqp://g:***@mq1/%2F,amqp://g:***@mq2/%2F"),
+        (f"amqps://g:{PW}@mq1/; amqp://h:{PW}@mq2", "amqps://g:***@mq1/; amqp://h:***@mq2"),
+        (f"redis://:{PW}@cache:6379/0", "redis://:***@cache:6379/0"),
+        (f"postgresql://u:{PW}@:/?#x@db/orders", "postgresql://u:***@db/orders"),
+        (f"postgresql://u:a'{PW}\"b@db/x", "postgresql://u:***@db/x"),
+        (f"postgresql://u:{PW}%40%2F@db/x", "postgresql://u:***@db/x"),
+        (f"postgresql://u:pässwörd-{PW}@db/x", "postgresql://u:***@db/x"),
+        (f"postgresql://ü:{PW}@dß/x", "postgresql://ü:***@dß/x"),
+        (f"cannot reach postgresql://app:{PW}@db/x: timeout", "cannot reach postgresql://app:***@db/x: timeout"),
+        (f"('postgresql://a:{PW}@h/x', 'amqp://b:{PW}@m')", "('postgresql://a:***@h/x', 'amqp://b:***@m')"),
+        (
+            f"jdbc:postgresql://h/db?user=u&password={PW}&ssl=true",
+            "jdbc:postgresql://h/db?user=u&password=***&ssl=true",
+        ),
+        (f"postgresql://h/db?password={PW}#frag", "postgresql://h/db?password=***#frag"),
+        (f"host=db password={PW} dbname=orders", "host=db password=*** dbname=orders"),
+        (f"host=db password = '{PW} with \\' quote' user=u", "host=db password = '***' user=u"),
+        (f'dsn: password="{PW} b" port=5432', 'dsn: password="***" port=5432'),
+        (f"PGPASSWORD={PW} sslpassword={PW}", "PGPASSWORD=*** sslpassword=***"),
+        (f"password={PW}&;@:", "password=***"),
+        ("postgresql://app@db/orders and http://host:8080/x", "postgresql://app@db/orders and http://host:8080/x"),
+        ("no secret here: a@b.c, 10:30", "no secret here: a@b.c, 10:30"),
+    ],
+)
+def test_credentials_in_every_url_and_dsn_form_are_masked(text: str, expected: str) -> None:
+    assert redaction.mask_credentials(text) == expected
+    # The one scrub masks them whatever the configured keys say.
+    assert PW not in redact_text(text, ("auth_token",))
+    assert PW.encode() not in redact_bytes(text.encode(), ("auth_token",))
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "a://" * 300_000,
+        "postgresql://u:" + "@" * 1_000_000,
+        ("x" * 40 + "://") * 30_000,
+        "amqp://u:p@h," * 100_000,
+        "password=" + "'" + "\\x" * 400_000,
+        "?password=" * 100_000,
+        "a" * 1_000_000 + "://",
+    ],
+)
+def test_credential_masking_is_linear_on_hostile_input(hostile: str) -> None:
+    started = time.perf_counter()
+    redaction.mask_credentials(hostile)
+    assert time.perf_counter() - started < 10
+
+
+def test_a_cli_error_never_prints_a_url_password(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from framework.cli import main
+
+    first, second = "CaNaRy-one-5d1", "CaNaRy-two-7e2"
+    monkeypatch.setenv("TXBOX_SERVICE", "order-service")
+    monkeypatch.setenv("TXBOX_DATABASE_URL", f"mysql://app:{first}@{second}@db/orders")
+    assert main(["check", "--app", "examples.orders.app:service"]) == 2
+    monkeypatch.setenv("TXBOX_DATABASE_URL", "postgresql://postgres@127.0.0.1/x")
+    monkeypatch.setenv("TXBOX_AMQP_URL", f"amqp://g:g@mq1/%2F,ftp://u:{first}@{second}@mq2/")
+    assert main(["check", "--app", "examples.orders.app:service"]) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert text.count("error:") == 2 and "***" in text
+    assert first not in text and second not in text
+
+
+def test_a_bad_argument_never_prints_a_url_password(capsys: pytest.CaptureFixture[str]) -> None:
+    from framework.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["dlq", "show", f"postgresql://app:{PW}@db/orders"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "invalid int value" in err and "app:***@db" in err
+    assert PW not in err
