@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
+
+# Namespace of the ids of messages handlers send (framework/ids.py, sent_id): fixed for
+# good, or a re-run after an upgrade would send its copies under new ids.
+MESSAGE_ID_NAMESPACE = uuid.UUID("5b0f8a52-6a0e-5c3b-9f1e-7d1c2a4e8b63")
 
 # Exchanges (fixed: shared with Mosaic services).
 COMMAND_EXCHANGE = "command"

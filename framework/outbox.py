@@ -44,7 +44,10 @@ class Outbox:
     """Writes messages into the outbox within ``session``'s current transaction.
 
     Get one from ``service.outbox(session)``; inside a handler the worker passes one in,
-    which copies the incoming ``message_context`` and ``auth_token`` into everything written.
+    which copies the incoming ``message_context`` and ``auth_token`` into everything written
+    and, given ``sent_by`` (service name, handler name), derives each message's id from the
+    incoming message's id, the handler and the send's ordinal among this run's messages of
+    its type (:func:`framework.ids.sent_id`); an explicit ``message_id=`` wins.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Outbox:
         incoming: Message | None = None,
         defer_to: list[OutboxRow] | None = None,
         commit_pipeline: bool = True,
+        sent_by: tuple[str, str] | None = None,
     ) -> None:
         # An asyncio bind is written to through the blocking object inside it, without I/O.
         inner = None if isinstance(bind, Session | Connection) else outbox_async.sync_bind(bind)
@@ -71,6 +75,10 @@ class Outbox:
         # in the handler that wrote the bad message.
         self._deferred = defer_to
         self.written: list[OutboxRow] = []
+        # The worker names the handler run (service, handler name): its sends get ids derived
+        # from the incoming message (framework/ids.py, sent_id); anyone else, random ones.
+        self._sent_by = sent_by if incoming is not None else None
+        self._ordinals: dict[str, int] = {}
 
     @property
     def registry(self) -> Registry:
@@ -186,7 +194,14 @@ class Outbox:
         return self._bind
 
     def _write(self, spec: MessageSpec, **kwargs: Any) -> uuid.UUID:
-        row = self.build(spec, **kwargs)
+        if self._sent_by is not None and kwargs.get("message_id") is None:
+            assert self._incoming is not None
+            ordinal = self._ordinals.get(spec.message_type, 0)
+            derived = ids.sent_id(self._incoming.message_id, *self._sent_by, spec.message_type, ordinal)
+            row = self.build(spec, **{**kwargs, "message_id": derived})
+            self._ordinals[spec.message_type] = ordinal + 1
+        else:
+            row = self.build(spec, **kwargs)
         if self._deferred is not None:
             self._deferred.append(row)
         elif not self._asyncio:

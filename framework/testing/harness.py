@@ -268,7 +268,13 @@ class Harness:
             raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
             transaction = conn.begin()
             session = guard.HandlerSession(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
-            outbox = Outbox(session, target.service.registry, schema=target.schema, incoming=message)
+            outbox = Outbox(
+                session,
+                target.service.registry,
+                schema=target.schema,
+                incoming=message,
+                sent_by=(target.service.name, handler.name),
+            )
             try:
                 cur = raw.cursor()
                 cur.execute(guard.create_guard())

@@ -498,7 +498,12 @@ class BatchRunner:
             span = handler_span(claimed, tracer=self._tracer)
             with self._watchdog.guard(timeout, hard, raw.cancel_safe), span:
                 outbox = Outbox(
-                    session, self.service.registry, schema=self.schema, incoming=message, defer_to=outbox_rows
+                    session,
+                    self.service.registry,
+                    schema=self.schema,
+                    incoming=message,
+                    defer_to=outbox_rows,
+                    sent_by=(self.service.name, handler.name),
                 )
                 guard.run_handler(
                     handler, message, session, outbox, conn, raw, transaction, savepoint, self._middleware
