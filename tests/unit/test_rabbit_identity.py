@@ -51,3 +51,19 @@ def test_a_node_whose_ports_answer_for_another_node_is_not_taken_for_ready(tmp_p
         listener.close()
         thread.join()
         node.kill()  # after the decoys: it waits for the node's port to close
+
+
+def test_a_fresh_node_whose_chosen_port_was_taken_meanwhile_chooses_again(tmp_path: Path) -> None:
+    """Between choosing a free port and binding it, another process took it (eaddrinuse)."""
+    node = PrivateRabbit(base_dir=tmp_path / "rabbit", small=True)
+    taken = node.port
+    thief = socket.socket()
+    thief.bind(("127.0.0.1", taken))
+    thief.listen()
+    try:
+        node.start(timeout=120)
+        assert node.port != taken and node.node == f"txbox-chaos-{node.port}@localhost"
+        assert node.boot_failures and "exited" in node.boot_failures[0]
+    finally:
+        thief.close()
+        node.kill()

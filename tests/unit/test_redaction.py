@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 
@@ -220,11 +221,14 @@ def test_a_cli_error_never_prints_a_url_password(
     from framework.cli import main
 
     first, second = "CaNaRy-one-5d1", "CaNaRy-two-7e2"
+    # The app module reads the environment when imported: another test may have imported it already.
+    monkeypatch.delitem(sys.modules, "examples.orders.app", raising=False)
     monkeypatch.setenv("TXBOX_SERVICE", "order-service")
     monkeypatch.setenv("TXBOX_DATABASE_URL", f"mysql://app:{first}@{second}@db/orders")
     assert main(["check", "--app", "examples.orders.app:service"]) == 2
     monkeypatch.setenv("TXBOX_DATABASE_URL", "postgresql://postgres@127.0.0.1/x")
     monkeypatch.setenv("TXBOX_AMQP_URL", f"amqp://g:g@mq1/%2F,ftp://u:{first}@{second}@mq2/")
+    monkeypatch.delitem(sys.modules, "examples.orders.app", raising=False)
     assert main(["check", "--app", "examples.orders.app:service"]) == 2
     out = capsys.readouterr()
     text = out.out + out.err

@@ -346,6 +346,8 @@ class PrivateRabbit(_Management):
         self.port = port or free_port()
         self.dist_port = free_port()
         self.management_port = (management_port or free_port()) if management else None
+        # Ports this node chose itself, which it may choose again (see boot).
+        self._chosen = (port is None, management_port is None)
         self._own_dir = base_dir is None
         self.base_dir = base_dir or Path(tempfile.mkdtemp(prefix="txbox-rabbit-"))
         self.base_dir.mkdir(parents=True, exist_ok=True)
@@ -395,7 +397,32 @@ class PrivateRabbit(_Management):
 
     def start(self, timeout: float = 90) -> None:
         self.launch()
-        self.wait_ready(timeout)
+        self.boot(timeout)
+
+    def boot(self, timeout: float = 90) -> None:
+        """Wait for a fresh node's first start (after :meth:`launch`).
+
+        A port is chosen free, then bound by the node seconds later: on a machine running
+        other suites beside this one, another process can take it between the two, and the
+        node exits with ``eaddrinuse``. A fresh node has nothing to keep, so it chooses its
+        own ports (and with them its name) again and starts once more, up to three times;
+        a port the caller gave is not changed.
+        """
+        deadline = time.monotonic() + timeout
+        for attempt in range(3):
+            try:
+                self.wait_ready(max(1.0, deadline - time.monotonic()))
+                return
+            except NodeExited as exc:
+                if attempt == 2 or "eaddrinuse" not in str(exc) or not all(self._chosen):
+                    raise
+                self.boot_failures.append(str(exc).splitlines()[0])
+                self.port, self.dist_port = free_port(), free_port()
+                if self.management_port is not None:
+                    self.management_port = free_port()
+                self.node = f"txbox-chaos-{self.port}@localhost"
+                self._write_config()
+                self.launch()
 
     def launch(self) -> None:
         """Start the node without waiting for it (nodes of a cluster boot side by side)."""
@@ -472,8 +499,15 @@ class PrivateRabbit(_Management):
         except (OSError, InstanceError, ValueError):
             return False
         # A port picked free may be another broker's by now (a second run beside this one):
-        # only this node's own name on its API says the node answering is ours.
-        return isinstance(overview, dict) and overview.get("node") == self.node
+        # only this node's own name on its API, listing its own AMQP listener on that port,
+        # says the node answering is ours (the API can be up while the AMQP listener failed).
+        if not isinstance(overview, dict) or overview.get("node") != self.node:
+            return False
+        listeners = overview.get("listeners")
+        return isinstance(listeners, list) and any(
+            isinstance(item, dict) and item.get("protocol") == "amqp" and item.get("port") == self.port
+            for item in listeners
+        )
 
     def stop(self, timeout: float = 60) -> None:
         """Graceful stop (SIGTERM: RabbitMQ closes connections and flushes its stores)."""
@@ -583,7 +617,7 @@ class PrivateRabbitCluster(_Management):
         for node in self.nodes:
             node.launch()
         for node in self.nodes:
-            node.wait_ready(max(1.0, deadline - time.monotonic()))
+            node.boot(max(1.0, deadline - time.monotonic()))
         # One join at a time: nodes joining side by side is where Mnesia's start fails most.
         seed = self.nodes[0].node
         for node in self.nodes[1:]:
