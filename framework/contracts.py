@@ -52,7 +52,9 @@ Kind = Literal["command", "event"]
 _Compiled = tuple[dict[str, Any], Draft7Validator, Any]
 
 # Checked with fullmatch: ``$`` would also match before a final newline.
-_ROUTING_KEY = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+# A channel: words, after Mosaic's tenant and environment placeholders for a multi-tenant
+# message (`*.*.image_types.declare`; docs/architecture.md, "Multi-tenant routing keys").
+_CHANNEL = re.compile(r"(\*\.\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 _BINDING_KEY = re.compile(r"([A-Za-z0-9_-]+|\*|#)(\.([A-Za-z0-9_-]+|\*|#))*")
 _IRREGULAR_PAST = frozenset(
     """Done Sent Paid Built Made Held Lost Won Taken Given Begun Run Set Put Cut Read Left Kept Found Sold
@@ -96,6 +98,17 @@ class MessageSpec:
     previous: Mapping[str, MessageSpec] = field(default_factory=dict, repr=False, compare=False)
     # The same schema compiled by jsonschema-rs with its linear regex engine: what checks payloads.
     checker: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def tenant_scoped(self) -> bool:
+        """A multi-tenant message: its routing key holds Mosaic's tenant and environment placeholders."""
+        return names.TENANT_PLACEHOLDER in self.routing_key
+
+    def routes(self, key: str) -> bool:
+        """Whether ``key`` is this message's routing key, a tenant-scoped one's with any tenant and environment."""
+        if self.tenant_scoped:  # the placeholders themselves name no tenant
+            return names.placeholders_match(self.routing_key, key)
+        return key == self.routing_key
 
     @property
     def versions(self) -> tuple[str, ...]:
@@ -383,17 +396,15 @@ class _Loader:
             channels = {}
         for channel, item in channels.items():
             channel = str(channel)
-            where = (
-                f"channels.{channel[:100]!r}" if not _ROUTING_KEY.fullmatch(channel[:300]) else f"channels.{channel}"
-            )
+            where = f"channels.{channel[:100]!r}" if not _CHANNEL.fullmatch(channel[:300]) else f"channels.{channel}"
             if not isinstance(item, dict):
                 self.problem(where, "a channel must be a mapping")
                 continue
-            if len(channel) > 300 or not _ROUTING_KEY.fullmatch(channel):
+            if len(channel) > 300 or not _CHANNEL.fullmatch(channel):
                 self.problem(
                     where,
                     "a channel name is the `entity.action` part of a routing key: words of letters, digits, "
-                    "'_' or '-' separated by '.'",
+                    "'_' or '-' separated by '.', after `*.*.` for a multi-tenant message",
                 )
                 continue
             if len(names.wire_routing_key(service, channel).encode()) > _MAX_ROUTING_KEY_BYTES:

@@ -216,6 +216,44 @@ def wire_routing_key(owner: str, channel: str) -> str:
     return f"{owner}.{channel}"
 
 
+TENANT_PLACEHOLDER = "*"  # Mosaic's, in a multi-tenant message's channel: `*.*.entity.action`
+MAX_TENANT_ID_CHARS = 64
+_TENANT_WORD = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def tenant_routing_key(pattern: str, tenant_id: str, environment_id: str) -> str:
+    """The routing key of a multi-tenant message for one tenant and environment.
+
+    As Mosaic's ``getEnvironmentRoutingKey``: the first placeholder becomes the tenant id,
+    the second the environment id. Each must be one routing-key word (letters, digits,
+    ``_``, ``-``; a UUID is one), else ValueError names it.
+    """
+    for what, value in (("tenant_id", tenant_id), ("environment_id", environment_id)):
+        if not isinstance(value, str) or not _TENANT_WORD.fullmatch(value):
+            raise ValueError(
+                f"{what} must be one routing-key word of at most {MAX_TENANT_ID_CHARS} letters, digits, '_' "
+                f"or '-' (a UUID is one), not {str(value)[:80]!r}"
+            )
+    return pattern.replace(TENANT_PLACEHOLDER, tenant_id, 1).replace(TENANT_PLACEHOLDER, environment_id, 1)
+
+
+def placeholders_match(pattern: str, key: str) -> bool:
+    """Whether ``key`` is ``pattern`` with each placeholder replaced by one word (linear in the key)."""
+    words, parts = key.split("."), pattern.split(".")
+    return len(words) == len(parts) and all(
+        _TENANT_WORD.fullmatch(word) is not None if part == TENANT_PLACEHOLDER else part == word
+        for part, word in zip(parts, words, strict=True)
+    )
+
+
+def tenancy(pattern: str, key: str) -> tuple[str, str] | None:
+    """(tenant id, environment id) that ``key`` puts in ``pattern``'s placeholders, or None."""
+    if not placeholders_match(pattern, key):
+        return None
+    found = [w for p, w in zip(pattern.split("."), key.split("."), strict=True) if p == TENANT_PLACEHOLDER]
+    return (found[0], found[1]) if len(found) == 2 else None
+
+
 def notify_channel(schema: str, table: str) -> str:
     """LISTEN/NOTIFY channel an insert into ``schema.table`` signals (a wake-up hint)."""
     return f"{schema}_{table}_insert"

@@ -117,6 +117,8 @@ class Outbox:
         segment: str | None = None,
         concurrency: Concurrency = "sequential",
         ttl: timedelta | float | None = None,
+        tenant_id: str | None = None,
+        environment_id: str | None = None,
     ) -> OutboxRow:
         """Validate and shape one row without writing it (the worker batches these).
 
@@ -127,8 +129,14 @@ class Outbox:
         ``ttl`` (a timedelta or seconds): the message expires that long after this call, on
         this process's clock; once expired it is dead-lettered as ``expired`` wherever it
         waits instead of being handled (docs/architecture.md, "Expiry and filters").
+
+        ``tenant_id`` and ``environment_id`` fill a multi-tenant message's routing key;
+        inside a handler they default to the ones its message came with
+        (docs/architecture.md, "Multi-tenant routing keys"). A multi-tenant message without
+        them, or another message with them, raises ContractError.
         """
         payload = dict(payload)
+        routing_key = self._routing_key(spec, tenant_id, environment_id)
         if message_version is None:
             message_version = spec.version or DEFAULT_MESSAGE_VERSION
         spec.validate(payload, message_version)
@@ -164,7 +172,7 @@ class Outbox:
             aggregate_id=aggregate,
             message_version=message_version,
             kind=spec.kind,
-            routing_key=spec.routing_key,
+            routing_key=routing_key,
             payload=payload,
             message_context=dict(message_context),
             metadata=metadata,
@@ -173,6 +181,44 @@ class Outbox:
             priority=priority,
             locked_until=not_before.astimezone(UTC) if not_before is not None else None,
         )
+
+    def _routing_key(self, spec: MessageSpec, tenant_id: str | None, environment_id: str | None) -> str:
+        """The routing key to send ``spec`` with: its own, or a multi-tenant one's filled in."""
+        if not spec.tenant_scoped:
+            if tenant_id is not None or environment_id is not None:
+                raise ContractError(
+                    f"{spec.message_type} is not a multi-tenant message ({spec.routing_key}): "
+                    "send it without tenant_id and environment_id"
+                )
+            return spec.routing_key
+        if tenant_id is None and environment_id is None:
+            tenant_id, environment_id = self._incoming_tenancy()
+        if tenant_id is None or environment_id is None:
+            raise ContractError(
+                f"{spec.message_type} is a multi-tenant message ({spec.routing_key}): give tenant_id= and "
+                "environment_id=, or send it from a handler of a message that names them"
+            )
+        try:
+            return names.tenant_routing_key(spec.routing_key, tenant_id, environment_id)
+        except ValueError as exc:
+            raise ContractError(f"{spec.message_type}: {exc}") from None
+
+    def _incoming_tenancy(self) -> tuple[str | None, str | None]:
+        """The tenant and environment of the message being handled: from its routing key
+        when it is a multi-tenant message, else from ``tenant_id`` and ``environment_id``
+        in its ``message_context``; (None, None) outside a handler."""
+        incoming = self._incoming
+        if incoming is None:
+            return None, None
+        if incoming.routing_key is not None and incoming.message_type in self._registry.messages:
+            found = names.tenancy(self._registry.messages[incoming.message_type].routing_key, incoming.routing_key)
+            if found is not None:
+                return found
+        context = incoming.message_context
+        tenant, environment = context.get("tenant_id"), context.get("environment_id")
+        if isinstance(tenant, str) and isinstance(environment, str):
+            return tenant, environment
+        return None, None
 
     def flush(self) -> None:
         """Insert the rows this transaction holds for its COMMIT now.

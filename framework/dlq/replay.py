@@ -280,8 +280,11 @@ class _Replaying:
     def _insert_from_envelope(self, letter: dict[str, Any], judged: Route, table: str) -> None:
         message, spec = self._validated(letter, judged)
         if table == names.OUTBOX:
+            tenant, environment = names.tenancy(spec.routing_key, judged.routing_key) or (None, None)
             row = Outbox(cast(Any, None), self.registry).build(
                 spec,
+                tenant_id=tenant,
+                environment_id=environment,
                 aggregate_id=message.aggregate_id,
                 payload=message.payload,
                 message_context=message.message_context,

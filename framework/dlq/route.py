@@ -87,22 +87,32 @@ def route(letter: dict[str, Any], registry: Registry, service: str) -> Route:
         ],
     )
     exchange = names.exchange_for(spec.kind)
+    # A multi-tenant message's key names its tenant: every key the letter holds must be that
+    # one key (docs/architecture.md, "Multi-tenant routing keys").
+    agreed: str | None = None
     for where, key in _keys(letter, headers, attempts, service):
-        if key != spec.routing_key:
+        if not spec.routes(key) or (agreed is not None and key != agreed):
             raise ReplayRefused(
                 f"{where} {_show(key)} is not the key this service's contracts give {spec.message_type} "
-                f"({spec.routing_key!r}){_whose(registry, key)}: the letter's parts disagree, so it is not replayed"
+                f"({(agreed or spec.routing_key)!r}){_whose(registry, key)}: the letter's parts disagree, "
+                "so it is not replayed"
             )
+        agreed = key
+    if spec.tenant_scoped and agreed is None:
+        raise ReplayRefused(
+            f"{spec.message_type} is a multi-tenant message and the letter holds no routing key naming its "
+            "tenant and environment: not replayed"
+        )
     for where, claimed in _exchanges(headers, attempts):
         if claimed != exchange:
             raise ReplayRefused(
                 f"{where} {_show(claimed)} is not the exchange of {spec.message_type} ({exchange!r}, a {spec.kind}): "
                 "the letter's parts disagree, so it is not replayed"
             )
-    return _by_source(letter["source"], registry, service, spec, exchange)
+    return _by_source(letter["source"], registry, service, spec, exchange, agreed or spec.routing_key)
 
 
-def _by_source(source: str, registry: Registry, service: str, spec: MessageSpec, exchange: str) -> Route:
+def _by_source(source: str, registry: Registry, service: str, spec: MessageSpec, exchange: str, key: str) -> Route:
     received = spec.message_type in {s.message_type for s in registry.accepted_types(service)}
     own = spec.service == service
     if source in ("inbox", "broker") and not received:
@@ -111,15 +121,15 @@ def _by_source(source: str, registry: Registry, service: str, spec: MessageSpec,
             "contract's x-subscribes): a letter of its queue cannot hold it"
         )
     if source == "inbox":
-        return Route(spec, exchange, spec.routing_key, send=False)
+        return Route(spec, exchange, key, send=False)
     if source == "broker":
-        return Route(spec, exchange, spec.routing_key, send=spec.kind == "command" or own)
+        return Route(spec, exchange, key, send=spec.kind == "command" or own)
     if spec.kind == "event" and not own:
         raise ReplayRefused(
             f"{service} does not publish {spec.message_type}: it is an event of {spec.service}, "
             "so an outbox letter of this service cannot hold it"
         )
-    return Route(spec, exchange, spec.routing_key, send=True)
+    return Route(spec, exchange, key, send=True)
 
 
 def _spec(registry: Registry, claims: list[tuple[str, Any]]) -> MessageSpec:

@@ -293,10 +293,10 @@ class Intake:
         expected = names.exchange_for(spec.kind)
         if delivery.exchange == names.RETRY_EXCHANGE:
             key = delivery.retry_key(self.service)
-            if key == spec.routing_key:
+            if key is not None and spec.routes(key):
                 return None
             return f"{spec.message_type} came back through the retry chain with key {key!r}, not {spec.routing_key!r}"
-        if delivery.exchange == expected and delivery.routing_key == spec.routing_key:
+        if delivery.exchange == expected and spec.routes(delivery.routing_key):
             return None
         return (
             f"{spec.message_type} is a {spec.kind} routed by exchange {expected!r} with key {spec.routing_key!r}; "
@@ -364,7 +364,8 @@ class Intake:
             message,
             message_type=spec.message_type,
             kind=spec.kind,
-            routing_key=spec.routing_key,
+            # A multi-tenant message keeps the key it came with: it names its tenant.
+            routing_key=delivery.original_routing_key(self.service) if spec.tenant_scoped else spec.routing_key,
             metadata=_metadata_text(delivery.metadata(message.auth_token, expires_at)),
             lane=delivery.lane(default_segment(message.aggregate_type, message.aggregate_id)),
             queue=self.queue,
