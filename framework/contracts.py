@@ -34,6 +34,7 @@ import itertools
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,7 +100,7 @@ class MessageSpec:
     # The same schema compiled by jsonschema-rs with its linear regex engine: what checks payloads.
     checker: Any = field(default=None, repr=False, compare=False)
 
-    @property
+    @cached_property  # asked for every delivery (routes): computed once
     def tenant_scoped(self) -> bool:
         """A multi-tenant message: its routing key holds Mosaic's tenant and environment placeholders."""
         return names.TENANT_PLACEHOLDER in self.routing_key
