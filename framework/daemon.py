@@ -97,7 +97,9 @@ class Daemon:
 
     def waiting(self) -> dict[str, Any] | None:
         """What the daemon waits for instead of working although it is ready (a receiver's
-        turn), with ``seconds`` since the wait began; None when it is not waiting."""
+        turn): ``state``, ``detail``, ``queue`` (whose turn) and ``seconds`` since the wait
+        began; None when it is not waiting. Called from the probes' and the heartbeat's
+        threads, so it must read state its own thread replaces whole."""
         return None
 
     def idle_for(self) -> float:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import psycopg
 
@@ -85,6 +86,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="txbox heartbeat", daemon=True)
         self._beats = 0
         self._warned = False
+        self._waits = True  # False once the table turned out to predate migration 0010
 
     def start(self) -> Heartbeat:
         self._thread.start()
@@ -112,11 +114,16 @@ class Heartbeat:
         """Write every daemon's row; set their PostgreSQL readiness from the outcome."""
         try:
             conn = self._db.get()
-            with conn.transaction():
-                for daemon in self.daemons:
-                    conn.execute(heartbeats.upsert(self.schema), self._row(daemon))
-                if self._beats % _PRUNE_EVERY == 0:
-                    conn.execute(heartbeats.prune(self.schema), {"seconds": heartbeats.PRUNE_AFTER_SECONDS})
+            try:
+                self._write(conn)
+            except psycopg.errors.UndefinedColumn:
+                if not self._waits:
+                    raise
+                # A table of migration 0008 without 0010's columns: beat without the waits.
+                self._waits = False
+                log.warning("%s.daemon_heartbeats lacks the waiting columns: run `txbox migrate` to see a "
+                            "receiver's wait for its turn on the dashboard", self.schema)  # fmt: skip
+                self._write(conn)
             self._beats += 1
             ok = True
         except psycopg.errors.UndefinedTable:
@@ -133,6 +140,13 @@ class Heartbeat:
         for daemon in self.daemons:
             daemon.set_ready(POSTGRESQL, ok)
 
+    def _write(self, conn: psycopg.Connection[Any]) -> None:
+        with conn.transaction():
+            for daemon in self.daemons:
+                conn.execute(heartbeats.upsert(self.schema, waits=self._waits), self._row(daemon))
+            if self._beats % _PRUNE_EVERY == 0:
+                conn.execute(heartbeats.prune(self.schema), {"seconds": heartbeats.PRUNE_AFTER_SECONDS})
+
     def _key(self, daemon: Daemon) -> dict[str, object]:
         return {"service": self.service, "kind": daemon.name, "host": self.host, "pid": self.pid}
 
@@ -145,7 +159,26 @@ class Heartbeat:
             "stuck_after": float(self.config.stuck_after),
             # This very write shows PostgreSQL reachable; the flag itself is set after it.
             "ready": all(ok for dependency, ok in daemon.readiness().items() if dependency != POSTGRESQL),
+            **_wait(daemon),
         }
+
+
+def _wait(daemon: Daemon) -> dict[str, object]:
+    """The wait columns of ``daemon``'s row, all None while it does not wait.
+
+    :meth:`Daemon.waiting` reads a snapshot the daemon's own thread replaces whole, so
+    this thread only reads it (docs/architecture.md, "The daemons and their threads").
+    """
+    waiting = daemon.waiting()
+    if waiting is None:
+        return {"waiting_seconds": None, "waiting_queue": None, "waiting_detail": None}
+    queue = waiting.get("queue")
+    detail = ": ".join(str(part) for part in (waiting.get("state"), waiting.get("detail")) if part)
+    return {
+        "waiting_seconds": max(0.0, float(waiting["seconds"])),
+        "waiting_queue": None if queue is None else str(queue)[: heartbeats.MAX_QUEUE_CHARS],
+        "waiting_detail": detail[: heartbeats.MAX_DETAIL_CHARS] or None,
+    }
 
 
 @contextmanager

@@ -166,6 +166,12 @@ daemon_heartbeats = Table(
     Column("beat_interval", Double, nullable=False),
     Column("stuck_after", Double, nullable=False),
     Column("ready", Boolean, nullable=False),
+    # Migration 0010: what a ready daemon waits for instead of working (a receiver's turn).
+    Column("waiting_since", DateTime(timezone=True)),
+    Column("waiting_queue", Text),
+    Column("waiting_detail", Text),
+    CheckConstraint("char_length(waiting_queue) <= 255", name="daemon_heartbeats_waiting_queue_check"),
+    CheckConstraint("char_length(waiting_detail) <= 500", name="daemon_heartbeats_waiting_detail_check"),
     comment="Liveness of the daemons: upserted every few seconds by each running daemon.",
 )
 

@@ -309,12 +309,13 @@ class Receiver(Daemon):
             self._waiting = (state, detail, self._waiting[2])
 
     def waiting(self) -> dict[str, Any] | None:
-        """What the receiver waits for instead of consuming (its turn), and for how long; None while consuming."""
+        """What the receiver waits for instead of consuming (its turn on ``queue``), and for how
+        long; None while consuming. Any thread may call it: it reads one snapshot."""
         waiting = self._waiting
         if waiting is None:
             return None
         state, detail, since = waiting
-        return {"state": state, "detail": detail, "seconds": round(time.monotonic() - since, 3)}
+        return {"state": state, "detail": detail, "queue": self.queue, "seconds": round(time.monotonic() - since, 3)}
 
     def _our_turn(self) -> bool:
         """While consuming: False once another replica took the turn (checked every POLL_SECONDS),
