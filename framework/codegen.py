@@ -10,9 +10,13 @@ The output depends only on the contracts (sorted, no dates, no versions): regene
 is idempotent, and ``txbox check`` regenerates to tell stale code. Its header records
 where the contracts are (relative to the generated file) and for which services.
 
-JSON Schema says more than Python's types can; what has no Python counterpart (a
-``$ref`` to another file, ``not``, a pattern) becomes ``Any`` or its base type: the
-schema still validates every payload at run time.
+A ``$ref`` is followed, into another file of the contracts folder too (Mosaic's payload
+schemas share their ids and types through ``common.json`` files): only into documents the
+contract loader already read and checked, never from the disk again. A definition that
+several fields reach is one class, named after the first field that uses it. JSON Schema
+says more than Python's types can; what has no Python counterpart (``not``, a pattern, a
+``$ref`` that resolves to nothing loaded) becomes ``Any`` or its base type: the schema
+still validates every payload at run time.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import keyword
 import os
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urljoin
 
 from framework import names
 from framework.contracts import MessageSpec, Registry, load_registry
@@ -41,6 +46,33 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: $ would pass a
 _SCALARS = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "null": "None"}
 
 
+@dataclass(frozen=True)
+class _Scope:
+    """Where a part of a schema sits: the URI its ``$ref``s are relative to, that document,
+    and every schema file its message pulled in (MessageSpec.documents)."""
+
+    uri: str
+    root: Any
+    documents: Mapping[str, Any]
+
+    def resolve(self, ref: Any) -> tuple[str, _Scope, Any] | None:
+        """(absolute ref, the scope of its target, the target), or None when it resolves to nothing loaded."""
+        if not isinstance(ref, str):
+            return None
+        absolute = urljoin(self.uri, ref) if self.uri else ref
+        document, _, fragment = absolute.partition("#")
+        node = self.root if document == self.uri.partition("#")[0] else self.documents.get(document)
+        if node is None:
+            return None
+        scope = self if node is self.root else _Scope(document, node, self.documents)
+        for part in [p for p in unquote(fragment).split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return absolute, scope, node
+
+
 @dataclass
 class _Module:
     """The classes being written, in order, with the names they took."""
@@ -50,6 +82,7 @@ class _Module:
     uses_any: bool = False
     uses_literal: bool = False
     uses_not_required: bool = False
+    refs: dict[str, str] = field(default_factory=dict)  # absolute `$ref` → its annotation, written once
 
     def name(self, wanted: str) -> str:
         name, n = wanted, 2
@@ -64,7 +97,8 @@ def generate(registry: Registry, *, contracts: str, services: Sequence[str] = ()
     specs = _selected(registry, services)
     module = _Module(taken={s.message_type for s in specs})
     for spec in specs:
-        _typed_dict(module, spec.message_type, spec.schema, spec.schema, _describe(spec), 0)
+        scope = _Scope(spec.schema_uri, spec.schema, spec.documents)
+        _typed_dict(module, spec.message_type, spec.schema, scope, _describe(spec), 0)
     imports = ["TypedDict"]
     imports += ["Any"] if module.uses_any else []
     imports += ["Literal"] if module.uses_literal else []
@@ -104,13 +138,13 @@ def _describe(spec: MessageSpec) -> str:
     return f"{where}\n\n{about}" if about else where
 
 
-def _typed_dict(module: _Module, name: str, schema: dict[str, Any], root: dict[str, Any], doc: str, depth: int) -> str:
+def _typed_dict(module: _Module, name: str, schema: dict[str, Any], scope: _Scope, doc: str, depth: int) -> str:
     properties: dict[str, Any] = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
     listed = schema.get("required")
     required = {k for k in listed if isinstance(k, str)} if isinstance(listed, list) else set()
     fields: list[tuple[str, str]] = []
     for key, sub in sorted(properties.items()):
-        annotation = _annotation(module, f"{name}{names.identifier_part(str(key))}", sub, root, depth + 1)
+        annotation = _annotation(module, f"{name}{names.identifier_part(str(key))}", sub, scope, depth + 1)
         if key not in required:
             module.uses_not_required = True
             annotation = f"NotRequired[{annotation}]"
@@ -126,48 +160,40 @@ def _typed_dict(module: _Module, name: str, schema: dict[str, Any], root: dict[s
     return name
 
 
-def _annotation(module: _Module, wanted: str, schema: Any, root: dict[str, Any], depth: int) -> str:
+def _annotation(module: _Module, wanted: str, schema: Any, scope: _Scope, depth: int) -> str:
     if not isinstance(schema, dict) or depth > _MAX_DEPTH:
         return _any(module)
     if "$ref" in schema:
-        target = _local_ref(root, schema["$ref"])
-        return _annotation(module, wanted, target, root, depth + 1) if target is not None else _any(module)
+        found = scope.resolve(schema["$ref"])
+        if found is None:
+            return _any(module)
+        absolute, target_scope, target = found
+        if absolute not in module.refs:  # a $ref cycle ends at _MAX_DEPTH, as Any
+            module.refs[absolute] = _annotation(module, wanted, target, target_scope, depth + 1)
+        return module.refs[absolute]
     if "const" in schema:
         return _literal(module, [schema["const"]])
     if isinstance(schema.get("enum"), list):
         return _literal(module, schema["enum"])
     for combinator in ("anyOf", "oneOf"):
         if isinstance(schema.get(combinator), list):
-            options = [_annotation(module, wanted, s, root, depth + 1) for s in schema[combinator]]
+            options = [_annotation(module, wanted, s, scope, depth + 1) for s in schema[combinator]]
             return _union(module, options)
     kinds = schema.get("type")
     if isinstance(kinds, list):
-        return _union(module, [_annotation(module, wanted, {**schema, "type": k}, root, depth + 1) for k in kinds])
+        return _union(module, [_annotation(module, wanted, {**schema, "type": k}, scope, depth + 1) for k in kinds])
     if kinds in _SCALARS:
         return _SCALARS[kinds]
     if kinds == "array":
-        return f"list[{_annotation(module, wanted + 'Item', schema.get('items'), root, depth + 1)}]"
+        return f"list[{_annotation(module, wanted + 'Item', schema.get('items'), scope, depth + 1)}]"
     if kinds == "object" or "properties" in schema:
         if isinstance(schema.get("properties"), dict) and schema["properties"]:
             doc = str(schema.get("description") or "").strip()
-            return _typed_dict(module, module.name(wanted), schema, root, doc, depth)
+            return _typed_dict(module, module.name(wanted), schema, scope, doc, depth)
         extra = schema.get("additionalProperties")
-        value = _annotation(module, wanted + "Value", extra, root, depth + 1) if isinstance(extra, dict) else None
+        value = _annotation(module, wanted + "Value", extra, scope, depth + 1) if isinstance(extra, dict) else None
         return f"dict[str, {value or _any(module)}]"
     return _any(module)
-
-
-def _local_ref(root: dict[str, Any], ref: Any) -> Any:
-    """A ``#/...`` pointer into the schema's own document; None for anything else."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        return None
-    node: Any = root
-    for part in [p for p in ref[1:].split("/") if p]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def _literal(module: _Module, values: list[Any]) -> str:
