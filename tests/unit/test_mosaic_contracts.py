@@ -386,3 +386,25 @@ channels:
     reg: Registry = load_registry(tmp_path, strict=False)
     flagged = [p.where for p in reg.problems if "drop the leading" in p.message]
     assert flagged == [f"{tmp_path / 'c.yml'}: channels.channel.cart.open"]  # the whole id before `entity.action`
+
+
+def test_a_deep_field_whose_type_passes_the_line_limit_is_split_as_ruff_formats_it(tmp_path: Path) -> None:
+    leaf: dict[str, Any] = {"type": "object", "properties": {"value": {"type": "string"}}}
+    for word in ["ui_field_custom_definition_view_property_map", "entity_field_definitions_item", "definition"]:
+        leaf = {"type": "object", "properties": {word: leaf}}
+    (tmp_path / "s.json").write_text(json.dumps({**leaf, "title": "entity_definition_declare_failed_event"}))
+    (tmp_path / "c.yml").write_text(
+        "asyncapi: 2.0.0\nx-service-id: things\ninfo: {title: Things, version: '1'}\nchannels:\n"
+        "  entity.declare_failed:\n    subscribe:\n"
+        "      message: {tags: [{name: 'aggregate-type:thing'}], payload: {$ref: s.json}}\n"
+    )
+    out = tmp_path / "messages.py"
+    codegen.write(out, tmp_path)
+    text = out.read_text()
+    assert max(map(len, text.splitlines())) <= 120
+    assert "    ui_field_custom_definition_view_property_map: NotRequired[\n" in text
+    formatted = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--line-length", "120", str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert formatted.returncode == 0, formatted.stdout + formatted.stderr
