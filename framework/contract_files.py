@@ -161,6 +161,8 @@ def from_file_uri(uri: str) -> Path:
 def contract_files(root: Path) -> Iterator[Path]:
     """Every file under ``root`` with a contract suffix, sorted, symlinked folders not entered.
 
+    Hidden files and folders (a leading ``.``) are not contracts: they hold tools'
+    settings, such as the ``.spectral.yaml`` of Mosaic's schema lint beside its contracts.
     A folder with more than MAX_FOLDER_ENTRIES entries is a ContractError: the walk ends.
     """
     seen = 0
@@ -171,8 +173,10 @@ def contract_files(root: Path) -> Iterator[Path]:
             raise ContractError(
                 f"{root}: more than {MAX_FOLDER_ENTRIES} files and folders; is it the contracts folder?"
             )
-        dirs.sort()
-        found += [Path(folder) / name for name in files if name.endswith(CONTRACT_SUFFIXES)]
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [
+            Path(folder) / name for name in files if name.endswith(CONTRACT_SUFFIXES) and not name.startswith(".")
+        ]
     yield from sorted(found)
 
 

@@ -49,8 +49,9 @@ from framework import contract_files, names
 from framework.errors import ContractError, PayloadValidationError, Problem, UnknownMessageType
 
 Kind = Literal["command", "event"]
-# A payload schema, its reference validator (the lint) and its jsonschema-rs one (payloads).
-_Compiled = tuple[dict[str, Any], Draft7Validator, Any]
+# A payload schema, its reference validator (the lint), its jsonschema-rs one (payloads), the
+# URI its `$ref`s are relative to and every schema file it pulled in (URI → document).
+_Compiled = tuple[dict[str, Any], Draft7Validator, Any, str, Mapping[str, Any]]
 
 # Checked with fullmatch: ``$`` would also match before a final newline.
 # A channel: words, after Mosaic's tenant and environment placeholders for a multi-tenant
@@ -99,6 +100,13 @@ class MessageSpec:
     previous: Mapping[str, MessageSpec] = field(default_factory=dict, repr=False, compare=False)
     # The same schema compiled by jsonschema-rs with its linear regex engine: what checks payloads.
     checker: Any = field(default=None, repr=False, compare=False)
+    # The channel's `bindings.amqp.queue.name`: where Mosaic's libraries receive it (`<receiver>:<queue>`).
+    # txbox receives every message of a service in `<service>:inbox` whatever it says.
+    queue: str = field(default=names.MOSAIC_INBOX, compare=False)
+    # The URI `schema`'s own `$ref`s are relative to, and every schema file they reach, read
+    # and checked at load (URI → document): codegen follows `$ref`s into other files with it.
+    schema_uri: str = field(default="", repr=False, compare=False)
+    documents: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property  # asked for every delivery (routes): computed once
     def tenant_scoped(self) -> bool:
@@ -165,13 +173,19 @@ class MessageSpec:
 
 @dataclass
 class ServiceContract:
-    """One service's contract file."""
+    """One service's contract: the messages of every file that names its service id.
+
+    Mosaic splits one service's messages over several files (the media template's media
+    and publish documents are both `media-service`); they make one service here too.
+    """
 
     service: str
-    path: Path
+    path: Path  # the first file (sorted) that names the service
     commands: list[MessageSpec] = field(default_factory=list)  # accepted (publish)
     events: list[MessageSpec] = field(default_factory=list)  # emitted (subscribe)
     subscribes: list[str] = field(default_factory=list)  # consumed event routing keys
+    paths: list[Path] = field(default_factory=list)  # every file that names the service
+    subscribed_in: dict[str, Path] = field(default_factory=dict)  # x-subscribes key → its file
 
 
 @dataclass
@@ -372,10 +386,6 @@ class _Loader:
         if why is not None:
             self.problem("x-service-id" if top or nested else "info.title", why)
             return None
-        if service in self.registry.services:
-            other = self.registry.services[service].path
-            self.problem("x-service-id", f"service {service!r} is also defined in {other}")
-            return None
         return service
 
     def load(self) -> None:
@@ -385,8 +395,11 @@ class _Loader:
         service = self.service_id(doc)
         if service is None:
             return
-        contract = ServiceContract(service=service, path=self.path)
-        self.registry.services[service] = contract
+        contract = self.registry.services.get(service)
+        if contract is None:  # a second file with the same id adds to the service (ServiceContract)
+            contract = ServiceContract(service=service, path=self.path)
+            self.registry.services[service] = contract
+        contract.paths.append(self.path)
         components = doc.get("components") or {}
         components = components.get("messages") if isinstance(components, dict) else None
         if not isinstance(components, dict):
@@ -411,17 +424,27 @@ class _Loader:
             if len(names.wire_routing_key(service, channel).encode()) > _MAX_ROUTING_KEY_BYTES:
                 self.problem(where, f"`<service id>.<channel>` is longer than AMQP's {_MAX_ROUTING_KEY_BYTES} bytes")
                 continue
-            if channel.split(".")[0] in (service, service.replace("-", "_")):
+            # Only the whole id, in front of a whole `entity.action`: `channel.published` of
+            # `channel`, or Mosaic's own `image_service.enable` of an `image-service`, are
+            # channels that merely begin with a word like the id.
+            words = channel.split(".")
+            if words[0] == service and len(words) >= 3:
                 self.problem(
                     where,
                     f"channel names are `entity.action`: the service id goes in front on the wire, so this "
                     f"one travels as {names.wire_routing_key(service, channel)!r}; drop the leading {service!r}",
                     "warning",
                 )
+            queue = self._queue(item, where, service, "command" if "publish" in item else "event")
+            if queue is None:
+                continue
             operations: tuple[tuple[str, Kind], ...] = (("publish", "command"), ("subscribe", "event"))
             for op, kind in operations:
                 if op in item:
                     for spec in self._messages(doc, components, item[op], f"{where}.{op}", channel, kind, service):
+                        spec = replace(
+                            spec, queue=queue, previous={v: replace(p, queue=queue) for v, p in spec.previous.items()}
+                        )
                         (contract.commands if kind == "command" else contract.events).append(spec)
                         self._register(spec)
         subscribes = doc.get("x-subscribes") or []
@@ -433,6 +456,37 @@ class _Loader:
                 self.problem(f"x-subscribes[{i}]", f"{str(key)[:100]!r} is not a routing key or topic pattern")
             else:
                 contract.subscribes.append(key)
+                contract.subscribed_in.setdefault(key, self.path)
+
+    def _queue(self, item: dict[str, Any], where: str, service: str, kind: Kind) -> str | None:
+        """The channel's `bindings.amqp.queue.name` (default `inbox`); None on a problem.
+
+        txbox receives every message of a service in `<service>:inbox`, whatever a channel
+        names (docs/architecture.md, "Mosaic compatibility"); another name is a warning
+        that says where each side receives the channel's messages.
+        """
+        bindings = item.get("bindings")
+        amqp = bindings.get("amqp") if isinstance(bindings, dict) else None
+        queue = amqp.get("queue") if isinstance(amqp, dict) else None
+        name = queue.get("name", names.MOSAIC_INBOX) if isinstance(queue, dict) else names.MOSAIC_INBOX
+        why = names.queue_name_problem(name)
+        if why is not None:
+            self.problem(f"{where}.bindings.amqp.queue.name", why)
+            return None
+        if name != names.MOSAIC_INBOX:
+            receiver = "service" if kind == "command" else "subscriber"
+            mosaic = names.mosaic_queue(service, name) if kind == "command" else f"<subscriber id>:{name}"
+            txbox = names.inbox_queue(service) if kind == "command" else "<subscriber id>:inbox"
+            self.problem(
+                f"{where}.bindings.amqp.queue.name",
+                f"queue {name!r}: Mosaic's libraries receive this {kind} in {mosaic!r}, txbox in {txbox!r}, the one "
+                "queue where a txbox service receives all its messages (one receiver keeps each aggregate's "
+                "messages in order across types; one dead-letter queue, one delivery limit). Both queues are bound "
+                f"to its routing key: with a Mosaic and a txbox build of the {receiver} on one vhost, each message "
+                "reaches both and is handled twice. Run one of them, or name the queue `inbox`",
+                "warning",
+            )
+        return name
 
     def _messages(
         self,
@@ -481,8 +535,20 @@ class _Loader:
             if name.startswith("aggregate-type:"):
                 aggregate = name.split(":", 1)[1].strip()
         if not aggregate:
-            self.problem(where, "needs a tag `aggregate-type:<name>`")
-            return None
+            # Contracts from before Mosaic required the tag have none: the channel's
+            # `entity` word is the aggregate Mosaic's naming puts first.
+            entity = channel.removeprefix(f"{names.TENANT_PLACEHOLDER}.{names.TENANT_PLACEHOLDER}.").split(".")[0]
+            if names.aggregate_type_problem(entity) is not None:
+                self.problem(where, "needs a tag `aggregate-type:<name>`")
+                return None
+            aggregate = entity
+            self.problem(
+                where,
+                f"no tag `aggregate-type:<name>` (contracts from before Mosaic required it have none): the aggregate "
+                f"type is the channel's entity word, {entity!r}; add `tags: [{{name: 'aggregate-type:{entity}'}}]` "
+                "to choose it",
+                "warning",
+            )
         why = names.aggregate_type_problem(aggregate)
         if why is not None:
             self.problem(f"{where}.tags", why)
@@ -493,7 +559,7 @@ class _Loader:
         schema = self._schema(msg.get("payload"), f"{where}.payload")
         if schema is None:
             return None
-        schema_doc, validator, checker = schema
+        schema_doc, validator, checker, schema_uri, documents = schema
         title = schema_doc.get("title")
         # Bounded before a regex sees them: a longer name is refused below anyway.
         generated = names.mosaic_message_type(title[: names.MAX_NAME * 2]) if isinstance(title, str) else ""
@@ -539,6 +605,8 @@ class _Loader:
             channel=channel,
             version=version,
             checker=checker,
+            schema_uri=schema_uri,
+            documents=documents,
         )
         previous = {
             old: replace(
@@ -548,8 +616,10 @@ class _Loader:
                 checker=c,
                 source=f"{self.label}: {where}.x-previous-versions.{old}",
                 version=old,
+                schema_uri=u,
+                documents=d,
             )
-            for old, (s, v, c) in older.items()
+            for old, (s, v, c, u, d) in older.items()
         }
         return replace(spec, previous=previous)
 
@@ -667,7 +737,9 @@ class _Loader:
         except ContractError as exc:
             self.problem(label, str(exc))
             return None
-        return schema, Draft7Validator(full, registry=registry), checker
+        # The root's URI stands for the schema itself (an inline payload, or a file's fragment),
+        # as for both validators above.
+        return schema, Draft7Validator(full, registry=registry), checker, uri, {**files.documents, uri: schema}
 
     def _register(self, spec: MessageSpec) -> None:
         existing = self.registry.messages.get(spec.message_type)
@@ -746,7 +818,7 @@ def _lint_cross_file(registry: Registry) -> None:
                 registry.problems.append(
                     Problem(
                         "warning",
-                        f"{contract.path}: x-subscribes",
+                        f"{contract.subscribed_in.get(pattern, contract.path)}: x-subscribes",
                         f"{service} subscribes to {pattern!r} but no loaded contract emits a matching event",
                     )
                 )

@@ -126,8 +126,21 @@ def exchange_for(kind: str) -> str:
     return COMMAND_EXCHANGE if kind == "command" else EVENT_EXCHANGE
 
 
+MOSAIC_INBOX = "inbox"  # a channel's `bindings.amqp.queue.name` when it names none, and Mosaic's usual one
+
+
 def inbox_queue(service: str) -> str:
-    return f"{service}:inbox"
+    """The one queue a txbox service receives every command and event in: `<service>:inbox`."""
+    return mosaic_queue(service, MOSAIC_INBOX)
+
+
+def mosaic_queue(service: str, queue: str) -> str:
+    """The queue Mosaic's message bus consumes a channel from: `<service>:<bindings.amqp.queue.name>`.
+
+    ``service`` is the receiving service (the consumer of a command, the subscriber of an
+    event); ``queue`` the channel's binding name (docs/architecture.md, "Mosaic compatibility").
+    """
+    return f"{service}:{queue}"
 
 
 def receiver_lock_key(service: str) -> int:
@@ -304,6 +317,8 @@ MAX_NAME = 100
 MAX_PROPERTY_NAME = 128
 _MESSAGE_TYPE = re.compile(r"[A-Z][A-Za-z0-9_]*")
 _AGGREGATE_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# A channel's `bindings.amqp.queue.name` (Mosaic's per-channel queues are `entity:action`).
+_QUEUE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 # Names the generated module imports, or Python's constants: a class of that name breaks it.
 RESERVED_MESSAGE_TYPES = frozenset({"Any", "Literal", "NotRequired", "TypedDict", "None", "True", "False"})
@@ -339,6 +354,16 @@ def aggregate_type_problem(value: str) -> str | None:
         return (
             f"{value[:60]!r} is not an aggregate type: ASCII letters, digits, '_', '.' or '-', "
             f"at most {MAX_NAME} characters"
+        )
+    return None
+
+
+def queue_name_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a channel's `bindings.amqp.queue.name`, or None."""
+    if not isinstance(value, str) or len(value) > MAX_NAME or not _QUEUE_NAME.fullmatch(value):
+        return (
+            f"{str(value)[:60]!r} is not a queue name: ASCII letters, digits, '_', '.', ':' or '-', "
+            f"at most {MAX_NAME} characters (e.g. inbox)"
         )
     return None
 

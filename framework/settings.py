@@ -205,6 +205,23 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         return load(cls, environ, **overrides)
 
+    @classmethod
+    def without_database(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings for a command that never opens the database (`txbox topology`).
+
+        TXBOX_DATABASE_URL may be unset: ``database_url`` then names no server
+        (:data:`NO_DATABASE_URL`), so anything that did connect with it would fail
+        naming that host rather than reach a database by chance.
+        """
+        env = os.environ if environ is None else environ
+        if overrides.get("database_url") is None and not env.get("TXBOX_DATABASE_URL"):
+            overrides = {**overrides, "database_url": NO_DATABASE_URL}
+        return load(cls, env, **overrides)
+
+
+# What `Settings.without_database` holds when no database URL is given: `.invalid` never resolves.
+NO_DATABASE_URL = "postgresql+psycopg://txbox-uses-no-database.invalid/none"
+
 
 # Hide the password of a URL in messages: the one masker (docs/architecture.md, "Secrets").
 mask_url = _mask = redaction.mask_credentials

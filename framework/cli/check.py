@@ -73,7 +73,8 @@ def routing_report(registry: Registry) -> str:
         aliases.setdefault(message_type, []).append(alias)
     lines = [ROUTING_RULE]
     for service, contract in sorted(registry.services.items()):
-        lines.append(f"  {service} (queue {names.inbox_queue(service)}):")
+        files = f"; from {', '.join(map(str, contract.paths))}" if len(contract.paths) > 1 else ""
+        lines.append(f"  {service} (queue {names.inbox_queue(service)}{files}):")
         for spec in [*contract.commands, *contract.events]:
             also = (
                 f" (also accepted as {', '.join(sorted(aliases[spec.message_type]))})"

@@ -71,8 +71,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def load_service(args: argparse.Namespace) -> Service:
-    """The Service named by ``--app``, else one built from the environment and flags."""
+def load_service(args: argparse.Namespace, *, database: bool = True) -> Service:
+    """The Service named by ``--app``, else one built from the environment and flags.
+
+    ``database=False``: the command never opens the database, so TXBOX_DATABASE_URL
+    need not be set (Settings.without_database).
+    """
     if args.app:
         service = import_app(args.app)
         given = {k: v for k, v in _overrides(args).items() if v is not None}
@@ -81,7 +85,10 @@ def load_service(args: argparse.Namespace) -> Service:
 
             service.settings = dataclasses.replace(service.settings, **given)  # type: ignore[arg-type]
         return service
-    return Service(settings=Settings.from_env(None, **_overrides(args)))
+    settings = (
+        Settings.from_env(None, **_overrides(args)) if database else Settings.without_database(None, **_overrides(args))
+    )
+    return Service(settings=settings)
 
 
 def import_app(spec: str) -> Service:

@@ -15,7 +15,7 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     quiet_pika(args)
-    service = load_service(args)
+    service = load_service(args, database=False)  # only the broker and the contracts
     declared = topology.declare(service.settings, service.registry)
     print(f"exchanges: {', '.join(declared.exchanges)}")
     for queue in declared.queues:

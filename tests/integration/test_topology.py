@@ -210,6 +210,17 @@ def test_cli_declares_and_reports(settings: Settings, vhost: str) -> None:
     assert run_cli(settings).returncode == 0  # again: no-op
 
 
+def test_cli_needs_no_database_url(settings: Settings, vhost: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TXBOX_DATABASE_URL"}
+    env.update(TXBOX_SERVICE=settings.service, TXBOX_AMQP_URL=settings.amqp_url, TXBOX_CONTRACTS_DIR=str(CONTRACTS))
+    done = subprocess.run(
+        [TXBOX, "topology"], check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "DATABASE" not in done.stdout + done.stderr
+    assert broker_state(vhost)[2] == expected_bindings("order-service", "quorum")
+
+
 def test_existing_queue_with_other_type_fails_naming_queue_argument_and_fix(settings: Settings, vhost: str) -> None:
     assert run_cli(settings, queue_type="classic").returncode == 0
     done = run_cli(settings, queue_type="quorum")

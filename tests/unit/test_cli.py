@@ -80,7 +80,7 @@ def test_missing_setting_fails_at_start_with_the_fix(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TXBOX_DATABASE_URL", raising=False)
-    assert txbox(["topology", "--service", "order-service"]) == 2
+    assert txbox(["migrate", "--service", "order-service"]) == 2
     err = capsys.readouterr().err
     assert "TXBOX_DATABASE_URL is not set" in err and "Example: TXBOX_DATABASE_URL=postgresql" in err
 

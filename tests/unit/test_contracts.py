@@ -187,9 +187,9 @@ def test_lint_reports_every_problem_with_file_and_path() -> None:
     assert "missing-message" in text
     assert "does-not-exist.json" in text and "does not resolve" in text
     assert "invalid-schema.json" in text and "strng" in text
-    assert "components.messages.thing-create" in text and "aggregate-type" in text
+    assert "components.messages.thing-create" in text and "aggregate-type" in text  # a warning: the tag is older
     assert "bad key with spaces" in text
-    assert len(reg.errors) >= 5
+    assert len(reg.errors) >= 4
     with pytest.raises(ContractError, match="contracts do not load"):
         load_registry(FIXTURES / "broken")
 
