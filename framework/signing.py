@@ -11,7 +11,9 @@ Keys are RSA: a PEM block, or the bare base64 body of one as Mosaic's configurat
 holds it (``RMQ_EVENT_SIGNING_PRIVATE_KEY`` is PKCS#8 without its armour lines; public
 keys are SubjectPublicKeyInfo). Everything a delivery brings (the headers) is outside
 input and is bounded before it is decoded; key files are read as regular files of
-bounded size.
+bounded size. Producers' public keys come from a folder or a file of PEMs and, with
+``TXBOX_SIGNING_KEYS_URL``, from a JWKS document or Mosaic's key service
+(:mod:`framework.signing_keys`).
 
 No broker, no database here: :class:`Signer` makes the headers of one body;
 :class:`Verifier` judges one delivery's headers and body against the producer's keys and
@@ -23,14 +25,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
@@ -39,7 +42,10 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from framework import names
 from framework.errors import ConfigurationError, TxboxError
 from framework.reasons import Reason
-from framework.settings import FromEnv, setting
+from framework.settings import FromEnv, Seconds, setting
+
+if TYPE_CHECKING:
+    from framework.signing_keys import RemoteKeys
 
 SIGNATURE_HEADER = "x-mosaic-signature"
 KEY_VERSION_HEADER = "x-mosaic-signature-key-version"
@@ -48,11 +54,14 @@ KEY_VERSION_HEADER = "x-mosaic-signature-key-version"
 MAX_SIGNATURE_CHARS = 1400
 MAX_VERSION = 2**31 - 1  # the key service's version is a GraphQL Int
 MAX_KEY_FILE_BYTES = 64 * 1024
+MAX_KEYS_FILE_BYTES = 1024 * 1024  # a file of many producers' PEMs
 MIN_KEY_BITS = 2048
 
 # A key file of a folder: <service>.<version>.pem, the service id as names.valid_service_id has it.
 _KEY_FILE = re.compile(r"([a-z0-9][a-z0-9_-]{0,199})\.([0-9]{1,10})\.pem")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
+# The label line before each PEM block of a keys file: <service>.<version>.
+_KEY_LABEL = re.compile(r"([a-z0-9][a-z0-9_-]{0,199})\.([0-9]{1,10})")
 
 
 class SignatureRejected(TxboxError):
@@ -142,8 +151,8 @@ class Signer:
         return {SIGNATURE_HEADER: base64.b64encode(signature).decode("ascii"), KEY_VERSION_HEADER: self.version}
 
 
-def read_key_file(path: Path) -> str:
-    """The text of a key file: a regular file (not a FIFO or device) of bounded size.
+def read_key_file(path: Path, max_bytes: int = MAX_KEY_FILE_BYTES) -> str:
+    """The text of a key file: a regular file (not a FIFO or device) of at most ``max_bytes``.
 
     Links are followed (Kubernetes mounts secrets and config maps as links); what they
     reach must be a regular file. A FIFO is opened without blocking and then refused.
@@ -156,9 +165,9 @@ def read_key_file(path: Path) -> str:
         info = os.fstat(handle.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise ConfigurationError(f"{path}: not a regular file; a key is read from a file only")
-        if info.st_size > MAX_KEY_FILE_BYTES:
-            raise ConfigurationError(f"{path}: {info.st_size} bytes, more than a key file holds ({MAX_KEY_FILE_BYTES})")
-        data = handle.read(MAX_KEY_FILE_BYTES + 1)
+        data = handle.read(max_bytes + 1)
+        if info.st_size > max_bytes or len(data) > max_bytes:
+            raise ConfigurationError(f"{path}: {info.st_size} bytes, more than a key file holds ({max_bytes})")
     try:
         return data.decode("ascii")
     except UnicodeDecodeError:
@@ -186,6 +195,55 @@ def keys_from_folder(folder: Path) -> dict[tuple[str, int], rsa.RSAPublicKey]:
             raise ConfigurationError(f"{path}: the key's version must be a whole number from 1 to {MAX_VERSION}")
         keys[(match.group(1), version)] = load_public_key(read_key_file(path), str(path))
     return keys
+
+
+def _labelled(label: str, where: str) -> tuple[str, int]:
+    match = _KEY_LABEL.fullmatch(label)
+    if match is None or not names.valid_service_id(match.group(1)) or not 0 < int(match.group(2)) <= MAX_VERSION:
+        raise ConfigurationError(
+            f"{where}: {label[:80]!r} is not <service>.<version> (e.g. ax-media-service.1), "
+            "the line that names the PEM block after it"
+        )
+    return match.group(1), int(match.group(2))
+
+
+def keys_from_file(path: Path) -> dict[tuple[str, int], rsa.RSAPublicKey]:
+    """Producers' public keys from one file: PEM blocks, each after a line ``<service>.<version>``.
+
+    Blank lines and lines starting with ``#`` are ignored; any other text, a block without
+    its label line, or a (service, version) given twice is an error naming the line.
+    """
+    keys: dict[tuple[str, int], rsa.RSAPublicKey] = {}
+    label: tuple[str, int] | None = None
+    block: list[str] | None = None
+    for number, raw in enumerate(read_key_file(path, MAX_KEYS_FILE_BYTES).splitlines(), start=1):
+        line, where = raw.strip(), f"{path}, line {number}"
+        if block is not None:
+            block.append(line)
+            if line.startswith("-----END"):
+                assert label is not None
+                if label in keys:
+                    raise ConfigurationError(f"{where}: {label[0]}.{label[1]} is given twice")
+                keys[label] = load_public_key("\n".join(block), f"{path}: {label[0]}.{label[1]}")
+                label, block = None, None
+        elif not line or line.startswith("#"):
+            continue
+        elif line.startswith("-----BEGIN"):
+            if label is None:
+                raise ConfigurationError(f"{where}: a PEM block needs a line <service>.<version> before it")
+            block = [line]
+        elif label is None:
+            label = _labelled(line, where)
+        else:
+            raise ConfigurationError(f"{where}: a PEM block was expected after {label[0]}.{label[1]}")
+    if block is not None or label is not None:
+        raise ConfigurationError(f"{path}: the file ends inside a key (a label without its whole PEM block)")
+    return keys
+
+
+def public_keys_from(path: Path) -> dict[tuple[str, int], rsa.RSAPublicKey]:
+    """Producers' public keys from a folder (:func:`keys_from_folder`) or a file (:func:`keys_from_file`)."""
+    return keys_from_folder(path) if path.is_dir() else keys_from_file(path)
 
 
 def _version(value: Any) -> int | None:
@@ -218,18 +276,22 @@ class Verifier:
 
     ``policies`` maps a producer's service id to its :class:`Policy`; producers it does
     not name get ``default``. A producer whose policy is not ``off`` but has no key at
-    all is a configuration error at start (:meth:`check`), not a dead letter per event.
+    all is a configuration error at start (:meth:`check`), not a dead letter per event,
+    unless keys are fetched (``remote``): a key missing from ``keys`` is looked up there.
     """
 
     keys: Mapping[tuple[str, int], rsa.RSAPublicKey]
     policies: Mapping[str, Policy] = field(default_factory=dict)
     default: Policy = Policy.OFF
+    remote: RemoteKeys | None = None
 
     def policy(self, producer: str) -> Policy:
         return self.policies.get(producer, self.default)
 
     def check(self) -> None:
         """Raise :class:`ConfigurationError` for a producer that must be verified but has no key."""
+        if self.remote is not None:
+            return  # the key source may hold them; a missing one is signing_key_unknown
         with_keys = {service for service, _ in self.keys}
         missing = sorted(p for p, policy in self.policies.items() if policy is not Policy.OFF and p not in with_keys)
         if missing:
@@ -261,11 +323,18 @@ class Verifier:
                 f"the event's {SIGNATURE_HEADER} and {KEY_VERSION_HEADER} headers must be base64 and a whole number",
             )
         key = self.keys.get((producer, version))
+        if key is None and self.remote is not None:
+            key = self.remote.lookup(producer, version)
         if key is None:
-            known = sorted(v for service, v in self.keys if service == producer)
+            known = {v for service, v in self.keys if service == producer}
+            status = ""
+            if self.remote is not None:
+                known.update(self.remote.known(producer))
+                status = f"; {self.remote.status(producer)}"
             raise SignatureRejected(
                 Reason.SIGNING_KEY_UNKNOWN,
-                f"no public key of {producer} has version {version} (known: {', '.join(map(str, known)) or 'none'})",
+                f"no public key of {producer} has version {version} "
+                f"(known: {', '.join(map(str, sorted(known))) or 'none'}{status})",
             )
         try:
             key.verify(signature, body, padding.PKCS1v15(), hashes.SHA256())
@@ -316,7 +385,42 @@ class SigningConfig(FromEnv):
         "TXBOX_SIGNING_PUBLIC_KEYS",
         "/etc/txbox/keys",
         default="",
-        help="folder of producers' public keys, one file SERVICE.VERSION.pem each",
+        help="producers' public keys: a folder of SERVICE.VERSION.pem files, or one file of "
+        "PEM blocks each after a line SERVICE.VERSION",
+    )
+    keys_url: str = setting(
+        "TXBOX_SIGNING_KEYS_URL",
+        "https://keys.example/{service}/jwks.json",
+        default="",
+        help="producers' public keys fetched from a JWKS document ({service}: one per producer) "
+        "or Mosaic's key service (its base URL, with TXBOX_SIGNING_KEYS_FORMAT=mosaic)",
+    )
+    keys_format: str = setting(
+        "TXBOX_SIGNING_KEYS_FORMAT",
+        "mosaic",
+        default="jwks",
+        help="what TXBOX_SIGNING_KEYS_URL answers: jwks (RFC 7517, kid = version) or mosaic (GetPublicSigningKeys)",
+    )
+    keys_token_file: str = setting(
+        "TXBOX_SIGNING_KEYS_TOKEN_FILE",
+        "/run/secrets/key-service-token",
+        default="",
+        help="a bearer token sent with each fetch (read each time, so it can be renewed)",
+    )
+    keys_timeout: Seconds = setting(
+        "TXBOX_SIGNING_KEYS_TIMEOUT", "5s", default=Seconds(5.0), help="a fetch of keys gives up after this"
+    )
+    keys_refresh: Seconds = setting(
+        "TXBOX_SIGNING_KEYS_REFRESH",
+        "30s",
+        default=Seconds(30.0),
+        help="an unknown key version fetches the keys again, at most this often",
+    )
+    keys_max_age: Seconds = setting(
+        "TXBOX_SIGNING_KEYS_MAX_AGE",
+        "10m",
+        default=Seconds(600.0),
+        help="keys fetched longer ago are fetched again at the next event (a revoked key is dropped)",
     )
     verify: str = setting(
         "TXBOX_SIGNING_VERIFY",
@@ -341,19 +445,41 @@ class SigningConfig(FromEnv):
             )
         return Signer(load_private_key(read_key_file(Path(self.key_file))), self.key_version)
 
-    def verifier(self) -> Verifier | None:
-        """The verifier of producers' events, or None when nothing is to be verified."""
-        keys = keys_from_folder(Path(self.public_keys)) if self.public_keys else {}
+    def verifier(self, producers: Collection[str] = ()) -> Verifier | None:
+        """The verifier of producers' events, or None when nothing is to be verified.
+
+        ``producers`` are the services whose events the receiver takes: the ones whose
+        keys are fetched from ``TXBOX_SIGNING_KEYS_URL`` (those whose policy is not off),
+        once here, before this returns.
+        """
+        keys = public_keys_from(Path(self.public_keys)) if self.public_keys else {}
         policies, default = parse_policies(self.verify)
+        if self.keys_url and not self.verify:
+            raise ConfigurationError(
+                "TXBOX_SIGNING_KEYS_URL needs TXBOX_SIGNING_VERIFY, whose events must be signed. "
+                "Example: TXBOX_SIGNING_VERIFY=*=required"
+            )
         if not self.verify:
             policies = {service: Policy.REQUIRED for service, _ in keys}
         verifier = Verifier(keys=keys, policies=policies, default=default or Policy.OFF)
-        verifier.check()
-        if verifier.default is not Policy.OFF and not keys:
-            raise ConfigurationError(
-                "TXBOX_SIGNING_VERIFY asks every producer's events to be verified, but "
-                "TXBOX_SIGNING_PUBLIC_KEYS names no keys: give the keys folder"
-            )
         if verifier.default is Policy.OFF and all(p is Policy.OFF for p in verifier.policies.values()):
             return None
+        if self.keys_url:
+            from framework.signing_keys import KeySource, RemoteKeys  # it imports this module
+
+            source = KeySource(self.keys_url, self.keys_format, self.keys_token_file, float(self.keys_timeout))
+            remote = RemoteKeys(
+                source,
+                [p for p in {*producers, *verifier.policies} if verifier.policy(p) is not Policy.OFF],
+                refresh=float(self.keys_refresh),
+                max_age=float(self.keys_max_age),
+            )
+            remote.start()
+            verifier = dataclasses.replace(verifier, remote=remote)
+        verifier.check()
+        if verifier.default is not Policy.OFF and not keys and verifier.remote is None:
+            raise ConfigurationError(
+                "TXBOX_SIGNING_VERIFY asks every producer's events to be verified, but "
+                "TXBOX_SIGNING_PUBLIC_KEYS names no keys: give the keys folder or file, or TXBOX_SIGNING_KEYS_URL"
+            )
         return verifier

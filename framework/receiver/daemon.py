@@ -107,7 +107,10 @@ class Receiver(Daemon):
             self.settings.service,
             max_body_bytes=self.config.max_body_bytes,
             selectors=service.selectors,
-            verifier=SigningConfig.from_env().verifier(),  # a bad key or policy fails here, at start
+            # A bad key or policy fails here, at start; fetched keys are fetched once here.
+            verifier=SigningConfig.from_env().verifier(
+                {s.service for s in service.registry.accepted_types(self.settings.service) if s.kind == "event"}
+            ),
         )
         self._schedule = self.config.schedule
         self._db = ConnectionSlot(

@@ -1,8 +1,11 @@
 """`widget-service`: the txbox side of the interoperability test with a Mosaic service.
 
 Accepts ``CreateWidget`` (sent by the Mosaic peer) and publishes ``WidgetCreated``;
-consumes the peer's ``GadgetCreated`` event. Every handled message adds one row to
-``interop_effects``, so a message applied twice would show as two rows.
+consumes the peer's ``GadgetCreated`` event. Tenant-scoped (``*.*.`` channels): accepts
+``TagWidget`` and publishes ``WidgetTagged`` under the command's tenant and environment;
+consumes the peer's ``GadgetTagged``. Every handled message adds one row to
+``interop_effects`` (with the routing key it came by), so a message applied twice would
+show as two rows.
 
 Run with ``txbox run --app tests.interop.app:service`` (the test does).
 """
@@ -32,11 +35,12 @@ CREATE TABLE IF NOT EXISTS interop_effects (
     message_id uuid NOT NULL,
     message_type text NOT NULL,
     aggregate_id text NOT NULL,
-    name text NOT NULL
+    name text NOT NULL,
+    routing_key text
 )"""
 _RECORD = text(
-    "INSERT INTO interop_effects (message_id, message_type, aggregate_id, name) "
-    "VALUES (:message_id, :message_type, :aggregate_id, :name)"
+    "INSERT INTO interop_effects (message_id, message_type, aggregate_id, name, routing_key) "
+    "VALUES (:message_id, :message_type, :aggregate_id, :name, :routing_key)"
 )
 
 
@@ -48,6 +52,7 @@ def _record(session: Session, message: Message, name: str) -> None:
             "message_type": message.message_type,
             "aggregate_id": message.aggregate_id,
             "name": name,
+            "routing_key": message.routing_key,
         },
     )
 
@@ -72,5 +77,26 @@ class GadgetCreated(EventHandler):
         _record(session, message, str(message.payload["name"]))
 
 
+class TagWidget(CommandHandler):
+    message_type = "TagWidget"
+
+    def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+        name = str(message.payload["name"])
+        _record(session, message, name)
+        # No tenant named: the event takes the command's (docs/architecture.md, "Multi-tenant routing keys").
+        outbox.publish_event(
+            "WidgetTagged", aggregate_id=message.aggregate_id, payload={"widget_id": message.aggregate_id, "name": name}
+        )
+
+
+class GadgetTagged(EventHandler):
+    message_type = "GadgetTagged"
+
+    def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
+        _record(session, message, str(message.payload["name"]))
+
+
 service.register(CreateWidget())
 service.register(GadgetCreated())
+service.register(TagWidget())
+service.register(GadgetTagged())

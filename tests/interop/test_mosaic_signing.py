@@ -4,11 +4,12 @@ The Mosaic peer (tests/interop/peer) signs its events with Mosaic's message bus
 (``rmqEventSigningPrivateKey``) and checks the events it receives with Mosaic's
 ``validateSignedEventMiddleware``, which looks producers' keys up in a key service: here a
 list the test serves over HTTP, the only stand-in. ``txbox run`` of ``widget-service``
-signs its events and requires the peer's to be signed. Judged from both databases, the
-dead letters and the peer's log:
+signs its events and requires the peer's to be signed, fetching the peer's key from the
+same key service (``TXBOX_SIGNING_KEYS_FORMAT=mosaic``). Judged from both databases, the
+dead letters, the key service's requests and the peer's log:
 
 - the peer's signed ``GadgetCreated`` is handled by txbox, txbox's signed ``WidgetCreated``
-  by the peer, which asked the key service for txbox's key;
+  by the peer; each asked the key service for the other's key, as Mosaic asks it;
 - events published with plain pika that are unsigned, tampered with, or signed under a key
   version nobody has, are dead-lettered by txbox with their reasons; a tampered
   ``WidgetCreated`` is refused by Mosaic's middleware and never handled.
@@ -149,10 +150,11 @@ def test_signed_events_cross_both_ways_and_forgeries_are_refused_on_both_sides(
     node = node_peer_ready()
     txbox_db = widget_service.settings.database_url
     (tmp_path / "txbox-key.pem").write_text(private_b64(txbox_key))  # Mosaic's form: base64, no armour
-    folder = tmp_path / "producers"
-    folder.mkdir()
-    (folder / f"{PEER_ID}.{PEER_VERSION}.pem").write_text(public_b64(peer_key))
-    registered = [{"serviceId": widget_app.SERVICE, "version": TXBOX_VERSION, "key": public_b64(txbox_key)}]
+    (tmp_path / "key-service-token").write_text("txbox-token\n")
+    registered = [
+        {"serviceId": widget_app.SERVICE, "version": TXBOX_VERSION, "key": public_b64(txbox_key), "isActive": True},
+        {"serviceId": PEER_ID, "version": PEER_VERSION, "key": public_b64(peer_key), "isActive": True},
+    ]
     with KeyService(registered) as key_service:
         group = ProcessGroup(tmp_path / "logs")
         peer = NodePeer(
@@ -180,7 +182,10 @@ def test_signed_events_cross_both_ways_and_forgeries_are_refused_on_both_sides(
                 "TXBOX_AMQP_URL": amqp_url,
                 "TXBOX_SIGNING_KEY_FILE": str(tmp_path / "txbox-key.pem"),
                 "TXBOX_SIGNING_KEY_VERSION": str(TXBOX_VERSION),
-                "TXBOX_SIGNING_PUBLIC_KEYS": str(folder),
+                "TXBOX_SIGNING_KEYS_URL": key_service.url,
+                "TXBOX_SIGNING_KEYS_FORMAT": "mosaic",
+                "TXBOX_SIGNING_KEYS_TOKEN_FILE": str(tmp_path / "key-service-token"),
+                "TXBOX_SIGNING_VERIFY": f"{PEER_ID}=required",
             }
             txbox = group.start(
                 "widget-run", ["run", "--app", "tests.interop.app:service", "--metrics-port", str(port)], env
@@ -207,9 +212,16 @@ def test_signed_events_cross_both_ways_and_forgeries_are_refused_on_both_sides(
             )
             assert peer.alive, peer.log()[-3000:]
             assert txbox.alive, txbox.log_tail(40)
-            # Mosaic's middleware asked the key service for txbox's key, with its token.
-            assert key_service.asked and key_service.asked[0]["path"] == "/graphql"
-            assert key_service.asked[0]["auth"] == "Bearer interop-token"
+            # Each side asked the key service for the other's key, the same way, with its token.
+            asked = {
+                tuple(json.loads(a["body"])["variables"]["filter"]["serviceId"]["in"]): a for a in key_service.asked
+            }
+            assert set(asked) == {(widget_app.SERVICE,), (PEER_ID,)}, key_service.asked
+            by_peer, by_txbox = asked[(widget_app.SERVICE,)], asked[(PEER_ID,)]
+            assert (by_peer["path"], by_peer["auth"]) == ("/graphql", "Bearer interop-token")
+            assert (by_txbox["path"], by_txbox["auth"]) == ("/graphql", "Bearer txbox-token")
+            query = json.loads(by_txbox["body"])
+            assert query["query"] == json.loads(by_peer["body"])["query"]
             # The peer's event reached txbox signed, and was stored after its check.
             stored = rows(txbox_db, "SELECT metadata FROM txbox.inbox WHERE message_type = 'GadgetCreated'")
             assert stored[0][0]["properties"]["headers"][VERSION] == PEER_VERSION

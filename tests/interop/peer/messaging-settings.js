@@ -13,10 +13,17 @@
  * - `aggregateType`: from the tag `aggregate-type:<x>`;
  * - `serviceId`: the contract's `x-service-id` (top level, else `info`), else
  *   `info.title` in lower-kebab-case.
+ *
+ * A multi-tenant channel (`*.*.entity.action`) gives an instance of Mosaic's
+ * `MultiTenantMessagingSettings` instead, so its `getEnvironmentRoutingKey` (Mosaic's
+ * own code) fills the two placeholders with a tenant and an environment id.
  */
 const fs = require('node:fs');
 const path = require('node:path');
 const yaml = require('js-yaml');
+const { MultiTenantMessagingSettings } = require('@axinom/mosaic-message-bus-abstractions');
+
+class MultiTenantSettings extends MultiTenantMessagingSettings {}
 
 const pascalCase = (text) =>
   text
@@ -74,14 +81,11 @@ const settingsOf = (doc, dir, serviceId) => {
       const schema = readDocument(path.join(dir, message.payload.$ref));
       const tag = (message.tags ?? []).map((t) => t.name).find((name) => name.startsWith('aggregate-type:'));
       const messageType = messageTypeOf(schema.title);
-      settings[messageType] = {
-        serviceId,
-        messageType,
-        queue: item.bindings?.amqp?.queue?.name ?? 'inbox',
-        routingKey: channel,
-        action,
-        aggregateType: tag.slice('aggregate-type:'.length),
-      };
+      const queue = item.bindings?.amqp?.queue?.name ?? 'inbox';
+      const aggregateType = tag.slice('aggregate-type:'.length);
+      settings[messageType] = channel.startsWith('*.*.')
+        ? new MultiTenantSettings(serviceId, messageType, queue, channel, action, aggregateType)
+        : { serviceId, messageType, queue, routingKey: channel, action, aggregateType };
     }
   }
   return settings;

@@ -9,7 +9,15 @@
  * - accepts `CreateGadget` (command, its own contract): stores a gadget and publishes
  *   `GadgetCreated` through its outbox, in the inbox handler's transaction;
  * - sends `CreateWidget` to the txbox service `widget-service` at start (PEER_SEND_WIDGET)
- *   through its outbox, and records every `WidgetCreated` event it receives.
+ *   through its outbox, and records every `WidgetCreated` event it receives;
+ * - tenant-scoped, as Mosaic's multi-tenant messages: accepts `TagGadget` and publishes
+ *   `GadgetTagged` under the command's tenant and environment, read from the command's
+ *   routing key (`<service>.<tenant>.<environment>.gadget.tag`, where Mosaic's inbox
+ *   handler reads them); sends `TagWidget` at start (PEER_TAG_WIDGET, for PEER_TENANT_ID
+ *   and PEER_ENVIRONMENT_ID) and records every `WidgetTagged`. The keys are filled by
+ *   Mosaic's `getEnvironmentRoutingKey` and passed as the publication's `routingKey`, as a
+ *   Mosaic service does; each such message is stored in `tenant_messages` with its key
+ *   and printed as a line `mosaic-peer handled <type> on <routing key>`.
  *
  * Its messaging settings come from the contracts (messaging-settings.js, Mosaic's code
  * generator rules). PEER_FAIL_FIRST names a message type whose first delivery the inbox
@@ -23,7 +31,8 @@
  * list of Mosaic's extraTrustedPublicKeys entries, {serviceId, version, key}).
  *
  * Environment: PEER_CONTRACTS (folder), PEER_DATABASE_URL (its own database),
- * PEER_AMQP_URL, PEER_SEND_WIDGET, PEER_FAIL_FIRST, LOG_LEVEL, and the signing ones above.
+ * PEER_AMQP_URL, PEER_SEND_WIDGET, PEER_FAIL_FIRST, PEER_TAG_WIDGET, PEER_TENANT_ID,
+ * PEER_ENVIRONMENT_ID, LOG_LEVEL, and the signing ones above.
  */
 const { Pool } = require('pg');
 const { Logger, ShutdownActionsMiddleware } = require('@axinom/mosaic-service-common');
@@ -76,6 +85,8 @@ const setupDatabase = async (pool) => {
     CREATE TABLE IF NOT EXISTS gadgets (n serial PRIMARY KEY, message_id uuid NOT NULL, gadget_id text NOT NULL, name text NOT NULL);
     CREATE TABLE IF NOT EXISTS widget_events (n serial PRIMARY KEY, message_id uuid NOT NULL, widget_id text NOT NULL, name text NOT NULL);
     CREATE TABLE IF NOT EXISTS widget_requests (n serial PRIMARY KEY, widget_id text NOT NULL, name text NOT NULL);
+    CREATE TABLE IF NOT EXISTS tenant_messages (n serial PRIMARY KEY, message_id uuid NOT NULL, message_type text NOT NULL,
+      routing_key text NOT NULL, tenant_id text, environment_id text, name text NOT NULL);
   `);
 };
 
@@ -138,6 +149,10 @@ const main = async () => {
     new RascalTransactionalConfigBuilder(own.GadgetCreated, config).publishEvent(),
     new RascalTransactionalConfigBuilder(widgets.CreateWidget, config).sendCommand(),
     new RascalTransactionalConfigBuilder(widgets.WidgetCreated, config).subscribeForEvent(() => inboxWriter),
+    new RascalTransactionalConfigBuilder(own.TagGadget, config).subscribeForCommand(() => inboxWriter),
+    new RascalTransactionalConfigBuilder(own.GadgetTagged, config).publishEvent(),
+    new RascalTransactionalConfigBuilder(widgets.TagWidget, config).sendCommand(),
+    new RascalTransactionalConfigBuilder(widgets.WidgetTagged, config).subscribeForEvent(() => inboxWriter),
   ];
   const onMessageMiddleware = [];
   if (process.env.PEER_KEY_SERVICE_URL) {
@@ -180,10 +195,46 @@ const main = async () => {
       ]);
     }
   }
+  /** Tenant and environment of a multi-tenant message, read from its routing key as Mosaic's inbox handler does. */
+  const tenancyOf = (message) => {
+    const routingKey = message.metadata?.fields?.routingKey ?? '';
+    const [, tenantId, environmentId] = routingKey.split('.');
+    return { routingKey, tenantId, environmentId };
+  };
+  const recordTenantMessage = async (client, message, name) => {
+    const { routingKey, tenantId, environmentId } = tenancyOf(message);
+    await client.query(
+      'INSERT INTO tenant_messages (message_id, message_type, routing_key, tenant_id, environment_id, name) VALUES ($1, $2, $3, $4, $5, $6)',
+      [message.id, message.messageType, routingKey, tenantId, environmentId, name],
+    );
+    console.log(`${SERVICE_ID} handled ${message.messageType} on ${routingKey}`);
+    return { tenantId, environmentId };
+  };
+  class TagGadgetHandler extends TransactionalInboxMessageHandler {
+    constructor() {
+      super(own.TagGadget, logger, {});
+    }
+    async handleMessage(message, client) {
+      const environment = await recordTenantMessage(client, message, message.payload.name);
+      const gadgetId = message.aggregateId;
+      await storeOutboxMessage(gadgetId, own.GadgetTagged, { gadget_id: gadgetId, name: message.payload.name }, client, {
+        envelopeOverrides: { message_context: message.metadata.messageContext },
+        options: { routingKey: own.GadgetTagged.getEnvironmentRoutingKey(environment) },
+      });
+    }
+  }
+  class WidgetTaggedHandler extends TransactionalInboxMessageHandler {
+    constructor() {
+      super(widgets.WidgetTagged, logger, {});
+    }
+    async handleMessage(message, client) {
+      await recordTenantMessage(client, message, message.payload.name);
+    }
+  }
   const transactionalLogger = new TransactionalLogMapper(logger, logLevel);
   const [stopInbox] = initializePollingMessageListener(
     listenerConfig('inbox'),
-    [new CreateGadgetHandler(), new WidgetCreatedHandler()],
+    [new CreateGadgetHandler(), new WidgetCreatedHandler(), new TagGadgetHandler(), new WidgetTaggedHandler()],
     transactionalLogger,
   );
   const stopOutbox = setupPollingOutboxListener(listenerConfig('outbox'), broker, logger, { logLevel });
@@ -199,6 +250,24 @@ const main = async () => {
       await client.query('INSERT INTO widget_requests (widget_id, name) VALUES ($1, $2)', [widgetId, widgetName]);
       await storeOutboxMessage(widgetId, widgets.CreateWidget, { name: widgetName }, client, {
         envelopeOverrides: { message_context: { requested_by: SERVICE_ID } },
+      });
+      await client.query('COMMIT');
+    } catch (error) {
+      await client.query('ROLLBACK');
+      throw error;
+    } finally {
+      client.release();
+    }
+  }
+  const tagName = process.env.PEER_TAG_WIDGET;
+  if (tagName) {
+    const environment = { tenantId: env('PEER_TENANT_ID'), environmentId: env('PEER_ENVIRONMENT_ID') };
+    const client = await pool.connect();
+    try {
+      await client.query('BEGIN');
+      await storeOutboxMessage(`widget-${tagName}`, widgets.TagWidget, { name: tagName }, client, {
+        envelopeOverrides: { message_context: { requested_by: SERVICE_ID } },
+        options: { routingKey: widgets.TagWidget.getEnvironmentRoutingKey(environment) },
       });
       await client.query('COMMIT');
     } catch (error) {

@@ -1,0 +1,140 @@
+"""Tenant-scoped messages between txbox and a Mosaic service, both ways (docs/architecture.md,
+"Multi-tenant routing keys").
+
+Both contracts have Mosaic's multi-tenant channels (``*.*.entity.action``). The Mosaic peer
+(tests/interop/peer) fills the placeholders with Mosaic's own
+``MultiTenantMessagingSettings.getEnvironmentRoutingKey`` and passes the key as the
+publication's ``routingKey``, as a Mosaic service does; ``txbox run`` of ``widget-service``
+fills them from ``tenant_id=``/``environment_id=`` and, in a handler, from the incoming
+message. Judged from txbox's inbox and effects (the stored routing key names the tenant
+and environment), the peer's ``tenant_messages`` table and its output:
+
+- the peer's ``TagWidget`` for tenant A reaches txbox on A's key, and txbox's
+  ``WidgetTagged`` goes back to the peer on A's key;
+- txbox's ``TagGadget`` for tenant B reaches the peer on B's key, and the peer's
+  ``GadgetTagged`` comes back to txbox on B's key;
+- nothing is dead-lettered on the txbox side.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session
+
+from framework.service import Service
+from tests import support
+from tests.interop import app as widget_app
+from tests.interop.test_mosaic_peer import (
+    DEADLINE,
+    PEER_ID,
+    NodePeer,
+    free_port,
+    node_peer_ready,
+    peer_database,  # noqa: F401 - fixture
+    ready,
+    rows,
+    widget_service,  # noqa: F401 - fixture
+)
+from txbox_tools.processes import ProcessGroup
+
+pytestmark = pytest.mark.acceptance
+
+WIDGETS = widget_app.SERVICE
+
+
+def test_tenant_scoped_commands_and_events_cross_both_ways_under_their_tenants_keys(
+    widget_service: Service,  # noqa: F811
+    peer_database: str,  # noqa: F811
+    amqp_url: str,
+    tmp_path: Path,
+) -> None:
+    node = node_peer_ready()
+    txbox_db = widget_service.settings.database_url
+    tenant_a, env_a = str(uuid.uuid4()), str(uuid.uuid4())  # Mosaic's ids are UUIDs
+    tenant_b, env_b = "tenant-b", "env-b"
+    group = ProcessGroup(tmp_path / "logs")
+    peer = NodePeer(
+        node,
+        {
+            "PEER_CONTRACTS": str(widget_app.CONTRACTS),
+            "PEER_DATABASE_URL": peer_database,
+            "PEER_AMQP_URL": amqp_url,
+            "LOG_LEVEL": "WARN",
+        },
+        tmp_path / "mosaic-peer.log",
+    )
+    try:
+        # txbox first: its inbox queue is bound with the placeholders before the peer's
+        # command arrives (Mosaic declares a command's target queue, not its binding).
+        port = free_port()
+        env = {"TXBOX_DATABASE_URL": txbox_db, "TXBOX_AMQP_URL": amqp_url}
+        txbox = group.start(
+            "widget-run", ["run", "--app", "tests.interop.app:service", "--metrics-port", str(port)], env
+        )
+        support.wait_until(lambda: ready(port) or not txbox.alive, DEADLINE, message="txbox run to be ready")
+        assert txbox.alive, txbox.log_tail(40)
+        peer.start(PEER_TAG_WIDGET="t1", PEER_TENANT_ID=tenant_a, PEER_ENVIRONMENT_ID=env_a)
+        with Session(widget_service.engine) as session, session.begin():
+            widget_service.outbox(session).send_command(
+                "TagGadget", aggregate_id="gadget-t2", payload={"name": "t2"}, tenant_id=tenant_b, environment_id=env_b
+            )
+
+        def count(url: str, query: str) -> int:
+            return int(rows(url, query)[0][0])
+
+        support.wait_until(
+            lambda: (
+                (
+                    count(
+                        txbox_db,
+                        "SELECT count(*) FROM interop_effects WHERE message_type IN ('TagWidget', 'GadgetTagged')",
+                    )
+                    == 2
+                    and count(peer_database, "SELECT count(*) FROM tenant_messages") == 2
+                )
+                or not (peer.alive and txbox.alive)
+            ),
+            DEADLINE,
+            message="a tenant's command and event each way",
+        )
+        assert peer.alive, peer.log()[-3000:]
+        assert txbox.alive, txbox.log_tail(40)
+
+        # txbox's inbox keeps the key each tenant-scoped message came with.
+        stored = dict(
+            rows(
+                txbox_db,
+                "SELECT message_type, routing_key FROM txbox.inbox WHERE message_type IN ('TagWidget', 'GadgetTagged')",
+            )
+        )
+        assert stored == {
+            "TagWidget": f"{WIDGETS}.{tenant_a}.{env_a}.widget.tag",
+            "GadgetTagged": f"{PEER_ID}.{tenant_b}.{env_b}.gadget.tagged",
+        }
+        effects = dict(rows(txbox_db, "SELECT message_type, routing_key FROM interop_effects"))
+        assert effects["TagWidget"] == stored["TagWidget"] and effects["GadgetTagged"] == stored["GadgetTagged"]
+        # txbox's event took the command's tenant, as the outbox row shows.
+        sent = rows(txbox_db, "SELECT routing_key FROM txbox.outbox WHERE message_type = 'WidgetTagged'")
+        assert sent == [(f"{WIDGETS}.{tenant_a}.{env_a}.widget.tagged",)]
+
+        # The peer: its handlers saw each tenant's key, and said so.
+        seen = {
+            row[0]: row[1:]
+            for row in rows(
+                peer_database, "SELECT message_type, routing_key, tenant_id, environment_id FROM tenant_messages"
+            )
+        }
+        assert seen == {
+            "TagGadget": (f"{PEER_ID}.{tenant_b}.{env_b}.gadget.tag", tenant_b, env_b),
+            "WidgetTagged": (f"{WIDGETS}.{tenant_a}.{env_a}.widget.tagged", tenant_a, env_a),
+        }
+        log = peer.log()
+        assert f"{PEER_ID} handled TagGadget on {PEER_ID}.{tenant_b}.{env_b}.gadget.tag" in log
+        assert f"{PEER_ID} handled WidgetTagged on {WIDGETS}.{tenant_a}.{env_a}.widget.tagged" in log
+        assert count(txbox_db, "SELECT count(*) FROM txbox.dead_letters") == 0
+    finally:
+        peer.stop()
+        group.stop_all(timeout=10)
