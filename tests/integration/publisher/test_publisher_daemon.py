@@ -146,9 +146,10 @@ def test_metrics_labels_never_carry_a_urls_password(settings: Settings, service:
 
     def published() -> set[str] | None:
         try:
-            found = {dict(labels)["message_type"] for (name, labels) in scrape(port) if name.endswith("published_total")}
+            scraped = scrape(port)
         except OSError:
             return None
+        found = {dict(labels)["message_type"] for (name, labels) in scraped if name.endswith("published_total")}
         return found if len(found) >= len(quoted) else None
 
     assert wait_until(published, 30, message="the published counters") == {
