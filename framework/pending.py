@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import psycopg
 
-from framework import names
+from framework import names, redaction
 from framework.sql import pending as pending_sql
 
 State = Literal["leased", "failing", "parked", "scheduled", "due"]
@@ -70,7 +70,10 @@ class Filters:
 def list_pending(conn: psycopg.Connection[Any], schema: str, filters: Filters) -> list[dict[str, Any]]:
     """Up to ``filters.limit`` pending rows, highest priority then oldest first, each with its state and age."""
     query, params = pending_sql.list_query(schema, filters)
-    return [dict(r) for r in conn.execute(query, params).fetchall()]
+    rows = [dict(r) for r in conn.execute(query, params).fetchall()]
+    for row in rows:  # a cut never leaves part of a URL's password (docs/architecture.md, "Secrets")
+        row["last_error"] = redaction.clip(row["last_error"], pending_sql.ERROR_CHARS)
+    return rows
 
 
 def counts(conn: psycopg.Connection[Any], schema: str, table: str, *, park: bool = False) -> dict[str, Any]:

@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from framework.daemon import Daemon
 from framework.errors import ConfigurationError
+from framework.redaction import mask_credentials
 
 
 def health(daemons: Sequence[Daemon], stuck_after: float) -> tuple[bool, dict[str, Any]]:
@@ -45,6 +48,30 @@ def readiness(daemons: Sequence[Daemon]) -> tuple[bool, dict[str, Any]]:
     if waiting:
         body["waiting"] = waiting
     return ready, body
+
+
+class MaskedRegistry(Collector):
+    """A registry as ``/metrics`` shows it: every label value through :func:`mask_credentials`.
+
+    Label values come from rows (an outbox or inbox row's ``message_type``, whatever
+    wrote it), so one can quote a URL or a DSN; masked here, where the text leaves the
+    process, whichever metric carries it (docs/architecture.md, "Secrets"). Two values
+    that differ only in a password would show as one series twice: never for a type
+    of the contracts, which a URL is not.
+    """
+
+    def __init__(self, registry: Collector) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [
+                s._replace(labels={k: mask_credentials(v) for k, v in s.labels.items()}) for s in family.samples
+            ]
+            yield family
+
+
+_SHOWN = MaskedRegistry(REGISTRY)
 
 
 class ProbeServer:
@@ -85,7 +112,7 @@ def _handler(probes: ProbeServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._send(200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY))
+                self._send(200, CONTENT_TYPE_LATEST, generate_latest(_SHOWN))
             elif path == "/healthz":
                 self._json(*health(probes.daemons, probes.stuck_after))
             elif path == "/readyz":

@@ -217,6 +217,42 @@ def mask_credentials(text: str) -> str:
     return _KEY_VALUE.sub(_mask_value, "".join(out))
 
 
+def credentials_masked(value: Any) -> Any:
+    """A copy of a JSON-like ``value`` with every string, keys too, through :func:`mask_credentials`.
+
+    For an exit whose data may have been masked already (:func:`masked` is not
+    idempotent, this is): the dashboard's JSON answers (docs/architecture.md, "Secrets")."""
+    if isinstance(value, dict):
+        return {credentials_masked(k): credentials_masked(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [credentials_masked(v) for v in value]
+    if isinstance(value, str):
+        return mask_credentials(value)
+    return value
+
+
+def clip(text: str | None, limit: int) -> str | None:
+    """At most ``limit`` characters of ``text`` for a list or a summary, and never a cut URL's password.
+
+    Cut inside its user info, ``scheme://user:pass`` has lost the ``@`` that tells
+    :func:`mask_credentials` a password is there: a URL the cut runs through is dropped
+    from its scheme on. ``text`` may be SQL's ``left(error, limit + 1)``: longer than
+    ``limit`` is what says it was cut. The ``password=`` forms need nothing: masked up
+    to the end of the text, a cut one is masked all the same. Linear (one scan).
+    """
+    if text is None or len(text) <= limit:
+        return text
+    kept = text[:limit]
+    last = None
+    for last in _URL_START.finditer(kept):  # noqa: B007 (the last one is wanted)
+        pass
+    if last is not None:
+        rest = _URL_REST.match(kept, last.end())
+        if rest is not None and rest.end() == len(kept):
+            kept = kept[: last.start()]
+    return kept
+
+
 def _mask_value(m: re.Match[str]) -> str:
     if m.group("qkey") is not None:
         return m.group("qkey") + CREDENTIAL_MARK

@@ -17,10 +17,12 @@ import importlib
 import logging
 import os
 import sys
+import threading
+import traceback
 import typing
 from collections.abc import Sequence
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
-from types import ModuleType
+from types import ModuleType, TracebackType
 
 from framework import logs, redaction
 from framework.errors import TxboxError
@@ -106,7 +108,48 @@ class _Parser(argparse.ArgumentParser):
         super().error(redaction.mask_credentials(message))
 
 
+def _write_masked(text: str) -> None:
+    try:
+        sys.stderr.write(redaction.redact_text(text))
+        sys.stderr.flush()
+    except Exception:  # the last resort: stderr closed, or the masker failing on odd input
+        pass
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    """An exception nobody caught in the main thread: the default's traceback, masked."""
+    _write_masked("".join(traceback.format_exception(exc_type, exc, tb)))
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    """A thread that died of an exception (an application's own thread, a library's):
+    the default's text, ``Exception in thread <name>:`` and the traceback, masked."""
+    if args.exc_type is SystemExit:
+        return  # as the default: a thread's sys.exit() is silent
+    name = args.thread.name if args.thread is not None else threading.get_ident()
+    lines = traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)
+    _write_masked(f"Exception in thread {name}:\n" + "".join(lines))
+
+
+def _unraisablehook(unraisable: typing.Any) -> None:
+    """An exception Python could not raise (in ``__del__``, a finalizer): masked as well."""
+    where = f"{unraisable.err_msg or 'Exception ignored in'}: {unraisable.object!r}\n"
+    lines = traceback.format_exception(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)
+    _write_masked(where + "".join(lines))
+
+
+def install_excepthooks() -> None:
+    """Tracebacks that no log handler formats (an uncaught exception in the main thread or
+    in any thread, an unraisable one) go to stderr through the same masker as the logs
+    (redaction.redact_text): a driver's text quoting a URL or DSN loses its password
+    there too (docs/architecture.md, "Secrets"). Installed by :func:`main`, for the whole process."""
+    sys.excepthook = _excepthook
+    threading.excepthook = _thread_excepthook
+    sys.unraisablehook = _unraisablehook
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    install_excepthooks()
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] in (["-V"], ["--version"]):
         print(f"txbox {_version()}")

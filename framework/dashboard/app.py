@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import jinja2
+import markupsafe
 from sqlalchemy.engine import Engine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -49,7 +50,7 @@ from framework.dashboard.security import (
 from framework.dlq import queries, replay
 from framework.dlq.present import masked
 from framework.errors import ConfigurationError, HttpError, TxboxError
-from framework.redaction import redact_text
+from framework.redaction import credentials_masked, mask_credentials, redact_text
 from framework.settings import Seconds, setting
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import heartbeats
@@ -198,6 +199,23 @@ def _bucket(seconds: int) -> str:
     return f"{seconds // 3600} h" if seconds >= 3600 else f"{seconds // 60} min"
 
 
+def shown(value: Any) -> Any:
+    """Every value a page prints, on its way out: credentials of URLs and DSNs masked
+    (docs/architecture.md, "Secrets"). The rows were masked when read; this also covers
+    what is not a row (a filter's choices, an error's text, whatever a page adds later).
+    Markup is the page's own (charts drawn from numbers): it passes as it is."""
+    if isinstance(value, str) and not isinstance(value, markupsafe.Markup):
+        return mask_credentials(value)
+    return value
+
+
+class MaskedJSON(JSONResponse):
+    """Every answer of the JSON API: its strings, keys too, through :func:`shown`'s masker."""
+
+    def render(self, content: Any) -> bytes:
+        return super().render(credentials_masked(content))
+
+
 def _time(value: datetime | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
@@ -216,6 +234,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(HERE / "templates"),
         autoescape=True,
+        finalize=shown,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -574,22 +593,22 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     # --- JSON API --------------------------------------------------------------------
 
     def api_overview(request: Request) -> Response:
-        return JSONResponse(
+        return MaskedJSON(
             jsoncodec.plain({"window": window_of(request), "services": overview_data(window_of(request))})
         )
 
     def api_groups(request: Request) -> Response:
-        return JSONResponse(jsoncodec.plain({"groups": groups_data(request)}))
+        return MaskedJSON(jsoncodec.plain({"groups": groups_data(request)}))
 
     def api_letters(request: Request) -> Response:
         data = letters_data(request)
         data["filters"] = data["filters"].as_query()
         data.pop("choices")
-        return JSONResponse(jsoncodec.plain(data))
+        return MaskedJSON(jsoncodec.plain(data))
 
     def api_letter(request: Request) -> Response:
         s, row = letter_data(request.path_params["service"], request.path_params["id"])
-        return JSONResponse(jsoncodec.plain({"service": s.name, "letter": row}))
+        return MaskedJSON(jsoncodec.plain({"service": s.name, "letter": row}))
 
     def api_act_letter(request: Request) -> Response:
         require_change_rights(request, None)
@@ -597,7 +616,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         dry = request.query_params.get("dry_run") in ("1", "true")
         token = operator_token(request.headers.get(REPLAY_TOKEN_HEADER), f"the {REPLAY_TOKEN_HEADER} header")
         outcomes = act(s, request.path_params["action"], [request.path_params["id"]], dry_run=dry, auth_token=token)
-        return JSONResponse({"dry_run": dry, "outcomes": [o.as_dict() for o in outcomes]})
+        return MaskedJSON({"dry_run": dry, "outcomes": [o.as_dict() for o in outcomes]})
 
     def api_act_group(request: Request) -> Response:
         require_change_rights(request, None)
@@ -606,16 +625,16 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         token = operator_token(request.headers.get(REPLAY_TOKEN_HEADER), f"the {REPLAY_TOKEN_HEADER} header")
         ids = group_ids(s, request.path_params["fingerprint"])
         outcomes = act(s, request.path_params["action"], ids, dry_run=dry, auth_token=token)
-        return JSONResponse({"dry_run": dry, "outcomes": [o.as_dict() for o in outcomes]})
+        return MaskedJSON({"dry_run": dry, "outcomes": [o.as_dict() for o in outcomes]})
 
     def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True, "sources": [s.name for s in sources]})
+        return MaskedJSON({"ok": True, "sources": [s.name for s in sources]})
 
     # --- plumbing --------------------------------------------------------------------
 
     def error_response(request: Request, status: int, message: str) -> Response:
         if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": message}, status_code=status)
+            return MaskedJSON({"error": message}, status_code=status)
         return render(request, "error.html", status, title=f"Error {status}", status=status, message=message)
 
     class ViewGuard:
@@ -630,7 +649,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             if scope["type"] == "http" and not open_path and not auth.may_view(Request(scope)):
                 response: Response
                 if path.startswith("/api/"):
-                    response = JSONResponse({"error": "send Authorization: Bearer <token>"}, status_code=401)
+                    response = MaskedJSON({"error": "send Authorization: Bearer <token>"}, status_code=401)
                 else:
                     response = RedirectResponse("/login?" + urlencode({"next": path}), 303)
                 await response(scope, receive, send)

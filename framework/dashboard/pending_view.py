@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from framework import jsoncodec, names, pending
-from framework.dashboard.app import Source
+from framework.dashboard.app import MaskedJSON, Source
 from framework.dlq import queries
 from framework.dlq.present import masked
 from framework.errors import HttpError
@@ -72,6 +72,6 @@ def routes(source: Callable[[str], Source], render: Callable[..., HTMLResponse])
         found = data(request)
         f = found.pop("filters")
         found["filters"] = {k: v for k, v in vars(f).items() if v is not None and k != "park"}
-        return JSONResponse(jsoncodec.plain(found))
+        return MaskedJSON(jsoncodec.plain(found))
 
     return [Route("/pending/{service}", page), Route("/api/pending/{service}", api)]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from framework import names
+from framework import names, redaction
 from framework.dead_letters import DeadLetter
 from framework.sql.inbox import same_content
 
@@ -155,8 +155,13 @@ STATUS_CASE = (
     "CASE WHEN discarded_at IS NOT NULL THEN 'discarded' WHEN resolved_at IS NOT NULL THEN 'resolved' "
     "WHEN replayed_at IS NOT NULL THEN 'replayed' ELSE 'open' END"
 )
+#: Characters of the error a list row and a group's sample show; SQL reads one more, so
+#: :func:`framework.redaction.clip` can tell a cut text (and drop a URL the cut ran through).
+LIST_ERROR_CHARS = 240
+GROUP_ERROR_CHARS = 300
 LIST_COLUMNS = (
-    "id, message_id, source, reason, left(error, 240) AS error, fingerprint, message_type, routing_key, "
+    f"id, message_id, source, reason, left(error, {LIST_ERROR_CHARS + 1}) AS error, fingerprint, message_type, "
+    "routing_key, "
     f"died_at, replayed_at, replay_count, resolved_at, discarded_at, {STATUS_CASE} AS status"
 )
 
@@ -192,7 +197,8 @@ def list_letters(
         + LIST_COLUMNS
         + " FROM {t} WHERE {where} ORDER BY died_at DESC, id DESC LIMIT {limit} OFFSET {offset}"
     ).format(t=_letters(schema), where=where, limit=sql.Placeholder("limit"), offset=sql.Placeholder("offset"))
-    return list(conn.execute(query, {**params, "limit": limit, "offset": offset}).fetchall())
+    rows = list(conn.execute(query, {**params, "limit": limit, "offset": offset}).fetchall())
+    return _clipped(rows, LIST_ERROR_CHARS)
 
 
 def count_letters(conn: psycopg.Connection[Any], schema: str, filters: Filters) -> int:
@@ -213,13 +219,20 @@ def groups(conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limi
                SELECT fingerprint, count(*) AS count, min(died_at) AS first_died_at, max(died_at) AS last_died_at
                FROM {t} WHERE {where} GROUP BY fingerprint ORDER BY count(*) DESC, max(died_at) DESC
                LIMIT {limit})
-           SELECT g.*, s.message_type, s.reason, s.source, left(s.error, 300) AS error
+           SELECT g.*, s.message_type, s.reason, s.source, left(s.error, {chars}) AS error
            FROM g CROSS JOIN LATERAL (
                SELECT message_type, reason, source, error FROM {t} d
                WHERE d.fingerprint = g.fingerprint ORDER BY died_at DESC LIMIT 1) s
            ORDER BY g.count DESC, g.last_died_at DESC"""
-    ).format(t=_letters(schema), where=where, limit=sql.Placeholder("limit"))
-    return list(conn.execute(query, {**params, "limit": limit}).fetchall())
+    ).format(t=_letters(schema), where=where, limit=sql.Placeholder("limit"), chars=sql.Literal(GROUP_ERROR_CHARS + 1))
+    return _clipped(list(conn.execute(query, {**params, "limit": limit}).fetchall()), GROUP_ERROR_CHARS)
+
+
+def _clipped(rows: list[dict[str, Any]], chars: int) -> list[dict[str, Any]]:
+    """The rows' errors cut to ``chars``, never leaving part of a URL's password (docs/architecture.md, "Secrets")."""
+    for row in rows:
+        row["error"] = redaction.clip(row["error"], chars)
+    return rows
 
 
 def get_letter(conn: psycopg.Connection[Any], schema: str, letter_id: int) -> dict[str, Any] | None:

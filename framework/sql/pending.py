@@ -22,12 +22,14 @@ from framework.tables import PENDING, pending_in_segment
 if TYPE_CHECKING:
     from framework.pending import Filters
 
-ERROR_CHARS = 2000  # of last_error: enough to recognise the failure; the full text is in the row
+# Of last_error: enough to recognise the failure; the full text is in the row. SQL reads
+# one more for framework.redaction.clip to see a cut (framework/pending.py cuts).
+ERROR_CHARS = 2000
 
 _COLUMNS = (
     "o.id, o.message_type, o.kind, o.routing_key, o.aggregate_type, o.aggregate_id, o.segment, o.concurrency, "
     "o.priority, o.created_at, o.locked_until, o.started_attempts, o.finished_attempts, "
-    f"left(o.last_error, {ERROR_CHARS}) AS last_error, o.payload, o.message_context, o.metadata"
+    f"left(o.last_error, {ERROR_CHARS + 1}) AS last_error, o.payload, o.message_context, o.metadata"
 )
 
 # Seconds since the row was written (outbox) or stored (inbox).

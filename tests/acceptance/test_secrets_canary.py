@@ -7,10 +7,15 @@ processed, and the event the handler publishes), rejected by the receiver at eac
 NUL, too large; with the token also in AMQP headers and inside an escaped JSON string),
 rejected by the worker (PermanentError), dead-lettered by the broker (collector),
 abandoned by the relay (an unroutable command), replayed from the dead letters, archived
-(`txbox archive`) and analyzed (`txbox analyze`, Spark local). Then every table of the
-database, every output (`txbox dlq` text and JSON, the dashboard's pages and API with and
-without credentials, the daemons' logs, /metrics, the commands' output) and every
-Parquet file is searched for it.
+(`txbox archive`) and analyzed (`txbox analyze`, Spark local). The canary is also every
+password a URL or DSN carries: the daemons' and the Spark job's ``TXBOX_DATABASE_URL``
+as ``postgres:<canary>@`` (PostgreSQL trusts, any password passes), the read-only
+commands' as ``?password=<canary>``, ``TXBOX_AMQP_URL`` as a list of two URLs of a
+RabbitMQ user whose password it is, and commands that fail on a libpq ``password=``
+DSN, a URL argument argparse rejects and a DSN ``--source``. Then every table of the
+database, every output (`txbox dlq` text and JSON, `txbox check`, the dashboard's pages
+and API with and without credentials, the daemons' logs, /metrics, the commands' output)
+and every Parquet file is searched for it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import textwrap
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -114,12 +120,40 @@ def _start(running: list[Any], logs: Path, name: str, args: list[str], env: dict
     running.append((proc, log))
 
 
-def _txbox(outputs: Outputs, env: dict[str, str], *args: str, timeout: float = 120) -> str:
+def _txbox(
+    outputs: Outputs, env: dict[str, str], *args: str, timeout: float = 120, codes: tuple[int, ...] = (0, 1)
+) -> str:
     done = subprocess.run(
         [str(TXBOX), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
-    assert done.returncode in (0, 1), f"txbox {' '.join(args)}: {done.returncode}\n{done.stderr[-3000:]}"
+    assert done.returncode in codes, f"txbox {' '.join(args)}: {done.returncode}\n{done.stderr[-3000:]}"
     return outputs.add(f"txbox {' '.join(args)}", done.stdout + done.stderr)
+
+
+def _with_password(database_url: str) -> str:
+    """The test database's URL with the canary as the password in its user info."""
+    parts = urllib.parse.urlsplit(database_url)
+    assert parts.username and not parts.password, database_url
+    netloc = f"{parts.username}:{CANARY}@{parts.hostname}:{parts.port or 5432}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _with_query_password(database_url: str) -> str:
+    return database_url + ("&" if "?" in database_url else "?") + f"password={CANARY}"
+
+
+@pytest.fixture
+def canary_amqp_url(vhost: str) -> Iterator[str]:
+    """Two URLs (a list, as for a cluster) of a RabbitMQ user of the test's vhost whose password is the canary."""
+    user = support.unique("txbox-canary")
+    support.mgmt("PUT", f"/users/{user}", {"password": CANARY, "tags": ""})
+    where = f"/permissions/{support.vhost_path(vhost)}/{user}"
+    support.mgmt("PUT", where, {"configure": ".*", "write": ".*", "read": ".*"})
+    path = support.vhost_path(vhost)
+    try:
+        yield ",".join(f"amqp://{user}:{CANARY}@{host}:{support.AMQP_PORT}/{path}" for host in (support.AMQP_HOST,) * 2)
+    finally:
+        support.mgmt("DELETE", f"/users/{user}")
 
 
 def _spark_commands(outputs: Outputs, env: dict[str, str], commands: list[list[str]], timeout: float) -> str:
@@ -280,12 +314,13 @@ def _parquet_leaks(*roots: Path) -> tuple[int, list[str]]:
 
 
 def test_the_canary_token_is_in_no_output_and_no_table(
-    database_url: str, amqp_url: str, service: Service, daemons: list[Any], tmp_path: Path
+    database_url: str, canary_amqp_url: str, service: Service, daemons: list[Any], tmp_path: Path
 ) -> None:
     from examples import migrate as example_migrate
 
     example_migrate.upgrade("orders", database_url)
-    env = _env(database_url, amqp_url)
+    env = _env(_with_password(database_url), canary_amqp_url)
+    read_env = {**env, "TXBOX_DATABASE_URL": _with_query_password(database_url)}
     outputs = Outputs()
     conn = psycopg.connect(conninfo(database_url), autocommit=True, row_factory=dict_row)
     try:
@@ -300,7 +335,7 @@ def test_the_canary_token_is_in_no_output_and_no_table(
         # --- every path --------------------------------------------------------------------
         accepted = _send_from_outbox(service, "PlaceOrder", "o-1", {"customer": "ada", "sku": "SKU-1", "quantity": 1})
         _send_from_outbox(service, "RestockItem", "SKU-1", {"sku": "SKU-1", "quantity": 5})  # unroutable
-        sent = _publish_raw(amqp_url, service)
+        sent = _publish_raw(canary_amqp_url, service)
         expected_letters = 10  # 8 from the receiver/worker, 1 broker, 1 relay
 
         def settled() -> bool:
@@ -341,10 +376,22 @@ def test_the_canary_token_is_in_no_output_and_no_table(
             for args in (["list"], ["list", "--json"], ["list", "--groups"], ["list", "--groups", "--json"])
         ]
         commands += [["dlq", "show", str(lid), *json_flag] for lid in ids for json_flag in ([], ["--json"])]
+        commands += [["check", "--app", APP], ["inbox", "list"], ["outbox", "list", "--json"]]
         with ThreadPoolExecutor(max_workers=4) as pool:
-            shown = dict(zip(map(tuple, commands), pool.map(lambda a: _txbox(outputs, env, *a), commands), strict=True))
+            shown = dict(
+                zip(map(tuple, commands), pool.map(lambda a: _txbox(outputs, read_env, *a), commands), strict=True)
+            )
         for lid in ids:
             assert f"{lid}" in shown[("dlq", "show", str(lid))]
+        # Failing on a URL or DSN: the error quotes it, masked.
+        dsn = f"host=127.0.0.1 user=postgres password={CANARY} dbname=orders"
+        failing = [
+            ({**env, "TXBOX_DATABASE_URL": dsn}, ["dlq", "list"]),
+            (env, ["dlq", "list", "--limit", f"postgresql://postgres:{CANARY}@127.0.0.1/x"]),
+            (env, ["dashboard", "--port", str(free_port()), "--source", f"order-service={dsn}"]),
+        ]
+        for failing_env, args in failing:
+            assert "***" in _txbox(outputs, failing_env, *args, codes=(2,)), args
 
         dashboard_port = free_port()
         _start(daemons, tmp_path, "dashboard", ["dashboard", "--app", APP, "--port", str(dashboard_port)], env)
@@ -372,7 +419,7 @@ def test_the_canary_token_is_in_no_output_and_no_table(
             assert status in (200, 401), path  # redirects to the login are followed: the login page
             outputs.add(f"dashboard {path} (no credentials)", body)
         # A dashboard without a token shows everything to anyone on the host: masked all the same.
-        source = Source("order-service", database_url, schema="txbox", contracts_dir=CONTRACTS)
+        source = Source("order-service", _with_password(database_url), schema="txbox", contracts_dir=CONTRACTS)
         with serving(create_app([source], DashboardSettings())) as open_base:
             for path in paths:
                 status, body = _get(open_base + path)
@@ -394,7 +441,7 @@ def test_the_canary_token_is_in_no_output_and_no_table(
             [
                 "analyze",
                 "--source",
-                f"order-service={database_url}",
+                f"order-service={_with_password(database_url)}",
                 "--contracts-dir",
                 str(CONTRACTS),
                 "--history",

@@ -244,3 +244,23 @@ def test_a_bad_argument_never_prints_a_url_password(capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "invalid int value" in err and "app:***@db" in err
     assert PW not in err
+
+
+def test_clip_drops_a_url_the_cut_runs_through_and_keeps_the_rest() -> None:
+    text = "lost postgresql://app:hunter2-long-password@db/x, retrying"
+    cut = text.index("hunter2") + 7  # inside the password: no @ left to mark it
+    assert redaction.mask_credentials(text[:cut]).endswith("hunter2")  # what a plain cut would show
+    assert redaction.clip(text, cut) == "lost "
+    assert redaction.clip(text, len(text)) == text  # not cut: as it is
+    assert redaction.clip(text, len(text) - 3) == "lost postgresql://app:hunter2-long-password@db/x, retry"
+    many = "amqp://a:pw1@h1,amqp://b:pw2-secret@h2"
+    assert redaction.clip(many, many.index("pw2") + 3) == "amqp://a:pw1@h1,"
+    assert redaction.clip(None, 5) is None
+    assert redaction.mask_credentials(redaction.clip("x password='a b c' y", 14) or "") == "x password='***'"
+
+
+def test_credentials_masked_masks_every_string_and_key_and_is_idempotent() -> None:
+    value = {"postgresql://u:pw@h": ["password=pw", 3, None], "n": ("amqp://u:pw@h",)}
+    once = redaction.credentials_masked(value)
+    assert once == {"postgresql://u:***@h": ["password=***", 3, None], "n": ["amqp://u:***@h"]}
+    assert redaction.credentials_masked(once) == once

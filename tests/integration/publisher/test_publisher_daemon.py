@@ -125,3 +125,37 @@ def test_idle_publisher_costs_almost_no_cpu(settings: Settings, spawn: Spawn, tm
     print(f"idle publisher CPU: {used:.2%} of a core")
     assert proc.poll() is None
     assert used < 0.02, f"idle publisher used {used:.2%} of a core"
+
+
+def test_metrics_labels_never_carry_a_urls_password(settings: Settings, service: Service, spawn: Spawn) -> None:
+    """A row's message_type is a label value: one quoting a URL or a DSN (a row that
+    another writer, or an older version, put there with plain SQL) is shown masked."""
+    password = "pw" + os.urandom(12).hex()
+    quoted = [
+        f"Legacy postgresql://app:{password}@db1,db2/orders",
+        f"Legacy amqps://mq/%2F?password={password}&heartbeat=5",
+        f"Legacy host=db user=app password={password}",
+    ]
+    ids = insert_rows(settings, service.registry, orders(len(quoted), 1))
+    with psycopg.connect(conninfo(settings.database_url)) as conn:
+        for row_id, message_type in zip(ids, quoted, strict=True):
+            conn.execute("UPDATE txbox.outbox SET message_type = %s WHERE id = %s", (message_type, row_id))
+    port = free_port()
+    spawn(settings, "--metrics-port", str(port), TXBOX_PUBLISHER_METRICS_INTERVAL="0.2s")
+    wait_until(lambda: outbox_state(settings)["processed"] == len(quoted), 60, message="the rows published")
+
+    def published() -> set[str] | None:
+        try:
+            scraped = scrape(port)
+        except OSError:
+            return None
+        found = {dict(labels)["message_type"] for (name, labels) in scraped if name.endswith("published_total")}
+        return found if len(found) >= len(quoted) else None
+
+    assert wait_until(published, 30, message="the published counters") == {
+        "Legacy postgresql://app:***@db1,db2/orders",
+        "Legacy amqps://mq/%2F?password=***&heartbeat=5",
+        "Legacy host=db user=app password=***",
+    }
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert password not in resp.read().decode()
