@@ -17,11 +17,12 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from framework import Message, Outbox
+from framework import EventHandler, Message, Outbox
 from framework.envelope import parse_message
 from framework.handlers import Handler
 from framework.ids import sent_id
 from framework.service import Service
+from framework.testing import Harness
 from tests import support
 from tests.apps.async_orders import AsyncRecorder
 from tests.apps.helpers import place_order, query, running, store_in_inbox
@@ -36,6 +37,10 @@ def derived(service: Service, handler: Handler, message: dict[str, Any], count: 
     """The ids the derivation gives a run's first ``count`` OrderPlaced events."""
     incoming = uuid.UUID(message["message_id"])
     return [sent_id(incoming, service.name, handler.name, "OrderPlaced", n) for n in range(count)]
+
+
+def _ignore(self: EventHandler, message: Message, session: Session, outbox: Outbox) -> None:
+    pass
 
 
 def outbox_rows(url: str) -> list[tuple[uuid.UUID, str]]:
@@ -167,3 +172,28 @@ def test_an_explicit_message_id_in_a_handler_and_sends_outside_one_keep_their_ow
             sent.append(service.outbox(session, incoming=incoming).publish_event("OrderPlaced", **placed("outside")))
     assert sent[0] != sent[1] and {i.version for i in sent} == {7}
     assert {r[0] for r in outbox_rows(business) if r[1] == "outside"} == set(sent)
+
+
+def test_the_testing_kit_leaves_out_a_send_rolled_back_and_derives_the_same_ids(
+    service: Service,
+    business: str,  # noqa: F811
+) -> None:
+    def with_savepoint(message: Message, session: Session, outbox: Outbox) -> None:
+        try:
+            with session.begin_nested():
+                outbox.publish_event("OrderPlaced", **placed("undone"))
+                raise ValueError("roll the savepoint back")
+        except ValueError:
+            pass
+        outbox.publish_event("OrderPlaced", **placed("kept"))
+
+    handler = service.register(Recorder(with_savepoint))
+    for event_type in ("StockReserved", "StockRejected"):  # the kit runs only a service that assembles
+        service.register(type(event_type, (EventHandler,), {"message_type": event_type, "handle": _ignore})())
+    message = place_order()
+    with Harness(service, database_url=business) as kit:
+        delivered = kit.deliver(parse_message(json.dumps(message)))
+    assert [(m.message_id, m.aggregate_id) for m in delivered.sent] == [
+        (derived(service, handler, message, 1)[0], "kept")
+    ]
+    assert outbox_rows(business) == [(derived(service, handler, message, 1)[0], "kept")]
