@@ -33,11 +33,12 @@ def sent_id(incoming: uuid.UUID, service: str, handler: str, message_type: str, 
     """The id of a message a handler run sends: a name-based UUID (version 5) under
     :data:`framework.names.MESSAGE_ID_NAMESPACE`, the same for the same inputs in every run.
 
-    ``ordinal`` counts this run's earlier sends of ``message_type`` (from 0), so a handler run
-    again after a crash before its commit, or after a failover that lost that commit, sends
-    copies under the ids of the first run, which the receiving inbox drops as duplicates
-    (docs/architecture.md, "Guarantees and how they are kept"). The name is a JSON array, so
-    no two distinct inputs share one.
+    ``ordinal`` counts this run's earlier sends of ``message_type`` that it keeps (from 0; a
+    savepoint rolled back gives its sends' ordinals back), so a handler run again after a
+    crash before its commit, or after a failover that lost that commit, sends copies under
+    the ids of the first run, which the receiving inbox drops as duplicates
+    (docs/architecture.md, "Ids of the messages a handler sends"). The name is a JSON array,
+    so no two distinct inputs share one.
     """
     name = json.dumps([str(incoming), service, handler, message_type, ordinal], ensure_ascii=True)
     return uuid.uuid5(names.MESSAGE_ID_NAMESPACE, name)

@@ -13,13 +13,15 @@ validated here, so a bad message raises before anything commits.
 
 from __future__ import annotations
 
+import threading
 import uuid
+import weakref
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import Connection
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, event
+from sqlalchemy.orm import Session, SessionTransaction
 
 from framework import expiry, ids, names, outbox_async, outbox_commit, tables, tracing
 from framework.contracts import MessageSpec, Registry
@@ -47,7 +49,11 @@ class Outbox:
     which copies the incoming ``message_context`` and ``auth_token`` into everything written
     and, given ``sent_by`` (service name, handler name), derives each message's id from the
     incoming message's id, the handler and the send's ordinal among this run's messages of
-    its type (:func:`framework.ids.sent_id`); an explicit ``message_id=`` wins.
+    its type (:func:`framework.ids.sent_id`); an explicit ``message_id=`` wins and takes no
+    ordinal. Sends inside a savepoint (``begin_nested()``) that is rolled back are undone
+    here too: their rows leave ``written`` (and the worker's batch) and their ordinals are
+    given back, so the ids of what a run keeps do not depend on the savepoints that failed
+    on the way (docs/architecture.md, "Ids of the messages a handler sends").
     """
 
     def __init__(
@@ -79,6 +85,27 @@ class Outbox:
         # from the incoming message (framework/ids.py, sent_id); anyone else, random ones.
         self._sent_by = sent_by if incoming is not None else None
         self._ordinals: dict[str, int] = {}
+        # Savepoints begun since this outbox was made, in order: what to go back to when
+        # one is rolled back (lengths of the batch's rows and of `written`, the ordinals).
+        self._marks: dict[SessionTransaction, tuple[int, int, dict[str, int]]] = {}
+        if self._sent_by is not None or defer_to is not None:
+            _follow_savepoints(self._bind, self)
+
+    def _savepoint_begun(self, savepoint: SessionTransaction) -> None:
+        self._marks[savepoint] = (len(self._deferred or ()), len(self.written), dict(self._ordinals))
+
+    def _savepoint_ended(self, savepoint: SessionTransaction, *, rolled_back: bool) -> None:
+        if savepoint not in self._marks:
+            return  # begun before this outbox was made, or ended already
+        begun = list(self._marks)
+        deferred, written, ordinals = self._marks[savepoint]
+        for ended in begun[begun.index(savepoint) :]:  # it, and any savepoint begun inside it
+            del self._marks[ended]
+        if rolled_back:
+            if self._deferred is not None:
+                del self._deferred[deferred:]
+            del self.written[written:]
+            self._ordinals = ordinals
 
     @property
     def registry(self) -> Registry:
@@ -258,3 +285,58 @@ class Outbox:
             outbox_async.hold_in_connection(self._bind, self._schema, row.params(), pipeline=self._pipeline)
         self.written.append(row)
         return row.id
+
+
+# The outbox of the handler run in each session, for the savepoint listeners below.
+_following: weakref.WeakKeyDictionary[Session, weakref.ref[Outbox]] = weakref.WeakKeyDictionary()
+_listening = False
+_listen_lock = threading.Lock()
+
+
+def _follow_savepoints(bind: Session | Connection, outbox: Outbox) -> None:
+    """Tell ``outbox`` about the savepoints its session begins and ends from now on (a
+    handler run's outbox: the worker and the testing kit give it the handler's session).
+    Any outbox that followed the session before is done with it.
+
+    Session events, not the connection's: a session emits a savepoint's SAVEPOINT only
+    once a statement runs in it, and a send deferred for the batch's INSERT runs none.
+    """
+    if not isinstance(bind, Session):
+        return
+    global _listening
+    if not _listening:
+        with _listen_lock:
+            if not _listening:
+                # On the class, as the async outbox's are: a dictionary look-up per event
+                # of a session no handler's outbox follows.
+                event.listen(Session, "after_transaction_create", _on_transaction_create)
+                event.listen(Session, "after_commit", _on_commit)
+                event.listen(Session, "after_transaction_end", _on_transaction_end)
+                _listening = True
+    _following[bind] = weakref.ref(outbox)
+
+
+def _outbox_of(session: Session) -> Outbox | None:
+    ref = _following.get(session)
+    return ref() if ref is not None else None
+
+
+def _on_transaction_create(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.nested:
+        outbox = _outbox_of(session)
+        if outbox is not None:
+            outbox._savepoint_begun(transaction)
+
+
+def _on_commit(session: Session) -> None:
+    nested = session.get_nested_transaction()  # a savepoint's release; None: the top level
+    outbox = _outbox_of(session) if nested is not None else None
+    if outbox is not None and nested is not None:
+        outbox._savepoint_ended(nested, rolled_back=False)
+
+
+def _on_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.nested:
+        outbox = _outbox_of(session)
+        if outbox is not None:  # still marked after its end: it was rolled back
+            outbox._savepoint_ended(transaction, rolled_back=True)
