@@ -6,7 +6,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -261,7 +260,7 @@ def test_serialization_failures_rerun_without_counting(service: Service, busines
 def test_notify_wakes_an_idle_worker_long_before_the_poll(service: Service, business: str) -> None:
     service.register(Recorder())
     with running(worker(service, poll_interval=60)) as w:
-        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
+        support.wait_until(lambda: w.listening, 10, message="the worker to listen")
         store_in_inbox(service, [place_order()])
         support.wait_until(lambda: done(business) == 1, 10, message="processed after NOTIFY")
 
@@ -452,48 +451,36 @@ def test_a_worker_whose_connections_are_terminated_while_idle_reconnects(service
     service.register(recorder)
     w = worker(service)
     with running(w):
-        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
+        support.wait_until(
+            lambda: w.listening and w._claims.is_open and w._conn is not None, 10, message="the worker idle"
+        )
         killed = scalar(
             business,
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid()",
         )
-        assert killed >= 2  # the listener and the processing connection at least
+        assert killed >= 3  # the LISTEN, claim and processing connections
         store_in_inbox(service, [place_order(aggregate_id="after")])
         support.wait_until(lambda: done(business) == 1, 30, message="the message stored after the outage")
 
 
-def test_dropping_connections_waits_for_the_claim_running_ahead_and_gives_its_batch_back(
+def test_dropping_connections_collects_the_claim_sent_ahead_and_gives_its_batch_back(
     service: Service, business: str
 ) -> None:
-    """The claim ahead runs on the claim connection in its own thread: closing that
-    connection under it left the thread (and the worker waiting for it) hung forever."""
+    """A claim sent ahead (its rows leased, not yet read) when the connections are dropped
+    (a stop, database trouble) is collected and its rows given back, not left to wait out
+    their lease or counted as an attempt."""
     service.register(Recorder())
     messages = [place_order(aggregate_id=f"a{n}") for n in range(3)]
     store_in_inbox(service, messages)
     w = worker(service)
-    w._ahead_pool = ThreadPoolExecutor(1)
-    in_claim, go_on = threading.Event(), threading.Event()
-
-    def claim_ahead() -> list[Any]:
-        in_claim.set()
-        go_on.wait(30)
-        return w._claim(w._claim_batch, 10)
-
     try:
-        w._claim_db.get()
-        w._ahead = w._ahead_pool.submit(claim_ahead)
-        assert in_claim.wait(10)
-        dropping = threading.Thread(target=w._drop_connections)
-        dropping.start()
-        dropping.join(0.5)
-        assert dropping.is_alive(), "the claim connection was dropped under the claim running ahead"
-        go_on.set()
-        dropping.join(30)
-        assert not dropping.is_alive()
+        w._claims.send(w._claim_batch, 10)
+        assert w._claims.in_flight
+        support.wait_until(lambda: all(row(business, m)["leased"] for m in messages), 30, message="the claim ahead")
+        w._drop_connections()
+        assert not w._claims.in_flight
     finally:
-        go_on.set()
-        w._ahead_pool.shutdown(wait=True)
         w._drop_connections()
     # Claimed ahead, never run, given back: no attempt counted, no lease left.
     assert [row(business, m)["started"] for m in messages] == [0, 0, 0]
@@ -508,7 +495,7 @@ def test_a_segment_drains_without_a_notify_per_row_as_each_commit_frees_its_succ
     service.register(Recorder())
     messages = [place_order(aggregate_id="lane", quantity=n) for n in (1, 2, 3)]
     with running(worker(service, poll_interval=3600)) as w:
-        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
+        support.wait_until(lambda: w.listening, 10, message="the worker to listen")
         store_in_inbox(service, messages)
         support.wait_until(lambda: done(business) == 3, 30, message="the whole segment processed")
     assert [r[0] for r in query(business, "SELECT quantity FROM seen ORDER BY n")] == [1, 2, 3]
@@ -538,7 +525,7 @@ def test_a_batch_costs_three_round_trips_and_a_claim_one(service: Service, busin
     paths = {"batch": tmp_path / "batch", "claim": tmp_path / "claim"}
     try:
         assert w.run_once() == 2  # the first batch on a connection also creates the guard's table
-        conns = {"batch": driver(w._connection()), "claim": w._claim_db.get()}
+        conns = {"batch": driver(w._connection()), "claim": w._claims._slot.get()}  # the one a claim may be in flight on
         with paths["batch"].open("w") as batch_trace, paths["claim"].open("w") as claim_trace:
             for conn, handle in ((conns["batch"], batch_trace), (conns["claim"], claim_trace)):
                 conn.pgconn.trace(handle.fileno())
