@@ -126,6 +126,7 @@ class Worker(Daemon):
                     # (Re)connected before the claim, which finds what came while nobody listened.
                     self._listen.open()
                     handled = self.run_once()
+                    self.counts.publish(self._labels)
                     self._wake.found(handled, notified=notified)
                     notified = False
                     reconnect.succeeded()
@@ -188,7 +189,6 @@ class Worker(Daemon):
             or self._batches.freed
             or any(c.outcome not in (WorkerOutcome.PROCESSED, WorkerOutcome.FAILED) for c in batch)
         )
-        self.counts.publish(self._labels)
         return handled
 
     def stop(self) -> None:

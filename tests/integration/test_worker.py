@@ -265,6 +265,42 @@ def test_notify_wakes_an_idle_worker_long_before_the_poll(service: Service, busi
         support.wait_until(lambda: done(business) == 1, 10, message="processed after NOTIFY")
 
 
+def test_the_worker_listens_claims_ahead_and_handles_on_one_thread(service: Service, business: str) -> None:
+    """docs/architecture.md, "The daemons and their threads": besides its loop the worker
+    starts only the watchdog and the pruner (no listener, no claim thread), while it takes
+    a NOTIFY from sleep and claims ahead under a backlog."""
+    service.register(Recorder())
+    before = set(threading.enumerate())
+    w = worker(service, batch_size=5, poll_interval=60)
+    with running(w):
+        support.wait_until(lambda: w.listening, 10, message="the worker to listen")
+        store_in_inbox(service, [place_order(aggregate_id=f"t{n}") for n in range(30)])  # full batches: ahead
+        support.wait_until(lambda: done(business) == 30, 30, message="processed after NOTIFY")
+        started = {t.name for t in set(threading.enumerate()) - before}
+    # "worker": the test's thread running the loop.
+    assert started == {"worker", "txbox-watchdog", "txbox worker prune"}, started
+    assert w.counts.claims > 6 and w.counts.statements > w.counts.claims
+
+
+def test_a_stop_from_another_thread_ends_an_idle_wait_at_once(service: Service, business: str) -> None:
+    """stop() rings the loop's alarm: an idle worker with a poll interval of an hour ends
+    within seconds (the wait does not run out first)."""
+    service.register(Recorder())
+    w = worker(service, poll_interval=3600)
+    thread = threading.Thread(target=w.run, name="idle worker")
+    thread.start()
+    try:
+        support.wait_until(lambda: w.listening and w._claims.is_open, 10, message="the worker idle")
+        support.pause(0.2)  # into its wait
+        stopped = time.monotonic()
+        w.stop()
+        thread.join(20)
+        assert not thread.is_alive() and time.monotonic() - stopped < 10
+    finally:
+        w.stop()
+        thread.join(30)
+
+
 def test_stopping_finishes_the_batch_in_hand_and_leaves_no_lease(service: Service, business: str) -> None:
     entered = threading.Event()
 
@@ -521,17 +557,23 @@ def test_a_batch_costs_three_round_trips_and_a_claim_one(service: Service, busin
 
     service.register(Quiet())
     w = worker(service, batch_size=2)
+    counted = 0
     store_in_inbox(service, [place_order(aggregate_id=f"r{n}") for n in range(4)])
     paths = {"batch": tmp_path / "batch", "claim": tmp_path / "claim"}
     try:
         assert w.run_once() == 2  # the first batch on a connection also creates the guard's table
-        conns = {"batch": driver(w._connection()), "claim": w._claims._slot.get()}  # the one a claim may be in flight on
+        conns = {
+            "batch": driver(w._connection()),
+            "claim": w._claims._slot.get(),
+        }  # the one a claim may be in flight on
         with paths["batch"].open("w") as batch_trace, paths["claim"].open("w") as claim_trace:
             for conn, handle in ((conns["batch"], batch_trace), (conns["claim"], claim_trace)):
                 conn.pgconn.trace(handle.fileno())
                 conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
             try:
+                counted = w.counts.statements
                 assert w.run_once() == 2
+                counted = w.counts.statements - counted
             finally:
                 for conn in conns.values():
                     conn.pgconn.untrace()
@@ -540,4 +582,7 @@ def test_a_batch_costs_three_round_trips_and_a_claim_one(service: Service, busin
     assert _round_trips(paths["batch"].read_text()) == (3, 4)  # the DELETE and the COMMIT share one
     trips, statements = _round_trips(paths["claim"].read_text())
     assert trips == statements >= 1
+    # The worker's own count (txbox_worker_statements_total) is what libpq sent: the claim
+    # collected (sent during the previous batch) is counted now, the one sent now later.
+    assert counted == 4 + 1 and statements == 1
     assert done(business) == 4
