@@ -109,6 +109,12 @@ WORKER_PROCESSED = _counter("worker", "processed", "Messages handled and marked 
 WORKER_FAILED = _counter("worker", "failed", "Handler runs that failed and will be retried", "message_type")
 WORKER_ABANDONED = _counter("worker", "abandoned", "Messages given up into the dead letters", "message_type", "reason")
 WORKER_CONFLICTS = _counter("worker", "conflicts", "Batches re-run after a serialization failure or deadlock")
+# One claim per wake-up at most, and one that finds nothing is a statement for nothing
+# (docs/architecture.md, "Wake-ups"): ``found`` is ``rows`` or ``nothing``.
+WORKER_CLAIMS = _counter("worker", "claims", "Claims the worker ran, by whether they found rows", "found")
+WORKER_STATEMENTS = _counter(
+    "worker", "statements", "Statements the worker sent to PostgreSQL: claims, batches and the handlers' own"
+)
 WORKER_BACKLOG = _gauge("worker", "inbox_backlog", "rows", "Inbox rows neither processed nor abandoned")
 WORKER_OLDEST_DUE_AGE = _gauge(
     "worker", "oldest_due_age", "seconds", "How long the oldest due inbox row has been waiting"

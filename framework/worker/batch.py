@@ -37,6 +37,11 @@ repeat on restart (docs/architecture.md, "Worker: handlers that misbehave").
 Timeout: handlers run in the worker's thread (they need its transaction); a watchdog
 interrupts an overdue one (statement cancel + an exception raised in the thread) and
 ends the process if it still runs at the end of its lease (framework/worker/timeout.py).
+
+What a row's outcome means and the statements that record it are
+framework/worker/settle.py's; turning a claimed row into a :class:`Claimed`,
+framework/worker/decode.py's. One pass over a batch is one :class:`Pass`: its
+transaction, session and whether it runs carefully, handed to each handler run.
 """
 
 from __future__ import annotations
@@ -44,38 +49,37 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from sqlalchemy import Connection
+from sqlalchemy import Connection, NestedTransaction, Transaction
 
-from framework import db, expiry, jsoncodec, logs, metrics, names, outbox_commit, redaction, tracing
-from framework import dead_letters as dl
+from framework import db, expiry, logs, metrics, names, outbox_commit, tracing
 from framework.backoff import backoff_seconds
-from framework.envelope import Message
-from framework.errors import HandlerMisuse, HandlerTimeout, PermanentError
+from framework.errors import HandlerMisuse, HandlerTimeout
 from framework.middleware import Middleware
 from framework.outbox import Outbox
 from framework.outcomes import WorkerOutcome
 from framework.reasons import Reason
 from framework.service import Service
-from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as q
 from framework.sql import outbox as outbox_sql
 from framework.sql import rendered
 from framework.sql.outbox import OutboxRow
 from framework.worker import guard
 from framework.worker.config import GRACE, LEASE_MARGIN, MIN_RUN, WorkerConfig
-from framework.worker.decode import Undecodable
+from framework.worker.counts import Counts
+from framework.worker.decode import Claimed, describe
+from framework.worker.settle import Settlement, abandon, driver
 from framework.worker.timeout import Watchdog
+
+__all__ = ["BatchRunner", "Claimed", "Pass", "driver", "handler_span", "run_deadlines"]
 
 
 class _Conflict(Exception):
@@ -102,31 +106,28 @@ class _Rerun(Exception):
 
 
 @dataclass
-class Claimed:
-    """A claimed inbox row and what became of it."""
+class Pass:
+    """One pass over a batch, in one transaction: what every handler run of it shares.
 
-    id: uuid.UUID
-    message_type: str
-    routing_key: str
-    started: int  # started_attempts after our claim: the fencing token
-    finished: int
-    metadata: dict[str, Any]
-    message: Message
-    claimed_at: float  # time.monotonic() before the claim: the lease runs from here
-    outcome: WorkerOutcome = WorkerOutcome.PENDING
-    reason: str = ""
-    error: str = ""
-    error_type: str = ""
-    delay: float = 0.0
-    finished_delta: int = 1
-    crashed: bool = False  # its handler was running when the batch broke off: never released
-    undecodable: str = ""  # why the stored row could not be read; it is dead-lettered unrun
-    raw: dict[str, str] | None = None  # the stored columns as text, for the dead letter of such a row
+    ``careful``: each handler in a savepoint of its own, its outbox rows written at once;
+    otherwise (optimistic) no savepoints, and the handlers' outbox rows wait in
+    ``outbox_rows`` to be inserted together at the end of the pass.
+    """
+
+    conn: Connection
+    raw: psycopg.Connection[Any]
+    cur: psycopg.Cursor[Any]
+    transaction: Transaction
+    session: guard.HandlerSession
+    careful: bool
+    middleware: Sequence[Middleware] = ()
+    tracer: trace.Tracer | None = None  # the provider's tracer when spans record
+    outbox_rows: list[OutboxRow] = field(default_factory=list)
 
     @property
-    def unfinished_before(self) -> int:
-        """Runs before this claim that never finished: the process died inside them."""
-        return self.started - 1 - self.finished
+    def defer_to(self) -> list[OutboxRow] | None:
+        """Where a handler's outbox rows go: this pass's list, or None (written at once)."""
+        return None if self.careful else self.outbox_rows
 
 
 class BatchRunner:
@@ -134,7 +135,8 @@ class BatchRunner:
 
     ``connection`` opens (or returns) the processing connection, ``drop_connection``
     throws it away, and ``give_back`` releases claims when processing stops hard (the
-    daemon adds the batch it claimed ahead).
+    daemon adds the batch it claimed ahead). ``counts`` gets the transactions' BEGIN and
+    COMMIT (the statements go through the connection's counting cursor).
     """
 
     def __init__(
@@ -146,14 +148,18 @@ class BatchRunner:
         drop_connection: Callable[[], None],
         give_back: Callable[[Sequence[Claimed]], None],
         log: logging.Logger,
+        counts: Counts | None = None,
     ) -> None:
         self.service = service
         self.config = config
         self.schema = service.settings.schema
         self.log = log
+        self.counts = counts or Counts()
         self._connection = connection
         self._drop_processing_connection = drop_connection
         self._release_quietly = give_back
+        self._labels = {"service": service.settings.service}
+        self.settlement = Settlement(self.schema, config, self._labels, log)
         # Rendered once: run per batch (framework/sql/__init__.py, ``rendered``).
         presume = q.presume_processed(self.schema)
         self._presume = rendered(presume)
@@ -163,14 +169,11 @@ class BatchRunner:
         self._disarm = rendered(guard.disarm())
         self._disarm_text = self._disarm.decode()
         self._pipeline = service.settings.outbox_commit_pipeline  # off behind poolers that refuse pipelines
-        self._labels = {"service": service.settings.service}
         self._durations: dict[str, Any] = {}
         self._processed_counters: dict[str, Any] = {}
         self._watchdog: Watchdog | None = None
         self._guarded: Connection | None = None  # the connection known to have the commit guard's table
         self._guard_batches = 0  # batches armed on it since the table was created or truncated
-        self._middleware: Sequence[Middleware] = ()
-        self._tracer: trace.Tracer | None = None  # the provider's tracer when spans record
         self.freed = False  # the last run made rows due that no NOTIFY will announce
 
     def run(self, batch: list[Claimed], watchdog: Watchdog) -> int:
@@ -178,96 +181,6 @@ class BatchRunner:
         self._watchdog = watchdog
         self.freed = False
         return self._process(batch)
-
-    def claimed(self, row: Sequence[Any], claimed_at: float) -> Claimed:
-        """A claimed row (a tuple of framework.sql.inbox.CLAIM_COLUMNS); one that cannot be read is marked so."""
-        try:
-            return self._decode(row, claimed_at)
-        except Exception as exc:  # last resort: this row is dead-lettered, the batch goes on
-            return self._unreadable(row, claimed_at, _describe(exc))
-
-    def _decode(self, row: Sequence[Any], claimed_at: float) -> Claimed:
-        # By position, in the order of CLAIM_COLUMNS (this runs for every message).
-        (
-            message_id,
-            message_type,
-            aggregate_type,
-            aggregate_id,
-            message_version,
-            routing_key,
-            payload,
-            context,
-            metadata,
-            timestamp,
-            started,
-            finished,
-            _priority,
-            _created_at,
-        ) = row
-        # One test for the usual row; the reasons only for a bad one.
-        if (
-            isinstance(payload, Undecodable)
-            or isinstance(timestamp, Undecodable)
-            or not isinstance(context, dict | None)
-            or not isinstance(metadata, dict | None)
-        ):
-            return self._unreadable(row, claimed_at, _undecodable_reasons(payload, context, metadata, timestamp))
-        handler = self.service.handler_for(message_type)
-        max_attempts = (handler.max_attempts if handler else None) or self.config.max_attempts
-        metadata = metadata or {}
-        message = Message(
-            message_id=message_id,
-            message_type=message_type,
-            aggregate_type=aggregate_type,
-            aggregate_id=aggregate_id,
-            payload=payload,
-            message_context=context or {},
-            timestamp=timestamp if isinstance(timestamp, datetime) else datetime.fromisoformat(str(timestamp)),
-            message_version=message_version,
-            auth_token=metadata.get("auth_token"),
-            attempt=finished + 1,
-            max_attempts=max_attempts,
-            routing_key=routing_key,
-        )
-        return Claimed(
-            id=message_id,
-            message_type=message_type,
-            routing_key=routing_key,
-            started=started,
-            finished=finished,
-            metadata=metadata,
-            message=message,
-            claimed_at=claimed_at,
-        )
-
-    def _unreadable(self, claim: Sequence[Any], claimed_at: float, why: str) -> Claimed:
-        """A claimed row the worker cannot turn into a Message: abandoned unrun, its columns kept as text."""
-        row = dict(zip(q.CLAIM_COLUMNS, claim, strict=False))
-        finished = row["finished_attempts"]
-        message = Message(
-            message_id=row["id"],
-            message_type=str(row["message_type"]),
-            aggregate_type=str(row["aggregate_type"]),
-            aggregate_id=str(row["aggregate_id"]),
-            payload={},
-            message_version=str(row["message_version"]),
-            attempt=finished + 1,
-            max_attempts=self.config.max_attempts,
-            routing_key=row["routing_key"],
-        )
-        raw = {name: _as_text(row[name]) for name in q.STORED_COLUMNS}
-        return Claimed(
-            id=row["id"],
-            message_type=str(row["message_type"]),
-            routing_key=str(row["routing_key"]),
-            started=row["started_attempts"],
-            finished=finished,
-            metadata={},
-            message=message,
-            claimed_at=claimed_at,
-            undecodable=why,
-            raw=raw,
-        )
 
     # --- process ------------------------------------------------------------------
 
@@ -299,20 +212,20 @@ class BatchRunner:
                 # out the lease nor look like poison.
                 self._release_quietly(batch)
                 raise
-        self._count(batch)
+        self.settlement.count(batch, self._processed)
         return len(batch)
 
     def _last_resort(self, batch: list[Claimed], exc: Exception) -> int:
         """The worker failed on the batch for a reason no handler outcome explains (a bug, a
         value it cannot store): each message alone, and one that fails so alone is
         dead-lettered as ``internal_error``. Never a crash, which would repeat on restart."""
-        self.log.error("the worker failed on a batch of %d: %s", len(batch), _describe(exc))
+        self.log.error("the worker failed on a batch of %d: %s", len(batch), describe(exc))
         self._drop_processing_connection()  # its state is unknown
         if len(batch) > 1:
             return sum(self._process([claimed]) for claimed in batch)
         [claimed] = batch
-        error = f"the worker failed on this message ({type(exc).__name__}): {_describe(exc)}"
-        self._abandon(claimed, Reason.INTERNAL_ERROR, error, error_type=type(exc).__name__)
+        error = f"the worker failed on this message ({type(exc).__name__}): {describe(exc)}"
+        abandon(claimed, Reason.INTERNAL_ERROR, error, error_type=type(exc).__name__)
         try:
             self._settle_alone(claimed, bare=False)
         except Exception as again:
@@ -321,18 +234,19 @@ class BatchRunner:
             # Even its dead letter cannot be stored as it is: one with the id and the error only.
             self._drop_processing_connection()
             self._settle_alone(claimed, bare=True)
-        self._count(batch)
+        self.settlement.count(batch, self._processed)
         return 1
 
     def _settle_alone(self, claimed: Claimed, *, bare: bool) -> None:
         conn = self._connection()
+        self.counts.statements += 2  # BEGIN, COMMIT
         with conn.begin():
             cur = driver(conn).cursor()
             cur.execute(self._presume, {"ids": [claimed.id], "started": [claimed.started]})
             if not cur.fetchall():
                 claimed.outcome = WorkerOutcome.LOST  # claimed again by another worker after our lease
                 return
-            self._settle(cur, [claimed], bare=bare)
+            self.settlement.write(cur, [claimed], bare=bare)
 
     def _run_batch(self, batch: list[Claimed], known: dict[uuid.UUID, BaseException]) -> None:
         """Run the batch in one transaction: optimistically first, carefully on trouble.
@@ -375,6 +289,7 @@ class BatchRunner:
         conn = self._connection()
         raw = driver(conn)
         transaction = conn.begin()
+        self.counts.statements += 2  # psycopg's BEGIN, and the COMMIT or ROLLBACK
         try:
             cur = raw.cursor()
             # A new connection may lack the commit guard's table; after a failed pass (which
@@ -391,49 +306,58 @@ class BatchRunner:
             presumed = cur.fetchall()  # (id, frees)
             ours = {row[0] for row in presumed}
             self.freed = self.freed or any(row[1] for row in presumed)
-            session = guard.HandlerSession(bind=conn, join_transaction_mode="rollback_only", autoflush=True)
             # Once per pass, not per message: the hooks, and the tracer if spans record.
-            self._middleware, self._tracer = self.service.middleware, tracing.recording_tracer()
-            # Optimistic pass: handlers' outbox rows are inserted together at the end
-            # (one pipelined round trip); careful pass: at once, inside each savepoint.
-            outbox_rows: list[OutboxRow] | None = None if careful else []
+            run = Pass(
+                conn=conn,
+                raw=raw,
+                cur=cur,
+                transaction=transaction,
+                session=guard.HandlerSession(bind=conn, join_transaction_mode="rollback_only", autoflush=True),
+                careful=careful,
+                middleware=self.service.middleware,
+                tracer=tracing.recording_tracer(),
+            )
             try:
                 for claimed in batch:
                     claimed.outcome = WorkerOutcome.PENDING
                     if claimed.id not in ours:
                         claimed.outcome = WorkerOutcome.LOST  # claimed again by another worker after our lease
                     elif claimed.undecodable:
-                        self._abandon(
-                            claimed, Reason.INTERNAL_ERROR, f"the stored row cannot be read: {claimed.undecodable}"
-                        )
+                        abandon(claimed, Reason.INTERNAL_ERROR, f"the stored row cannot be read: {claimed.undecodable}")
                     elif claimed.id in known:
-                        self._classify(claimed, known[claimed.id])
+                        self.settlement.classify(claimed, known[claimed.id])
                     else:
                         # The handler's own log lines too; the id formatted only if a line is written.
                         with logs.bind(message_id=claimed.id):
-                            self._run_one(claimed, conn, raw, session, transaction, outbox_rows)
-                if outbox_rows is not None:
-                    try:
-                        if outbox_rows:
-                            cur.executemany(self._insert_outbox, [r.params() for r in outbox_rows])
-                        session.flush()
-                    except Exception as exc:
-                        self._reraise_infrastructure(exc)
-                        raise _Rerun(None, exc) from exc
+                            self._run_one(claimed, run)
+                if not careful:
+                    self._flush(run)
             finally:
-                session.close()
-            self._settle(cur, batch)
+                run.session.close()
+            self.settlement.write(cur, batch)
             self._commit(conn, cur, transaction)
         except BaseException:
             self._abort(conn, transaction)
             raise
         self._guarded = conn
 
+    def _flush(self, run: Pass) -> None:
+        """End of an optimistic pass: the handlers' outbox rows in one pipelined round trip, their ORM writes."""
+        try:
+            if run.outbox_rows:
+                run.cur.executemany(self._insert_outbox, [r.params() for r in run.outbox_rows])
+            run.session.flush()
+        except Exception as exc:
+            self._reraise_infrastructure(exc)
+            raise _Rerun(None, exc) from exc
+
     def _commit(self, conn: Connection, cur: psycopg.Cursor[Any], transaction: Any) -> None:
         """Delete the commit guard's keys, then COMMIT: in one round trip where the COMMIT
         pipeline may be used (framework/outbox_commit.py; no savepoint can start between
         the two). A failed DELETE aborts the pipeline, so that COMMIT never runs."""
-        if not (self._pipeline and outbox_commit.hold(conn, self._disarm_text, {})):
+        if self._pipeline and outbox_commit.hold(conn, self._disarm_text, {}):
+            self.counts.statements += 1  # sent with the COMMIT, not through a cursor
+        else:
             cur.execute(self._disarm)
         transaction.commit()
 
@@ -451,21 +375,12 @@ class BatchRunner:
             self.log.debug("rolling back a failed pass failed: %r", exc)
             self._drop_processing_connection()
 
-    def _run_one(
-        self,
-        claimed: Claimed,
-        conn: Connection,
-        raw: psycopg.Connection[Any],
-        session: guard.HandlerSession,
-        transaction: Any,
-        outbox_rows: list[OutboxRow] | None,
-    ) -> None:
-        """Run one handler; ``outbox_rows`` collects its outbox rows (optimistic pass), or,
-        when None, it runs carefully: in a savepoint, its rows written at once."""
-        careful = outbox_rows is None
+    def _run_one(self, claimed: Claimed, run: Pass) -> None:
+        """Run one handler in ``run``: optimistically (its outbox rows kept for the end of
+        the pass), or carefully (in a savepoint, its rows written at once)."""
         message = claimed.message
         if claimed.unfinished_before >= self.config.poison_threshold:
-            self._abandon(
+            abandon(
                 claimed,
                 Reason.POISON,
                 f"{claimed.unfinished_before} runs never finished (the process died in the handler): "
@@ -475,11 +390,11 @@ class BatchRunner:
             return
         expires_at = claimed.metadata.get(names.METADATA_EXPIRES_AT)
         if expires_at is not None and _expired(expires_at):
-            self._abandon(claimed, Reason.EXPIRED, expiry.describe(expires_at, "before a worker ran its handler"))
+            abandon(claimed, Reason.EXPIRED, expiry.describe(expires_at, "before a worker ran its handler"))
             return
         handler = self.service.handler_for(claimed.message_type)
         if handler is None:
-            self._abandon(claimed, Reason.NO_HANDLER, f"no handler registered for {claimed.message_type}")
+            abandon(claimed, Reason.NO_HANDLER, f"no handler registered for {claimed.message_type}")
             return
         deadlines = run_deadlines(
             claimed.claimed_at,
@@ -491,24 +406,23 @@ class BatchRunner:
             claimed.outcome = WorkerOutcome.RELEASED  # too little lease left to start it: someone runs it later
             return
         timeout, hard = deadlines
-        savepoint = conn.begin_nested() if careful else None
+        conn, raw, session, transaction = run.conn, run.raw, run.session, run.transaction
+        savepoint: NestedTransaction | None = conn.begin_nested() if run.careful else None
         started = time.perf_counter()
         assert self._watchdog is not None
         try:
-            span = handler_span(claimed, tracer=self._tracer)
+            span = handler_span(claimed, tracer=run.tracer)
             with self._watchdog.guard(timeout, hard, raw.cancel_safe), span:
                 outbox = Outbox(
                     session,
                     self.service.registry,
                     schema=self.schema,
                     incoming=message,
-                    defer_to=outbox_rows,
+                    defer_to=run.defer_to,
                     sent_by=(self.service.name, handler.name),
                 )
-                guard.run_handler(
-                    handler, message, session, outbox, conn, raw, transaction, savepoint, self._middleware
-                )
-                if careful:
+                guard.run_handler(handler, message, session, outbox, conn, raw, transaction, savepoint, run.middleware)
+                if run.careful:
                     session.commit()  # rollback_only mode: flushes, leaves the savepoint to us
             if savepoint is not None:
                 savepoint.commit()
@@ -539,7 +453,7 @@ class BatchRunner:
             session.rollback()  # rolls back the joined savepoint
             if savepoint.is_active:
                 savepoint.rollback()
-            self._classify(claimed, exc)
+            self.settlement.classify(claimed, exc)
         finally:
             self._watchdog.disarm()
             self._duration(claimed.message_type).observe(time.perf_counter() - started)
@@ -567,130 +481,10 @@ class BatchRunner:
         if db.is_infrastructure_error(exc) or not isinstance(exc, Exception):
             raise exc
 
-    def _classify(self, claimed: Claimed, exc: BaseException) -> None:
-        # A handler's error text is logged and stored (last_error, the dead letter): never
-        # with the message's auth_token in it (docs/architecture.md, "Secrets").
-        token = claimed.message.auth_token
-        text = redaction.scrub_values(redaction.redact_text(_describe(exc)), [token] if token else [])
-        if isinstance(exc, PermanentError):
-            self._abandon(claimed, exc.dead_letter_reason, text, error_type=type(exc).__name__)
-            return
-        if claimed.message.is_final_attempt:
-            self._abandon(
-                claimed,
-                Reason.MAX_ATTEMPTS,
-                f"failed {claimed.message.attempt} of {claimed.message.max_attempts} attempts; last: {text}",
-                error_type=type(exc).__name__,
-            )
-            return
-        claimed.outcome = WorkerOutcome.FAILED
-        claimed.error = text
-        claimed.error_type = type(exc).__name__
-        claimed.delay = backoff_seconds(
-            claimed.message.attempt,
-            base=float(self.config.backoff_base),
-            cap=float(self.config.backoff_cap),
-            jitter=self.config.backoff_jitter,
-        )
-
-    def _abandon(
-        self, claimed: Claimed, reason: str, error: str, *, error_type: str = "", finished_delta: int = 1
-    ) -> None:
-        claimed.outcome = WorkerOutcome.ABANDONED
-        claimed.reason = reason
-        claimed.error = error
-        claimed.error_type = error_type or reason
-        claimed.finished_delta = finished_delta
-
-    def _settle(self, cur: psycopg.Cursor[Any], batch: Sequence[Claimed], *, bare: bool = False) -> None:
-        """Write every outcome of the batch in the processing transaction."""
-        # Processed rows are already marked (presume_processed); correct the others.
-        failed = [c for c in batch if c.outcome is WorkerOutcome.FAILED]
-        if failed:
-            cur.executemany(
-                q.mark_failed(self.schema),
-                [
-                    {
-                        "id": c.id,
-                        "delay": c.delay,
-                        "error": _clip(f"{c.error_type}: {c.error}"),
-                        "auth_token": c.metadata.get("auth_token"),
-                    }
-                    for c in failed
-                ],
-            )
-        abandoned = [c for c in batch if c.outcome is WorkerOutcome.ABANDONED]
-        released = [c for c in batch if c.outcome is WorkerOutcome.RELEASED]
-        if released:
-            cur.execute(
-                q.unclaim(self.schema), ([c.id for c in released], [c.metadata.get("auth_token") for c in released])
-            )
-        if abandoned:
-            cur.executemany(
-                q.mark_abandoned(self.schema),
-                [
-                    {"id": c.id, "finished": c.finished_delta, "error": _clip(f"{c.reason}: {c.error}")}
-                    for c in abandoned
-                ],
-            )
-            dead_letters_sql.insert_letters(cur, self.schema, [self._dead_letter(c, bare=bare) for c in abandoned])
-
-    def _dead_letter(self, claimed: Claimed, *, bare: bool = False) -> dl.DeadLetter:
-        """The dead letter of an abandoned claim; ``bare``: only what cannot fail to store."""
-        if bare:
-            return dl.DeadLetter(
-                source="inbox",
-                reason=claimed.reason,
-                error=claimed.error,
-                error_type=claimed.error_type,
-                message_id=claimed.id,
-            )
-        properties = claimed.metadata.get("properties")
-        headers = properties.get("headers") if isinstance(properties, dict) else None
-        return dl.DeadLetter(
-            source="inbox",
-            reason=claimed.reason,
-            error=claimed.error,
-            error_type=claimed.error_type,
-            message_id=claimed.id,
-            message_type=claimed.message_type,
-            routing_key=claimed.routing_key,
-            message=claimed.message.to_dict() if claimed.raw is None else None,
-            raw_body=jsoncodec.dumps(claimed.raw).encode() if claimed.raw is not None else None,
-            headers=headers if isinstance(headers, dict) else {},
-            attempts={
-                "started": claimed.started,
-                "finished": claimed.finished + claimed.finished_delta,
-                "max_attempts": claimed.message.max_attempts,
-            },
-        )
-
-    def _count(self, batch: Sequence[Claimed]) -> None:
-        for c in batch:
-            if c.outcome is WorkerOutcome.PROCESSED:
-                self._processed(c.message_type).inc()
-                continue
-            labels = {"message_type": c.message_type, **self._labels}
-            if c.outcome is WorkerOutcome.FAILED:
-                metrics.WORKER_FAILED.labels(**labels).inc()
-                self.log.warning("%s %s failed (attempt %d): %s", c.message_type, c.id, c.message.attempt, c.error)
-            elif c.outcome is WorkerOutcome.ABANDONED:
-                metrics.WORKER_ABANDONED.labels(reason=c.reason, **labels).inc()
-                self.log.error("%s %s abandoned (%s): %s", c.message_type, c.id, c.reason, c.error)
-
     def release(self, batch: Sequence[Claimed]) -> None:
         """Give back claims that were never run: not an attempt, not poison."""
-        conn = self._connection()
-        with conn.begin():
-            driver(conn).cursor().execute(
-                q.release(self.schema), {"ids": [c.id for c in batch], "started": [c.started for c in batch]}
-            )
-
-
-def driver(conn: Connection) -> psycopg.Connection[Any]:
-    """The psycopg connection under a SQLAlchemy one."""
-    raw: psycopg.Connection[Any] = conn.connection.driver_connection  # type: ignore[assignment]
-    return raw
+        self.counts.statements += 2  # BEGIN, COMMIT
+        self.settlement.release(self._connection(), batch)
 
 
 def handler_span(claimed: Claimed, *, tracer: trace.Tracer | None) -> contextlib.AbstractContextManager[object]:
@@ -770,38 +564,6 @@ def _expired(value: Any) -> bool:
     return expires_at is not None and expiry.passed(expires_at)
 
 
-def _as_text(value: Any) -> str:
-    """A claimed column as text for a dead letter, whatever it holds."""
-    if isinstance(value, Undecodable):
-        return value.text
-    if isinstance(value, str):
-        return value
-    try:
-        return jsoncodec.dumps(value, default=str)
-    except Exception:  # nested past the encoder's limit, or worse: its type at least
-        return f"<{type(value).__name__} that cannot be written as JSON>"
-
-
-def _undecodable_reasons(payload: Any, context: Any, metadata: Any, timestamp: Any) -> str:
-    """Why a claimed row's values cannot make a Message."""
-    bad = [
-        f"{name}: {value.error}"
-        for name, value in (
-            ("payload", payload),
-            ("message_context", context),
-            ("metadata", metadata),
-            ("message_timestamp", timestamp),
-        )
-        if isinstance(value, Undecodable)
-    ]
-    bad += [
-        f"{name} is a JSON {type(value).__name__}, not an object"
-        for name, value in (("message_context", context), ("metadata", metadata))
-        if value is not None and not isinstance(value, dict)
-    ]
-    return "; ".join(bad)
-
-
 def _only(known: dict[uuid.UUID, BaseException], claimed: Claimed) -> dict[uuid.UUID, BaseException] | None:
     return {claimed.id: known[claimed.id]} if claimed.id in known else None
 
@@ -813,19 +575,3 @@ def _aborted(raw: psycopg.Connection[Any]) -> bool:
 
 def _is_database_error(exc: BaseException) -> bool:
     return isinstance(exc, sa.exc.DBAPIError | psycopg.Error)
-
-
-def _describe(exc: BaseException) -> str:
-    try:
-        text = str(exc).strip() or type(exc).__name__
-    except Exception:  # a handler's exception whose __str__ fails is still its message's failure
-        text = type(exc).__name__
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-    return text + where
-
-
-def _clip(text: str, limit: int = 2000) -> str:
-    """Error text for ``last_error``: bounded, and without what a text column refuses."""
-    text = jsoncodec.clean_string(text)
-    return text if len(text) <= limit else text[:limit] + "…"

@@ -1,20 +1,25 @@
 """The worker daemon: runs handlers exactly once per inbox row.
 
-One cycle:
+One thread owns the worker's state and its three connections (claim, processing,
+LISTEN); besides it only the timeout watchdog (framework/worker/timeout.py, which must
+interrupt a handler from outside) and the pruner (framework/retention.py, its own
+connection) run. One cycle of the loop:
 
-1. **Claim** (own committed transaction, on the claim connection): due rows at the head of
-   their sequential segment, ``started_attempts + 1`` and the lease. A crash from here on
-   is visible as ``started > finished``. Under a backlog the next batch is claimed while
-   this one runs (PostgreSQL claims while Python handles).
-2. **Process** (one transaction per batch): :class:`framework.worker.batch.BatchRunner`
-   runs the handlers and settles every row (docs/architecture.md, "Worker batches").
+1. **Claim** (own committed transaction, on the claim connection,
+   framework/worker/claims.py): due rows at the head of their sequential segment,
+   ``started_attempts + 1`` and the lease. A crash from here on is visible as
+   ``started > finished``. Under a backlog the next claim is sent before this batch runs
+   and collected after it (PostgreSQL claims while Python handles), without a thread.
+2. **Decode** (framework/worker/decode.py): each row a :class:`Claimed`, pure.
+3. **Process** (one transaction per batch): :class:`framework.worker.batch.BatchRunner`
+   runs the handlers; framework/worker/settle.py settles every row
+   (docs/architecture.md, "Worker batches").
+4. **Wait** (framework/worker/wake.py): ``poll`` on the LISTEN socket and the stop alarm,
+   for a NOTIFY, the poll interval or a stop.
 
 Poison: a row whose earlier run never finished (the process died) is claimed *alone*,
 with nothing claimed ahead beside it, so a batch mate of the killer is never blamed for
 its crashes; the batch runner abandons it once the threshold is reached.
-
-The daemon keeps the loop, the three connections (claim, processing, LISTEN) and the
-gauges; what a batch does with its rows is the batch runner's.
 """
 
 from __future__ import annotations
@@ -22,13 +27,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from sqlalchemy import Connection
 
 from framework import db, metrics, names
-from framework.connections import ConnectionSlot, Listener
 from framework.daemon import POSTGRESQL, Daemon, Reconnect
 from framework.outcomes import WorkerOutcome
 from framework.retention import inbox_pruner
@@ -36,11 +38,14 @@ from framework.service import Service
 from framework.settings import RetentionSettings
 from framework.sql import inbox as q
 from framework.sql import rendered
-from framework.wakeup import HOLD_MAX, Wakeup
+from framework.wakeup import HOLD_MAX
 from framework.worker import decode
 from framework.worker.batch import BatchRunner, Claimed, driver
+from framework.worker.claims import Claims, Statement, statement
 from framework.worker.config import WorkerConfig
+from framework.worker.counts import Counts, counting_cursor
 from framework.worker.timeout import Watchdog
+from framework.worker.wake import Alarm, LoopWakeup, Notifications
 
 SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker left behind
 ANALYZE_INTERVAL = 30.0  # seconds at least between two ANALYZEs of the inbox by one worker
@@ -66,36 +71,28 @@ class Worker(Daemon):
         # a shorter setting fails here) go, in a thread of their own (docs/architecture.md, "Retention").
         self.pruner = inbox_pruner(self, retention)
         self.schema = self.settings.schema
+        self.counts = Counts()  # statements and claims, written by the loop only (framework/worker/counts.py)
         park = self.config.segment_policy == "park"
-        # Rendered once: run per claim (framework/sql/__init__.py, ``rendered``).
-        self._claim_batch = rendered(q.claim(self.schema, suspects=False, park=park))
-        self._claim_suspect = rendered(q.claim(self.schema, suspects=True, park=park))
+        # Rendered and prepared once per connection: run per claim (framework/worker/claims.py).
+        self._claim_batch = statement("txbox_claim", rendered(q.claim(self.schema, suspects=False, park=park)))
+        self._claim_suspect = statement("txbox_claim_suspect", rendered(q.claim(self.schema, suspects=True, park=park)))
+        self._claims = Claims(self.settings.database_url, float(self.config.lease))
+        self._claims.register(self._claim_batch, self._claim_suspect)
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
-        # Set by NOTIFY (the listener) and by stop(); a worker whose claim after a NOTIFY
-        # found nothing (another replica took the rows) holds the next ones back, never
-        # longer than the poll interval (docs/architecture.md, "Wake-ups").
-        self._wake = Wakeup(self.stop_event, hold_max=min(HOLD_MAX, float(self.config.poll_interval)))
-        self.listener = Listener(self, names.notify_channel(self.schema, names.INBOX), self._wake.notify)
+        self._alarm = Alarm()  # stop() rings it: the one write from another thread
+        self._listen = Notifications(self.settings.database_url, names.notify_channel(self.schema, names.INBOX))
+        # A worker whose claim after a NOTIFY found nothing (another replica took the rows)
+        # holds the next ones back, never longer than the poll interval (docs/architecture.md, "Wake-ups").
+        self._wake = LoopWakeup(
+            self.stop_event,
+            self._listen,
+            self._alarm,
+            hold_max=min(HOLD_MAX, float(self.config.poll_interval)),
+        )
         self._watchdog: Watchdog | None = None
         self._labels = {"service": self.settings.service}
         self._last_gauges = 0.0
-        # A claim is a lease, not a result: one lost to a database crash leaves the row
-        # unclaimed, to be claimed again, and the batch's own commit (synchronous, and
-        # later in the WAL) makes the claim durable before any handler's writes are.
-        # Not waiting for its fsync takes a disk flush off every message's path. The claim
-        # is one statement, so in autocommit it commits in the round trip that returns its
-        # rows (no BEGIN and COMMIT of their own). One row that does not decode must not
-        # fail the claim (decode.register).
-        self._claim_db = ConnectionSlot(
-            self.settings.database_url,
-            on_connect=decode.register,
-            autocommit=True,
-            synchronous_commit=False,
-            application_name="txbox-worker-claim",
-        )
-        self._ahead: Future[list[Claimed]] | None = None
-        self._ahead_pool: ThreadPoolExecutor | None = None
         self._last_suspect_check = 0.0
         self._more = False  # claim again at once, not at the next NOTIFY (see run_once)
         self._batches = BatchRunner(
@@ -105,27 +102,31 @@ class Worker(Daemon):
             drop_connection=self._drop_processing_connection,
             give_back=self._release_quietly,
             log=self.log,
+            counts=self.counts,
         )
+
+    @property
+    def listening(self) -> bool:
+        """The LISTEN is in place (a NOTIFY now wakes the loop)."""
+        return self._listen.listening
 
     # --- the loop -----------------------------------------------------------------
 
     def run(self) -> None:
         self.service.middleware  # noqa: B018 -- builds the permission guard: bad TXBOX_JWT_* stops the worker now
         self._watchdog = Watchdog()
-        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-claim")
         reconnect = Reconnect(self)
-        self.listener.start()
         self.pruner.start()
         notified = False  # this claim answers a NOTIFY (see Wakeup.found)
         try:
             while not self.stopping:
                 self.progress()
-                # Cleared before the claim: a NOTIFY for a row the claim's snapshot missed
-                # sets it again, so the wait below returns at once.
-                self._wake.clear()
                 # The gauges use a connection too: losing it there is the same outage, not a crash.
                 try:
+                    # (Re)connected before the claim, which finds what came while nobody listened.
+                    self._listen.open()
                     handled = self.run_once()
+                    self.counts.publish(self._labels)
                     self._wake.found(handled, notified=notified)
                     notified = False
                     reconnect.succeeded()
@@ -140,20 +141,22 @@ class Worker(Daemon):
                     if reconnect.failed("PostgreSQL", exc):
                         break
         finally:
-            self._ahead_pool.shutdown(wait=True)
             self._watchdog.close()
-            self.listener.close()
             self.pruner.close()
             self._drop_connections()
+            self._listen.close()
             self.state("stopped")
 
     def run_once(self) -> int:
         """One batch: claimed now (suspects first) or ahead during the previous one; processed."""
         if self._watchdog is None:  # called without run() (tests, embedding): timeouts still hold
             self._watchdog = Watchdog()
-        if self._ahead is not None:
-            future, self._ahead = self._ahead, None
-            batch = future.result()
+        # The NOTIFYs on the socket now are for rows this claim's snapshot sees: they must
+        # not wake the loop again after it (docs/architecture.md, "Wake-ups").
+        self._wake.take_notifies()
+        self._wake.clear()
+        if self._claims.in_flight:
+            batch = self._collect_ahead()
         else:
             # Suspects (rows whose run never finished) are rare, and the plain claim skips
             # them: looking once per interval, not at every wake-up, saves a round trip
@@ -170,12 +173,11 @@ class Worker(Daemon):
         if (
             len(batch) == self.config.batch_size
             and time.monotonic() - self._last_suspect_check < SUSPECT_CHECK_INTERVAL
-            and self._ahead_pool is not None
             and not self.stopping
         ):
-            # A backlog: claim the next batch on the claim connection while this one
-            # runs, so PostgreSQL claims while Python handles.
-            self._ahead = self._ahead_pool.submit(self._claim, self._claim_batch, self.config.batch_size)
+            # A backlog: send the next claim now and collect it after this batch, so
+            # PostgreSQL claims while Python handles.
+            self._claims.send(self._claim_batch, self.config.batch_size)
         handled = self._process(batch)
         # A short batch took every due row nobody else holds, and a row committed since
         # comes with a NOTIFY. So claim again at once only for a full batch or for rows
@@ -189,36 +191,14 @@ class Worker(Daemon):
         )
         return handled
 
-    def _take_ahead(self) -> list[Claimed]:
-        """Wait for the claim running ahead, if any, and take its batch (empty if it failed)."""
-        if self._ahead is None:
-            return []
-        future, self._ahead = self._ahead, None
-        try:
-            return future.result()
-        except Exception as exc:  # its rows were not claimed, or their lease runs out
-            self.log.debug("the claim ahead failed: %r", exc)
-            return []
-
-    def _give_back_ahead(self) -> None:
-        """Release a batch claimed ahead that will not be processed (stop, database trouble)."""
-        batch = self._take_ahead()
-        try:
-            if batch:
-                self._batches.release(batch)
-        except Exception as exc:  # the lease runs out instead
-            self.log.debug("could not release the batch claimed ahead: %r", exc)
-
     def stop(self) -> None:
         super().stop()
-        self._wake.set()
+        self._alarm.ring()
 
     def _wait_for_work(self) -> bool:
         """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop; True if a
         NOTIFY woke it from sleep (an empty claim after it means another replica took the
-        rows: docs/architecture.md, "Wake-ups").
-
-        One claim answers every NOTIFY since the last one: the listener only sets an event.
+        rows: docs/architecture.md, "Wake-ups"). One claim answers every NOTIFY since the last one.
         """
         if self.stopping:
             return False
@@ -226,14 +206,35 @@ class Worker(Daemon):
 
     # --- claim --------------------------------------------------------------------
 
-    def _claim(self, statement: Any, limit: int) -> list[Claimed]:
-        """Claim in a transaction of its own (the one statement, in autocommit), on the claim
-        connection (also used ahead)."""
-        claimed_at = time.monotonic()
-        conn = self._claim_db.get()
-        rows = q.fetch_claimed(conn, statement, {"limit": limit, "lease": float(self.config.lease)})
-        self._statistics.after_claim(conn, time.monotonic() - claimed_at, len(rows), self.log)
-        return [self._batches.claimed(r, claimed_at) for r in rows]
+    def _claim(self, which: Statement, limit: int) -> list[Claimed]:
+        """Claim now, in a transaction of its own (the one statement, in autocommit)."""
+        claimed_at, rows = self._claims.claim(which, limit)
+        return self._claimed(claimed_at, rows)
+
+    def _collect_ahead(self, timeout: float | None = None) -> list[Claimed]:
+        claimed_at, rows = self._claims.collect(timeout)
+        return self._claimed(claimed_at, rows)
+
+    def _claimed(self, claimed_at: float, rows: Sequence[tuple[object, ...]]) -> list[Claimed]:
+        self.counts.claim(len(rows), self._labels)
+        self._statistics.after_claim(self._claims.connection(), time.monotonic() - claimed_at, len(rows), self.log)
+        limit = self.config.max_attempts
+        return [decode.claimed(r, claimed_at, self._max_attempts, limit) for r in rows]
+
+    def _max_attempts(self, message_type: str) -> int | None:
+        handler = self.service.handler_for(message_type)
+        return handler.max_attempts if handler else None
+
+    def _take_ahead(self) -> list[Claimed]:
+        """Collect the claim in flight, if any (empty if it failed, or took longer than the
+        lease: its rows come back after it)."""
+        if not self._claims.in_flight:
+            return []
+        try:
+            return self._collect_ahead(timeout=float(self.config.lease))
+        except Exception as exc:  # its rows were not claimed, or their lease runs out
+            self.log.debug("the claim ahead failed: %r", exc)
+            return []
 
     # --- process ------------------------------------------------------------------
 
@@ -257,6 +258,8 @@ class Worker(Daemon):
     def _connection(self) -> Connection:
         if self._conn is None or self._conn.closed or self._conn.invalidated:
             self._conn = self.service.engine.connect()
+            # Its statements, the handlers' too, count toward txbox_worker_statements_total.
+            driver(self._conn).cursor_factory = counting_cursor(self.counts)
         return self._conn
 
     def _drop_processing_connection(self) -> None:
@@ -269,12 +272,16 @@ class Worker(Daemon):
             self._conn = None
 
     def _drop_connections(self) -> None:
-        # A claim running ahead uses the claim connection: closed under it, its thread
-        # waited forever on the socket's number, which the next connection reused (a
-        # chaos run's worker hung so after a pg_terminate_backend in mid-batch).
-        self._give_back_ahead()
+        """Close the claim and processing connections; a batch claimed ahead is collected
+        and given back first (its rows then need not wait out their lease)."""
+        ahead = self._take_ahead()
+        if ahead:
+            try:
+                self._batches.release(ahead)
+            except Exception as exc:  # the lease runs out instead
+                self.log.debug("could not release the batch claimed ahead: %r", exc)
         self._drop_processing_connection()
-        self._claim_db.close()
+        self._claims.close()
 
     def _update_gauges(self, every: float = 5.0) -> None:
         now = time.monotonic()
@@ -282,6 +289,7 @@ class Worker(Daemon):
             return
         self._last_gauges = now
         conn = self._connection()
+        self.counts.statements += 2  # BEGIN, COMMIT
         with conn.begin():
             cur = driver(conn).cursor()
             # A burst since the last ANALYZE makes the planner pick slow claim plans;

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from framework.errors import HandlerTimeout
 from framework.worker import coroutines
@@ -32,17 +33,46 @@ def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
+@dataclass(frozen=True)
+class _Arming:
+    """One handler run under guard: which one, whose thread, its deadlines."""
+
+    generation: int
+    deadline: float
+    hard_deadline: float
+    thread_id: int
+    cancel: Callable[[], None]
+
+
 class Watchdog:
+    """Interrupts the handler running on the worker's loop thread when its time is up.
+
+    The one thread the worker keeps besides its loop (docs/architecture.md, "The daemons
+    and their threads"), because it must be another thread: the handler runs on the loop
+    thread and may be stuck there, in Python code, in a statement or in C, so nothing on
+    that thread can act until the handler returns. Only another thread can cancel the
+    statement the loop thread is blocked in, raise into it, or end the process at the
+    lease's end. A timer signal (``setitimer``) would need the main thread, which the
+    worker does not own under ``txbox run`` or an embedding application.
+
+    What the two threads share is one condition and its arming: the loop thread alone
+    writes the arming (:meth:`guard`, :meth:`disarm`, :meth:`close`), the watchdog alone
+    writes which arming it fired for; both under the condition's lock.
+    """
+
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._deadline: float | None = None
-        self._hard_deadline: float | None = None
-        self._thread_id = 0
-        self._cancel: Callable[[], None] = lambda: None
-        self.fired = False
-        self._closed = False
+        self._armed: _Arming | None = None  # written by the loop thread only
+        self._generation = 0  # likewise: one per guard()
+        self._closed = False  # likewise
+        self._fired = 0  # written by the watchdog only: the generation it fired for
         self._thread = threading.Thread(target=self._watch, name="txbox-watchdog", daemon=True)
         self._thread.start()
+
+    @property
+    def fired(self) -> bool:
+        """The current (or last) run's timeout fired."""
+        return self._generation > 0 and self._fired == self._generation
 
     def guard(self, seconds: float, hard_seconds: float, cancel: Callable[[], None]) -> Watchdog:
         """Interrupt the calling thread after ``seconds``; end the process after ``hard_seconds``.
@@ -50,11 +80,11 @@ class Watchdog:
         context manager: a generator's costs more, and this runs per message)."""
         with self._cond:
             now = time.monotonic()
-            self._deadline = now + seconds
-            self._hard_deadline = now + max(hard_seconds, seconds)
-            self._thread_id = threading.get_ident()
-            self._cancel = cancel
-            self.fired = False  # no notify: arming is per message and hot; the watchdog ticks
+            self._generation += 1
+            # No notify: arming is per message and hot; the watchdog ticks.
+            self._armed = _Arming(
+                self._generation, now + seconds, now + max(hard_seconds, seconds), threading.get_ident(), cancel
+            )
         return self
 
     def __enter__(self) -> None:
@@ -66,11 +96,9 @@ class Watchdog:
     def disarm(self) -> None:
         """Idempotent; called again by the worker in case a timeout interrupted the first call."""
         with self._cond:
-            if self._deadline is None:
-                return
-            self._deadline = self._hard_deadline = None
-            if self.fired:
-                _raise_in(self._thread_id, None)  # drop a timeout not yet delivered
+            armed, self._armed = self._armed, None
+            if armed is not None and self._fired == armed.generation:
+                _raise_in(armed.thread_id, None)  # drop a timeout not yet delivered
 
     def close(self) -> None:
         with self._cond:
@@ -80,21 +108,22 @@ class Watchdog:
     def _watch(self) -> None:
         with self._cond:
             while not self._closed:
-                now = time.monotonic()
-                limit = self._hard_deadline if self.fired else self._deadline
-                if limit is None or now < limit:
+                armed = self._armed
+                fired = armed is not None and self._fired == armed.generation
+                limit = None if armed is None else armed.hard_deadline if fired else armed.deadline
+                if armed is None or limit is None or time.monotonic() < limit:
                     self._cond.wait(TICK)
                     continue
-                if not self.fired:
-                    self.fired = True
+                if not fired:
+                    self._fired = armed.generation
                     try:
-                        self._cancel()
+                        armed.cancel()
                     except Exception as exc:  # the cancel is best effort, the async raise follows
                         log.debug("cancelling the running statement failed: %r", exc)
                     # An async handler's task is cancelled on its loop instead: a raise
                     # would not reach a thread blocked in the loop's select.
-                    if not coroutines.cancel_running(self._thread_id):
-                        _raise_in(self._thread_id, HandlerTimeout)
+                    if not coroutines.cancel_running(armed.thread_id):
+                        _raise_in(armed.thread_id, HandlerTimeout)
                     continue
                 log.critical("a handler ignored its timeout and reached the end of its lease: exiting")
                 logging.shutdown()

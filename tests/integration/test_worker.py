@@ -6,7 +6,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -261,9 +260,45 @@ def test_serialization_failures_rerun_without_counting(service: Service, busines
 def test_notify_wakes_an_idle_worker_long_before_the_poll(service: Service, business: str) -> None:
     service.register(Recorder())
     with running(worker(service, poll_interval=60)) as w:
-        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
+        support.wait_until(lambda: w.listening, 10, message="the worker to listen")
         store_in_inbox(service, [place_order()])
         support.wait_until(lambda: done(business) == 1, 10, message="processed after NOTIFY")
+
+
+def test_the_worker_listens_claims_ahead_and_handles_on_one_thread(service: Service, business: str) -> None:
+    """docs/architecture.md, "The daemons and their threads": besides its loop the worker
+    starts only the watchdog and the pruner (no listener, no claim thread), while it takes
+    a NOTIFY from sleep and claims ahead under a backlog."""
+    service.register(Recorder())
+    before = set(threading.enumerate())
+    w = worker(service, batch_size=5, poll_interval=60)
+    with running(w):
+        support.wait_until(lambda: w.listening, 10, message="the worker to listen")
+        store_in_inbox(service, [place_order(aggregate_id=f"t{n}") for n in range(30)])  # full batches: ahead
+        support.wait_until(lambda: done(business) == 30, 30, message="processed after NOTIFY")
+        started = {t.name for t in set(threading.enumerate()) - before}
+    # "worker": the test's thread running the loop.
+    assert started == {"worker", "txbox-watchdog", "txbox worker prune"}, started
+    assert w.counts.claims > 6 and w.counts.statements > w.counts.claims
+
+
+def test_a_stop_from_another_thread_ends_an_idle_wait_at_once(service: Service, business: str) -> None:
+    """stop() rings the loop's alarm: an idle worker with a poll interval of an hour ends
+    within seconds (the wait does not run out first)."""
+    service.register(Recorder())
+    w = worker(service, poll_interval=3600)
+    thread = threading.Thread(target=w.run, name="idle worker")
+    thread.start()
+    try:
+        support.wait_until(lambda: w.listening and w._claims.is_open, 10, message="the worker idle")
+        support.pause(0.2)  # into its wait
+        stopped = time.monotonic()
+        w.stop()
+        thread.join(20)
+        assert not thread.is_alive() and time.monotonic() - stopped < 10
+    finally:
+        w.stop()
+        thread.join(30)
 
 
 def test_stopping_finishes_the_batch_in_hand_and_leaves_no_lease(service: Service, business: str) -> None:
@@ -452,48 +487,36 @@ def test_a_worker_whose_connections_are_terminated_while_idle_reconnects(service
     service.register(recorder)
     w = worker(service)
     with running(w):
-        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
+        support.wait_until(
+            lambda: w.listening and w._claims.is_open and w._conn is not None, 10, message="the worker idle"
+        )
         killed = scalar(
             business,
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid()",
         )
-        assert killed >= 2  # the listener and the processing connection at least
+        assert killed >= 3  # the LISTEN, claim and processing connections
         store_in_inbox(service, [place_order(aggregate_id="after")])
         support.wait_until(lambda: done(business) == 1, 30, message="the message stored after the outage")
 
 
-def test_dropping_connections_waits_for_the_claim_running_ahead_and_gives_its_batch_back(
+def test_dropping_connections_collects_the_claim_sent_ahead_and_gives_its_batch_back(
     service: Service, business: str
 ) -> None:
-    """The claim ahead runs on the claim connection in its own thread: closing that
-    connection under it left the thread (and the worker waiting for it) hung forever."""
+    """A claim sent ahead (its rows leased, not yet read) when the connections are dropped
+    (a stop, database trouble) is collected and its rows given back, not left to wait out
+    their lease or counted as an attempt."""
     service.register(Recorder())
     messages = [place_order(aggregate_id=f"a{n}") for n in range(3)]
     store_in_inbox(service, messages)
     w = worker(service)
-    w._ahead_pool = ThreadPoolExecutor(1)
-    in_claim, go_on = threading.Event(), threading.Event()
-
-    def claim_ahead() -> list[Any]:
-        in_claim.set()
-        go_on.wait(30)
-        return w._claim(w._claim_batch, 10)
-
     try:
-        w._claim_db.get()
-        w._ahead = w._ahead_pool.submit(claim_ahead)
-        assert in_claim.wait(10)
-        dropping = threading.Thread(target=w._drop_connections)
-        dropping.start()
-        dropping.join(0.5)
-        assert dropping.is_alive(), "the claim connection was dropped under the claim running ahead"
-        go_on.set()
-        dropping.join(30)
-        assert not dropping.is_alive()
+        w._claims.send(w._claim_batch, 10)
+        assert w._claims.in_flight
+        support.wait_until(lambda: all(row(business, m)["leased"] for m in messages), 30, message="the claim ahead")
+        w._drop_connections()
+        assert not w._claims.in_flight
     finally:
-        go_on.set()
-        w._ahead_pool.shutdown(wait=True)
         w._drop_connections()
     # Claimed ahead, never run, given back: no attempt counted, no lease left.
     assert [row(business, m)["started"] for m in messages] == [0, 0, 0]
@@ -508,7 +531,7 @@ def test_a_segment_drains_without_a_notify_per_row_as_each_commit_frees_its_succ
     service.register(Recorder())
     messages = [place_order(aggregate_id="lane", quantity=n) for n in (1, 2, 3)]
     with running(worker(service, poll_interval=3600)) as w:
-        support.wait_until(w.listener.listening.is_set, 10, message="the worker to listen")
+        support.wait_until(lambda: w.listening, 10, message="the worker to listen")
         store_in_inbox(service, messages)
         support.wait_until(lambda: done(business) == 3, 30, message="the whole segment processed")
     assert [r[0] for r in query(business, "SELECT quantity FROM seen ORDER BY n")] == [1, 2, 3]
@@ -534,17 +557,23 @@ def test_a_batch_costs_three_round_trips_and_a_claim_one(service: Service, busin
 
     service.register(Quiet())
     w = worker(service, batch_size=2)
+    counted = 0
     store_in_inbox(service, [place_order(aggregate_id=f"r{n}") for n in range(4)])
     paths = {"batch": tmp_path / "batch", "claim": tmp_path / "claim"}
     try:
         assert w.run_once() == 2  # the first batch on a connection also creates the guard's table
-        conns = {"batch": driver(w._connection()), "claim": w._claim_db.get()}
+        conns = {
+            "batch": driver(w._connection()),
+            "claim": w._claims._slot.get(),
+        }  # the one a claim may be in flight on
         with paths["batch"].open("w") as batch_trace, paths["claim"].open("w") as claim_trace:
             for conn, handle in ((conns["batch"], batch_trace), (conns["claim"], claim_trace)):
                 conn.pgconn.trace(handle.fileno())
                 conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
             try:
+                counted = w.counts.statements
                 assert w.run_once() == 2
+                counted = w.counts.statements - counted
             finally:
                 for conn in conns.values():
                     conn.pgconn.untrace()
@@ -553,4 +582,7 @@ def test_a_batch_costs_three_round_trips_and_a_claim_one(service: Service, busin
     assert _round_trips(paths["batch"].read_text()) == (3, 4)  # the DELETE and the COMMIT share one
     trips, statements = _round_trips(paths["claim"].read_text())
     assert trips == statements >= 1
+    # The worker's own count (txbox_worker_statements_total) is what libpq sent: the claim
+    # collected (sent during the previous batch) is counted now, the one sent now later.
+    assert counted == 4 + 1 and statements == 1
     assert done(business) == 4

@@ -213,7 +213,7 @@ def test_the_worker_failing_on_a_message_dead_letters_it_as_internal_error(servi
     bad = place_order(aggregate_id="bad")
     store_in_inbox(service, [*good[:2], bad, *good[2:]])
     w = worker(service)
-    classify = w._batches._classify
+    classify = w._batches.settlement.classify
 
     def broken(claimed: Any, exc: BaseException) -> None:
         """A bug of the worker's that strikes one message whenever it settles a failure."""
@@ -221,7 +221,7 @@ def test_the_worker_failing_on_a_message_dead_letters_it_as_internal_error(servi
             raise KeyError("a bug in the worker")
         classify(claimed, exc)
 
-    w._batches._classify = broken  # type: ignore[method-assign]
+    w._batches.settlement.classify = broken  # type: ignore[method-assign]
     with running(w):  # a crash re-raises here
         support.wait_until(lambda: done(business) == 5, 30, message="every row settled")
     assert all(row(business, m)["processed_at"] is not None for m in good)

@@ -241,12 +241,17 @@ class Scratch:
         service.register(Ponged())
         return service
 
-    def start_daemons(self, group: ProcessGroup, workers: int = 1) -> None:
+    def start_daemons(
+        self, group: ProcessGroup, workers: int = 1, worker_metrics_ports: list[int] | None = None
+    ) -> None:
+        """The publisher, the receiver and ``workers`` workers; ``worker_metrics_ports``: one
+        ``--metrics-port`` per worker, for the benches that read their counters."""
         app = ["--app", "txbox_tools.bench.e2e:app"]
         group.start("publisher", ["publisher", *app])
         group.start("receiver", ["receiver", *app])
         for n in range(workers):
-            group.start(f"worker-{n + 1}", ["worker", *app])
+            port = ["--metrics-port", str(worker_metrics_ports[n])] if worker_metrics_ports else []
+            group.start(f"worker-{n + 1}", ["worker", *app, *port])
 
 
 def add_common_options(parser: argparse.ArgumentParser) -> None:

@@ -10,11 +10,15 @@ counter reaches the target.
 An instance is built in its child by ``build(*args)``, a module-level function returning
 the daemon and the Prometheus counter child that counts its finished work; children copy
 that counter into shared memory, so counting costs the database and the broker nothing.
+A daemon that keeps ``counts`` (the worker's statements and claims:
+framework/worker/counts.py) reports them at its end, summed over the instances into the
+``daemon_counts`` dict a caller passes to :func:`timed`.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -30,9 +34,19 @@ Build = Callable[..., tuple[Daemon, Any]]
 _START_TIMEOUT = 120.0
 
 
-def _child(build: Build, args: tuple[Any, ...], ready: Event, go: Event, stop: Event, done: Synchronized[int]) -> None:
+def _child(
+    build: Build,
+    args: tuple[Any, ...],
+    ready: Event,
+    go: Event,
+    stop: Event,
+    done: Synchronized[int],
+    report: Any = None,
+) -> None:
     daemon, counter = build(*args)
     before = counter._value.get()
+    counts = getattr(daemon, "counts", None)
+    counted = dict(counts.as_dict()) if counts is not None else {}
     ready.set()
     go.wait()
     thread = threading.Thread(target=daemon.run, name=daemon.name)
@@ -42,6 +56,9 @@ def _child(build: Build, args: tuple[Any, ...], ready: Event, go: Event, stop: E
     daemon.stop()
     thread.join()
     done.value = int(counter._value.get() - before)
+    if report is not None:
+        now = counts.as_dict() if counts is not None else {}
+        report.put({k: v - counted.get(k, 0) for k, v in now.items()})
 
 
 def timed(
@@ -52,15 +69,18 @@ def timed(
     target: int,
     timeout: float = 600.0,
     cpu: Saturation | None = None,
+    daemon_counts: dict[str, int] | None = None,
 ) -> float:
     """Seconds for ``instances`` daemons built by ``build(*args)`` to count ``target`` between
-    them; ``cpu`` measures the instances over the same span (read while they still run)."""
+    them; ``cpu`` measures the instances over the same span (read while they still run);
+    ``daemon_counts`` gets the daemons' own counts summed, from start to stop."""
     ctx = mp.get_context("spawn")
+    report = ctx.Queue() if daemon_counts is not None else None
     go, stop = ctx.Event(), ctx.Event()
     readies = [ctx.Event() for _ in range(instances)]
     counts = [ctx.Value("q", 0) for _ in range(instances)]
     procs = [
-        ctx.Process(target=_child, args=(build, args, ready, go, stop, done), name=f"bench instance {n}")
+        ctx.Process(target=_child, args=(build, args, ready, go, stop, done, report), name=f"bench instance {n}")
         for n, (ready, done) in enumerate(zip(readies, counts, strict=True))
     ]
     for proc in procs:
@@ -89,6 +109,13 @@ def timed(
     finally:
         stop.set()
         go.set()
+        if report is not None and daemon_counts is not None:
+            for _ in procs:
+                try:
+                    for key, value in report.get(timeout=60).items():
+                        daemon_counts[key] = daemon_counts.get(key, 0) + value
+                except queue.Empty:
+                    break
         for proc in procs:
             proc.join(60)
             if proc.is_alive():

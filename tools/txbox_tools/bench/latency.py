@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import socket
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -91,14 +93,17 @@ def run(args: argparse.Namespace) -> Result:
         log_dir = args.log_dir or Path(scratch.tmp.name) / "logs"
         group = ProcessGroup(log_dir, env=scratch.env)
         try:
-            scratch.start_daemons(group, args.workers)
+            ports = [_free_port() for _ in range(args.workers)]
+            scratch.start_daemons(group, args.workers, worker_metrics_ports=ports)
             wait_ready(scratch, group)
             meter = cpu.pipeline(((d.name, d.process.pid) for d in group.daemons), scratch.database_url)
+            counted = _worker_counts(ports)
             meter.start()
             began = time.perf_counter()
             sent, seconds = _offer(service, group, args)
             _wait_handled(scratch, group, sent)
             used = cpu.summary(meter.stop(), time.perf_counter() - began, sent)
+            statements = _statements(counted, _worker_counts(ports), sent)
             ms, worst, breakdown = _latencies(scratch.database_url, args.warmup)
         finally:
             group.stop_all()
@@ -124,6 +129,7 @@ def run(args: argparse.Namespace) -> Result:
             "raw_p95_ms": raw_ms[1],
             "raw_p99_ms": raw_ms[2],
             **used,
+            **statements,
             **raw_cpu,
             "workers": args.workers,
             "writers": args.writers,
@@ -131,6 +137,65 @@ def run(args: argparse.Namespace) -> Result:
             **bars(args.rate),
         },
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# The workers' own counts (framework/worker/counts.py), read from their /metrics: this
+# PostgreSQL has no pg_stat_statements loaded, and the workers share the scratch database
+# with the other daemons, so its transaction counts cannot tell them apart.
+_COUNTED = {
+    "txbox_worker_statements_total": "statements",
+    'txbox_worker_claims_total{found="nothing"': "empty_claims",
+    'txbox_worker_claims_total{found="rows"': "claims_with_rows",
+}
+
+
+def _worker_counts(ports: list[int]) -> list[dict[str, float]] | None:
+    """Each worker's counters now; None when a worker has none (a version without them)."""
+    out = []
+    for port in ports:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                    text = answer.read().decode()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.2)
+        counts: dict[str, float] = dict.fromkeys(_COUNTED.values(), 0.0)
+        found = False
+        for line in text.splitlines():
+            for prefix, name in _COUNTED.items():
+                if line.startswith(prefix) and not line.startswith("#"):
+                    counts[name] += float(line.rsplit(" ", 1)[1])
+                    found = True
+        if not found and "txbox_worker_statements_total" not in text:
+            return None
+        out.append(counts)
+    return out
+
+
+def _statements(
+    before: list[dict[str, float]] | None, after: list[dict[str, float]] | None, sent: int
+) -> dict[str, Any]:
+    """Per worker and in all: statements per message, claims that found rows and nothing."""
+    if before is None or after is None:
+        return {}
+    per_worker = [{k: int(a[k] - b[k]) for k in a} for b, a in zip(before, after, strict=True)]
+    total = {k: sum(w[k] for w in per_worker) for k in per_worker[0]} if per_worker else {}
+    return {
+        "worker_statements_per_message": round(total.get("statements", 0) / max(sent, 1), 3),
+        "worker_claims_with_rows": total.get("claims_with_rows", 0),
+        "worker_empty_claims": total.get("empty_claims", 0),
+        "worker_counts": per_worker,
+    }
 
 
 def bars(rate: float) -> dict[str, float]:

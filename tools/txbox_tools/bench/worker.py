@@ -5,6 +5,13 @@ run on the same rows: plain SQL with no framework — claim 500 pending rows ``F
 SKIP LOCKED``, ``executemany`` the same business rows, mark them processed, commit —
 i.e. the database's own claim + write + update rate for this work on this machine now.
 
+Statements per message: PostgreSQL here has no ``pg_stat_statements`` loaded (it needs
+``shared_preload_libraries``), so the workers count what they send themselves
+(framework/worker/counts.py: claims, batches with their BEGIN and COMMIT, the handlers'
+own statements) and report ``statements_per_message``, ``claims`` and ``empty_claims``;
+beside it ``transactions_per_message`` is the server's own count, the scratch
+database's ``xact_commit + xact_rollback`` over the run (only the workers use it then).
+
 ``--async-handler`` then runs the same rows again through the same handler written as
 ``async def handle`` (its session an ``AsyncSession``; docs/architecture.md, "Async
 handlers") and reports its rate beside the sync one's, and their ratio.
@@ -158,13 +165,17 @@ def run(args: argparse.Namespace) -> Result:
 
         service.engine.dispose()
         used = Saturation(scratch.database_url)
+        counts: dict[str, int] = {}
+        transactions = _transactions(scratch.database_url)
         seconds = instances.timed(
             worker_instance,
             (scratch.settings, args.batch_size),
             instances=args.instances,
             target=args.messages,
             cpu=used,
+            daemon_counts=counts,
         )
+        transactions = _transactions(scratch.database_url) - transactions
 
         _check(scratch, args.messages)
         extra: dict[str, Any] = {}
@@ -212,10 +223,33 @@ def run(args: argparse.Namespace) -> Result:
                 "instances": args.instances,
                 "handler": "session.add() of one ORM business row",
                 **used.per_message(args.messages),
+                **statements_per_message(counts, args.messages),
+                "transactions_per_message": round(transactions / args.messages, 4),
                 **raw_cpu.per_message(args.messages, prefix="raw_"),
                 **extra,
             },
         )
+
+
+def statements_per_message(counts: dict[str, int], messages: int) -> dict[str, Any]:
+    """The workers' own counts (framework/worker/counts.py) as the bench's JSON reports them."""
+    if not counts:
+        return {}
+    return {
+        "statements_per_message": round(counts.get("statements", 0) / max(messages, 1), 4),
+        "claims": counts.get("claims", 0),
+        "empty_claims": counts.get("empty_claims", 0),
+    }
+
+
+def _transactions(database_url: str) -> int:
+    """Transactions the server counted in this database so far (its statistics, as of now)."""
+    with psycopg.connect(conninfo(database_url), autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def _check(scratch: Scratch, messages: int) -> None:
