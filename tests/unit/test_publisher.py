@@ -19,7 +19,7 @@ from framework.publisher import Outgoing, Publisher
 from framework.publisher.channel import _COALESCED_CHUNK, _PENDING, ConfirmChannel
 from framework.publisher.channel import coalesce_writes as _coalesce_writes
 from framework.relay import RelayConfig
-from framework.relay.daemon import envelope_body, outgoing
+from framework.relay.messages import envelope_body, outgoing
 from framework.settings import load
 from framework.sql.outbox import Claimed
 
