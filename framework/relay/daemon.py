@@ -60,6 +60,7 @@ log = logging.getLogger("txbox.publisher")
 # claim's successor probe grows with them), and for at most MARK_DELAY.
 FOLD_AT_MOST = named.HAS_NEXT_AT_MOST
 MARK_DELAY = 0.05  # seconds
+STOP_CHECK = 0.25  # seconds between looks at the stop event (see Relay.stop)
 
 
 def _backoff(failures: int) -> float:
@@ -124,6 +125,7 @@ class Relay(Daemon):
             self.settings.database_url, autocommit=True, synchronous_commit=False, generic_plans=True
         )
         self._loop = IOLoop()
+        self._loop_thread: threading.Thread | None = None  # the thread that runs it (run)
         self._fd: int | None = None  # the database socket while the loop watches it
         self._channel: ConfirmChannel | None = None
         self._pace = Pace()
@@ -166,9 +168,15 @@ class Relay(Daemon):
     # ---- lifecycle ---------------------------------------------------------------
 
     def stop(self) -> None:
-        """Request a stop; safe from any thread and from a signal handler (it only wakes the loop)."""
+        """Request a stop; safe from any thread and from a signal handler (it only wakes the loop).
+
+        On the loop's own thread (a signal handler of `txbox publisher`) it only sets the
+        stop event, which the loop looks at every STOP_CHECK seconds: the wake-up call
+        takes a lock that the interrupted loop may hold.
+        """
         super().stop()
-        self._loop.add_callback_threadsafe(self._begin_drain)
+        if threading.current_thread() is not self._loop_thread:
+            self._loop.add_callback_threadsafe(self._begin_drain)
 
     def run(self) -> None:
         """Relay until stopped, then drain (bounded) and return."""
@@ -176,8 +184,10 @@ class Relay(Daemon):
         if self.declare_topology and not self._declare():
             return
         self.pruner.start()
+        self._loop_thread = threading.current_thread()
         try:
             self._loop.call_later(0, self._tick)
+            self._loop.call_later(STOP_CHECK, self._check_stop)
             self._step_soon()
             if not self.stopping:
                 self._loop.start()
@@ -208,6 +218,12 @@ class Relay(Daemon):
             self._hint = True
             self._step_soon()
         self._loop.call_later(float(self.config.poll_interval), self._tick)
+
+    def _check_stop(self) -> None:
+        if self.stopping:
+            self._begin_drain()
+        else:
+            self._loop.call_later(STOP_CHECK, self._check_stop)
 
     # ---- scheduling ----------------------------------------------------------------
 
