@@ -143,6 +143,7 @@ class Relay(Daemon):
         self._next_full_claim = 0.0
         self._next_gauges = 0.0
         self._soon = False  # a step is scheduled for the loop's next turn
+        self._stepping = False  # a step runs (a NOTIFY read now did not wake the loop)
         self._later: tuple[float, Any] | None = None  # (monotonic deadline, timer) of a step to come
         self._db_failures = 0
         self._broker_failures = 0
@@ -256,6 +257,7 @@ class Relay(Daemon):
         if self._draining:
             return
         self.progress()
+        self._stepping = True
         try:
             conn = self._conn()
             if conn is None:
@@ -279,6 +281,8 @@ class Relay(Daemon):
             if not isinstance(exc, DatabaseUnavailable) and not db.is_infrastructure_error(exc):
                 log.exception("unexpected database error")
             self._lost_db(exc)
+        finally:
+            self._stepping = False
 
     def _marks_overdue(self) -> bool:
         """A mark has waited MARK_DELAY for a claim to carry it, or too many wait."""
@@ -517,8 +521,11 @@ class Relay(Daemon):
         self._pace.notify(now)
         if self._soon:
             return
-        self._from_notify = True
-        delay = self._pace.delay(now, from_sleep=True)
+        # Only a NOTIFY that woke the loop from sleep may start a hold (Pace.found): one read
+        # during a step is mostly for a row that step's claim took.
+        asleep = not self._stepping
+        self._from_notify = asleep
+        delay = self._pace.delay(now, from_sleep=asleep)
         if delay > 0:
             self._step_in(delay)
         else:
