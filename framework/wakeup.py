@@ -34,51 +34,24 @@ HOLD_MAX = 0.1  # seconds: the longest hold, bounded by the poll interval too
 _SMOOTHING = 0.25  # weight of the newest gap between two NOTIFYs in their running mean
 
 
-class Wakeup:
-    """Set by NOTIFY (:meth:`notify`, the listener thread) or by anything else the loop
-    must see now (:meth:`set`: a confirm, a stop); cleared before each claim, so a NOTIFY
-    that arrives during the claim wakes the next wait at once."""
+class Pace:
+    """When to claim after NOTIFYs: the window under load and a replica's hold (the module's
+    text). Pure state, for the one thread that owns it: :class:`Wakeup` for a loop that
+    sleeps on an event, and the relay's loop directly (docs/architecture.md, "One thread
+    per daemon")."""
 
-    def __init__(self, stop_event: threading.Event, *, hold_max: float = HOLD_MAX) -> None:
-        self._event = threading.Event()
-        self._stop = stop_event
+    def __init__(self, *, hold_max: float = HOLD_MAX) -> None:
         self._hold_max = hold_max
-        self._notified = False  # a NOTIFY since the last clear()
-        self._kicked = False  # a set() since the last clear()
         self._gap = 1.0  # running mean of the seconds between two NOTIFYs
         self._last_notify = 0.0
         self._hold = 0.0
-        self._held = False  # the last wait slept out a hold
+        self.held = False  # the last wait slept out a hold
         self.hold_until = 0.0  # monotonic: NOTIFYs before this wake the loop only then
-        # The last wait slept until a NOTIFY woke it. A NOTIFY that came while the loop
-        # was busy is often for a row its claim already took: an empty claim after it says
-        # nothing about other replicas (see found).
-        self.woken_from_sleep = False
 
-    def notify(self) -> None:
-        """A NOTIFY (listener thread): wake the loop, at once or at the end of its hold."""
-        now = time.monotonic()
+    def notify(self, now: float) -> None:
+        """A NOTIFY came at ``now`` (monotonic)."""
         self._gap += (min(now - self._last_notify, 1.0) - self._gap) * _SMOOTHING
         self._last_notify = now
-        first = not self._notified
-        self._notified = True
-        # During a hold only the first NOTIFY wakes the loop, to make it sleep until the
-        # hold ends (its wait may have begun before the hold did).
-        if first or now >= self.hold_until:
-            self._event.set()
-
-    def set(self) -> None:
-        """Wake the loop now (no window, no hold)."""
-        self._kicked = True
-        # Set only when clear: the relay calls this once per confirm, and setting takes
-        # the event's lock; the loop clears before it reads what it was woken for.
-        if not self._event.is_set():
-            self._event.set()
-
-    def clear(self) -> None:
-        self._notified = False
-        self._kicked = False
-        self._event.clear()
 
     def window(self) -> float:
         """Seconds a NOTIFY-woken loop waits for more before it claims: twice the mean gap's
@@ -93,30 +66,19 @@ class Wakeup:
         """NOTIFYs come closer together than :data:`WINDOW_FROM` (a window may still be 0)."""
         return self._gap < WINDOW_FROM
 
-    def wait(self, timeout: float) -> bool:
-        """Sleep until a NOTIFY (after the hold, then the window), a :meth:`set`, a stop or
-        ``timeout``; False if the timeout ran out."""
-        deadline = time.monotonic() + timeout
-        slept = not self._event.is_set()
-        self.woken_from_sleep = False
-        if not self._event.wait(timeout):
-            return False
-        if self._kicked or self._stop.is_set():
-            return True
-        self.woken_from_sleep = slept
-        now = time.monotonic()
+    def delay(self, now: float, *, from_sleep: bool) -> float:
+        """Seconds to wait after a NOTIFY before claiming: the rest of a hold, else the
+        window if the loop was asleep (a busy loop claims soon anyway)."""
         delay = self.hold_until - now
-        if delay <= 0 and slept:
-            delay = self.window()  # woken from sleep: let the burst grow a little
-        if delay > 0:
-            self._held = self.hold_until > now
-            self._stop.wait(min(delay, max(0.0, deadline - now)))
-        return True
+        self.held = delay > 0
+        if not self.held and from_sleep:
+            return self.window()
+        return max(0.0, delay)
 
     def found(self, rows: int, *, notified: bool) -> None:
         """What the claim after a wake-up found. Nothing, after a NOTIFY: another replica
         took the rows, so hold the next NOTIFYs back (longer each time); rows: no hold."""
-        held, self._held = self._held, False
+        held, self.held = self.held, False
         if rows and held and self._hold > 2 * HOLD_FIRST:
             # Rows left after a hold: the replica that got the others was busy, or is gone.
             # Halve the hold rather than end it: a busy peer's next claim takes those rows
@@ -132,3 +94,74 @@ class Wakeup:
             first = max(HOLD_FIRST, 2 * self._gap)
             self._hold = min(self._hold_max, self._hold * 2 or first)
             self.hold_until = time.monotonic() + self._hold
+
+
+class Wakeup:
+    """Set by NOTIFY (:meth:`notify`, the listener thread) or by anything else the loop
+    must see now (:meth:`set`: a confirm, a stop); cleared before each claim, so a NOTIFY
+    that arrives during the claim wakes the next wait at once."""
+
+    def __init__(self, stop_event: threading.Event, *, hold_max: float = HOLD_MAX) -> None:
+        self._event = threading.Event()
+        self._stop = stop_event
+        self.pace = Pace(hold_max=hold_max)
+        self._notified = False  # a NOTIFY since the last clear()
+        self._kicked = False  # a set() since the last clear()
+        # The last wait slept until a NOTIFY woke it. A NOTIFY that came while the loop
+        # was busy is often for a row its claim already took: an empty claim after it says
+        # nothing about other replicas (see found).
+        self.woken_from_sleep = False
+
+    @property
+    def hold_until(self) -> float:
+        return self.pace.hold_until
+
+    def notify(self) -> None:
+        """A NOTIFY (listener thread): wake the loop, at once or at the end of its hold."""
+        now = time.monotonic()
+        self.pace.notify(now)
+        first = not self._notified
+        self._notified = True
+        # During a hold only the first NOTIFY wakes the loop, to make it sleep until the
+        # hold ends (its wait may have begun before the hold did).
+        if first or now >= self.pace.hold_until:
+            self._event.set()
+
+    def set(self) -> None:
+        """Wake the loop now (no window, no hold)."""
+        self._kicked = True
+        # Set only when clear: setting takes the event's lock; the loop clears before it
+        # reads what it was woken for.
+        if not self._event.is_set():
+            self._event.set()
+
+    def clear(self) -> None:
+        self._notified = False
+        self._kicked = False
+        self._event.clear()
+
+    def window(self) -> float:
+        return self.pace.window()
+
+    def under_load(self) -> bool:
+        return self.pace.under_load()
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until a NOTIFY (after the hold, then the window), a :meth:`set`, a stop or
+        ``timeout``; False if the timeout ran out."""
+        deadline = time.monotonic() + timeout
+        slept = not self._event.is_set()
+        self.woken_from_sleep = False
+        if not self._event.wait(timeout):
+            return False
+        if self._kicked or self._stop.is_set():
+            return True
+        self.woken_from_sleep = slept
+        now = time.monotonic()
+        delay = self.pace.delay(now, from_sleep=slept)
+        if delay > 0:
+            self._stop.wait(min(delay, max(0.0, deadline - now)))
+        return True
+
+    def found(self, rows: int, *, notified: bool) -> None:
+        self.pace.found(rows, notified=notified)

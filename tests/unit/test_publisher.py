@@ -9,15 +9,17 @@ from types import SimpleNamespace
 
 import pika.spec
 import pytest
+from pika.adapters.select_connection import IOLoop
 
 from framework import names
 from framework.cli import publisher as cli
 from framework.envelope import parse_message
 from framework.errors import ConfigurationError, PublishError
 from framework.publisher import Outgoing, Publisher
-from framework.publisher.confirms import _COALESCED_CHUNK, _PENDING, _coalesce_writes
+from framework.publisher.channel import _COALESCED_CHUNK, _PENDING, ConfirmChannel
+from framework.publisher.channel import coalesce_writes as _coalesce_writes
 from framework.relay import RelayConfig
-from framework.relay.daemon import envelope_body, outgoing
+from framework.relay.messages import envelope_body, outgoing
 from framework.settings import load
 from framework.sql.outbox import Claimed
 
@@ -102,13 +104,20 @@ def test_environment_and_flags_configure_the_daemon() -> None:
     assert (config.batch_size, float(config.drain_timeout), config.max_attempts) == (7, 3.0, 2)
 
 
+def _channel() -> ConfirmChannel:
+    """A channel never opened: its confirm bookkeeping runs without a loop."""
+    return ConfirmChannel(
+        "amqp://guest:guest@127.0.0.1:5672/%2F", IOLoop(), name="t", confirm_timeout=30, on_change=lambda _: None
+    )
+
+
 def _frame(method: object) -> SimpleNamespace:
     return SimpleNamespace(method=method)
 
 
 def test_completions_run_in_send_order_even_when_confirms_arrive_out_of_order() -> None:
-    """The I/O-thread bookkeeping, driven directly: confirms for 3, 1, then 2 (multiple)."""
-    publisher = Publisher("amqp://guest:guest@127.0.0.1:5672/%2F")
+    """The channel's bookkeeping, driven directly: confirms for 3, 1, then 2 (multiple)."""
+    publisher = _channel()
     done: list[tuple[str, str | None]] = []
     items = []
     for i in range(1, 5):
@@ -117,7 +126,6 @@ def test_completions_run_in_send_order_even_when_confirms_arrive_out_of_order() 
         item.tag, item.outcome = i, _PENDING
         items.append(item)
     publisher._pending.extend(items)
-    publisher._incomplete = 4
     publisher._by_id = {it.message_id: it for it in items}
     publisher._on_return(None, SimpleNamespace(reply_code=312, reply_text="NO_ROUTE"), items[0].properties, b"")
     publisher._on_confirm(_frame(pika.spec.Basic.Ack(delivery_tag=3)))
@@ -126,16 +134,15 @@ def test_completions_run_in_send_order_even_when_confirms_arrive_out_of_order() 
     assert done == [("m1", "nacked")]
     publisher._on_confirm(_frame(pika.spec.Basic.Ack(delivery_tag=4, multiple=True)))
     assert done == [("m1", "nacked"), ("m2", None), ("m3", None), ("m4", None)]
-    assert publisher.in_flight == 0 and publisher.flush(timeout=0)
+    assert publisher.in_flight == 0
 
 
 def test_a_returned_message_fails_as_unroutable_when_its_ack_comes() -> None:
-    publisher = Publisher("amqp://guest:guest@127.0.0.1:5672/%2F")
+    publisher = _channel()
     errors: list[PublishError | None] = []
     item = Outgoing("command", "nobody.home", b"", pika.BasicProperties(message_id="m1"), True)
     item.on_done, item.tag = (lambda _, err: errors.append(err)), 1
     publisher._pending.append(item)
-    publisher._incomplete = 1
     publisher._by_id["m1"] = item
     publisher._on_return(None, SimpleNamespace(reply_code=312, reply_text="NO_ROUTE"), item.properties, b"")
     publisher._on_confirm(_frame(pika.spec.Basic.Ack(delivery_tag=1)))

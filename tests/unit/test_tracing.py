@@ -14,7 +14,8 @@ from opentelemetry.trace import StatusCode
 from framework import names, tracing
 from framework.errors import ConfigurationError
 from framework.receiver.intake import Delivery
-from framework.relay.daemon import PublishSpans, outgoing, publish_spans, unbuildable
+from framework.relay.messages import outgoing, unbuildable
+from framework.relay.spans import PublishSpans, publish_spans
 from tests.unit.test_publisher import claimed
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -240,13 +240,9 @@ def test_notify_wakes_the_publisher_long_before_the_poll_interval(settings: Sett
     config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
 
     def idle_and_listening() -> bool:
-        with psycopg.connect(conninfo(settings.database_url)) as db:
-            listening = db.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'"
-            ).fetchone()
-        # The listener's own first wake-up (and the claim it triggers) must be over, or
-        # that claim, not the NOTIFY, could publish the rows.
-        return bool(listening and listening[0]) and relay._claim_db.is_open and not relay._claim_hint
+        # Listening on its one connection, and the claim its start made is over, or that
+        # claim, not the NOTIFY, could publish the rows.
+        return relay.idle
 
     with running_relay(service, config) as relay:
         wait_until(idle_and_listening, 30, message="the relay listening and idle")
@@ -261,10 +257,10 @@ def test_a_lane_drains_without_notify_or_poll_as_each_mark_frees_its_successor(
     # No poll for an hour; only the first row's insert NOTIFYs a claim. Each later row of
     # the lane becomes due when its predecessor's mark commits, and something must say
     # so: the claim that took the predecessor (has_next), whose confirm then wakes the
-    # relay to mark it and claim the successor in one statement, or the writer's mark.
+    # relay to mark it and claim the successor in one statement.
     config = RelayConfig(poll_interval=3600)  # type: ignore[arg-type]
     with running_relay(service, config) as relay:
-        wait_until(lambda: relay._claim_db.is_open and not relay._claim_hint, 30, message="the relay idle")
+        wait_until(lambda: relay.idle, 30, message="the relay idle")
         insert_rows(settings, service.registry, orders(1, 5))
         wait_until(lambda: outbox_state(settings)["processed"] == 5, 30, message="the whole lane published")
     got = drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)
@@ -279,8 +275,9 @@ def test_the_relay_plans_its_claims_once_not_on_every_claim(settings: Settings, 
         for n in range(8):  # one claim each: psycopg prepares a statement from its 5th run
             insert_rows(settings, service.registry, orders(1, 1, segment=f"plan-{n}"))
             wait_until(lambda n=n: outbox_state(settings)["processed"] == n + 1, 30, message="the row published")
+        wait_until(lambda: relay.idle, 30, message="the relay idle")
         plans = (
-            relay._claim_db.get()
+            relay._db.get()
             .execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%taken AS%'")
             .fetchall()
         )
@@ -352,49 +349,39 @@ def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
     assert 4.9 < at[lone] - at[first] < 5.5
 
 
-def test_under_load_each_mark_rides_a_claim_and_the_writer_stays_idle(settings: Settings, service: Service) -> None:
-    # Under load (NOTIFYs under 5 ms apart) a cycle is one statement: the next claim (a
-    # NOTIFY's, or the loop's look after MARK_DELAY) marks what was confirmed
-    # (docs/architecture.md, "Wake-ups"), so plain publishes never need the writer's
-    # connection. The load is stood for by what the wake-up says of it.
+def test_each_mark_rides_a_claim_and_no_claim_comes_back_empty(settings: Settings, service: Service) -> None:
+    # A cycle is one statement (docs/architecture.md, "Wake-ups"): the claim of the next
+    # NOTIFY marks what was confirmed. Here no NOTIFY follows each row (the test waits for
+    # its mark first), so the mark waits MARK_DELAY and then goes alone, one statement,
+    # rather than in a claim that would find nothing. Nothing else is written.
+    rows = 4
     with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
-        relay._wake.under_load = lambda: True  # type: ignore[method-assign]
-        for n in range(1, 4):
+        wait_until(lambda: relay.idle, 30, message="the relay idle")
+        before = dict(relay.statements)
+        for n in range(1, rows + 1):
             insert_rows(settings, service.registry, orders(1, 1, aggregate_id=f"t-{n}"))
             wait_until(lambda n=n: outbox_state(settings)["processed"] == n, 30, message=f"row {n} marked")
-        wait_until(lambda: relay.published == 3, 30, message="the marks counted")
-        assert not relay._write_db.is_open
-    assert len(drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)) == 3
+        wait_until(lambda: relay.published == rows, 30, message="the marks counted")
+        after = dict(relay.statements)
+    spent = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in ("claim", "mark", "write")}
+    assert spent == {"claim": rows, "mark": rows, "write": 0}, spent
+    assert len(drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)) == rows
 
 
-def test_a_waiting_mark_is_carried_after_mark_delay_however_often_the_loop_wakes(
-    settings: Settings, service: Service
-) -> None:
-    # Under load a mark waits for the next claim, MARK_DELAY at most, counted from its
-    # confirm: wake-ups that bring no claim (confirms while in-flight room bounds the
-    # claims, finished writes) must not keep putting it off. Here they come every 5 ms.
-    stop = threading.Event()
+def test_under_load_the_next_notify_claim_carries_the_marks(settings: Settings, service: Service) -> None:
+    # Rows that come faster than their confirms: every mark but the last rides the claim
+    # of a later row's NOTIFY, so there are fewer statements than rows plus marks.
+    rows = 20
     with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
-        relay._wake.under_load = lambda: True  # type: ignore[method-assign]
-
-        def wake_often() -> None:
-            while not stop.wait(0.005):
-                relay._wake.set()
-
-        waker = threading.Thread(target=wake_often, daemon=True)
-        waker.start()
-        try:
-            insert_rows(settings, service.registry, orders(1, 1, aggregate_id="w-1"))
-            wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the waiting mark written")
-        finally:
-            stop.set()
-            waker.join()
-        assert not relay._write_db.is_open  # a claim carried it, not the writer
-
-
-def test_at_a_trickle_the_writer_marks_and_claims_stay_light(settings: Settings, service: Service) -> None:
-    # Not under load: marking in the claim would make each message later by a mark's time.
-    with running_relay(service, RelayConfig(poll_interval=3600)) as relay:  # type: ignore[arg-type]
-        insert_rows(settings, service.registry, orders(1, 1, aggregate_id="t-1"))
-        wait_until(lambda: outbox_state(settings)["processed"] == 1, 30, message="the row marked")
-        assert relay._write_db.is_open
+        wait_until(lambda: relay.idle, 30, message="the relay idle")
+        before = dict(relay.statements)
+        for n in range(rows):
+            insert_rows(settings, service.registry, orders(1, 1, aggregate_id=f"u-{n}"))
+        wait_until(lambda: outbox_state(settings)["processed"] == rows, 30, message="every row marked")
+        wait_until(lambda: relay.published == rows, 30, message="the marks counted")
+        after = dict(relay.statements)
+    claims = after.get("claim", 0) - before.get("claim", 0)
+    marks = after.get("mark", 0) - before.get("mark", 0)
+    assert after.get("write", 0) == before.get("write", 0)
+    assert claims <= rows and marks <= claims, (claims, marks)
+    assert len(drain_queue(settings.amqp_url, inbox_queue(settings), idle=0.5)) == rows

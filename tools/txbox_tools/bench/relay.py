@@ -33,7 +33,7 @@ from framework.envelope import format_timestamp
 from framework.errors import TxboxError
 from framework.outbox import Outbox
 from framework.relay import Relay, RelayConfig
-from framework.relay.daemon import envelope_body
+from framework.relay.messages import envelope_body
 from framework.service import Service
 from framework.settings import Settings
 from framework.sql.outbox import Claimed
