@@ -172,11 +172,8 @@ class LoopWakeup(Wakeup):
             return True
         self.woken_from_sleep = slept
         now = time.monotonic()
-        delay = self.hold_until - now
-        if delay <= 0 and slept:
-            delay = self.window()  # woken from sleep: let the burst grow a little
+        delay = self.pace.delay(now, from_sleep=slept)  # woken from sleep: let the burst grow a little
         if delay > 0:
-            self._held = self.hold_until > now
             end = now + min(delay, max(0.0, deadline - now))
             while not self._stop.is_set() and not self._kicked:
                 left = end - time.monotonic()
