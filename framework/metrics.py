@@ -53,6 +53,12 @@ PUBLISHER_FAILED = _counter(
     "reason",
 )
 PUBLISHER_ABANDONED = _counter("publisher", "abandoned", "Outbox rows given up after max_attempts", "message_type")
+# A cycle is one claim, which carries the marks (docs/architecture.md, "Wake-ups"): ``kind``
+# is claim, mark (marks alone), write (a transaction of failures) or gauge.
+PUBLISHER_STATEMENTS = _counter(
+    "publisher", "statements", "Statements (and transactions) the relay sent to PostgreSQL, by kind", "kind"
+)
+PUBLISHER_CLAIMS = _counter("publisher", "claims", "Claims the relay ran, by whether they found rows", "found")
 PUBLISHER_IN_FLIGHT = _gauge(
     "publisher", "in_flight", "messages", "Messages published and waiting for the broker's confirm"
 )

@@ -41,6 +41,8 @@ from framework.errors import BrokerUnavailable, DatabaseUnavailable, PublishErro
 from framework.outcomes import RelayOutcome
 from framework.publisher.channel import ConfirmChannel, Outgoing
 from framework.reasons import Reason
+from framework.relay import claims
+from framework.relay.claims import Claims
 from framework.relay.config import RelayConfig
 from framework.relay.messages import outgoing, unbuildable
 from framework.relay.settle import Settlement, Written, relay_outcome
@@ -68,6 +70,10 @@ def _backoff(failures: int) -> float:
     return backoff_seconds(failures, base=0.5, cap=1.0, jitter=0.2)
 
 
+_CLAIM = "txbox_relay_claim"
+_CLAIM_WINDOW = "txbox_relay_claim_window"
+
+
 @dataclass
 class Cycle:
     """What one claim carries and finds: the marks it folds in, the room it asks for, and
@@ -78,6 +84,7 @@ class Cycle:
     notified: int
     due: int
     from_notify: bool
+    sent_at: float = 0.0  # monotonic
     rows: list[Claimed] = field(default_factory=list)
 
 
@@ -111,8 +118,9 @@ class Relay(Daemon):
         self._signer = SigningConfig.from_env().signer()  # a bad key fails here, at start
         self._settle = Settlement(self.schema, self.config)
         # Rendered once: run per claim (framework/sql/__init__.py, ``rendered``).
-        self._sql_claim_window = rendered(named.claim_window(self.schema))
-        self._sql_claim = rendered(named.claim(self.schema))
+        self._sql_claim = rendered(named.claim(self.schema))  # also the fallback, run at once (_claimed)
+        self._claims = Claims({_CLAIM: self._sql_claim, _CLAIM_WINDOW: rendered(named.claim_window(self.schema))})
+        self._cycle: Cycle | None = None  # the claim in flight
         self._sql_backlog = rendered(named.backlog(self.schema))
         self._sql_listen = f'LISTEN "{names.notify_channel(self.schema, names.OUTBOX)}"'
         self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
@@ -134,12 +142,12 @@ class Relay(Daemon):
         self._confirmed: list[tuple[Outgoing, float]] = []
         self._others: list[tuple[Outgoing, PublishError]] = []  # failures and releases to write
         self._spans: dict[str, PublishSpans] = {}  # a batch's publish spans until its confirms (by message id)
-        self._hint = True  # False while a claim would find nothing new (see _claim_and_publish)
+        self._hint = True  # False while a claim would find nothing new (see _claimed)
         self._notified = 0  # NOTIFYs seen (a claim compares it)
         self._due = 0  # confirms that may have made rows due (compared like _notified)
         self._from_notify = False  # the next claim answers a NOTIFY (Pace.found)
         self._room_bound = False  # in-flight room bounds the claims: every confirm wakes the loop
-        self._wide = True  # last claims found as many heads as asked for (see _claim_and_publish)
+        self._wide = True  # last claims found as many heads as asked for (see _claimed)
         self._next_full_claim = 0.0
         self._next_gauges = 0.0
         self._soon = False  # a step is scheduled for the loop's next turn
@@ -164,7 +172,9 @@ class Relay(Daemon):
     def idle(self) -> bool:
         """Connected and listening, with nothing to claim until a NOTIFY, a confirm or the
         poll (read from another thread, a test's, it is a moment's view)."""
-        return self._fd is not None and not self._hint and not self._soon and not self._confirmed
+        return (
+            self._fd is not None and self._cycle is None and not self._hint and not self._soon and not self._confirmed
+        )
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -260,8 +270,8 @@ class Relay(Daemon):
         self._stepping = True
         try:
             conn = self._conn()
-            if conn is None:
-                return
+            if conn is None or self._cycle is not None:
+                return  # a claim in flight: its rows step again (_claimed)
             if self._others:
                 self._write_all(conn)
             channel = self._broker()
@@ -270,12 +280,9 @@ class Relay(Daemon):
                     self._write_marks(conn)
                 return
             self._gauges(conn, channel)
-            more = self._claim_and_publish(conn, channel)
-            self._in_flight.set(channel.in_flight)
+            self._claim(conn, channel, channel.in_flight)
             self._db_failures = 0
-            if more:
-                self._step_soon()
-            elif self._confirmed:
+            if self._cycle is None and self._confirmed:
                 self._step_in(self._confirmed[0][1] + MARK_DELAY - time.monotonic())
         except (psycopg.Error, DatabaseUnavailable) as exc:
             if not isinstance(exc, DatabaseUnavailable) and not db.is_infrastructure_error(exc):
@@ -289,9 +296,10 @@ class Relay(Daemon):
         confirmed = self._confirmed
         return bool(confirmed) and (len(confirmed) > FOLD_AT_MOST or time.monotonic() >= confirmed[0][1] + MARK_DELAY)
 
-    def _claim_and_publish(self, conn: psycopg.Connection[Any], channel: ConfirmChannel) -> bool:
-        """Claim what there is room for and publish it; True when more is ready now."""
-        room = min(self.config.batch_size, self.config.max_in_flight - channel.in_flight)
+    def _claim(self, conn: psycopg.Connection[Any], channel: ConfirmChannel, in_flight: int) -> None:
+        """Send the claim there is room for beside ``in_flight`` unconfirmed messages, carrying
+        the marks that wait; its rows come to :meth:`_claimed`."""
+        room = min(self.config.batch_size, self.config.max_in_flight - in_flight)
         self._room_bound = room < self.config.batch_size
         if len(self._confirmed) > FOLD_AT_MOST or ((room <= 0 or not self._hint) and self._marks_overdue()):
             # Too many for the claim's probe, or no claim to carry them: a claim that
@@ -299,52 +307,63 @@ class Relay(Daemon):
             # freed a successor: then the claim runs after all).
             self._write_marks(conn)
         if room <= 0 or not self._hint:
-            return False
-        cycle = Cycle(room, self._confirmed, self._notified, self._due, self._from_notify)
+            return
+        cycle = Cycle(room, self._confirmed, self._notified, self._due, self._from_notify, time.monotonic())
+        params = claims.parameters(
+            room,
+            float(self.config.lease),
+            [item.token.id for item, _ in cycle.marks],
+            [cycle.sent_at - at for _, at in cycle.marks],  # the marks say when the confirms came
+        )
+        # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.
+        # Few, deep lanes: the plain claim would probe every waiting row (sql.claim_window).
+        self._claims.send(conn, _CLAIM if self._wide else _CLAIM_WINDOW, params)
         self._confirmed = []
         self._from_notify = False
-        self._claim(conn, cycle)
-        self._pace.found(len(cycle.rows), notified=cycle.from_notify)
+        self._cycle = cycle
+
+    def _claimed(self, conn: psycopg.Connection[Any], rows: list[Claimed]) -> None:
+        """The claim in flight came back with ``rows`` (committed, with its marks): claim the
+        next batch if this one was full and there is room, then publish these."""
+        cycle, self._cycle = self._cycle, None
+        assert cycle is not None
+        cycle.rows = rows
+        self._counted_claim(rows)
+        self._counted(Written(published=Tally(item.token.message_type for item, _ in cycle.marks)))
+        if not self._wide and not rows and time.monotonic() >= self._next_full_claim:
+            # The window may be all rows waiting behind blocked heads (say, a long
+            # backoff): look at the whole table now and then so no lane starves.
+            self._next_full_claim = time.monotonic() + float(self.config.poll_interval)
+            params = {"limit": cycle.room, "lease": float(self.config.lease), "marked": [], "ages": []}
+            rows = cycle.rows = named.fetch_claimed(conn, self._sql_claim, params)
+            self._counted_claim(rows)
+        self._wide = len(rows) >= cycle.room
+        self._statistics.after_claim(conn, time.monotonic() - cycle.sent_at, len(rows), log)
+        self._pace.found(len(rows), notified=cycle.from_notify)
         # A short claim took every due head there is: claiming again is pointless until
         # something changes (a write frees the next heads, NOTIFY, a confirm whose mark
         # may free one, the poll timer). A NOTIFY or such a confirm that came during the
         # claim may be for a row its snapshot missed.
-        full = len(cycle.rows) >= room
+        full = len(rows) >= cycle.room
         self._hint = full or self._notified != cycle.notified or self._due != cycle.due
-        if cycle.rows:
-            self._publish(conn, channel, cycle.rows)
-        return full and channel.in_flight < self.config.max_in_flight
-
-    def _claim(self, conn: psycopg.Connection[Any], cycle: Cycle) -> None:
-        """Run the claim that marks ``cycle.marks`` and takes up to ``cycle.room`` heads."""
-        now = time.monotonic()
-        params = {
-            "limit": cycle.room,
-            "lease": float(self.config.lease),
-            "window": cycle.room * 4,
-            "marked": [item.token.id for item, _ in cycle.marks],
-            "ages": [now - at for _, at in cycle.marks],  # the marks say when the confirms came
-        }
-        try:
-            if self._wide:
-                # Many lanes: the plain claim streams down outbox_due_idx and stops at the limit.
-                cycle.rows = named.fetch_claimed(conn, self._sql_claim, params)
+        channel = self._channel
+        if self._draining or channel is None or not channel.is_open:
+            if rows:  # not to be sent now: give the leases back at once
+                self._settle.release(conn, [row.id for row in rows])
+                self._sent("write")
+            if self._draining:
+                self._drained()
             else:
-                # Few, deep lanes: the plain claim would probe every waiting row (sql.claim_window).
-                cycle.rows = named.fetch_claimed(conn, self._sql_claim_window, params)
-            self.statements["claim"] += 1
-        except BaseException:
-            self._confirmed[:0] = cycle.marks  # not committed: the next claim carries them
-            raise
-        self._counted(Written(published=Tally(item.token.message_type for item, _ in cycle.marks)))
-        if not self._wide and not cycle.rows and time.monotonic() >= self._next_full_claim:
-            # The window may be all rows waiting behind blocked heads (say, a long
-            # backoff): look at the whole table now and then so no lane starves.
-            self._next_full_claim = time.monotonic() + float(self.config.poll_interval)
-            cycle.rows = named.fetch_claimed(conn, self._sql_claim, {**params, "marked": [], "ages": []})
-            self.statements["claim"] += 1
-        self._wide = len(cycle.rows) >= cycle.room
-        self._statistics.after_claim(conn, time.monotonic() - now, len(cycle.rows), log)
+                self._step_soon()
+            return
+        if full:
+            # The next batch while this one is published: PostgreSQL claims while Python sends.
+            self._claim(conn, channel, channel.in_flight + len(rows))
+        if rows:
+            self._publish(conn, channel, rows)
+        self._in_flight.set(channel.in_flight)
+        if self._cycle is None:
+            self._step_soon()
 
     def _publish(self, conn: psycopg.Connection[Any], channel: ConfirmChannel, rows: list[Claimed]) -> None:
         items = self._outgoing(rows)  # in claim order: priority, then creation
@@ -428,7 +447,7 @@ class Relay(Daemon):
         confirmed, self._confirmed = self._confirmed, []
         try:
             written = self._settle.marks(conn, [item for item, _ in confirmed])
-            self.statements["mark"] += 1
+            self._sent("mark")
         except BaseException:
             self._confirmed[:0] = confirmed
             raise
@@ -440,12 +459,21 @@ class Relay(Daemon):
         self._confirmed, self._others = [], []
         try:
             written = self._settle.write(conn, [item for item, _ in confirmed], others)
-            self.statements["write"] += 1
+            self._sent("write")
         except BaseException:
             self._confirmed[:0] = confirmed
             self._others[:0] = others
             raise
         self._counted(written)
+
+    def _sent(self, kind: str, n: int = 1) -> None:
+        """Count what the loop sent to PostgreSQL (``Relay.statements`` and the metric)."""
+        self.statements[kind] += n
+        metrics.PUBLISHER_STATEMENTS.labels(self.settings.service, kind).inc(n)
+
+    def _counted_claim(self, rows: list[Claimed]) -> None:
+        self._sent("claim")
+        metrics.PUBLISHER_CLAIMS.labels(self.settings.service, "rows" if rows else "nothing").inc()
 
     def _counted(self, written: Written) -> None:
         service = self.settings.service
@@ -468,8 +496,10 @@ class Relay(Daemon):
             return
         self._next_gauges = now + self.config.metrics_interval
         # A burst since the last ANALYZE makes the planner pick a slow claim plan (framework/sql/outbox.py).
-        self._statistics.refresh(conn.cursor(), now)
+        if self._statistics.refresh(conn.cursor(), now):
+            self._sent("gauge")
         count, age = conn.execute(self._sql_backlog).fetchone() or (0, 0)
+        self._sent("gauge")
         metrics.PUBLISHER_BACKLOG.labels(self.settings.service).set(count)
         metrics.PUBLISHER_OLDEST_DUE_AGE.labels(self.settings.service).set(float(age))
 
@@ -484,6 +514,7 @@ class Relay(Daemon):
         conn = self._db.get()  # raises DatabaseUnavailable: _step backs off
         conn.add_notify_handler(lambda _: self._notice())  # NOTIFYs read while a statement ran
         conn.execute(self._sql_listen)
+        self._claims.prepare(conn)
         self._fd = conn.fileno()
         self._loop.add_handler(self._fd, self._readable, IOLoop.READ)
         self.state("running")
@@ -498,12 +529,16 @@ class Relay(Daemon):
         if conn is None or not conn.lock.acquire(blocking=False):
             return
         pgconn = conn.pgconn
+        rows = None
         try:
-            pgconn.consume_input()
+            if self._cycle is not None:
+                rows = self._claims.collect(conn)
+            else:
+                pgconn.consume_input()
             notified = False
             while pgconn.notifies() is not None:
                 notified = True
-        except psycopg.Error as exc:
+        except (psycopg.Error, DatabaseUnavailable) as exc:
             self._lost_db(exc)
             return
         finally:
@@ -512,6 +547,13 @@ class Relay(Daemon):
             self._notice()
         if pgconn.status != psycopg.pq.ConnStatus.OK:
             self._lost_db(DatabaseUnavailable("the database connection closed"))
+        elif rows is not None:
+            try:
+                self._claimed(conn, rows)
+            except (psycopg.Error, DatabaseUnavailable) as exc:
+                if not isinstance(exc, DatabaseUnavailable) and not db.is_infrastructure_error(exc):
+                    log.exception("unexpected database error")
+                self._lost_db(exc)
 
     def _notice(self) -> None:
         """Rows may have arrived: claim at once, or after the hold or window (Pace)."""
@@ -540,7 +582,12 @@ class Relay(Daemon):
                 self._loop.remove_handler(fd)
 
     def _lost_db(self, exc: BaseException) -> None:
-        """Drop the connection and try again after a backoff, the loop going on meanwhile."""
+        """Drop the connection and try again after a backoff, the loop going on meanwhile.
+        A claim in flight is lost with it: its marks wait for the next claim (marking is
+        idempotent), its rows, if it committed, for their lease."""
+        if self._cycle is not None:
+            self._confirmed[:0] = self._cycle.marks
+            self._cycle = None
         self._unwatch()
         self._db.close()
         self._db_failures += 1
@@ -609,6 +656,8 @@ class Relay(Daemon):
     def _drained(self) -> None:
         """Called at the drain's start, after each confirm while draining and at its timeout:
         once nothing is outstanding (or the time is up), close the channel."""
+        if self._cycle is not None:
+            return  # its rows are given back when they come (_claimed), which calls again
         channel = self._channel
         if channel is None or channel.state not in ("opening", "open"):
             self._finish_drain()

@@ -242,12 +242,18 @@ class Scratch:
         return service
 
     def start_daemons(
-        self, group: ProcessGroup, workers: int = 1, worker_metrics_ports: list[int] | None = None
+        self,
+        group: ProcessGroup,
+        workers: int = 1,
+        worker_metrics_ports: list[int] | None = None,
+        publisher_metrics_port: int | None = None,
     ) -> None:
         """The publisher, the receiver and ``workers`` workers; ``worker_metrics_ports``: one
-        ``--metrics-port`` per worker, for the benches that read their counters."""
+        ``--metrics-port`` per worker, and ``publisher_metrics_port`` the publisher's, for the
+        benches that read their counters."""
         app = ["--app", "txbox_tools.bench.e2e:app"]
-        group.start("publisher", ["publisher", *app])
+        port = ["--metrics-port", str(publisher_metrics_port)] if publisher_metrics_port else []
+        group.start("publisher", ["publisher", *app, *port])
         group.start("receiver", ["receiver", *app])
         for n in range(workers):
             port = ["--metrics-port", str(worker_metrics_ports[n])] if worker_metrics_ports else []

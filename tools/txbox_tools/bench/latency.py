@@ -94,16 +94,21 @@ def run(args: argparse.Namespace) -> Result:
         group = ProcessGroup(log_dir, env=scratch.env)
         try:
             ports = [_free_port() for _ in range(args.workers)]
-            scratch.start_daemons(group, args.workers, worker_metrics_ports=ports)
+            publisher_port = _free_port()
+            scratch.start_daemons(
+                group, args.workers, worker_metrics_ports=ports, publisher_metrics_port=publisher_port
+            )
             wait_ready(scratch, group)
             meter = cpu.pipeline(((d.name, d.process.pid) for d in group.daemons), scratch.database_url)
             counted = _worker_counts(ports)
+            relayed = _counts(publisher_port, _RELAY_COUNTED)
             meter.start()
             began = time.perf_counter()
             sent, seconds = _offer(service, group, args)
             _wait_handled(scratch, group, sent)
             used = cpu.summary(meter.stop(), time.perf_counter() - began, sent)
             statements = _statements(counted, _worker_counts(ports), sent)
+            statements.update(_relay_statements(relayed, _counts(publisher_port, _RELAY_COUNTED), sent))
             ms, worst, breakdown = _latencies(scratch.database_url, args.warmup)
         finally:
             group.stop_all()
@@ -155,31 +160,56 @@ _COUNTED = {
 }
 
 
+# The relay's (framework/relay/daemon.py, ``Relay.statements``), by kind.
+_RELAY_COUNTED = {
+    'txbox_publisher_statements_total{kind="claim"': "claims",
+    'txbox_publisher_statements_total{kind="mark"': "marks",
+    'txbox_publisher_statements_total{kind="write"': "writes",
+    'txbox_publisher_statements_total{kind="gauge"': "gauges",
+    'txbox_publisher_claims_total{found="nothing"': "empty_claims",
+}
+
+
 def _worker_counts(ports: list[int]) -> list[dict[str, float]] | None:
     """Each worker's counters now; None when a worker has none (a version without them)."""
     out = []
     for port in ports:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-                    text = answer.read().decode()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.2)
-        counts: dict[str, float] = dict.fromkeys(_COUNTED.values(), 0.0)
-        found = False
-        for line in text.splitlines():
-            for prefix, name in _COUNTED.items():
-                if line.startswith(prefix) and not line.startswith("#"):
-                    counts[name] += float(line.rsplit(" ", 1)[1])
-                    found = True
-        if not found and "txbox_worker_statements_total" not in text:
+        counts = _counts(port, _COUNTED)
+        if counts is None:
             return None
         out.append(counts)
     return out
+
+
+def _counts(port: int, counted: dict[str, str]) -> dict[str, float] | None:
+    """The counters ``counted`` names, read from a daemon's /metrics; None when it has none of
+    them (a version without them)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                text = answer.read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+    counts: dict[str, float] = dict.fromkeys(counted.values(), 0.0)
+    metric = next(iter(counted)).split("{", 1)[0]
+    for line in text.splitlines():
+        for prefix, name in counted.items():
+            if line.startswith(prefix) and not line.startswith("#"):
+                counts[name] += float(line.rsplit(" ", 1)[1])
+    return counts if metric in text else None
+
+
+def _relay_statements(before: dict[str, float] | None, after: dict[str, float] | None, sent: int) -> dict[str, Any]:
+    """The relay's statements per message, by kind (a claim carries the marks of the one before)."""
+    if before is None or after is None:
+        return {}
+    spent = {name: int(after[name] - before[name]) for name in after}
+    total = sum(spent[k] for k in ("claims", "marks", "writes", "gauges"))
+    return {"relay_statements_per_message": round(total / max(sent, 1), 3), "relay_counts": spent}
 
 
 def _statements(
