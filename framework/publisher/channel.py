@@ -162,8 +162,8 @@ class ConfirmChannel:
         was = self.state
         self.state = "closing"
         conn = self._conn
-        if conn is not None and (conn.is_open or conn.is_opening):
-            conn.close()
+        if conn is not None and not (conn.is_closed or conn.is_closing):
+            conn.close()  # one still opening is aborted: _on_open_error finishes
         elif was in ("new", "opening") or conn is None or conn.is_closed:
             self._fail_everything(PublishError("the publisher closed before the broker confirmed", CLOSED))
             self._become("closed")

@@ -63,6 +63,7 @@ log = logging.getLogger("txbox.publisher")
 FOLD_AT_MOST = named.HAS_NEXT_AT_MOST
 MARK_DELAY = 0.05  # seconds
 STOP_CHECK = 0.25  # seconds between looks at the stop event (see Relay.stop)
+CONNECTION_NAME = "txbox-publisher"  # its one connection's application_name (pg_stat_activity)
 
 
 def _backoff(failures: int) -> float:
@@ -130,7 +131,11 @@ class Relay(Daemon):
         # connection does not wait for fsync. Generic plans: left to choose, PostgreSQL
         # planned every claim again (docs/architecture.md, "Generic plans").
         self._db = ConnectionSlot(
-            self.settings.database_url, autocommit=True, synchronous_commit=False, generic_plans=True
+            self.settings.database_url,
+            autocommit=True,
+            synchronous_commit=False,
+            generic_plans=True,
+            application_name=CONNECTION_NAME,
         )
         self._loop = IOLoop()
         self._loop_thread: threading.Thread | None = None  # the thread that runs it (run)
