@@ -76,7 +76,7 @@ def options() -> argparse.Namespace:
     p.add_argument("--pto-batch-size", type=int, default=50, help="polling batch = messages in progress at once")
     p.add_argument("--pto-pool-size", type=int, default=50, help="handler pool's connections")
     p.add_argument("--pto-polling-interval-ms", type=int, default=10)
-    p.add_argument("--pto-lock-ms", type=int, default=5000, help="how long a polled row stays locked (a retry waits it out)")
+    p.add_argument("--pto-lock-ms", type=int, default=5000, help="how long a polled row stays locked (retries wait)")
     p.add_argument("--pto-prefetch", type=int, default=1000)
     p.add_argument("--keep-scratch", action="store_true", help="leave the scratch folder (installed peers)")
     return p.parse_args()
@@ -435,7 +435,9 @@ def txbox_stage(args: argparse.Namespace, stage: str) -> dict[str, Any]:
     out = run(cmd, ROOT, timeout=args.stage_timeout * 3)
     data: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     keep = ("rate", "seconds", "cpu_ms_per_message", "raw_limit_rate", "ratio", "raw_cpu_ms_per_message")
-    return {k: data[k] for k in keep if k in data} | {"message_bytes": data.get("message_bytes", data.get("body_bytes"))}
+    return {k: data[k] for k in keep if k in data} | {
+        "message_bytes": data.get("message_bytes", data.get("body_bytes"))
+    }
 
 
 # --- the table -----------------------------------------------------------------------
@@ -453,7 +455,9 @@ def median(runs: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def table(results: dict[str, dict[str, list[dict[str, Any]]]], stages: list[str], peers: list[str]) -> list[dict[str, Any]]:
+def table(
+    results: dict[str, dict[str, list[dict[str, Any]]]], stages: list[str], peers: list[str]
+) -> list[dict[str, Any]]:
     rows = []
     for stage in stages:
         mine = results[stage].get("txbox", [])
@@ -484,8 +488,10 @@ def show(rows: list[dict[str, Any]]) -> None:
         def cell(v: Any, w: int) -> str:
             return f"{v:>{w},}" if isinstance(v, (int, float)) else f"{'?':>{w}}"
 
-        ratio = f"{r['txbox_over_peer_rate']}×" if r.get("txbox_over_peer_rate") else ("" if r["peer"] == "txbox" else "?")
-        cpu = f"{r['peer_over_txbox_cpu']}×" if r.get("peer_over_txbox_cpu") else ("" if r["peer"] == "txbox" else "?")
+        ratio = (
+            f"{r['txbox_over_peer_rate']}x" if r.get("txbox_over_peer_rate") else ("" if r["peer"] == "txbox" else "?")
+        )
+        cpu = f"{r['peer_over_txbox_cpu']}x" if r.get("peer_over_txbox_cpu") else ("" if r["peer"] == "txbox" else "?")
         print(f"{r['stage']:<7} {r['peer']:<24} {cell(r['rate'], 9)} {cell(r['cpu_ms_per_message'], 11)} "
               f"{ratio:>11} {cpu:>15}")  # fmt: skip
 
