@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup setup-test demo test lint bench fuzz rabbit-cluster failover spark-cluster chaos-replicas
+.PHONY: setup setup-test demo test lint bench bench-peers fuzz rabbit-cluster failover spark-cluster chaos-replicas
 
 # What the demo needs; `setup-test` adds the test tools, Chromium and the Node test peer.
 setup:
@@ -44,6 +44,12 @@ lint:
 
 bench: setup
 	for stage in relay receiver worker e2e latency analyze; do .venv/bin/txbox bench $$stage --json; done
+
+# txbox's relay and inbox stages beside faststream-outbox and pg-transactional-outbox, each
+# installed into a scratch folder (benchmarks/peers/README.md); not part of `make test`.
+#   make bench-peers PEERS_ARGS="--rounds 1 --messages 5000"
+bench-peers: setup-test
+	bash benchmarks/peers/run.sh $(PEERS_ARGS)
 
 # PostgreSQL failover at a larger size than the one of `make test` (docs/architecture.md,
 # "PostgreSQL failover"): kill -9 of a primary with a synchronous standby, mid-run.
