@@ -35,6 +35,7 @@ import psycopg
 from psycopg import sql
 
 from framework import jsoncodec, names
+from framework.errors import TxboxError
 from framework.sql import rendered
 from framework.tables import pending_by_id, pending_in_segment
 
@@ -148,6 +149,16 @@ def insert_sql(schema: str) -> bytes:
             select=sql.SQL(", ").join(value(i, t) for i, (_, t) in enumerate(_COLUMNS)),
         )
     )
+
+
+@functools.cache
+def insert_sql_numbered(schema: str) -> bytes:
+    """:func:`insert_sql` with its parameter as ``$1``: for libpq's own calls, which take
+    PostgreSQL's placeholders (the receiver's pipelined write, framework/receiver/write.py)."""
+    statement = insert_sql(schema)
+    if statement.count(b"%s") != 1 or b"$" in statement:
+        raise TxboxError("the inbox INSERT must hold exactly one %s and no $ to be numbered")
+    return statement.replace(b"%s", b"$1")
 
 
 def batch_json(rows: Sequence[InboxRow]) -> str:
