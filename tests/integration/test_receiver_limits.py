@@ -171,7 +171,6 @@ def test_a_failure_of_our_own_while_settling_dead_letters_the_group_as_internal_
     service: Service, database_url: str, amqp_url: str, monkeypatch: Any
 ) -> None:
     """A bug in the write path (here: the batch INSERT raises something unforeseen, once) must not stop the receiver."""
-    from framework.receiver import daemon as receiver_daemon
 
     topology.declare(service.settings, service.registry)
     real = receiver_daemon.InboxWrite.send
