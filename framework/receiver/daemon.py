@@ -2,9 +2,10 @@
 
 The loop collects deliveries for up to ``batch_size`` messages (waiting up to
 ``batch_wait`` for more only while the previous batch is still being written), parses
-and validates them, stores them with one statement and one commit on a database thread
-— while the next batch is being collected and parsed — and, once that commit is done,
-acks the batch with one ``basic_ack(multiple=True)``. Three paths leave the happy one:
+and validates them, stores them with one statement and its commit, sent without waiting
+on the same thread (:mod:`framework.receiver.write`) while the next batch is being
+collected and parsed, and, once that commit is done, acks the batch with one
+``basic_ack(multiple=True)``. Three paths leave the happy one:
 
 - bad input is REJECTED into txbox.dead_letters in the same transaction (never raised);
 - a redelivered delivery (the previous holder died with it) is counted in

@@ -16,6 +16,7 @@ import argparse
 import base64
 import json
 import os
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -145,6 +146,49 @@ def fill_queue(amqp_url: str, bodies: list[bytes], routing_key: str) -> None:
         connection.close()
 
 
+class PacedPublisher:
+    """Offers ``bodies`` to the inbox queue at ``rate`` per second from a thread of the bench
+    (``--rate``): the receiver then settles a moderate load, not a backlog."""
+
+    def __init__(self, amqp_url: str, bodies: list[bytes], routing_key: str, rate: float) -> None:
+        self._url, self._bodies, self._key, self._rate = amqp_url, bodies, routing_key, rate
+        self._thread = threading.Thread(target=self._run, name="bench paced publisher", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join(60)
+        if self.error is not None:
+            raise TxboxError(f"the paced publisher failed: {self.error!r}")
+
+    def _run(self) -> None:
+        try:
+            connection = pika.BlockingConnection(pika.URLParameters(self._url))
+            try:
+                channel = connection.channel()
+                started = time.monotonic()
+                for n, body in enumerate(self._bodies):
+                    pause = started + n / self._rate - time.monotonic()
+                    if pause > 0:
+                        connection.sleep(pause)
+                    props = pika.BasicProperties(content_type="application/json", delivery_mode=2)
+                    channel.basic_publish(names.COMMAND_EXCHANGE, self._key, body, props)
+            finally:
+                connection.close()
+        except BaseException as exc:
+            self.error = exc
+
+
+def transactions(admin_url: str, dbname: str) -> int:
+    """Transactions committed in ``dbname`` so far (``pg_stat_database``): the backend's count,
+    whatever the client sent. Read once the daemons exited, so their last ones are flushed."""
+    with psycopg.connect(conninfo(admin_url), autocommit=True) as conn:
+        row = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (dbname,)).fetchone()
+    return int(row[0]) if row else 0
+
+
 def raw_consume(
     amqp_url: str,
     queue: str,
@@ -229,6 +273,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "as competing consumers that do not keep per-segment order; see README 'Scaling')",
     )
     parser.add_argument(
+        "--rate",
+        type=float,
+        help="offer the messages at this rate (msg/s) while the receiver runs, instead of a backlog; "
+        "with --seconds, --messages is rate x seconds; the report's transactions_per_message says how many "
+        "batches a message took",
+    )
+    parser.add_argument("--seconds", type=float, default=20.0, help="with --rate: how long to offer (default 20)")
+    parser.add_argument(
         "--floor",
         action="store_true",
         help="also measure the raw consume plus the receiver's admission of each delivery, no database "
@@ -249,6 +301,8 @@ def run(args: argparse.Namespace) -> Result:
         topology.declare(scratch.settings, service.registry)
         spec = service.registry.get("PlaceOrder")
         queue = names.inbox_queue(SERVICE)
+        if args.rate:
+            args.messages = max(1, round(args.rate * args.seconds))
         bodies = envelopes(args.messages)
 
         fill_queue(scratch.amqp_url, bodies, spec.routing_key)
@@ -267,15 +321,23 @@ def run(args: argparse.Namespace) -> Result:
                 **floor_cpu.per_message(args.messages, prefix="floor_"),
             }
 
-        fill_queue(scratch.amqp_url, bodies, spec.routing_key)
+        paced = PacedPublisher(scratch.amqp_url, bodies, spec.routing_key, args.rate) if args.rate else None
+        if paced is None:
+            fill_queue(scratch.amqp_url, bodies, spec.routing_key)
         used = Saturation(scratch.database_url)
+        committed = transactions(scratch.admin_url, scratch.dbname)
         seconds = instances.timed(
             receiver_instance,
             (scratch.settings, args.prefetch, args.batch_size, args.instances == 1),
             instances=args.instances,
             target=args.messages,
             cpu=used,
+            on_start=paced.start if paced is not None else None,
         )
+        if paced is not None:
+            paced.join()
+        # The receivers exited (timed joins them), so their backends' counts are in.
+        committed = transactions(scratch.admin_url, scratch.dbname) - committed
 
         rows = scratch.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier("txbox", names.INBOX)))[0][0]
         left = _depth(scratch.amqp_url, queue)
@@ -293,6 +355,10 @@ def run(args: argparse.Namespace) -> Result:
                 "instances": args.instances,
                 "queue_type": args.queue_type,
                 "body_bytes": len(bodies[0]),
+                "offered_rate": args.rate,
+                # Every transaction of the scratch database meanwhile: the receivers' batches,
+                # their redelivery counts, the turn's checks (one a second) and the meter's look-ups.
+                "transactions_per_message": round(committed / args.messages, 4),
                 **used.per_message(args.messages),
                 **raw_cpu.per_message(args.messages, prefix="raw_"),
                 **floor,
