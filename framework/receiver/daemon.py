@@ -419,13 +419,13 @@ class Receiver(Daemon):
         # ends process_data_events), so the batch's ack is never late.
         write = InboxWrite(
             conn,
-            inbox_sql.insert_sql_numbered(self.settings.schema),
-            text,
+            inbox_sql.insert_all_new_sql(self.settings.schema),
+            [text, str(len(rows)).encode()],
             on_done=functools.partial(connection.call_later, 0, _nothing),
         )
         inflight.write = write
         try:
-            write.send(len(rows))
+            write.send()
             if not write.done:
                 write.watch(amqp.ioloop(connection))
         except Exception as exc:  # a bug of ours: the batch is rescued (_finish), the connection dropped
@@ -464,43 +464,24 @@ class Receiver(Daemon):
         self._copies.ack(batch)
 
     def _complete(self, prepared: _Prepared, write: InboxWrite) -> None:
-        """Wait for the pipelined write if it is not over yet, then settle what it left:
-        committed already (the usual batch), open for ``id_conflict`` letters, or refused."""
+        """Wait for the write if it is not over yet, then settle it: committed (the usual
+        batch), or refused and written again the ordinary way (:meth:`_write`), which
+        letters the conflicts of a duplicate id, or finds the rows PostgreSQL refuses."""
         write.wait()
         write.unwatch()
-        rows = [row for _, row in prepared.pairs]
         if write.error is not None:
             self._drop_db()  # mid-protocol: the connection cannot be used again
             if db.is_infrastructure_error(write.error):
                 _end(prepared.spans, write.error)
                 raise write.error
-            self._write(prepared)  # a fresh connection, the way that finds the culprits
+            self._write(prepared)  # on a fresh connection
             return
-        conn = self._connection()
-        try:
-            letters: list[tuple[Delivery, dl.DeadLetter]] = []
-            new = write.new
-            if write.refused is not None:
-                # PostgreSQL refused the batch (the data, e.g. \u0000 inside a JSON
-                # string): nothing was stored; find the culprits one savepoint at a time.
-                new, letters = self._store_carefully(conn, prepared)
-            elif write.open:
-                # A duplicate id: the transaction waits for the conflicts' letters.
-                try:
-                    with conn.cursor() as cur:
-                        letters = self._conflicts(cur, prepared.pairs, new)
-                        dead_letters_sql.insert_letters(cur, self.settings.schema, [letter for _, letter in letters])
-                    conn.commit()
-                except Exception as exc:
-                    conn.rollback()
-                    if db.is_infrastructure_error(exc):
-                        raise
-                    new, letters = self._store_carefully(conn, prepared)
-        except BaseException as exc:
-            _end(prepared.spans, exc)
-            raise
+        if write.refused is not None:
+            self._write(prepared)
+            return
         _end(prepared.spans)
-        self._count(rows, new, [letter for _, letter in letters])
+        rows = [row for _, row in prepared.pairs]
+        self._count(rows, {row.id for row in rows}, [])
 
     def _database_down(self, exc: BaseException) -> None:
         self._drop_db()

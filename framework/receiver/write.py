@@ -1,27 +1,23 @@
-"""A batch's inbox INSERT and its commit, sent without waiting, on the consuming thread.
+"""A batch's inbox INSERT, with its commit, sent without waiting, on the consuming thread.
 
 The receiver's one thread collects the next batch while this one is written
 (docs/architecture.md, "The daemons and their threads"): :class:`InboxWrite` sends the
-statement with libpq's pipeline mode on the daemon's own psycopg connection and is driven
-by the readiness of that connection's socket, which the consuming loop watches on the
-broker connection's own I/O loop beside the broker's socket (:meth:`InboxWrite.watch`).
+statement with libpq's asynchronous calls on the daemon's own psycopg connection and is
+driven by the readiness of that connection's socket, which the consuming loop watches on
+the broker connection's own I/O loop beside the broker's socket (:meth:`InboxWrite.watch`).
 
-A batch is one statement and one Sync: the INSERT runs in the implicit transaction of
-the pipeline, and the Sync that follows it is its commit, so a batch costs two round
-trips (the INSERT's result, then the commit) and no BEGIN or COMMIT statements. The Sync
-is sent only once the INSERT's result is in and says every row was new. Anything else —
-a duplicate id (an ``id_conflict`` letter may have to go into the same transaction), an
-error the data caused — is not committed here: a ``BEGIN`` before the Sync turns the
-implicit transaction into an ordinary open one (a duplicate: :attr:`InboxWrite.open`, the
-rows inserted; the caller adds what else the batch needs and commits), or the Sync after
-an error ends the aborted one (:attr:`InboxWrite.refused`: the caller writes the batch
-again the careful way). A failure of the connection itself is :attr:`InboxWrite.error`.
+A batch is one statement in one round trip: sent alone (libpq's extended protocol ends
+it with a Sync), it runs in an implicit transaction that PostgreSQL commits before it
+answers. The statement (:func:`framework.sql.inbox.insert_all_new_sql`) fails, and so
+stores nothing, unless every row was new: a duplicate id may need an ``id_conflict``
+letter in the same transaction, so such a batch (:attr:`InboxWrite.refused`) is written
+again the ordinary way, as is one PostgreSQL refuses for its data. A failure of the
+connection itself is :attr:`InboxWrite.error`.
 """
 
 from __future__ import annotations
 
 import select
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -32,35 +28,33 @@ from psycopg import pq
 from framework import db
 
 _IDLE = pq.TransactionStatus.IDLE
-_INSERT, _SYNC, _DONE = "insert", "sync", "done"
 
 
 class InboxWrite:
-    """One batch's INSERT (``statement``, one text parameter ``param``) on ``conn``, in flight.
+    """One batch's INSERT (``statement`` with parameters ``params``) on ``conn``, in flight.
 
-    Start it with :meth:`send`; :meth:`advance` reads what arrived and sends the next step,
-    and is called whenever the socket is readable (or writable, while :attr:`wants_write`);
-    :attr:`done` tells when it is over. Then exactly one of: :attr:`error` (the database
-    failed: the connection is broken and must be dropped), :attr:`refused` (PostgreSQL
-    refused the statement: nothing was stored), or :attr:`new` (the ids inserted) with
-    :attr:`open` telling whether the transaction still waits for the caller's commit.
-    All on one thread; nothing here blocks but :meth:`wait`.
+    Start it with :meth:`send`; :meth:`advance` reads what arrived, and is called whenever
+    the socket is readable (or writable, while :attr:`wants_write`); :attr:`done` tells
+    when it is over, and ``on_done`` is called then, once. Then at most one of
+    :attr:`error` (the database failed: the connection must be dropped) and
+    :attr:`refused` (PostgreSQL refused the statement: nothing was stored, the connection
+    is idle and usable) is set; neither means the batch is committed. All on one thread;
+    nothing here blocks but :meth:`wait`.
     """
 
-    def __init__(self, conn: psycopg.Connection[Any], statement: bytes, param: bytes, on_done: Callable[[], None]):
+    def __init__(
+        self, conn: psycopg.Connection[Any], statement: bytes, params: list[bytes], on_done: Callable[[], None]
+    ) -> None:
         self._conn = conn
         self._pg = conn.pgconn
         self._statement = statement
-        self._param = param
+        self._params = params
         self._on_done = on_done
-        self._step = _INSERT
+        self._result: pq.abc.PGresult | None = None
+        self.done = False
         self.wants_write = False
-        self.new: set[uuid.UUID] = set()
-        self.rows = 0  # rows in the batch, for the decision to commit
-        self.open = False
         self.refused: psycopg.Error | None = None
         self.error: BaseException | None = None
-        self.round_trips = 0
         self._ioloop: Any = None
         self._fileno = -1
 
@@ -68,42 +62,31 @@ class InboxWrite:
     def fileno(self) -> int:
         return int(self._pg.socket)
 
-    @property
-    def done(self) -> bool:
-        return self._step == _DONE
-
-    def send(self, rows: int) -> None:
-        """Send the INSERT and ask for its result; the connection must be idle, outside a transaction."""
-        self.rows = rows
+    def send(self) -> None:
+        """Send the statement; the connection must be idle, outside a transaction."""
         try:
             if self._pg.transaction_status != _IDLE:
                 self._conn.rollback()  # nothing of ours is open between batches; this is a guard
-            self._pg.enter_pipeline_mode()
-            self._pg.send_query_params(self._statement, [self._param])
-            self._pg.send_flush_request()
-            self.round_trips += 1
+            self._pg.send_query_params(self._statement, list(self._params))
             self._flush()
-        except psycopg.Error as exc:
+        except Exception as exc:
             self._fail(exc)
 
     def advance(self) -> None:
-        """Read what the server sent and take the next step; safe to call at any time."""
-        if self._step == _DONE:
+        """Read what the server sent; safe to call at any time."""
+        if self.done:
             return
         try:
             if self.wants_write:
                 self._flush()
             self._pg.consume_input()
-            ended = False  # the last result read was a query's end
-            while self._step != _DONE and not self._pg.is_busy():
+            while not self._pg.is_busy():
                 result = self._pg.get_result()
-                if result is None:
-                    if self._step == _INSERT or ended:  # no result where one must come
-                        raise psycopg.OperationalError("the pipelined inbox write lost its place")
-                    ended = True
-                    continue  # the end of the INSERT's results; the Sync was sent already
-                ended = False
-                self._result(result)
+                if result is None:  # the statement's results are over
+                    self._end()
+                    return
+                if self._result is None or result.status == pq.ExecStatus.FATAL_ERROR:
+                    self._result = result
         except Exception as exc:  # called from the broker's I/O loop: never raises into it
             self._fail(exc)
 
@@ -119,15 +102,6 @@ class InboxWrite:
         if ioloop is not None:
             ioloop.remove_handler(self._fileno)
 
-    def _ready(self, _fileno: int, _events: int) -> None:
-        wanted = self.wants_write
-        self.advance()
-        if self.done:
-            self.unwatch()
-        elif self.wants_write != wanted and self._ioloop is not None:
-            ioloop = self._ioloop
-            ioloop.update_handler(self._fileno, ioloop.READ | (ioloop.WRITE if self.wants_write else 0))
-
     def wait(self, timeout: float = 1.0) -> None:
         """Block until :attr:`done`: for a caller that has nothing else to do meanwhile."""
         while not self.done:
@@ -137,29 +111,27 @@ class InboxWrite:
 
     # --- the steps ------------------------------------------------------------------
 
-    def _result(self, result: pq.abc.PGresult) -> None:
-        status = result.status
-        if self._step == _INSERT:
-            if status == pq.ExecStatus.TUPLES_OK:
-                self.new = {uuid.UUID(bytes(result.get_value(i, 0) or b"").decode()) for i in range(result.ntuples)}
-                if len(self.new) != self.rows:
-                    # A duplicate: keep the transaction open for the caller's look at it.
-                    self._pg.send_query_params(b"BEGIN", None)
-                    self.open = True
-            else:
-                error = psycopg.errors.error_from_result(result, encoding=self._conn.info.encoding)
-                if db.is_infrastructure_error(error):
-                    raise error
-                self.refused = error
-            self._pg.pipeline_sync()
-            self.round_trips += 1
-            self._step = _SYNC
-            self._flush()
-        elif self._step == _SYNC and status == pq.ExecStatus.PIPELINE_SYNC:
-            self._pg.exit_pipeline_mode()
-            self._finish()
-        elif status == pq.ExecStatus.FATAL_ERROR:  # the commit itself failed
-            raise psycopg.errors.error_from_result(result, encoding=self._conn.info.encoding)
+    def _ready(self, _fileno: int, _events: int) -> None:
+        wanted = self.wants_write
+        self.advance()
+        if self.done:
+            self.unwatch()
+        elif self.wants_write != wanted and self._ioloop is not None:
+            ioloop = self._ioloop
+            ioloop.update_handler(self._fileno, ioloop.READ | (ioloop.WRITE if self.wants_write else 0))
+
+    def _end(self) -> None:
+        result = self._result
+        if result is None:
+            self._fail(psycopg.OperationalError("the inbox INSERT returned no result"))
+            return
+        if result.status != pq.ExecStatus.TUPLES_OK:
+            error = psycopg.errors.error_from_result(result, encoding=self._conn.info.encoding)
+            if db.is_infrastructure_error(error):
+                self._fail(error)
+                return
+            self.refused = error
+        self._finish()
 
     def _flush(self) -> None:
         self.wants_write = self._pg.flush() == 1  # 1: the socket's buffer is full, more to send
@@ -170,6 +142,7 @@ class InboxWrite:
         self._finish()
 
     def _finish(self) -> None:
-        self._step = _DONE
-        self.wants_write = False
-        self._on_done()
+        if not self.done:
+            self.done = True
+            self.wants_write = False
+            self._on_done()

@@ -102,13 +102,13 @@ def test_the_end_of_a_write_acks_its_batch_at_once_not_after_the_wait(
 
 
 def record_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """(thread, rows) of each pipelined batch write the receiver sends from now on."""
+    """(thread, rows) of each batch write the receiver sends without waiting from now on."""
     writes: list[tuple[str, int]] = []
     send = receiver_daemon.InboxWrite.send
 
-    def recorded(self: Any, rows: int) -> None:
-        writes.append((threading.current_thread().name, rows))
-        send(self, rows)
+    def recorded(self: Any) -> None:
+        writes.append((threading.current_thread().name, int(self._params[1])))  # $2: the batch's rows
+        send(self)
 
     monkeypatch.setattr(receiver_daemon.InboxWrite, "send", recorded)
     return writes

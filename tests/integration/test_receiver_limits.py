@@ -176,11 +176,11 @@ def test_a_failure_of_our_own_while_settling_dead_letters_the_group_as_internal_
     real = receiver_daemon.InboxWrite.send
     calls = {"n": 0}
 
-    def flaky(write: Any, rows: int) -> None:
+    def flaky(write: Any) -> None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("a bug of ours")
-        real(write, rows)
+        real(write)
 
     monkeypatch.setattr(receiver_daemon.InboxWrite, "send", flaky)
     monkeypatch.setattr(receiver_daemon.Receiver, "_store_carefully", _raise_runtime_error)

@@ -1,9 +1,9 @@
-"""The receiver's pipelined batch write (framework/receiver/write.py) against the real
-PostgreSQL, and the shape of pika's I/O loop it is watched on (framework.amqp.ioloop).
+"""The receiver's batch write sent without waiting (framework/receiver/write.py) against
+the real PostgreSQL, and the shape of pika's I/O loop it is watched on (framework.amqp.ioloop).
 
-docs/architecture.md, "The daemons and their threads": a batch of new rows is one INSERT
-committed by the Sync that follows it; a duplicate leaves the transaction open for the
-caller; a refused batch stores nothing and leaves the connection usable.
+docs/architecture.md, "The daemons and their threads": a batch of new rows is one
+statement, committed in the same round trip; a batch with a row that is not new, or one
+PostgreSQL refuses, stores nothing and leaves the connection idle and usable.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from tests.integration.test_inbox_insert import _row
 
 def _write(conn: psycopg.Connection[Any], rows: list[Any]) -> InboxWrite:
     done: list[bool] = []
-    write = InboxWrite(
-        conn, inbox_sql.insert_sql_numbered("txbox"), inbox_sql.batch_json(rows).encode(), lambda: done.append(True)
-    )
-    write.send(len(rows))
+    params = [inbox_sql.batch_json(rows).encode(), str(len(rows)).encode()]
+    write = InboxWrite(conn, inbox_sql.insert_all_new_sql("txbox"), params, lambda: done.append(True))
+    write.send()
     write.wait()
     assert done == [True], "on_done runs once, when the write is over"
     return write
@@ -38,33 +37,30 @@ def _ids(database_url: str) -> set[uuid.UUID]:
         return {row[0] for row in conn.execute("SELECT id FROM txbox.inbox").fetchall()}
 
 
-def test_a_batch_of_new_rows_is_committed_by_its_sync(database_url: str) -> None:
+def test_a_batch_of_new_rows_is_committed_in_its_one_round_trip(database_url: str) -> None:
     rows = [_row(n) for n in range(3)]
     with psycopg.connect(conninfo(database_url)) as conn:
         write = _write(conn, rows)
-        assert write.error is None and write.refused is None and not write.open
-        assert write.new == {row.id for row in rows}
+        assert write.error is None and write.refused is None
         assert conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
-        assert conn.pgconn.pipeline_status == pq.PipelineStatus.OFF
-        assert write.round_trips == 2
         # Seen from another session: committed, with no COMMIT of ours.
         assert _ids(database_url) == {row.id for row in rows}
 
 
-def test_a_duplicate_leaves_the_transaction_open_for_the_caller(database_url: str) -> None:
+def test_a_row_that_is_not_new_rolls_the_batch_back(database_url: str) -> None:
+    """A duplicate may need an id_conflict letter in the same transaction: the batch is
+    left to the ordinary write, and nothing of it may be committed meanwhile."""
     first = _row(0)
     with psycopg.connect(conninfo(database_url)) as conn:
         _write(conn, [first])
         fresh = _row(1)
-        write = _write(conn, [first, fresh])
-        assert write.open and write.error is None and write.refused is None
-        assert write.new == {fresh.id}
-        assert conn.pgconn.transaction_status == pq.TransactionStatus.INTRANS
-        assert _ids(database_url) == {first.id}, "not committed before the caller decides"
-        conn.rollback()
-        assert _ids(database_url) == {first.id}
-        # The connection serves ordinary statements again.
-        assert conn.execute("SELECT count(*) FROM txbox.inbox").fetchone() == (1,)
+        for batch in ([first, fresh], [fresh, fresh]):  # stored before, or twice in the batch
+            write = _write(conn, batch)
+            assert write.error is None and isinstance(write.refused, psycopg.errors.DivisionByZero), write.refused
+            assert write.refused.sqlstate == inbox_sql.NOT_ALL_NEW
+            assert conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
+            assert _ids(database_url) == {first.id}
+        assert conn.execute("SELECT count(*) FROM txbox.inbox").fetchone() == (1,)  # usable
 
 
 def test_a_refused_batch_stores_nothing_and_leaves_the_connection_usable(database_url: str) -> None:
@@ -72,11 +68,11 @@ def test_a_refused_batch_stores_nothing_and_leaves_the_connection_usable(databas
     with psycopg.connect(conninfo(database_url)) as conn:
         write = _write(conn, rows)
         assert isinstance(write.refused, psycopg.errors.UntranslatableCharacter), write.refused
-        assert write.error is None and not write.open
+        assert write.error is None
         assert conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
         assert _ids(database_url) == set()
         ok = _write(conn, rows[:1])
-        assert ok.new == {rows[0].id} and _ids(database_url) == {rows[0].id}
+        assert ok.refused is None and _ids(database_url) == {rows[0].id}
 
 
 def test_a_lost_connection_is_the_writes_error(database_url: str) -> None:
