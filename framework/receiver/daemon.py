@@ -46,7 +46,7 @@ from framework.receiver.intake import (
     Intake,
 )
 from framework.receiver.turns import POLL_SECONDS, ConsumerTurn, Takeover, takeover_seconds
-from framework.receiver.write import InboxWrite
+from framework.receiver.write import InboxWrite, prepare
 from framework.service import Service
 from framework.signing import SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
@@ -55,6 +55,7 @@ from framework.sql import redeliveries
 from framework.sql.inbox import InboxRow
 
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
+_INSERT_NAME = b"txbox_receiver_insert"  # the batch INSERT, prepared once per connection (write.prepare)
 _DRAIN_SECONDS = 5.0  # at most this long, on the way out, for copies still waiting for their confirm
 
 
@@ -120,6 +121,7 @@ class Receiver(Daemon):
             application_name="txbox-receiver",
         )
         self._buffer: list[Delivery] = []
+        self._insert_prepared_on: psycopg.Connection[Any] | None = None  # the connection it was prepared on
         self._labels = {"service": self.settings.service}
         # The children counted per batch or delivery, looked up once.
         self._received = metrics.RECEIVER_RECEIVED.labels(**self._labels)
@@ -417,9 +419,18 @@ class Receiver(Daemon):
             return inflight
         # Its end wakes the loop's wait on the broker connection (a timer due at once
         # ends process_data_events), so the batch's ack is never late.
+        try:
+            if self._insert_prepared_on is not conn:
+                prepare(conn, _INSERT_NAME, inbox_sql.insert_all_new_sql(self.settings.schema))
+                self._insert_prepared_on = conn
+        except Exception as exc:
+            self._drop_db()
+            _end(prepared.spans, exc)
+            inflight.error = exc
+            return inflight
         write = InboxWrite(
             conn,
-            inbox_sql.insert_all_new_sql(self.settings.schema),
+            _INSERT_NAME,
             [text, str(len(rows)).encode()],
             on_done=functools.partial(connection.call_later, 0, _nothing),
         )

@@ -17,6 +17,7 @@ connection itself is :attr:`InboxWrite.error`.
 
 from __future__ import annotations
 
+import contextlib
 import select
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +31,17 @@ from framework import db
 _IDLE = pq.TransactionStatus.IDLE
 
 
+def prepare(conn: psycopg.Connection[Any], name: bytes, statement: bytes) -> None:
+    """Prepare ``statement`` as ``name`` on ``conn`` (once per connection; blocking): a batch
+    then sends only its parameters, and PostgreSQL does not parse it again each time."""
+    result = conn.pgconn.prepare(name, statement)
+    if result.status != pq.ExecStatus.COMMAND_OK:
+        raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+
+
 class InboxWrite:
-    """One batch's INSERT (``statement`` with parameters ``params``) on ``conn``, in flight.
+    """One batch's INSERT (the statement prepared as ``name``, :func:`prepare`, with its
+    parameters ``params``) on ``conn``, in flight.
 
     Start it with :meth:`send`; :meth:`advance` reads what arrived, and is called whenever
     the socket is readable (or writable, while :attr:`wants_write`); :attr:`done` tells
@@ -43,11 +53,11 @@ class InboxWrite:
     """
 
     def __init__(
-        self, conn: psycopg.Connection[Any], statement: bytes, params: list[bytes], on_done: Callable[[], None]
+        self, conn: psycopg.Connection[Any], name: bytes, params: list[bytes], on_done: Callable[[], None]
     ) -> None:
         self._conn = conn
         self._pg = conn.pgconn
-        self._statement = statement
+        self._name = name
         self._params = params
         self._on_done = on_done
         self._result: pq.abc.PGresult | None = None
@@ -67,7 +77,7 @@ class InboxWrite:
         try:
             if self._pg.transaction_status != _IDLE:
                 self._conn.rollback()  # nothing of ours is open between batches; this is a guard
-            self._pg.send_query_params(self._statement, list(self._params))
+            self._pg.send_query_prepared(self._name, list(self._params))
             self._flush()
         except Exception as exc:
             self._fail(exc)
@@ -100,13 +110,20 @@ class InboxWrite:
         """Stop watching the socket (before the connection may be closed); idempotent."""
         ioloop, self._ioloop = self._ioloop, None
         if ioloop is not None:
-            ioloop.remove_handler(self._fileno)
+            # libpq closes the socket of a connection it found broken, which takes it out of
+            # the poller already: pika forgets the handler first, then its unregister fails.
+            with contextlib.suppress(OSError):
+                ioloop.remove_handler(self._fileno)
 
     def wait(self, timeout: float = 1.0) -> None:
         """Block until :attr:`done`: for a caller that has nothing else to do meanwhile."""
         while not self.done:
-            fileno = self.fileno
-            select.select([fileno], [fileno] if self.wants_write else [], [], timeout)
+            try:
+                fileno = self.fileno
+                select.select([fileno], [fileno] if self.wants_write else [], [], timeout)
+            except Exception as exc:  # the connection is closed, or its socket
+                self._fail(exc)
+                return
             self.advance()
 
     # --- the steps ------------------------------------------------------------------

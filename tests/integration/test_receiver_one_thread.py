@@ -17,15 +17,18 @@ from psycopg import pq
 
 from framework import amqp
 from framework.db import conninfo
-from framework.receiver.write import InboxWrite
+from framework.receiver.write import InboxWrite, prepare
 from framework.sql import inbox as inbox_sql
 from tests.integration.test_inbox_insert import _row
 
 
 def _write(conn: psycopg.Connection[Any], rows: list[Any]) -> InboxWrite:
     done: list[bool] = []
+    if not conn.execute("SELECT 1 FROM pg_prepared_statements WHERE name = 'inbox'").fetchone():
+        prepare(conn, b"inbox", inbox_sql.insert_all_new_sql("txbox"))
+    conn.rollback()
     params = [inbox_sql.batch_json(rows).encode(), str(len(rows)).encode()]
-    write = InboxWrite(conn, inbox_sql.insert_all_new_sql("txbox"), params, lambda: done.append(True))
+    write = InboxWrite(conn, b"inbox", params, lambda: done.append(True))
     write.send()
     write.wait()
     assert done == [True], "on_done runs once, when the write is over"
@@ -78,10 +81,15 @@ def test_a_refused_batch_stores_nothing_and_leaves_the_connection_usable(databas
 def test_a_lost_connection_is_the_writes_error(database_url: str) -> None:
     conn = psycopg.connect(conninfo(database_url))
     try:
+        prepare(conn, b"inbox", inbox_sql.insert_all_new_sql("txbox"))
         with psycopg.connect(conninfo(database_url), autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
-        write = _write(conn, [_row(0)])
+        done: list[bool] = []
+        write = InboxWrite(conn, b"inbox", [inbox_sql.batch_json([_row(0)]).encode(), b"1"], lambda: done.append(True))
+        write.send()
+        write.wait()
         assert isinstance(write.error, psycopg.OperationalError), write.error
+        assert done == [True]
     finally:
         conn.close()  # what the receiver does with it (no rollback: mid-protocol)
 
