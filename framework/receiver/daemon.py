@@ -73,7 +73,7 @@ class _Prepared:
 
 @dataclass(eq=False)
 class _Inflight:
-    """A batch being written: pipelined (``write``), or written already with its outcome (``error``)."""
+    """A batch being written: sent without waiting (``write``), or written already with its outcome (``error``)."""
 
     batch: list[Delivery]
     prepared: _Prepared
@@ -340,7 +340,7 @@ class Receiver(Daemon):
         "Receiver intake") counts it, not the innocent deliveries prefetched beside it.
 
         One thread does it all (docs/architecture.md, "The daemons and their threads"): a
-        batch's INSERT and commit are sent without waiting (:class:`InboxWrite`) and the
+        batch's INSERT, its commit included, is sent without waiting (:class:`InboxWrite`) and the
         database socket is watched on the broker connection's own I/O loop, so the wait
         for more deliveries ends as soon as the commit is in. Batch N is acked once its
         commit is done and before batch N+1 is sent, so acks still follow commits in order.
@@ -396,8 +396,8 @@ class Receiver(Daemon):
                 self._drop_db()
 
     def _send(self, connection: pika.BlockingConnection, batch: list[Delivery], prepared: _Prepared) -> _Inflight:
-        """Start writing ``prepared``: pipelined when it is only rows (the usual batch), else on
-        this thread at once, the careful way (dead letters, counters, a batch too large)."""
+        """Start writing ``prepared``: sent without waiting when it is only rows (the usual
+        batch), else written at once the ordinary way (dead letters, counters, a batch too large)."""
         rows = [row for _, row in prepared.pairs]
         inflight = _Inflight(batch, prepared)
         if not rows or prepared.letters or prepared.settled_keys:
@@ -417,8 +417,6 @@ class Receiver(Daemon):
             _end(prepared.spans, exc)
             inflight.error = exc
             return inflight
-        # Its end wakes the loop's wait on the broker connection (a timer due at once
-        # ends process_data_events), so the batch's ack is never late.
         try:
             if self._insert_prepared_on is not conn:
                 prepare(conn, _INSERT_NAME, inbox_sql.insert_all_new_sql(self.settings.schema))
@@ -428,6 +426,8 @@ class Receiver(Daemon):
             _end(prepared.spans, exc)
             inflight.error = exc
             return inflight
+        # Its end wakes the loop's wait on the broker connection (a timer due at once
+        # ends process_data_events), so the batch's ack is never late.
         write = InboxWrite(
             conn,
             _INSERT_NAME,
