@@ -124,6 +124,16 @@ def connect(amqp_url: str, *, name: str = "txbox") -> pika.BlockingConnection:
         raise BrokerUnavailable(f"cannot connect to RabbitMQ at {mask_url(amqp_url)}: {exc!r}") from exc
 
 
+def ioloop(connection: pika.BlockingConnection) -> Any:
+    """The I/O loop under a blocking ``connection``: another socket registered on it
+    (``add_handler``) is watched while the connection waits, on the same thread.
+
+    pika keeps it behind the blocking connection's implementation (a SelectConnection,
+    whose loop this is); tests/integration/test_receiver_one_thread.py pins the shape.
+    """
+    return connection._impl.ioloop
+
+
 def close_quietly(connection: pika.BlockingConnection) -> None:
     """Close a daemon's connection on its way out; one the broker already dropped is gone anyway."""
     if connection.is_open:

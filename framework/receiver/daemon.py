@@ -2,9 +2,10 @@
 
 The loop collects deliveries for up to ``batch_size`` messages (waiting up to
 ``batch_wait`` for more only while the previous batch is still being written), parses
-and validates them, stores them with one statement and one commit on a database thread
-— while the next batch is being collected and parsed — and, once that commit is done,
-acks the batch with one ``basic_ack(multiple=True)``. Three paths leave the happy one:
+and validates them, stores them with one statement and its commit, sent without waiting
+on the same thread (:mod:`framework.receiver.write`) while the next batch is being
+collected and parsed, and, once that commit is done, acks the batch with one
+``basic_ack(multiple=True)``. Three paths leave the happy one:
 
 - bad input is REJECTED into txbox.dead_letters in the same transaction (never raised);
 - a redelivered delivery (the previous holder died with it) is counted in
@@ -17,12 +18,10 @@ acks the batch with one ``basic_ack(multiple=True)``. Three paths leave the happ
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +46,7 @@ from framework.receiver.intake import (
     Intake,
 )
 from framework.receiver.turns import POLL_SECONDS, ConsumerTurn, Takeover, takeover_seconds
+from framework.receiver.write import InboxWrite, prepare
 from framework.service import Service
 from framework.signing import SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
@@ -55,20 +55,8 @@ from framework.sql import redeliveries
 from framework.sql.inbox import InboxRow
 
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
-# Deliveries at most in a batch that an idle receiver writes on its consuming thread
-# rather than handing to the database thread: two thread hand-offs fewer per batch
-# (docs/architecture.md, "The daemons and their threads"). Larger batches, full ones,
-# and any batch while a write is in flight keep the overlap of collecting one batch
-# while the last one is written. A receiver stays on this path only while it keeps up:
-# when more than this arrives during one write, the next batch goes to the pipeline.
-_INLINE_MAX = 32
+_INSERT_NAME = b"txbox_receiver_insert"  # the batch INSERT, prepared once per connection (write.prepare)
 _DRAIN_SECONDS = 5.0  # at most this long, on the way out, for copies still waiting for their confirm
-
-
-def _wake(connection: pika.BlockingConnection, _write: Future[None]) -> None:
-    """Done callback of a write, on the database thread: ends the consuming thread's wait."""
-    with contextlib.suppress(pika.exceptions.ConnectionWrongStateError):  # closed meanwhile
-        connection.add_callback_threadsafe(_nothing)
 
 
 def _nothing() -> None:
@@ -81,6 +69,20 @@ class _Prepared:
     letters: list[tuple[Delivery, dl.DeadLetter]]
     settled_keys: list[str]
     spans: list[trace.Span]  # the batch's store spans, linked to its deliveries' contexts; none if not recording
+
+
+@dataclass(eq=False)
+class _Inflight:
+    """A batch being written: sent without waiting (``write``), or written already with its outcome (``error``)."""
+
+    batch: list[Delivery]
+    prepared: _Prepared
+    write: InboxWrite | None = None
+    error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.write is None or self.write.done
 
 
 def _end(spans: Sequence[trace.Span], exc: BaseException | None = None) -> None:
@@ -119,6 +121,7 @@ class Receiver(Daemon):
             application_name="txbox-receiver",
         )
         self._buffer: list[Delivery] = []
+        self._insert_prepared_on: psycopg.Connection[Any] | None = None  # the connection it was prepared on
         self._labels = {"service": self.settings.service}
         # The children counted per batch or delivery, looked up once.
         self._received = metrics.RECEIVER_RECEIVED.labels(**self._labels)
@@ -336,19 +339,18 @@ class Receiver(Daemon):
         decode) then comes back alone, so RabbitMQ's delivery limit (docs/architecture.md,
         "Receiver intake") counts it, not the innocent deliveries prefetched beside it.
 
-        The write runs on one database thread; everything pika does (acks, the delay
-        chain) stays on this thread, which waits for batch N's commit before acking it and
-        before handing over batch N+1, so acks still follow commits in order. A small batch
-        that finds no write in flight (light load) is written on this thread instead
-        (:data:`_INLINE_MAX`).
+        One thread does it all (docs/architecture.md, "The daemons and their threads"): a
+        batch's INSERT, its commit included, is sent without waiting (:class:`InboxWrite`) and the
+        database socket is watched on the broker connection's own I/O loop, so the wait
+        for more deliveries ends as soon as the commit is in. Batch N is acked once its
+        commit is done and before batch N+1 is sent, so acks still follow commits in order.
         """
-        pool = ThreadPoolExecutor(1, thread_name_prefix="txbox-receiver-db")
-        inflight: tuple[list[Delivery], Future[None]] | None = None
+        inflight: _Inflight | None = None
         try:
             while not self.stopping and not (careful and self._careful <= 0) and self._our_turn():
                 self.progress()  # _fill returns at least every _IDLE_WAIT
                 self._copies.flush()  # copies whose publishing connection was lost go again
-                self._fill(connection, busy=inflight[1] if inflight is not None else None)
+                self._fill(connection, busy=inflight)
                 if not self._buffer:
                     if inflight is not None:
                         self._finish(inflight, channel)
@@ -378,27 +380,87 @@ class Receiver(Daemon):
                     for delivery in batch:
                         self._settle_group([delivery], channel)
                     continue
-                idle = inflight is None
                 if inflight is not None:
                     self._finish(inflight, channel)
                 self._writing = batch_bytes
-                if idle and len(batch) <= _INLINE_MAX and len(batch) < self.config.batch_size:
-                    # Light load: nothing to overlap the write with, so no hand-off. Never
-                    # a full batch: with a small TXBOX_RECEIVER_BATCH_SIZE a receiver at
-                    # full load would otherwise stay here, writing without the overlap.
-                    self._finish((batch, self._write_here(prepared)), channel)
-                    continue
-                inflight = (batch, pool.submit(self._write, prepared))
-                inflight[1].add_done_callback(functools.partial(_wake, connection))
+                inflight = self._send(connection, batch, prepared)
             if inflight is not None:
                 self._finish(inflight, channel)
+                inflight = None
         finally:
-            pool.shutdown(wait=True)  # a write in flight completes; its batch is redelivered, deduped
+            if inflight is not None and inflight.write is not None and not inflight.write.done:
+                # Left mid-write (the broker connection failed): its commit's outcome is
+                # unknown, so the connection goes; the batch is redelivered, and deduped.
+                inflight.write.unwatch()
+                _end(inflight.prepared.spans)
+                self._drop_db()
 
-    def _finish(self, inflight: tuple[list[Delivery], Future[None]], channel: Any) -> None:
-        batch, future = inflight
+    def _send(self, connection: pika.BlockingConnection, batch: list[Delivery], prepared: _Prepared) -> _Inflight:
+        """Start writing ``prepared``: sent without waiting when it is only rows (the usual
+        batch), else written at once the ordinary way (dead letters, counters, a batch too large)."""
+        rows = [row for _, row in prepared.pairs]
+        inflight = _Inflight(batch, prepared)
+        if not rows or prepared.letters or prepared.settled_keys:
+            inflight.error = self._write_now(prepared)
+            return inflight
         try:
-            future.result()
+            text = inbox_sql.batch_json(rows).encode()
+        except Exception:  # a string no UTF-8 encoder takes: the careful way finds it
+            inflight.error = self._write_now(prepared)
+            return inflight
+        if len(text) > inbox_sql.MAX_BATCH_CHARS:
+            inflight.error = self._write_now(prepared)
+            return inflight
+        try:
+            conn = self._connection()
+        except Exception as exc:
+            _end(prepared.spans, exc)
+            inflight.error = exc
+            return inflight
+        try:
+            if self._insert_prepared_on is not conn:
+                prepare(conn, _INSERT_NAME, inbox_sql.insert_all_new_sql(self.settings.schema))
+                self._insert_prepared_on = conn
+        except Exception as exc:
+            self._drop_db()
+            _end(prepared.spans, exc)
+            inflight.error = exc
+            return inflight
+        # Its end wakes the loop's wait on the broker connection (a timer due at once
+        # ends process_data_events), so the batch's ack is never late.
+        write = InboxWrite(
+            conn,
+            _INSERT_NAME,
+            [text, str(len(rows)).encode()],
+            on_done=functools.partial(connection.call_later, 0, _nothing),
+        )
+        inflight.write = write
+        try:
+            write.send()
+            if not write.done:
+                write.watch(amqp.ioloop(connection))
+        except Exception as exc:  # a bug of ours: the batch is rescued (_finish), the connection dropped
+            write.unwatch()
+            self._drop_db()
+            _end(prepared.spans, exc)
+            inflight.write, inflight.error = None, exc
+        return inflight
+
+    def _write_now(self, prepared: _Prepared) -> Exception | None:
+        """:meth:`_write` on this thread; its failure returned, for :meth:`_finish`."""
+        try:
+            self._write(prepared)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _finish(self, inflight: _Inflight, channel: Any) -> None:
+        batch = inflight.batch
+        try:
+            if inflight.write is not None:
+                self._complete(inflight.prepared, inflight.write)
+            elif inflight.error is not None:
+                raise inflight.error
         except Exception as exc:
             self._writing = 0
             if not db.is_infrastructure_error(exc):
@@ -411,6 +473,26 @@ class Receiver(Daemon):
         self._careful -= len(batch)
         self.state("consuming", self.queue)
         self._copies.ack(batch)
+
+    def _complete(self, prepared: _Prepared, write: InboxWrite) -> None:
+        """Wait for the write if it is not over yet, then settle it: committed (the usual
+        batch), or refused and written again the ordinary way (:meth:`_write`), which
+        letters the conflicts of a duplicate id, or finds the rows PostgreSQL refuses."""
+        write.wait()
+        write.unwatch()
+        if write.error is not None:
+            self._drop_db()  # mid-protocol: the connection cannot be used again
+            if db.is_infrastructure_error(write.error):
+                _end(prepared.spans, write.error)
+                raise write.error
+            self._write(prepared)  # on a fresh connection
+            return
+        if write.refused is not None:
+            self._write(prepared)
+            return
+        _end(prepared.spans)
+        rows = [row for _, row in prepared.pairs]
+        self._count(rows, {row.id for row in rows}, [])
 
     def _database_down(self, exc: BaseException) -> None:
         self._drop_db()
@@ -431,14 +513,14 @@ class Receiver(Daemon):
             or self._buffered + self._writing >= self.config.max_unacked_bytes
         )
 
-    def _fill(self, connection: pika.BlockingConnection, busy: Future[None] | None) -> None:
+    def _fill(self, connection: pika.BlockingConnection, busy: _Inflight | None) -> None:
         """Collect deliveries until a full batch, a free database, ``batch_wait`` after the first, or a stop.
 
         Group commit: while the previous batch is being written (``busy``), deliveries
         gather for the next one; once the database is free, what has arrived goes at
         once. A quiet receiver adds no batching delay to a message's latency, a busy one
         gets batches as large as a write takes. Every wait returns early on a delivery or
-        on the end of the write (:func:`_wake`), so the write's ack is never late.
+        on the end of the write (:meth:`_send`), so the write's ack is never late.
         """
         deadline: float | None = None
         while not self._full() and not self.stopping:
@@ -448,7 +530,7 @@ class Receiver(Daemon):
                     return
                 deadline = time.monotonic() + self.config.batch_wait
                 continue
-            if busy is None or busy.done():
+            if busy is None or busy.done:
                 connection.process_data_events(time_limit=0)  # what has arrived meanwhile
                 return
             remaining = deadline - time.monotonic()
@@ -576,17 +658,6 @@ class Receiver(Daemon):
             _end(prepared.spans, exc)
             raise
         _end(prepared.spans)
-
-    def _write_here(self, prepared: _Prepared) -> Future[None]:
-        """:meth:`_write` on this thread, its outcome as the database thread's would be."""
-        done: Future[None] = Future()
-        try:
-            self._write(prepared)
-        except Exception as exc:
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
-        return done
 
     def _write_batch(self, prepared: _Prepared) -> None:
         pairs, settled_keys = prepared.pairs, prepared.settled_keys

@@ -35,6 +35,7 @@ import psycopg
 from psycopg import sql
 
 from framework import jsoncodec, names
+from framework.errors import TxboxError
 from framework.sql import rendered
 from framework.tables import pending_by_id, pending_in_segment
 
@@ -148,6 +149,30 @@ def insert_sql(schema: str) -> bytes:
             select=sql.SQL(", ").join(value(i, t) for i, (_, t) in enumerate(_COLUMNS)),
         )
     )
+
+
+@functools.cache
+def insert_all_new_sql(schema: str) -> bytes:
+    """:func:`insert_sql` that fails unless every row was new: parameters ``$1`` the batch
+    (:func:`batch_json`), ``$2`` its number of rows; for libpq's own calls.
+
+    The receiver sends it alone, so it runs in an implicit transaction committed by the
+    same round trip (docs/architecture.md, "The daemons and their threads"). A row that
+    was not new (a duplicate, or a different message under a stored id, which must become
+    an ``id_conflict`` letter in the same transaction) makes it divide by zero
+    (SQLSTATE 22012, :data:`NOT_ALL_NEW`), which rolls the whole batch back: the caller
+    writes it again the ordinary way.
+    """
+    statement = insert_sql(schema)
+    if statement.count(b"%s") != 1 or b"$" in statement:
+        raise TxboxError("the inbox INSERT must hold exactly one %s and no $ to be numbered")
+    return (
+        b"WITH inserted AS (" + statement.replace(b"%s", b"$1") + b") "
+        b"SELECT 1 / (CASE WHEN count(*) = $2::int THEN 1 ELSE 0 END) FROM inserted"
+    )
+
+
+NOT_ALL_NEW = "22012"  # division_by_zero: what insert_all_new_sql raises when a row was not new
 
 
 def batch_json(rows: Sequence[InboxRow]) -> str:

@@ -89,11 +89,9 @@ def test_the_end_of_a_write_acks_its_batch_at_once_not_after_the_wait(
     service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With prefetch 1 the second delivery comes only after the first is acked: no
-    delivery can end the receiver's wait, only the finished write (``daemon._wake``).
-    Every batch goes to the database thread here (``_INLINE_MAX`` 0), whose end is what
-    must wake the consuming thread."""
+    delivery can end the receiver's wait, only the finished write, whose socket the
+    broker connection's I/O loop watches (``InboxWrite.watch``) and whose end wakes it."""
     monkeypatch.setattr(receiver_daemon, "_IDLE_WAIT", 60.0)
-    monkeypatch.setattr(receiver_daemon, "_INLINE_MAX", 0)
     topology.declare(service.settings, service.registry)
     publish(amqp_url, [encode(place_order()), encode(place_order())])
     with running(Receiver(service, config(prefetch=1, batch_size=1, batch_wait=60))):
@@ -103,55 +101,42 @@ def test_the_end_of_a_write_acks_its_batch_at_once_not_after_the_wait(
         publish(amqp_url, [encode(place_order())])
 
 
-DB_THREAD = "txbox-receiver-db"
-
-
 def record_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """(thread, deliveries) of each batch the receiver writes from now on."""
+    """(thread, rows) of each batch write the receiver sends without waiting from now on."""
     writes: list[tuple[str, int]] = []
-    write = Receiver._write
+    send = receiver_daemon.InboxWrite.send
 
-    def recorded(self: Receiver, prepared: Any) -> None:
-        writes.append((threading.current_thread().name, len(prepared.pairs)))
-        write(self, prepared)
+    def recorded(self: Any) -> None:
+        writes.append((threading.current_thread().name, int(self._params[1])))  # $2: the batch's rows
+        send(self)
 
-    monkeypatch.setattr(Receiver, "_write", recorded)
+    monkeypatch.setattr(receiver_daemon.InboxWrite, "send", recorded)
     return writes
 
 
-def test_light_load_is_written_on_the_consuming_thread_and_a_backlog_on_the_database_thread(
+def test_one_thread_writes_and_collects_the_next_batch_meanwhile(
     service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An idle receiver writes a small batch itself (two thread hand-offs fewer); under
-    load, batch N is written on the database thread while batch N+1 is collected."""
+    """Every batch is written by the consuming thread itself, and while a write waits
+    (here on a lock) that thread goes on collecting: the batch after it holds the backlog.
+    No thread of the receiver's own is started (the copies' publishing connection, which
+    only the retry chain uses, has its I/O thread)."""
     writes = record_writes(monkeypatch)
     topology.declare(service.settings, service.registry)
+    before = {t.ident for t in threading.enumerate()}
     with running(Receiver(service, config())):
         publish(amqp_url, [encode(place_order())])
         support.wait_until(lambda: inbox_count(database_url) == 1, 15, message="the lone delivery stored")
-        # A backlog: its first write waits on the lock until every delivery reached the
-        # receiver, so the batch after it is larger than a light load's.
         with psycopg.connect(conninfo(database_url)) as blocker:
             blocker.execute("LOCK TABLE txbox.inbox IN SHARE ROW EXCLUSIVE MODE")
             publish(amqp_url, [encode(place_order()) for _ in range(150)])
             support.wait_until(lambda: queue_depth(amqp_url, QUEUE) == 0, 15, message="the backlog delivered")
         support.wait_until(lambda: inbox_count(database_url) == 151, 20, message="the backlog stored")
-    assert writes[0][1] == 1 and not writes[0][0].startswith(DB_THREAD), writes
-    assert any(name.startswith(DB_THREAD) for name, _ in writes[1:]), writes
-    assert all(size <= receiver_daemon._INLINE_MAX for name, size in writes if not name.startswith(DB_THREAD)), writes
-
-
-def test_a_full_batch_goes_to_the_database_thread_even_when_idle(
-    service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With a batch size within ``_INLINE_MAX`` every batch under full load is full: those
-    keep the pipeline, or such a receiver would write without its overlap for good."""
-    writes = record_writes(monkeypatch)
-    topology.declare(service.settings, service.registry)
-    with running(Receiver(service, config(batch_size=1))):
-        publish(amqp_url, [encode(place_order())])
-        support.wait_until(lambda: inbox_count(database_url) == 1, 15, message="the lone delivery stored")
-    assert len(writes) == 1 and writes[0][0].startswith(DB_THREAD), writes
+        started = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert {name for name, _ in writes} == {"receiver"}, writes  # the thread of running()
+    assert [name for name in started if name != "receiver" and not name.endswith(" io")] == [], started
+    assert writes[0][1] == 1 and any(rows > 1 for _, rows in writes[2:]), writes
+    assert sum(rows for _, rows in writes) == 151, writes
 
 
 def test_a_duplicate_delivery_is_acked_but_stored_once(

@@ -119,10 +119,8 @@ def test_body_bytes_held_unacked_are_bounded_while_the_database_is_slow(
     service: Service, database_url: str, amqp_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The write of the first batch stalls on a row lock; deliveries keep arriving meanwhile.
-    The bound holds for the pipeline, where the next batch is collected while one is
-    written: every batch goes there (``_INLINE_MAX`` 0; a small batch written on the
-    consuming thread reads nothing meanwhile)."""
-    monkeypatch.setattr(receiver_daemon, "_INLINE_MAX", 0)
+    The bound holds while the next batch is collected as one is written (every batch is
+    sent without waiting, docs/architecture.md "The daemons and their threads")."""
     topology.declare(service.settings, service.registry)
     first = place_order(aggregate_id="first")
     padding = "x" * 100_000
@@ -173,19 +171,18 @@ def test_a_failure_of_our_own_while_settling_dead_letters_the_group_as_internal_
     service: Service, database_url: str, amqp_url: str, monkeypatch: Any
 ) -> None:
     """A bug in the write path (here: the batch INSERT raises something unforeseen, once) must not stop the receiver."""
-    from framework.receiver import daemon as receiver_daemon
 
     topology.declare(service.settings, service.registry)
-    real = receiver_daemon.inbox_sql.insert_rows
+    real = receiver_daemon.InboxWrite.send
     calls = {"n": 0}
 
-    def flaky(cur: Any, schema: str, rows: Any) -> Any:
+    def flaky(write: Any) -> None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("a bug of ours")
-        return real(cur, schema, rows)
+        real(write)
 
-    monkeypatch.setattr(receiver_daemon.inbox_sql, "insert_rows", flaky)
+    monkeypatch.setattr(receiver_daemon.InboxWrite, "send", flaky)
     monkeypatch.setattr(receiver_daemon.Receiver, "_store_carefully", _raise_runtime_error)
     victim = place_order(aggregate_id="victim")
     after = place_order(aggregate_id="after")

@@ -70,10 +70,12 @@ def timed(
     timeout: float = 600.0,
     cpu: Saturation | None = None,
     daemon_counts: dict[str, int] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> float:
     """Seconds for ``instances`` daemons built by ``build(*args)`` to count ``target`` between
     them; ``cpu`` measures the instances over the same span (read while they still run);
-    ``daemon_counts`` gets the daemons' own counts summed, from start to stop."""
+    ``daemon_counts`` gets the daemons' own counts summed, from start to stop; ``on_start``
+    runs once they were told to start (say, to begin offering the work)."""
     ctx = mp.get_context("spawn")
     report = ctx.Queue() if daemon_counts is not None else None
     go, stop = ctx.Event(), ctx.Event()
@@ -95,6 +97,8 @@ def timed(
             cpu.start([proc.pid for proc in procs if proc.pid is not None])
         started = time.perf_counter()
         go.set()
+        if on_start is not None:
+            on_start()
         deadline = time.monotonic() + timeout
         while sum(c.value for c in counts) < target:
             dead = [p for p in procs if not p.is_alive()]

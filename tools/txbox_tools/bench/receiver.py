@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import json
 import os
+import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -26,7 +29,7 @@ from typing import Any
 
 import pika
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from framework import amqp, ids, metrics, migrate, names, topology
 from framework.db import conninfo
@@ -145,6 +148,49 @@ def fill_queue(amqp_url: str, bodies: list[bytes], routing_key: str) -> None:
         connection.close()
 
 
+class PacedPublisher:
+    """Offers ``bodies`` to the inbox queue at ``rate`` per second from a thread of the bench
+    (``--rate``): the receiver then settles a moderate load, not a backlog."""
+
+    def __init__(self, amqp_url: str, bodies: list[bytes], routing_key: str, rate: float) -> None:
+        self._url, self._bodies, self._key, self._rate = amqp_url, bodies, routing_key, rate
+        self._thread = threading.Thread(target=self._run, name="bench paced publisher", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join(60)
+        if self.error is not None:
+            raise TxboxError(f"the paced publisher failed: {self.error!r}")
+
+    def _run(self) -> None:
+        try:
+            connection = pika.BlockingConnection(pika.URLParameters(self._url))
+            try:
+                channel = connection.channel()
+                started = time.monotonic()
+                for n, body in enumerate(self._bodies):
+                    pause = started + n / self._rate - time.monotonic()
+                    if pause > 0:
+                        connection.sleep(pause)
+                    props = pika.BasicProperties(content_type="application/json", delivery_mode=2)
+                    channel.basic_publish(names.COMMAND_EXCHANGE, self._key, body, props)
+            finally:
+                connection.close()
+        except BaseException as exc:
+            self.error = exc
+
+
+def transactions(admin_url: str, dbname: str) -> int:
+    """Transactions committed in ``dbname`` so far (``pg_stat_database``): the backend's count,
+    whatever the client sent. Read once the daemons exited, so their last ones are flushed."""
+    with psycopg.connect(conninfo(admin_url), autocommit=True) as conn:
+        row = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (dbname,)).fetchone()
+    return int(row[0]) if row else 0
+
+
 def raw_consume(
     amqp_url: str,
     queue: str,
@@ -229,6 +275,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "as competing consumers that do not keep per-segment order; see README 'Scaling')",
     )
     parser.add_argument(
+        "--rate",
+        type=float,
+        help="offer the messages at this rate (msg/s) while the receiver runs, instead of a backlog; "
+        "with --seconds, --messages is rate x seconds; the report's transactions_per_message says how many "
+        "batches a message took",
+    )
+    parser.add_argument("--seconds", type=float, default=20.0, help="with --rate: how long to offer (default 20)")
+    parser.add_argument(
+        "--count-statements",
+        action="store_true",
+        help="trace the receiver's database connections (libpq's trace) and report its statements and round "
+        "trips per message; the trace costs CPU, so the run's CPU figures are not comparable",
+    )
+    parser.add_argument(
         "--floor",
         action="store_true",
         help="also measure the raw consume plus the receiver's admission of each delivery, no database "
@@ -236,11 +296,51 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def receiver_instance(settings: Settings, prefetch: int, batch_size: int, standby: bool) -> tuple[Receiver, Any]:
-    """One bench receiver (built in its own process by :func:`instances.timed`)."""
+def receiver_instance(
+    settings: Settings, prefetch: int, batch_size: int, standby: bool, trace_dir: str | None = None
+) -> tuple[Receiver, Any]:
+    """One bench receiver (built in its own process by :func:`instances.timed`); with
+    ``trace_dir``, every database connection it opens writes libpq's trace of the protocol
+    there (:func:`statements`)."""
     config = ReceiverConfig(prefetch=prefetch, batch_size=batch_size, standby=standby)
     receiver = Receiver(Service(settings=settings), config)
+    if trace_dir is not None:
+        # The bench reaches into the receiver's slots: what it counts is each message the
+        # receiver's own connections send, whatever the code that sends them.
+        receiver._db._on_connect = functools.partial(_trace, Path(trace_dir), "db")
+        if receiver._turn is not None:
+            receiver._turn._slot._on_connect = functools.partial(_trace, Path(trace_dir), "turn")
     return receiver, metrics.RECEIVER_STORED.labels(service=settings.service)
+
+
+def _trace(directory: Path, kind: str, conn: psycopg.Connection[Any]) -> None:
+    trace = open(directory / f"{kind}-{os.getpid()}-{conn.info.backend_pid}.trace", "w")  # noqa: SIM115
+    conn.pgconn.trace(trace.fileno())
+    conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+    _TRACES.append(trace)  # open as long as the process: libpq writes to its descriptor
+
+
+_TRACES: list[Any] = []
+
+
+def statements(trace_dir: Path) -> dict[str, dict[str, int]]:
+    """By connection kind (``db``, ``turn``): the statements the client sent (simple
+    ``Query`` and extended ``Execute`` messages) and its round trips (each ``ReadyForQuery``
+    the server sent ends one), from libpq's traces."""
+    counts: dict[str, dict[str, int]] = {}
+    for path in sorted(trace_dir.glob("*.trace")):
+        kind = path.name.split("-", 1)[0]
+        into = counts.setdefault(kind, {"statements": 0, "round_trips": 0})
+        with path.open(errors="replace") as lines:
+            for line in lines:
+                fields = line.split("\t", 3)
+                if len(fields) < 3:
+                    continue
+                if fields[0] == "F" and fields[2] in ("Query", "Execute"):
+                    into["statements"] += 1
+                elif fields[0] == "B" and fields[2] == "ReadyForQuery":
+                    into["round_trips"] += 1
+    return counts
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -249,6 +349,8 @@ def run(args: argparse.Namespace) -> Result:
         topology.declare(scratch.settings, service.registry)
         spec = service.registry.get("PlaceOrder")
         queue = names.inbox_queue(SERVICE)
+        if args.rate:
+            args.messages = max(1, round(args.rate * args.seconds))
         bodies = envelopes(args.messages)
 
         fill_queue(scratch.amqp_url, bodies, spec.routing_key)
@@ -267,15 +369,31 @@ def run(args: argparse.Namespace) -> Result:
                 **floor_cpu.per_message(args.messages, prefix="floor_"),
             }
 
-        fill_queue(scratch.amqp_url, bodies, spec.routing_key)
+        tracing = tempfile.TemporaryDirectory(prefix="txbox-bench-trace-") if args.count_statements else None
+        trace_dir = tracing.name if tracing is not None else None
+        paced = PacedPublisher(scratch.amqp_url, bodies, spec.routing_key, args.rate) if args.rate else None
+        if paced is None:
+            fill_queue(scratch.amqp_url, bodies, spec.routing_key)
         used = Saturation(scratch.database_url)
+        committed = transactions(scratch.admin_url, scratch.dbname)
         seconds = instances.timed(
             receiver_instance,
-            (scratch.settings, args.prefetch, args.batch_size, args.instances == 1),
+            (scratch.settings, args.prefetch, args.batch_size, args.instances == 1, trace_dir),
             instances=args.instances,
             target=args.messages,
             cpu=used,
+            on_start=paced.start if paced is not None else None,
         )
+        if paced is not None:
+            paced.join()
+        # The receivers exited (timed joins them), so their backends' counts are in.
+        committed = transactions(scratch.admin_url, scratch.dbname) - committed
+        traced: dict[str, Any] = {}
+        if tracing is not None:
+            with tracing:
+                for kind, counted in statements(Path(tracing.name)).items():
+                    for name, value in counted.items():
+                        traced[f"{kind}_{name}_per_message"] = round(value / args.messages, 4)
 
         rows = scratch.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier("txbox", names.INBOX)))[0][0]
         left = _depth(scratch.amqp_url, queue)
@@ -293,6 +411,11 @@ def run(args: argparse.Namespace) -> Result:
                 "instances": args.instances,
                 "queue_type": args.queue_type,
                 "body_bytes": len(bodies[0]),
+                "offered_rate": args.rate,
+                # Every transaction of the scratch database meanwhile: the receivers' batches,
+                # their redelivery counts, the turn's checks (one a second) and the meter's look-ups.
+                "transactions_per_message": round(committed / args.messages, 4),
+                **traced,
                 **used.per_message(args.messages),
                 **raw_cpu.per_message(args.messages, prefix="raw_"),
                 **floor,
