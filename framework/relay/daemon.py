@@ -121,6 +121,7 @@ class Relay(Daemon):
         self._sql_claim = rendered(named.claim(self.schema))  # also the fallback, run at once (_claimed)
         self._claims = Claims({_CLAIM: self._sql_claim, _CLAIM_WINDOW: rendered(named.claim_window(self.schema))})
         self._cycle: Cycle | None = None  # the claim in flight
+        self._step_after_claim = False  # a step came while a claim was in flight
         self._sql_backlog = rendered(named.backlog(self.schema))
         self._sql_listen = f'LISTEN "{names.notify_channel(self.schema, names.OUTBOX)}"'
         self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
@@ -273,8 +274,11 @@ class Relay(Daemon):
         self._stepping = True
         try:
             conn = self._conn()
-            if conn is None or self._cycle is not None:
-                return  # a claim in flight: its rows step again (_claimed)
+            if conn is None:
+                return
+            if self._cycle is not None:
+                self._step_after_claim = True  # its rows step again (_claimed)
+                return
             if self._others:
                 self._write_all(conn)
             channel = self._broker()
@@ -363,8 +367,16 @@ class Relay(Daemon):
         if rows:
             self._publish(conn, channel, rows)
         self._in_flight.set(channel.in_flight)
-        if self._cycle is None:
+        if self._claims.in_flight:  # the claim ahead
+            return
+        # A step now only if one was asked for meanwhile (a NOTIFY, a confirm that frees a
+        # successor, a failure) or more is ready: a NOTIFY under load waits out its window
+        # (_notice) and its claim takes the rows that came in it.
+        if full or self._others or self._step_after_claim:
+            self._step_after_claim = False
             self._step_soon()
+        elif self._confirmed:
+            self._step_in(self._confirmed[0][1] + MARK_DELAY - time.monotonic())
 
     def _publish(self, conn: psycopg.Connection[Any], channel: ConfirmChannel, rows: list[Claimed]) -> None:
         items = self._outgoing(rows)  # in claim order: priority, then creation
