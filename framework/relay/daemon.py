@@ -84,7 +84,6 @@ class Cycle:
     marks: list[tuple[Outgoing, float]]
     notified: int
     due: int
-    from_notify: bool
     sent_at: float = 0.0  # monotonic
     rows: list[Claimed] = field(default_factory=list)
 
@@ -122,6 +121,7 @@ class Relay(Daemon):
         self._sql_claim = rendered(named.claim(self.schema))  # also the fallback, run at once (_claimed)
         self._claims = Claims({_CLAIM: self._sql_claim, _CLAIM_WINDOW: rendered(named.claim_window(self.schema))})
         self._cycle: Cycle | None = None  # the claim in flight
+        self._step_after_claim = False  # a step came while a claim was in flight
         self._sql_backlog = rendered(named.backlog(self.schema))
         self._sql_listen = f'LISTEN "{names.notify_channel(self.schema, names.OUTBOX)}"'
         self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
@@ -150,13 +150,12 @@ class Relay(Daemon):
         self._hint = True  # False while a claim would find nothing new (see _claimed)
         self._notified = 0  # NOTIFYs seen (a claim compares it)
         self._due = 0  # confirms that may have made rows due (compared like _notified)
-        self._from_notify = False  # the next claim answers a NOTIFY (Pace.found)
         self._room_bound = False  # in-flight room bounds the claims: every confirm wakes the loop
         self._wide = True  # last claims found as many heads as asked for (see _claimed)
         self._next_full_claim = 0.0
         self._next_gauges = 0.0
         self._soon = False  # a step is scheduled for the loop's next turn
-        self._stepping = False  # a step runs (a NOTIFY read now did not wake the loop)
+        self._stepping = False  # a step runs (a NOTIFY read now did not wake the loop from sleep)
         self._later: tuple[float, Any] | None = None  # (monotonic deadline, timer) of a step to come
         self._db_failures = 0
         self._broker_failures = 0
@@ -275,8 +274,11 @@ class Relay(Daemon):
         self._stepping = True
         try:
             conn = self._conn()
-            if conn is None or self._cycle is not None:
-                return  # a claim in flight: its rows step again (_claimed)
+            if conn is None:
+                return
+            if self._cycle is not None:
+                self._step_after_claim = True  # its rows step again (_claimed)
+                return
             if self._others:
                 self._write_all(conn)
             channel = self._broker()
@@ -313,7 +315,7 @@ class Relay(Daemon):
             self._write_marks(conn)
         if room <= 0 or not self._hint:
             return
-        cycle = Cycle(room, self._confirmed, self._notified, self._due, self._from_notify, time.monotonic())
+        cycle = Cycle(room, self._confirmed, self._notified, self._due, time.monotonic())
         params = claims.parameters(
             room,
             float(self.config.lease),
@@ -324,7 +326,6 @@ class Relay(Daemon):
         # Few, deep lanes: the plain claim would probe every waiting row (sql.claim_window).
         self._claims.send(conn, _CLAIM if self._wide else _CLAIM_WINDOW, params)
         self._confirmed = []
-        self._from_notify = False
         self._cycle = cycle
 
     def _claimed(self, conn: psycopg.Connection[Any], rows: list[Claimed]) -> None:
@@ -344,7 +345,6 @@ class Relay(Daemon):
             self._counted_claim(rows)
         self._wide = len(rows) >= cycle.room
         self._statistics.after_claim(conn, time.monotonic() - cycle.sent_at, len(rows), log)
-        self._pace.found(len(rows), notified=cycle.from_notify)
         # A short claim took every due head there is: claiming again is pointless until
         # something changes (a write frees the next heads, NOTIFY, a confirm whose mark
         # may free one, the poll timer). A NOTIFY or such a confirm that came during the
@@ -367,8 +367,16 @@ class Relay(Daemon):
         if rows:
             self._publish(conn, channel, rows)
         self._in_flight.set(channel.in_flight)
-        if self._cycle is None:
+        if self._claims.in_flight:  # the claim ahead
+            return
+        # A step now only if one was asked for meanwhile (a NOTIFY, a confirm that frees a
+        # successor, a failure) or more is ready: a NOTIFY under load waits out its window
+        # (_notice) and its claim takes the rows that came in it.
+        if full or self._others or self._step_after_claim:
+            self._step_after_claim = False
             self._step_soon()
+        elif self._confirmed:
+            self._step_in(self._confirmed[0][1] + MARK_DELAY - time.monotonic())
 
     def _publish(self, conn: psycopg.Connection[Any], channel: ConfirmChannel, rows: list[Claimed]) -> None:
         items = self._outgoing(rows)  # in claim order: priority, then creation
@@ -568,11 +576,10 @@ class Relay(Daemon):
         self._pace.notify(now)
         if self._soon:
             return
-        # Only a NOTIFY that woke the loop from sleep may start a hold (Pace.found): one read
-        # during a step is mostly for a row that step's claim took.
-        asleep = not self._stepping
-        self._from_notify = asleep
-        delay = self._pace.delay(now, from_sleep=asleep)
+        # The window under load, for a NOTIFY that woke the loop from sleep (Pace). The relay
+        # keeps no hold: publisher replicas racing for a NOTIFY cost one claim each, and a
+        # hold after each lost race made every next row wait for it (benchmarks/one-thread.md).
+        delay = self._pace.delay(now, from_sleep=not self._stepping)
         if delay > 0:
             self._step_in(delay)
         else:
