@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup setup-test demo test lint bench fuzz rabbit-cluster failover spark-cluster chaos-replicas
+.PHONY: setup setup-test demo test lint docs bench fuzz rabbit-cluster failover spark-cluster chaos-replicas
 
 # What the demo needs; `setup-test` adds the test tools, Chromium and the Node test peer.
 setup:
@@ -41,6 +41,11 @@ chaos-replicas: setup-test
 LINT_PATHS = framework tests migrations examples tools
 lint:
 	.venv/bin/ruff check $(LINT_PATHS) && .venv/bin/ruff format --check $(LINT_PATHS) && .venv/bin/mypy
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or reference fails it.
+# `make test` builds it too (scripts/test.sh). Serve it while writing: .venv/bin/mkdocs serve
+docs: setup-test
+	.venv/bin/mkdocs build --strict -d site
 
 bench: setup
 	for stage in relay receiver worker e2e latency analyze; do .venv/bin/txbox bench $$stage --json; done
