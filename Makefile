@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`.
+# The two commands of the README: `make demo` and `make test` (and `make docs`, the documentation site).
 .PHONY: setup setup-test demo test lint docs bench fuzz rabbit-cluster failover spark-cluster chaos-replicas
 
 # What the demo needs; `setup-test` adds the test tools, Chromium and the Node test peer.
@@ -57,7 +57,7 @@ FAILOVER_MESSAGES ?= 10000
 failover: setup-test
 	TXBOX_FAILOVER_MESSAGES=$(FAILOVER_MESSAGES) .venv/bin/pytest -p no:cacheprovider -s tests/acceptance/test_failover.py
 # The heavy suites at full size; `make test` runs each bounded (fewer messages and kills,
-# the same assertions). README "Running the heavy suites", RELIABILITY.md "In CI, and the heavy suites".
+# the same assertions). CONTRIBUTING.md "Running the heavy suites", RELIABILITY.md "In CI, and the heavy suites".
 .PHONY: chaos heavy
 CHAOS_MESSAGES ?= 5000
 chaos: setup

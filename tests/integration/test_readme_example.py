@@ -22,7 +22,9 @@ def _block(text: str, fence: str, after: str) -> str:
     return match.group(1)
 
 
-def test_the_readme_example_sends_and_handles(tmp_path: Path, database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_readme_example_sends_and_handles(
+    tmp_path: Path, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     readme = README.read_text()
     contract, code = _block(readme, "yaml", "## In 25 lines"), _block(readme, "python", "## In 25 lines")
     assert len(contract.splitlines()) + len(code.splitlines()) <= 35  # the example stays short
@@ -36,14 +38,16 @@ def test_the_readme_example_sends_and_handles(tmp_path: Path, database_url: str,
     monkeypatch.setenv("TXBOX_DATABASE_URL", database_url)
     monkeypatch.setenv("TXBOX_CONTRACTS_DIR", str(tmp_path / "contracts"))
 
-    service = runpy.run_path(str(tmp_path / "app.py"))["service"]  # runs the send too
-    with psycopg.connect(plain) as conn:
-        sent = conn.execute("SELECT message_type, kind, payload FROM txbox.outbox").fetchall()
-    assert sent == [("SendGreeting", "command", {"name": "Ada"})]
+    try:
+        service = runpy.run_path(str(tmp_path / "app.py"))["service"]  # runs the send too
+        with psycopg.connect(plain) as conn:
+            sent = conn.execute("SELECT message_type, kind, payload FROM txbox.outbox").fetchall()
+        assert sent == [("SendGreeting", "command", {"name": "Ada"})]
 
-    with Harness(service, database_url=database_url) as harness:
-        harness.deliver("SendGreeting", aggregate_id="1", payload={"name": "Ada"})
-    with psycopg.connect(plain) as conn:
-        assert conn.execute("SELECT name FROM greetings").fetchall() == [("Ada",)]
-    with psycopg.connect(plain, autocommit=True) as conn:
-        conn.execute("DROP TABLE greetings")  # the database goes back to the pool
+        with Harness(service, database_url=database_url) as harness:
+            harness.deliver("SendGreeting", aggregate_id="1", payload={"name": "Ada"})
+        with psycopg.connect(plain) as conn:
+            assert conn.execute("SELECT name FROM greetings").fetchall() == [("Ada",)]
+    finally:
+        with psycopg.connect(plain, autocommit=True) as conn:
+            conn.execute("DROP TABLE greetings")  # the database goes back to the pool

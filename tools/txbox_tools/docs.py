@@ -26,7 +26,6 @@ import importlib
 import inspect
 import os
 import pkgutil
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -87,12 +86,12 @@ def settings_classes() -> list[type]:
 
 
 def _default(cls: type, name: str, raw: str) -> str:
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)  # type: ignore[arg-type]
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
     if field.default is dataclasses.MISSING:
         return "*required*"
     value = field.default
     if isinstance(value, Seconds) or (field.type in ("Seconds", Seconds)):
-        seconds = float(value)  # type: ignore[arg-type]
+        seconds = float(value)
         return f"`{seconds * 1000:g}ms`" if 0 < seconds < 1 else f"`{seconds:.15g}s`"
     return f"`{raw}`" if raw and raw != "None" else "(none)"
 
@@ -107,7 +106,7 @@ def render_configuration() -> str:
         title = _TITLES.get(cls.__name__) or (doc.splitlines()[0] if doc else cls.__name__)
         parts.append(f"\n**{title}** (`{cls.__module__}.{cls.__qualname__}`)\n")
         parts.append("| variable | default | meaning (example) |\n|---|---|---|")
-        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        names = [f.name for f in dataclasses.fields(cls)]
         for name, (env, raw, example, help_) in zip(names, describe(cls), strict=True):
             parts.append(f"| `{env}` | {_default(cls, name, raw)} | {help_} (`{example}`) |")
     parts.append(END)
@@ -146,8 +145,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Arg
 
 
 def _help(parser: argparse.ArgumentParser) -> str:
-    # The program name argparse takes from sys.argv[0] when none is given: never this module's path.
-    return parser.format_help().rstrip().replace(Path(sys.argv[0]).name, "txbox")
+    return parser.format_help().rstrip()
 
 
 def render_cli() -> str:
@@ -261,6 +259,12 @@ def _strip(expression: str, prefixes: tuple[str, ...]) -> str:
     return expression
 
 
+def _server_default(default: Any) -> str:
+    if default is None:
+        return ""
+    return str(getattr(default.arg, "text", default.arg))
+
+
 def render_tables() -> str:
     from sqlalchemy.dialects import postgresql
 
@@ -283,8 +287,7 @@ def render_tables() -> str:
             lines += [table.comment, ""]
         lines += ["| column | type | null | default |", "|---|---|---|---|"]
         for column in table.columns:
-            default = column.server_default
-            shown = str(default.arg.text if hasattr(default.arg, "text") else default.arg) if default is not None else ""  # type: ignore[union-attr]
+            shown = _server_default(column.server_default)
             key = " (key)" if column.primary_key else ""
             null = "" if column.nullable and not column.primary_key else "not null"
             typ = column.type.compile(dialect=dialect)
