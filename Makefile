@@ -1,5 +1,5 @@
-# The two commands of the README: `make demo` and `make test`.
-.PHONY: setup setup-test demo test lint bench bench-peers fuzz rabbit-cluster failover spark-cluster chaos-replicas
+# The two commands of the README: `make demo` and `make test` (and `make docs`, the documentation site).
+.PHONY: setup setup-test demo test lint docs bench bench-peers fuzz rabbit-cluster failover spark-cluster chaos-replicas
 
 # What the demo needs; `setup-test` adds the test tools, Chromium and the Node test peer.
 setup:
@@ -42,6 +42,11 @@ LINT_PATHS = framework tests migrations examples tools
 lint:
 	.venv/bin/ruff check $(LINT_PATHS) && .venv/bin/ruff format --check $(LINT_PATHS) && .venv/bin/mypy
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or reference fails it.
+# `make test` builds it too (scripts/test.sh). Serve it while writing: .venv/bin/mkdocs serve
+docs: setup-test
+	.venv/bin/mkdocs build --strict -d site
+
 bench: setup
 	for stage in relay receiver worker e2e latency analyze; do .venv/bin/txbox bench $$stage --json; done
 
@@ -58,7 +63,7 @@ FAILOVER_MESSAGES ?= 10000
 failover: setup-test
 	TXBOX_FAILOVER_MESSAGES=$(FAILOVER_MESSAGES) .venv/bin/pytest -p no:cacheprovider -s tests/acceptance/test_failover.py
 # The heavy suites at full size; `make test` runs each bounded (fewer messages and kills,
-# the same assertions). README "Running the heavy suites", RELIABILITY.md "In CI, and the heavy suites".
+# the same assertions). CONTRIBUTING.md "Running the heavy suites", RELIABILITY.md "In CI, and the heavy suites".
 .PHONY: chaos heavy
 CHAOS_MESSAGES ?= 5000
 chaos: setup

@@ -1,8 +1,13 @@
-"""The README's 5-minute tutorial works as printed: its files and snippets, run for real.
+"""The tutorial works as printed: its files, and every command of its steps 1 to 6, run for real.
 
-The contract, schema, handler module and the sending snippet are cut out of README.md
-and executed with the real `txbox` command (`check`, `run`) in a database and vhost of
-this test's own, so the tutorial cannot rot silently.
+The contract, schema and handler module are cut out of docs/tutorial/index.md, and every
+command of its shell blocks is run through bash as it is printed there (`psql`, `txbox
+migrate`, `txbox check`, `txbox run &`, the senders, `txbox dlq list` and `discard`), in a
+database and vhost of this test's own: only the database name and the broker URL are
+replaced. What the page says a command prints is checked against what it printed, so
+the tutorial cannot rot silently. The web endpoint of docs/how-to/async.md is run too,
+on a real uvicorn. Step 7 (`pytest tutorial`) is run by
+tests/integration/test_testing_kit.py.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -20,72 +27,127 @@ from pathlib import Path
 import psycopg
 
 from tests import support
-from txbox_tools.processes import ProcessGroup, txbox_command
+from txbox_tools.processes import ProcessGroup
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+TUTORIAL = ROOT / "docs" / "tutorial" / "index.md"
+ASYNC = ROOT / "docs" / "how-to" / "async.md"
+BIN = Path(sys.executable).parent
 
 
 def block(text: str, after: str, fence: str) -> str:
-    """The first ``fence`` code block following the heading text ``after``."""
+    """The first ``fence`` code block following the text ``after``."""
     start = text.index(after)
     match = re.compile(rf"```{fence}\n(.*?)\n```", re.DOTALL).search(text, start)
     assert match, f"no ```{fence} block after {after!r}"
     return match.group(1)
 
 
-def test_tutorial_from_the_readme(tmp_path: Path, database_url: str, amqp_url: str) -> None:
-    readme = README.read_text()
-    tutorial = readme[readme.index("## Tutorial") :]
+def commands(shell: str) -> list[str]:
+    """The commands of a shell block: one a line, a here-document with its lines."""
+    found: list[str] = []
+    lines = iter(shell.splitlines())
+    for line in lines:
+        if "<<'PY'" in line:
+            body = [line]
+            for more in lines:
+                body.append(more)
+                if more == "PY":
+                    break
+            found.append("\n".join(body))
+        elif line.strip():
+            found.append(line)
+    return found
+
+
+def masked(output: str) -> str:
+    """What a command printed, with what changes from run to run (times, ids) masked."""
+    output = re.sub(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?Z?", "<time>", output)
+    output = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<id>", output)
+    output = re.sub(r"\b[0-9a-f]{12,}\b", "<hex>", output)
+    output = re.sub(r"\(at \S+", "(at <where>", output)  # where the handler raised: this test's folder
+    return "\n".join(line.rstrip() for line in output.strip().splitlines())
+
+
+def printed(text: str, after: str) -> str:
+    """The ```text block the page shows as what the command block after ``after`` printed."""
+    shell_end = text.index("```\n", text.index("```sh", text.index(after)) + 5) + 4
+    match = re.compile(r"```text\n(.*?)\n```", re.DOTALL).search(text, shell_end)
+    assert match and "```" not in text[shell_end : match.start()], f"no ```text block after the commands of {after!r}"
+    return match.group(1)
+
+
+def test_the_tutorial_runs_as_printed(tmp_path: Path, amqp_url: str) -> None:
+    page = TUTORIAL.read_text()
     folder = tmp_path / "tutorial"
     (folder / "contracts" / "commands").mkdir(parents=True)
-    (folder / "contracts" / "greeter-service.yml").write_text(block(tutorial, "**1. The contract**", "yaml"))
-    (folder / "contracts" / "commands" / "send-greeting.json").write_text(
-        block(tutorial, "send-greeting.json`:", "json")
-    )
+    (folder / "contracts" / "greeter-service.yml").write_text(block(page, "**1. The contract**", "yaml"))
+    (folder / "contracts" / "commands" / "send-greeting.json").write_text(block(page, "send-greeting.json`:", "json"))
     (folder / "__init__.py").write_text("")
-    (folder / "app.py").write_text(block(tutorial, "**2. The handler**", "python"))
-    (folder / "web.py").write_text(block(tutorial, "**4b. From a web endpoint", "python"))
-    shell = block(tutorial, "**4. Send a command**", "sh")
-    sender = shell[shell.index("<<'PY'\n") + 7 : shell.index("\nPY")]
-    setup = block(tutorial, "**3. Database", "sh")
-    create_table = re.search(r"-c '(CREATE TABLE greetings[^']*)'", setup)
-    assert create_table, "the tutorial creates the greetings table"
-    with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
-        conn.execute(create_table.group(1))
+    (folder / "app.py").write_text(block(page, "**2. The handler**", "python"))
+    (folder / "web.py").write_text(block(ASYNC.read_text(), "## From a web endpoint", "python"))
+    (tmp_path / ".venv").symlink_to(BIN.parent)  # `.venv/bin/txbox` as printed, from this test's folder
 
-    env = {
-        **os.environ,
-        "TXBOX_SERVICE": "greeter-service",
-        "TXBOX_DATABASE_URL": database_url,
-        "TXBOX_CONTRACTS_DIR": "tutorial/contracts",
-        "TXBOX_AMQP_URL": amqp_url,
-        "PYTHONPATH": str(tmp_path),
-    }
-    check = subprocess.run(
-        [*txbox_command(), "check", "--app", "tutorial.app:service"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert check.returncode == 0, check.stdout + check.stderr
-    assert "0 error(s)" in check.stdout
+    database = support.unique("txbox_tut")
+    broker = "amqp://guest:guest@127.0.0.1:5672/%2F"
 
-    group = ProcessGroup(tmp_path / "logs", env={k: v for k, v in env.items() if k.startswith(("TXBOX_", "PYTHON"))})
-    group.start("run", ["run", "--app", "tutorial.app:service"], cwd=tmp_path)
-    try:
-        sent = subprocess.run(
-            [sys.executable, "-c", sender], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    def ours(command: str) -> str:
+        # The page's database (`greeter`, not `greeter-service`) and broker, made this test's own.
+        return re.sub(r"\bgreeter\b(?!-)", database, command).replace(broker, amqp_url)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TXBOX_")} | {"PYTHONPATH": str(tmp_path)}
+    group = ProcessGroup(tmp_path / "logs", env={})
+    outputs: dict[str, str] = {}
+
+    def sh(command: str) -> str:
+        result = subprocess.run(
+            ["bash", "-c", ours(command)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
             check=False,
         )  # fmt: skip
-        assert sent.returncode == 0, sent.stderr
+        assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
+        outputs[command] = result.stdout
+        return result.stdout
 
-        def greeted() -> list[tuple[str]]:
-            with psycopg.connect(database_url.replace("+psycopg", "")) as conn:
-                return conn.execute("SELECT name FROM greetings").fetchall()
+    def step(after: str) -> list[str]:
+        ran = []
+        for command in commands(block(page, after, "sh")):
+            if command.startswith("export "):
+                name, _, value = command.removeprefix("export ").partition("=")
+                env[name] = ours(shlex.split(value)[0])
+            elif command.split("#")[0].rstrip().endswith("&"):
+                # `txbox run ... &`: started in the background as printed, stopped with SIGTERM as `kill %1` does.
+                words = shlex.split(command.split("#")[0].rstrip().rstrip("&"))
+                assert words[0] == ".venv/bin/txbox", command
+                group.env = {k: v for k, v in env.items() if k.startswith(("TXBOX_", "PYTHON"))}
+                group.start("run", words[1:], cwd=tmp_path)
+            else:
+                sh(command)
+            ran.append(command)
+        return ran
 
-        assert support.wait_until(greeted, timeout=60, message="the greeting handled") == [("Ada",)], group.daemons[
-            0
-        ].log_tail()
+    try:
+        ran = step("**3. Database")
+        assert any("CREATE DATABASE" in c for c in ran) and any("txbox migrate" in c for c in ran), ran
+        check = next(c for c in ran if "txbox check" in c)
+        assert "0 error(s)" in outputs[check]
 
-        # Step 4b: the same command from the web endpoint, on a real uvicorn.
+        send, select = commands(block(page, "**4. Send a command**", "sh"))
+        sh(send)
+        support.wait_until(lambda: "Ada" in sh(select), timeout=60, message="the greeting handled")
+        assert " Ada" in outputs[select] and "(1 row)" in outputs[select]
+
+        refuse, listing = commands(block(page, "**5. The first dead letter**", "sh"))
+        sh(refuse)
+        support.wait_until(lambda: "nobody is not a name" in sh(listing), timeout=60, message="the dead letter")
+        assert masked(outputs[listing]) == masked(printed(page, "**5. The first dead letter**"))
+        with psycopg.connect(support.db_url(database, "postgresql")) as conn:
+            assert conn.execute("SELECT name FROM greetings").fetchall() == [("Ada",)]  # nobody was not greeted
+
+        (discard,) = commands(block(page, "not want with", "sh"))
+        sh(discard)
+        assert masked(outputs[discard]) == masked(printed(page, "not want with"))
+
+        # The web endpoint of the async how-to, on a real uvicorn, beside the running service.
         with contextlib.closing(socket.socket()) as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -103,8 +165,12 @@ def test_tutorial_from_the_readme(tmp_path: Path, database_url: str, amqp_url: s
                 return 0  # not listening yet
 
         assert support.wait_until(posted, timeout=60, message="the web endpoint answered") == 202
-        support.wait_until(lambda: ("Grace",) in greeted(), timeout=60, message="the web greeting handled")
+        support.wait_until(lambda: "Grace" in sh(select), timeout=60, message="the web greeting handled")
+
+        # Step 6: `kill %1` is a SIGTERM; the service finishes what it holds and exits 0.
+        run = group.daemons[0]
+        run.process.send_signal(signal.SIGTERM)
+        assert run.process.wait(timeout=60) == 0, run.log_tail()
     finally:
         group.stop_all()
-    run = group.daemons[0]
-    assert run.process.returncode == 0, run.log_tail()
+        support.drop_database(database)

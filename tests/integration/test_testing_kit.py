@@ -214,16 +214,18 @@ def test_the_examples_handler_tests_pass_with_no_broker_reachable() -> None:
 
 
 def readme_block(text: str, after: str, fence: str) -> str:
-    """The first ``fence`` code block after the text ``after`` (bounded: the README is ours)."""
+    """The first ``fence`` code block after the text ``after`` (bounded: the page is ours)."""
     match = re.compile(rf"```{fence}\n(.*?)\n```", re.DOTALL).search(text, text.index(after))
     assert match, f"no ```{fence} block after {after!r}"
     return match.group(1)
 
 
 @pytest.mark.slow
-def test_the_readme_tutorial_ends_with_a_handler_test_that_passes(tmp_path: Path, database_url: str) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    tutorial = readme[readme.index("## Tutorial") :]
+def test_the_tutorial_ends_with_a_handler_test_that_passes(tmp_path: Path, database_url: str) -> None:
+    """Step 7 of docs/tutorial/index.md: `.venv/bin/pytest tutorial`, with the page's files."""
+    tutorial = (Path(__file__).resolve().parents[2] / "docs" / "tutorial" / "index.md").read_text()
+    command = readme_block(tutorial, "**7. Test your handler**", "python")
+    assert "run with `.venv/bin/pytest tutorial`" in tutorial
     folder = tmp_path / "tutorial"
     (folder / "contracts" / "commands").mkdir(parents=True)
     (folder / "contracts" / "greeter-service.yml").write_text(readme_block(tutorial, "**1. The contract**", "yaml"))
@@ -231,7 +233,7 @@ def test_the_readme_tutorial_ends_with_a_handler_test_that_passes(tmp_path: Path
     (folder / "contracts" / "commands" / "send-greeting.json").write_text(schema)
     (folder / "__init__.py").write_text("")
     (folder / "app.py").write_text(readme_block(tutorial, "**2. The handler**", "python"))
-    (folder / "test_greeter.py").write_text(readme_block(tutorial, "**6. Test your handler**", "python"))
+    (folder / "test_greeter.py").write_text(command)
     env = {
         **os.environ,
         "TXBOX_SERVICE": "greeter-service",

@@ -1,6 +1,6 @@
 """Every citation of docs/architecture.md names a section the document has.
 
-Code comments, docstrings and the README cite the document as
+Code comments, docstrings, the README and the pages of docs/ cite the document as
 ``docs/architecture.md, "Section"``; a section renamed or dropped would leave them
 pointing at nothing. A cited name matches a heading equal to it, or one that begins
 with it followed by a colon ("Dedup memory" for "Dedup memory: inbox tombstones …").
@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCUMENT = ROOT / "docs" / "architecture.md"
 # Where citations live; generated and vendored trees are not ours to check, nor this
 # file, whose examples are not citations.
-SEARCHED = ("framework", "migrations", "examples", "scripts", "tests", "README.md", "RELIABILITY.md", "benchmarks")
+SEARCHED = (
+    "framework", "migrations", "examples", "scripts", "tests", "tools", "docs",
+    "README.md", "RELIABILITY.md", "CONTRIBUTING.md", "benchmarks",
+)  # fmt: skip
 SUFFIXES = {".py", ".md", ".sh", ".js", ".sql", ".toml"}
 SKIPPED_PARTS = {"node_modules", "__pycache__"}
 # The name may continue on the next line of a comment (``#`` and indentation between).

@@ -272,7 +272,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="receiver processes consuming the queue (default 1; more run with TXBOX_RECEIVER_STANDBY=false, "
-        "as competing consumers that do not keep per-segment order; see README 'Scaling')",
+        "as competing consumers that do not keep per-segment order; see docs/how-to/daemons.md, 'Scaling')",
     )
     parser.add_argument(
         "--rate",
