@@ -19,7 +19,7 @@ connection) run. One cycle of the loop:
    an advisory lock on its LISTEN session, listens on the inbox's inserts and NOTIFYs
    the others (on a help channel) when its claim comes back full; the others claim at
    their poll interval too, and take the lock when its holder's session ends
-   (docs/architecture.md, "One listener per service").
+   (docs/architecture.md, "Replicas of every daemon").
 
 Poison: a row whose earlier run never finished (the process died) is claimed *alone*,
 with nothing claimed ahead beside it, so a batch mate of the killer is never blamed for
@@ -86,7 +86,7 @@ class Worker(Daemon):
         self._conn: Connection | None = None
         self._alarm = Alarm()  # stop() rings it: the one write from another thread
         # One replica of the service LISTENs on the inserts; the others on the help channel
-        # (docs/architecture.md, "Wake-ups", "One listener per service").
+        # (docs/architecture.md, "Wake-ups" and "Replicas of every daemon").
         self._listen = Notifications(
             self.settings.database_url,
             names.notify_channel(self.schema, names.INBOX),
@@ -126,7 +126,7 @@ class Worker(Daemon):
     @property
     def leading(self) -> bool:
         """This replica is its service's listener: it LISTENs on the inbox's inserts
-        (docs/architecture.md, "Wake-ups", "One listener per service")."""
+        (docs/architecture.md, "Wake-ups" and "Replicas of every daemon")."""
         return self._listen.leading
 
     # --- the loop -----------------------------------------------------------------
@@ -197,7 +197,7 @@ class Worker(Daemon):
             self._claims.send(self._claim_batch, self.config.batch_size)
         if full:
             # Work for more than one replica: the listener wakes the others, once per full
-            # claim (docs/architecture.md, "One listener per service"). A full batch is
+            # claim (docs/architecture.md, "Replicas of every daemon"). A full batch is
             # followed by a claim at once, which sees any row whose NOTIFY this statement read.
             self._listen.call_for_help()
         handled = self._process(batch)

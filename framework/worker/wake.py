@@ -56,7 +56,7 @@ class Alarm:
 class Notifications:
     """``LISTEN`` on a connection the loop owns, read without blocking; with ``help_channel``
     and ``lock_key``, one replica of a service listens on ``channel`` and the others on
-    ``help_channel`` (docs/architecture.md, "Wake-ups", "One listener per service").
+    ``help_channel`` (docs/architecture.md, "Wake-ups" and "Replicas of every daemon").
 
     The *listener* is the replica whose LISTEN session holds the session advisory lock
     ``lock_key``: it LISTENs on ``channel`` (the inserts) and, when a claim of its came
@@ -147,7 +147,7 @@ class Notifications:
         row = self._execute(conn, sql.SQL("SELECT pg_try_advisory_lock({})").format(sql.Literal(self._key)))
         return bool(row and row[0])
 
-    def _execute(self, conn: psycopg.Connection[Any], statement: sql.Composable) -> tuple[Any, ...] | None:
+    def _execute(self, conn: psycopg.Connection[Any], statement: sql.Composed) -> tuple[Any, ...] | None:
         self._counts.statements += 1
         cur = conn.execute(statement)
         return cur.fetchone() if cur.description else None

@@ -1,4 +1,4 @@
-"""One listener per service (docs/architecture.md, "One listener per service"): of two
+"""One listener per service (docs/architecture.md, "Replicas of every daemon"): of two
 workers only the holder of the advisory lock wakes for the inbox's NOTIFYs, the other
 claims when the listener's claim came back full, and takes the turn when the listener's
 session ends (a kill -9 of its process)."""
@@ -12,7 +12,6 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import pytest
-
 from sqlalchemy.orm import Session
 
 from framework import CommandHandler, Message, Outbox, names
