@@ -272,6 +272,21 @@ def notify_channel(schema: str, table: str) -> str:
     return f"{schema}_{table}_insert"
 
 
+def inbox_help_channel(schema: str) -> str:
+    """The channel the worker replica that listens on the inbox's inserts NOTIFYs when its
+    claim came back full, waking the other replicas of ``schema``'s workers
+    (docs/architecture.md, "Wake-ups")."""
+    return f"{schema}_{INBOX}_help"
+
+
+def worker_listener_lock_key(schema: str) -> int:
+    """The advisory lock key held, on its LISTEN connection, by the one worker replica that
+    listens on ``schema``'s inbox inserts (signed 64-bit). Keyed by the schema: the replicas
+    that claim from one inbox are those of one service (docs/architecture.md, "Replicas of
+    every daemon")."""
+    return _lock_key(f"txbox worker listener {schema}")
+
+
 def qualified(schema: str, table: str) -> str:
     """``schema.table`` for named SQL; both parts are validated identifiers."""
     return f"{schema}.{table}"

@@ -15,7 +15,11 @@ connection) run. One cycle of the loop:
    runs the handlers; framework/worker/settle.py settles every row
    (docs/architecture.md, "Worker batches").
 4. **Wait** (framework/worker/wake.py): ``poll`` on the LISTEN socket and the stop alarm,
-   for a NOTIFY, the poll interval or a stop.
+   for a NOTIFY, the poll interval or a stop. One replica of the service, the holder of
+   an advisory lock on its LISTEN session, listens on the inbox's inserts and NOTIFYs
+   the others (on a help channel) when its claim comes back full; the others claim at
+   their poll interval too, and take the lock when its holder's session ends
+   (docs/architecture.md, "Replicas of every daemon").
 
 Poison: a row whose earlier run never finished (the process died) is claimed *alone*,
 with nothing claimed ahead beside it, so a batch mate of the killer is never blamed for
@@ -81,7 +85,15 @@ class Worker(Daemon):
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
         self._conn: Connection | None = None
         self._alarm = Alarm()  # stop() rings it: the one write from another thread
-        self._listen = Notifications(self.settings.database_url, names.notify_channel(self.schema, names.INBOX))
+        # One replica of the service LISTENs on the inserts; the others on the help channel
+        # (docs/architecture.md, "Wake-ups" and "Replicas of every daemon").
+        self._listen = Notifications(
+            self.settings.database_url,
+            names.notify_channel(self.schema, names.INBOX),
+            help_channel=names.inbox_help_channel(self.schema),
+            lock_key=names.worker_listener_lock_key(self.schema),
+            counts=self.counts,
+        )
         # A worker whose claim after a NOTIFY found nothing (another replica took the rows)
         # holds the next ones back, never longer than the poll interval (docs/architecture.md, "Wake-ups").
         self._wake = LoopWakeup(
@@ -95,6 +107,7 @@ class Worker(Daemon):
         self._last_gauges = 0.0
         self._last_suspect_check = 0.0
         self._more = False  # claim again at once, not at the next NOTIFY (see run_once)
+        self._polled = False  # the last wait ran out its poll interval (no NOTIFY, no stop)
         self._batches = BatchRunner(
             service,
             self.config,
@@ -110,6 +123,12 @@ class Worker(Daemon):
         """The LISTEN is in place (a NOTIFY now wakes the loop)."""
         return self._listen.listening
 
+    @property
+    def leading(self) -> bool:
+        """This replica is its service's listener: it LISTENs on the inbox's inserts
+        (docs/architecture.md, "Wake-ups" and "Replicas of every daemon")."""
+        return self._listen.leading
+
     # --- the loop -----------------------------------------------------------------
 
     def run(self) -> None:
@@ -124,7 +143,8 @@ class Worker(Daemon):
                 # The gauges use a connection too: losing it there is the same outage, not a crash.
                 try:
                     # (Re)connected before the claim, which finds what came while nobody listened.
-                    self._listen.open()
+                    if not self._listen.open():
+                        self._take_turn()
                     handled = self.run_once()
                     self.counts.publish(self._labels)
                     self._wake.found(handled, notified=notified)
@@ -170,14 +190,16 @@ class Worker(Daemon):
                     return self._process(batch)  # alone, and nothing claimed beside it (poison)
                 self._last_suspect_check = time.monotonic()
             batch = self._claim(self._claim_batch, self.config.batch_size)
-        if (
-            len(batch) == self.config.batch_size
-            and time.monotonic() - self._last_suspect_check < SUSPECT_CHECK_INTERVAL
-            and not self.stopping
-        ):
+        full = len(batch) == self.config.batch_size
+        if full and time.monotonic() - self._last_suspect_check < SUSPECT_CHECK_INTERVAL and not self.stopping:
             # A backlog: send the next claim now and collect it after this batch, so
             # PostgreSQL claims while Python handles.
             self._claims.send(self._claim_batch, self.config.batch_size)
+        if full:
+            # Work for more than one replica: the listener wakes the others, once per full
+            # claim (docs/architecture.md, "Replicas of every daemon"). A full batch is
+            # followed by a claim at once, which sees any row whose NOTIFY this statement read.
+            self._listen.call_for_help()
         handled = self._process(batch)
         # A short batch took every due row nobody else holds, and a row committed since
         # comes with a NOTIFY. So claim again at once only for a full batch or for rows
@@ -200,9 +222,20 @@ class Worker(Daemon):
         NOTIFY woke it from sleep (an empty claim after it means another replica took the
         rows: docs/architecture.md, "Wake-ups"). One claim answers every NOTIFY since the last one.
         """
+        self._polled = False
         if self.stopping:
             return False
-        return self._wake.wait(float(self.config.poll_interval)) and self._wake.woken_from_sleep
+        woke = self._wake.wait(float(self.config.poll_interval))
+        self._polled = not woke
+        return woke and self._wake.woken_from_sleep
+
+    def _take_turn(self) -> None:
+        """A replica that is not the listener takes the turn when it is free: after every
+        wait that ran out its poll interval (so a dead listener's turn passes within one
+        poll interval of its session's end), and at most once a poll interval besides."""
+        every = 0.0 if self._polled else float(self.config.poll_interval)
+        if self._listen.take_turn(every):
+            self.log.info("listening for the inbox's inserts: the service's listener had gone")
 
     # --- claim --------------------------------------------------------------------
 
