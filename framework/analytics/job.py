@@ -10,7 +10,8 @@ spark-submit (the script owns no master: spark-submit's ``--master`` applies)::
 
 On a standalone cluster the same line takes ``--master spark://HOST:7077 --deploy-mode
 client`` (Spark runs Python drivers on a standalone cluster in client mode only); on
-Kubernetes, ``--deploy-mode cluster`` and an image with ``txbox[spark]`` (docs/how-to/spark-cluster.md). The arguments after the script are those of `txbox analyze`;
+Kubernetes, ``--deploy-mode cluster`` and an image with ``txbox[spark]``
+(docs/how-to/spark-cluster.md). The arguments after the script are those of `txbox analyze`;
 ``archive`` followed by the arguments of `txbox archive` runs the archive instead.
 Run it with the venv active (spark-submit locates its Spark home through the ``python``
 on PATH, or set SPARK_HOME / PYSPARK_PYTHON). Under spark-submit the session takes
