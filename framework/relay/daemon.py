@@ -31,6 +31,7 @@ from typing import Any
 
 import psycopg
 from pika.adapters.select_connection import IOLoop
+from psycopg import sql
 
 from framework import amqp, db, expiry, metrics, names, topology
 from framework import retention as retention_
@@ -123,7 +124,7 @@ class Relay(Daemon):
         self._cycle: Cycle | None = None  # the claim in flight
         self._step_after_claim = False  # a step came while a claim was in flight
         self._sql_backlog = rendered(named.backlog(self.schema))
-        self._sql_listen = f'LISTEN "{names.notify_channel(self.schema, names.OUTBOX)}"'
+        self._sql_listen = sql.SQL("LISTEN {}").format(sql.Identifier(names.notify_channel(self.schema, names.OUTBOX)))
         self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
         # A claim lost to a database crash only loses a lease: the row is claimed (and
         # maybe published) again, which at-least-once delivery allows. Losing the last
