@@ -28,7 +28,7 @@ from framework.daemon import POSTGRESQL, Daemon
 from framework.errors import ConfigurationError, DatabaseUnavailable
 from framework.probes import ProbeServer
 from framework.settings import FromEnv, Seconds, setting
-from framework.sql import heartbeats
+from framework.sql import heartbeats as heartbeats_sql
 
 log = logging.getLogger("txbox.liveness")
 
@@ -99,7 +99,7 @@ class Heartbeat:
         try:
             conn = self._db.get()
             for daemon in self.daemons:
-                conn.execute(heartbeats.remove(self.schema), self._key(daemon))
+                conn.execute(heartbeats_sql.remove(self.schema), self._key(daemon))
         except (psycopg.Error, DatabaseUnavailable) as exc:  # the row is pruned later instead
             log.debug("could not remove the heartbeat rows: %r", exc)
         self._db.close()
@@ -143,9 +143,9 @@ class Heartbeat:
     def _write(self, conn: psycopg.Connection[Any]) -> None:
         with conn.transaction():
             for daemon in self.daemons:
-                conn.execute(heartbeats.upsert(self.schema, waits=self._waits), self._row(daemon))
+                conn.execute(heartbeats_sql.upsert(self.schema, waits=self._waits), self._row(daemon))
             if self._beats % _PRUNE_EVERY == 0:
-                conn.execute(heartbeats.prune(self.schema), {"seconds": heartbeats.PRUNE_AFTER_SECONDS})
+                conn.execute(heartbeats_sql.prune(self.schema), {"seconds": heartbeats_sql.PRUNE_AFTER_SECONDS})
 
     def _key(self, daemon: Daemon) -> dict[str, object]:
         return {"service": self.service, "kind": daemon.name, "host": self.host, "pid": self.pid}
@@ -176,8 +176,8 @@ def _wait(daemon: Daemon) -> dict[str, object]:
     detail = ": ".join(str(part) for part in (waiting.get("state"), waiting.get("detail")) if part)
     return {
         "waiting_seconds": max(0.0, float(waiting["seconds"])),
-        "waiting_queue": None if queue is None else str(queue)[: heartbeats.MAX_QUEUE_CHARS],
-        "waiting_detail": detail[: heartbeats.MAX_DETAIL_CHARS] or None,
+        "waiting_queue": None if queue is None else str(queue)[: heartbeats_sql.MAX_QUEUE_CHARS],
+        "waiting_detail": detail[: heartbeats_sql.MAX_DETAIL_CHARS] or None,
     }
 
 

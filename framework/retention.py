@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge
 from framework import dedup, metrics, names
 from framework.connections import ConnectionSlot
 from framework.settings import DedupSettings, RetentionSettings, load
-from framework.sql import retention as q
+from framework.sql import retention as retention_sql
 
 if TYPE_CHECKING:
     from framework.daemon import Daemon
@@ -128,9 +128,9 @@ class Pruner:
         )
         self._db = ConnectionSlot(daemon.settings.database_url, autocommit=True, application_name="txbox-pruner")
         inbox = rules.dedup_window is not None
-        self._sql_page = (q.select_page if inbox else q.delete_page)(self.schema, rules.table)
-        self._sql_costs = q.table_costs(self.schema, rules.table)
-        self._sql_vacuum = q.vacuum(self.schema, rules.table)
+        self._sql_page = (retention_sql.select_page if inbox else retention_sql.delete_page)(self.schema, rules.table)
+        self._sql_costs = retention_sql.table_costs(self.schema, rules.table)
+        self._sql_vacuum = retention_sql.vacuum(self.schema, rules.table)
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -167,13 +167,13 @@ class Pruner:
         done = Pass()
         conn = self._db.get()
         if self.rules.active:
-            if not (conn.execute(q.try_lock(), {"key": self._key}).fetchone() or (False,))[0]:
+            if not (conn.execute(retention_sql.try_lock(), {"key": self._key}).fetchone() or (False,))[0]:
                 done.locked_out = True
             else:
                 try:
                     self._prune(conn, done)
                 finally:
-                    conn.execute(q.unlock(), {"key": self._key})
+                    conn.execute(retention_sql.unlock(), {"key": self._key})
         self._measure(conn, done)
         return done
 
@@ -184,7 +184,7 @@ class Pruner:
             "limit": limit,
             "retention": self.rules.retention or None,
             "abandoned": self.rules.abandoned or None,
-            "sources": list(q.LETTER_SOURCES[self.rules.table]),
+            "sources": list(retention_sql.LETTER_SOURCES[self.rules.table]),
         }
         while not self._stopping():
             with conn.transaction(), conn.cursor() as cur:

@@ -62,8 +62,8 @@ from framework.analytics.settings import AnalyzeSettings
 from framework.analytics.sources import Source
 from framework.db import connect, database_errors
 from framework.errors import ArchiveError
-from framework.sql import archive_batches as batches_sql
-from framework.sql import retention as locks_sql
+from framework.sql import archive_batches as archive_batches_sql
+from framework.sql import retention as retention_sql
 from framework.sql.archive_batches import Batch
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ class Archiver:
         """
         key = {"key": names.archive_lock_key(self.service)}
         with database_errors("archive: cannot take its lock"), connect(self.url, autocommit=True) as lock:
-            row = lock.execute(locks_sql.try_lock(), key).fetchone()
+            row = lock.execute(retention_sql.try_lock(), key).fetchone()
             if not (row and row[0]):
                 # Two runs would archive the same rows twice before one of them failed.
                 raise ArchiveError(
@@ -201,7 +201,7 @@ class Archiver:
     def _unlock(self, lock: psycopg.Connection[Any], key: dict[str, int]) -> None:
         """Release the run's lock; never raises (it must not hide the run's own error)."""
         try:
-            row = lock.execute(locks_sql.unlock(), key).fetchone()
+            row = lock.execute(retention_sql.unlock(), key).fetchone()
         except psycopg.Error as exc:  # the connection is gone, and the lock with it
             log.warning("archive: could not release its lock of %s (%s)", self.service, type(exc).__name__)
             return
@@ -212,7 +212,7 @@ class Archiver:
     def _recover(self, spark: SparkSession) -> ArchiveResult:
         result = ArchiveResult()
         with database_errors("archive: cannot read its batches"), connect(self.url, autocommit=True) as conn:
-            pending = batches_sql.unfinished(conn.cursor(), self.schema, self.service)
+            pending = archive_batches_sql.unfinished(conn.cursor(), self.schema, self.service)
         for batch in pending:
             log.info("finishing interrupted archive batch %s", batch.batch_id)
             written, removed = self._finish(spark, batch)
@@ -240,7 +240,7 @@ class Archiver:
         batch_id = f"{table}-{stamp}-{uuid.uuid4().hex[:8]}"
         where = join(self.root, self.service, table, f"batch={batch_id}")
         with database_errors("archive: cannot record a batch"), connect(self.url) as conn:
-            batch = batches_sql.open_next(
+            batch = archive_batches_sql.open_next(
                 conn.cursor(),
                 self.schema,
                 batch_id=batch_id,
@@ -276,8 +276,8 @@ class Archiver:
         from pyspark.sql import functions as F
 
         reader = Reader(spark, self.settings, self.schema, "txbox-archive")
-        ids = batches_sql.ids_array(self.schema, batch.batch_id)
-        where = f"id = ANY({ids}) AND {batches_sql.NOT_ARCHIVED[batch.table]}"
+        ids = archive_batches_sql.ids_array(self.schema, batch.batch_id)
+        where = f"id = ANY({ids}) AND {archive_batches_sql.NOT_ARCHIVED[batch.table]}"
         rows = reader.partitioned(self.source, batch.table, select_list(_table(batch.table)), where)
         storage = Storage(spark, batch.location, "--to")
         (
@@ -311,13 +311,13 @@ class Archiver:
     def _left(self, batch: Batch) -> int:
         """How many of the batch's rows the database still holds to archive."""
         with database_errors("archive: cannot read"), connect(self.url, autocommit=True) as conn:
-            return batches_sql.count_left(conn.cursor(), self.schema, batch)
+            return archive_batches_sql.count_left(conn.cursor(), self.schema, batch)
 
     def _delete(self, batch: Batch, written: int) -> dedup.Forgotten:
         """Delete the batch's rows and mark it done, in one transaction; inbox rows through the dedup memory."""
         with database_errors("archive: cannot delete"), connect(self.url) as conn:
             cur = conn.cursor()
-            ids = batches_sql.lock_rows(cur, self.schema, batch)
+            ids = archive_batches_sql.lock_rows(cur, self.schema, batch)
             if len(ids) != written:
                 raise ArchiveError(
                     f"archive batch {batch.batch_id}: the database holds {len(ids)} of its rows, the files "
@@ -326,8 +326,10 @@ class Archiver:
             if batch.table == names.INBOX:
                 removed = dedup.forget(cur, self.schema, ids, self.dedup_window)
             else:
-                removed = dedup.Forgotten(deleted=batches_sql.delete_finished(cur, self.schema, batch.table, ids))
-            batches_sql.finish(cur, self.schema, batch.batch_id, written, removed.deleted + removed.tombstoned)
+                removed = dedup.Forgotten(
+                    deleted=archive_batches_sql.delete_finished(cur, self.schema, batch.table, ids)
+                )
+            archive_batches_sql.finish(cur, self.schema, batch.batch_id, written, removed.deleted + removed.tombstoned)
             conn.commit()
         return removed
 

@@ -53,7 +53,7 @@ from framework.errors import ConfigurationError, HttpError, TxboxError
 from framework.redaction import credentials_masked, mask_credentials, redact_text
 from framework.settings import Seconds, setting
 from framework.sql import dead_letters as dead_letters_sql
-from framework.sql import heartbeats
+from framework.sql import heartbeats as heartbeats_sql
 from framework.sql import reports as reports_sql
 
 HERE = Path(__file__).parent
@@ -321,7 +321,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                             "timeline": queries.timeline(conn, s.schema, window),
                             "groups": masked(dead_letters_sql.groups(conn, s.schema, queries.Filters(), limit=5)),
                             "analytics": analytics_of(s, conn),
-                            "daemons": [b.view() for b in heartbeats.read(conn, s.schema, s.name)],
+                            "daemons": [b.view() for b in heartbeats_sql.read(conn, s.schema, s.name)],
                             "error": None,
                         }
                     )

@@ -71,7 +71,7 @@ from framework.outbox import Outbox, default_segment
 from framework.permissions import MAX_TOKEN_CHARS
 from framework.reasons import Reason
 from framework.redaction import AUTH_TOKEN
-from framework.sql import dead_letters as letters_sql
+from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as inbox_sql
 from framework.sql import messages as messages_sql
 from framework.sql import outbox as outbox_sql
@@ -120,7 +120,7 @@ def _x(conn: psycopg.Connection[Any], query: sql.Composed, params: Any = None) -
 
 def _lock_letters(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> list[dict[str, Any]]:
     """The letters of ``ids``, locked for this transaction, in id order."""
-    return _x(conn, letters_sql.lock(schema), {"ids": ids}).fetchall()
+    return _x(conn, dead_letters_sql.lock(schema), {"ids": ids}).fetchall()
 
 
 def _chunks(ids: Sequence[int]) -> list[list[int]]:
@@ -230,7 +230,7 @@ class _Replaying:
             self._insert_from_envelope(letter, judged, table)
             action, detail = f"{table}-insert", f"written to {table} as {mid}" + (" to be sent again" if resend else "")
         elif row["processed_at"] is not None and not resend:
-            _x(self.conn, letters_sql.mark_resolved(self.schema), {"at": row["processed_at"], "id": lid})
+            _x(self.conn, dead_letters_sql.mark_resolved(self.schema), {"at": row["processed_at"], "id": lid})
             done = "published" if table == names.OUTBOX else "processed"
             return Outcome(
                 lid,
@@ -352,7 +352,7 @@ class _Replaying:
 
 def _note(conn: psycopg.Connection[Any], schema: str, lid: int, entry: dict[str, Any], stamp: str, more: str) -> None:
     """Set the letter's ``stamp`` column to now and append ``entry`` (timed as ``stamp``) to its history."""
-    _x(conn, letters_sql.note(schema, stamp, more), {"entry": Jsonb(entry), "id": lid})
+    _x(conn, dead_letters_sql.note(schema, stamp, more), {"entry": Jsonb(entry), "id": lid})
 
 
 def discard(conn: psycopg.Connection[Any], schema: str, ids: Sequence[int], *, dry_run: bool = False) -> list[Outcome]:
@@ -381,7 +381,7 @@ def _discard_one(conn: psycopg.Connection[Any], schema: str, letter: dict[str, A
     if letter["discarded_at"] is not None or letter["resolved_at"] is not None:
         return Outcome(lid, "skipped", "missing, resolved or already discarded", False)
     if letter["replayed_at"] is None:
-        _x(conn, letters_sql.mark_discarded(schema), {"id": lid})
+        _x(conn, dead_letters_sql.mark_discarded(schema), {"id": lid})
         return Outcome(lid, "discarded", "discarded")
     table = _take_back(conn, schema, letter)
     if table is not None:
@@ -431,7 +431,7 @@ def resolve_replayed(conn: psycopg.Connection[Any], schema: str, *, ids: Sequenc
     for table, sources in ((names.INBOX, ["inbox", "broker"]), (names.OUTBOX, ["outbox"])):
         cur = _x(
             conn,
-            letters_sql.resolve_replayed(schema, table),
+            dead_letters_sql.resolve_replayed(schema, table),
             {"sources": sources, "ids": None if ids is None else list(ids)},
         )
         total += cur.rowcount
@@ -441,5 +441,5 @@ def resolve_replayed(conn: psycopg.Connection[Any], schema: str, *, ids: Sequenc
 def resolve_processed(cursor: psycopg.Cursor[Any], schema: str, message_ids: Sequence[uuid.UUID]) -> int:
     """For the worker, inside the transaction that marks ``message_ids`` processed: resolve
     their replayed letters at once (optional: the collector's sweep does it within seconds)."""
-    cursor.execute(letters_sql.resolve_processed(schema), {"ids": list(message_ids)})
+    cursor.execute(dead_letters_sql.resolve_processed(schema), {"ids": list(message_ids)})
     return cursor.rowcount

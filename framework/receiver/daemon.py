@@ -51,7 +51,7 @@ from framework.service import Service
 from framework.signing import SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as inbox_sql
-from framework.sql import redeliveries
+from framework.sql import redeliveries as redeliveries_sql
 from framework.sql.inbox import InboxRow
 
 _IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
@@ -570,7 +570,7 @@ class Receiver(Daemon):
         conn = self._connection()
         with conn.cursor() as cur:
             counts = {
-                d.delivery_tag: redeliveries.count(cur, self.settings.schema, self.queue, d.counter_key)
+                d.delivery_tag: redeliveries_sql.count(cur, self.settings.schema, self.queue, d.counter_key)
                 for d in redelivered
             }
         conn.commit()
@@ -669,7 +669,7 @@ class Receiver(Daemon):
                 new = inbox_sql.insert_rows(cur, schema, rows)
                 letters = prepared.letters + self._conflicts(cur, pairs, new)
                 dead_letters_sql.insert_letters(cur, schema, [letter for _, letter in letters])
-                redeliveries.forget(cur, schema, self.queue, settled_keys)
+                redeliveries_sql.forget(cur, schema, self.queue, settled_keys)
             conn.commit()
         except Exception as exc:  # psycopg's, or a dead letter that cannot be built
             conn.rollback()
@@ -730,7 +730,7 @@ class Receiver(Daemon):
                     letters.append((delivery, letter))
             letters += self._conflicts(cur, kept, new)
             letters = [(delivery, self._insert_letter(conn, cur, delivery, letter)) for delivery, letter in letters]
-            redeliveries.forget(cur, schema, self.queue, prepared.settled_keys)
+            redeliveries_sql.forget(cur, schema, self.queue, prepared.settled_keys)
         conn.commit()
         return new, letters
 
@@ -782,7 +782,7 @@ class Receiver(Daemon):
                 with conn.cursor() as cur:
                     dead_letters_sql.insert_letters(cur, schema, [letter])
                     if delivery.redelivered:
-                        redeliveries.forget(cur, schema, self.queue, [delivery.counter_key])
+                        redeliveries_sql.forget(cur, schema, self.queue, [delivery.counter_key])
                 conn.commit()
             except Exception as failure:
                 if db.is_infrastructure_error(failure):

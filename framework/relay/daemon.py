@@ -51,7 +51,7 @@ from framework.relay.spans import PublishSpans, publish_spans
 from framework.service import Service
 from framework.settings import RetentionSettings
 from framework.signing import SigningConfig
-from framework.sql import outbox as named
+from framework.sql import outbox as outbox_sql
 from framework.sql import rendered
 from framework.sql.outbox import Claimed
 from framework.wakeup import Pace
@@ -61,7 +61,7 @@ log = logging.getLogger("txbox.publisher")
 # Marks wait for the next claim to carry them (docs/architecture.md, "Wake-ups"): at most
 # this many rows (more are marked by a statement of their own just before the claim: the
 # claim's successor probe grows with them), and for at most MARK_DELAY.
-FOLD_AT_MOST = named.HAS_NEXT_AT_MOST
+FOLD_AT_MOST = outbox_sql.HAS_NEXT_AT_MOST
 MARK_DELAY = 0.05  # seconds
 STOP_CHECK = 0.25  # seconds between looks at the stop event (see Relay.stop)
 CONNECTION_NAME = "txbox-publisher"  # its one connection's application_name (pg_stat_activity)
@@ -119,11 +119,11 @@ class Relay(Daemon):
         self._signer = SigningConfig.from_env().signer()  # a bad key fails here, at start
         self._settle = Settlement(self.schema, self.config)
         # Rendered once: run per claim (framework/sql/__init__.py, ``rendered``).
-        self._sql_claim = rendered(named.claim(self.schema))  # also the fallback, run at once (_claimed)
-        self._claims = Claims({_CLAIM: self._sql_claim, _CLAIM_WINDOW: rendered(named.claim_window(self.schema))})
+        self._sql_claim = rendered(outbox_sql.claim(self.schema))  # also the fallback, run at once (_claimed)
+        self._claims = Claims({_CLAIM: self._sql_claim, _CLAIM_WINDOW: rendered(outbox_sql.claim_window(self.schema))})
         self._cycle: Cycle | None = None  # the claim in flight
         self._step_after_claim = False  # a step came while a claim was in flight
-        self._sql_backlog = rendered(named.backlog(self.schema))
+        self._sql_backlog = rendered(outbox_sql.backlog(self.schema))
         self._sql_listen = sql.SQL("LISTEN {}").format(sql.Identifier(names.notify_channel(self.schema, names.OUTBOX)))
         self._statistics = db.Statistics(self.schema, names.OUTBOX, min_interval=float(self.config.metrics_interval))
         # A claim lost to a database crash only loses a lease: the row is claimed (and
@@ -342,7 +342,7 @@ class Relay(Daemon):
             # backoff): look at the whole table now and then so no lane starves.
             self._next_full_claim = time.monotonic() + float(self.config.poll_interval)
             params = {"limit": cycle.room, "lease": float(self.config.lease), "marked": [], "ages": []}
-            rows = cycle.rows = named.fetch_claimed(conn, self._sql_claim, params)
+            rows = cycle.rows = outbox_sql.fetch_claimed(conn, self._sql_claim, params)
             self._counted_claim(rows)
         self._wide = len(rows) >= cycle.room
         self._statistics.after_claim(conn, time.monotonic() - cycle.sent_at, len(rows), log)

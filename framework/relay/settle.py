@@ -36,7 +36,7 @@ from framework.reasons import Reason
 from framework.relay.config import RelayConfig
 from framework.relay.messages import envelope_body
 from framework.sql import dead_letters as dead_letters_sql
-from framework.sql import outbox as named
+from framework.sql import outbox as outbox_sql
 from framework.sql import rendered
 from framework.sql.outbox import Claimed
 
@@ -68,10 +68,10 @@ class Settlement:
 
     def __init__(self, schema: str, config: RelayConfig) -> None:
         self.config = config
-        self._sql_mark = rendered(named.mark_published(schema))
-        self._sql_retry = rendered(named.retry_later(schema))
-        self._sql_abandon = rendered(named.abandon(schema))
-        self._sql_release = rendered(named.release(schema))
+        self._sql_mark = rendered(outbox_sql.mark_published(schema))
+        self._sql_retry = rendered(outbox_sql.retry_later(schema))
+        self._sql_abandon = rendered(outbox_sql.abandon(schema))
+        self._sql_release = rendered(outbox_sql.release(schema))
         self._sql_dead = rendered(dead_letters_sql.insert_sql(schema))
 
     def release(self, conn: psycopg.Connection[Any], ids: list[str]) -> None:
@@ -126,7 +126,7 @@ class Settlement:
         :func:`framework.sql.outbox.mark_published`)."""
         if not published:
             return False
-        probe = len(published) <= named.PROBE_AT_MOST
+        probe = len(published) <= outbox_sql.PROBE_AT_MOST
         cur.execute(self._sql_mark, {"ids": published, "probe": probe})
         return not probe or bool((cur.fetchone() or (False,))[0])
 

@@ -68,7 +68,7 @@ from framework.outbox import Outbox
 from framework.outcomes import WorkerOutcome
 from framework.reasons import Reason
 from framework.service import Service
-from framework.sql import inbox as q
+from framework.sql import inbox as inbox_sql
 from framework.sql import outbox as outbox_sql
 from framework.sql import rendered
 from framework.sql.outbox import OutboxRow
@@ -161,7 +161,7 @@ class BatchRunner:
         self._labels = {"service": service.settings.service}
         self.settlement = Settlement(self.schema, config, self._labels, log)
         # Rendered once: run per batch (framework/sql/__init__.py, ``rendered``).
-        presume = q.presume_processed(self.schema)
+        presume = inbox_sql.presume_processed(self.schema)
         self._presume = rendered(presume)
         self._presume_armed = rendered(guard.armed(presume))  # the commit guard and batch mark (guard.py)
         self._insert_outbox = rendered(outbox_sql.insert(self.schema))

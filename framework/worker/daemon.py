@@ -40,7 +40,7 @@ from framework.outcomes import WorkerOutcome
 from framework.retention import inbox_pruner
 from framework.service import Service
 from framework.settings import RetentionSettings
-from framework.sql import inbox as q
+from framework.sql import inbox as inbox_sql
 from framework.sql import rendered
 from framework.wakeup import HOLD_MAX
 from framework.worker import decode
@@ -78,8 +78,10 @@ class Worker(Daemon):
         self.counts = Counts()  # statements and claims, written by the loop only (framework/worker/counts.py)
         park = self.config.segment_policy == "park"
         # Rendered and prepared once per connection: run per claim (framework/worker/claims.py).
-        self._claim_batch = statement("txbox_claim", rendered(q.claim(self.schema, suspects=False, park=park)))
-        self._claim_suspect = statement("txbox_claim_suspect", rendered(q.claim(self.schema, suspects=True, park=park)))
+        self._claim_batch = statement("txbox_claim", rendered(inbox_sql.claim(self.schema, suspects=False, park=park)))
+        self._claim_suspect = statement(
+            "txbox_claim_suspect", rendered(inbox_sql.claim(self.schema, suspects=True, park=park))
+        )
         self._claims = Claims(self.settings.database_url, float(self.config.lease))
         self._claims.register(self._claim_batch, self._claim_suspect)
         self._statistics = db.Statistics(self.schema, names.INBOX, min_interval=ANALYZE_INTERVAL)
@@ -328,7 +330,7 @@ class Worker(Daemon):
             # A burst since the last ANALYZE makes the planner pick slow claim plans;
             # under steady load rows change fast, so not more than twice a minute.
             self._statistics.refresh(cur, now)
-            cur.execute(q.backlog(self.schema))
+            cur.execute(inbox_sql.backlog(self.schema))
             row = cur.fetchone()
         if row is not None:
             metrics.WORKER_BACKLOG.labels(**self._labels).set(row[0])

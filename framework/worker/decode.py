@@ -30,7 +30,7 @@ from psycopg.pq import Format
 from framework import jsoncodec
 from framework.envelope import Message
 from framework.outcomes import WorkerOutcome
-from framework.sql import inbox as q
+from framework.sql import inbox as inbox_sql
 
 TEXT_LIMIT = 100_000  # characters of an undecodable value kept for its dead letter
 
@@ -181,7 +181,7 @@ def _decode(
 
 def unreadable(claim: Sequence[Any], claimed_at: float, why: str, max_attempts: int) -> Claimed:
     """A claimed row the worker cannot turn into a Message: abandoned unrun, its columns kept as text."""
-    row = dict(zip(q.CLAIM_COLUMNS, claim, strict=False))
+    row = dict(zip(inbox_sql.CLAIM_COLUMNS, claim, strict=False))
     finished = row["finished_attempts"]
     message = Message(
         message_id=row["id"],
@@ -194,7 +194,7 @@ def unreadable(claim: Sequence[Any], claimed_at: float, why: str, max_attempts: 
         max_attempts=max_attempts,
         routing_key=row["routing_key"],
     )
-    raw = {name: as_text(row[name]) for name in q.STORED_COLUMNS}
+    raw = {name: as_text(row[name]) for name in inbox_sql.STORED_COLUMNS}
     return Claimed(
         id=row["id"],
         message_type=str(row["message_type"]),

@@ -26,7 +26,7 @@ from framework.errors import PermanentError
 from framework.outcomes import WorkerOutcome
 from framework.reasons import Reason
 from framework.sql import dead_letters as dead_letters_sql
-from framework.sql import inbox as q
+from framework.sql import inbox as inbox_sql
 from framework.worker.config import WorkerConfig
 from framework.worker.decode import Claimed, describe
 
@@ -94,7 +94,7 @@ class Settlement:
         failed = [c for c in batch if c.outcome is WorkerOutcome.FAILED]
         if failed:
             cur.executemany(
-                q.mark_failed(self.schema),
+                inbox_sql.mark_failed(self.schema),
                 [
                     {
                         "id": c.id,
@@ -109,11 +109,12 @@ class Settlement:
         released = [c for c in batch if c.outcome is WorkerOutcome.RELEASED]
         if released:
             cur.execute(
-                q.unclaim(self.schema), ([c.id for c in released], [c.metadata.get("auth_token") for c in released])
+                inbox_sql.unclaim(self.schema),
+                ([c.id for c in released], [c.metadata.get("auth_token") for c in released]),
             )
         if abandoned:
             cur.executemany(
-                q.mark_abandoned(self.schema),
+                inbox_sql.mark_abandoned(self.schema),
                 [
                     {"id": c.id, "finished": c.finished_delta, "error": clip(f"{c.reason}: {c.error}")}
                     for c in abandoned
@@ -169,5 +170,5 @@ class Settlement:
         """Give back claims that were never run: not an attempt, not poison."""
         with conn.begin():
             driver(conn).cursor().execute(
-                q.release(self.schema), {"ids": [c.id for c in batch], "started": [c.started for c in batch]}
+                inbox_sql.release(self.schema), {"ids": [c.id for c in batch], "started": [c.started for c in batch]}
             )
