@@ -18,6 +18,7 @@ from framework.errors import PublishError
 from framework.outbox import default_segment
 from framework.publisher.channel import Outgoing
 from framework.reasons import Reason
+from framework.redaction import clip
 from framework.signing import Signer
 from framework.sql.outbox import Claimed
 
@@ -71,7 +72,7 @@ def unbuildable(row: Claimed, exc: Exception) -> tuple[Outgoing, PublishError]:
     at once as ``internal_error`` (docs/architecture.md, "Dead letters")."""
     item = Outgoing("", "", b"", pika.BasicProperties(message_id=row.id), True, row)
     error = f"the relay could not build its message: {type(exc).__name__}: {exc}"
-    return item, PublishError(error[:2000], Reason.INTERNAL_ERROR)
+    return item, PublishError(clip(error, 2000) or "", Reason.INTERNAL_ERROR)  # clip: see redaction.clip
 
 
 def lane_headers(row: Claimed) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from psycopg.pq import Format
 from framework import jsoncodec
 from framework.envelope import Message
 from framework.outcomes import WorkerOutcome
+from framework.redaction import clip
 from framework.sql import inbox as inbox_sql
 
 TEXT_LIMIT = 100_000  # characters of an undecodable value kept for its dead letter
@@ -45,7 +46,9 @@ class Undecodable:
 
 def _undecodable(data: Buffer, exc: BaseException) -> Undecodable:
     text = bytes(data).decode("utf-8", "replace")
-    return Undecodable(text[:TEXT_LIMIT], f"{type(exc).__name__}: {exc}"[:500])
+    # Cut with redaction.clip, not a slice: a cut through a URL's user info would leave its
+    # password where the masking of the letter's text no longer sees one.
+    return Undecodable(clip(text, TEXT_LIMIT) or "", clip(f"{type(exc).__name__}: {exc}", 500) or "")
 
 
 class LenientJsonLoader(Loader):
