@@ -277,7 +277,10 @@ class Publisher:
             wake = not self._scheduled
             self._scheduled = True
         if wake and self._ioloop is not None:
-            self._ioloop.add_callback_threadsafe(self._drain)
+            # The loop may have ended since the lock was let go: then the items were refused
+            # (_on_change), and their futures say so.
+            with contextlib.suppress(Exception):
+                self._ioloop.add_callback_threadsafe(self._drain)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every send so far has completed; False if ``timeout`` passed first."""
@@ -378,15 +381,18 @@ class Publisher:
                 channel.refuse(queued, PublishError(f"connection to RabbitMQ lost ({channel.error})", CONNECTION_LOST))
             else:
                 channel.refuse(queued, PublisherClosed("the publisher closed before the broker confirmed", CLOSED))
+        with self._done_cond:  # senders waiting for room see the state (_reserve)
+            self._done_cond.notify_all()
         self._ready.set()
         assert self._ioloop is not None
         self._ioloop.stop()
 
     def _completed(self, n: int) -> None:
+        # Every completion frees room: a sender waiting under max_unconfirmed (_reserve) must
+        # hear of it, not only flush() at zero.
         with self._done_cond:
             self._incomplete -= n
-            if self._incomplete <= 0:
-                self._done_cond.notify_all()
+            self._done_cond.notify_all()
 
     def _close_io(self) -> None:
         channel = self._channel

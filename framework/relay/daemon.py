@@ -64,6 +64,7 @@ log = logging.getLogger("txbox.publisher")
 FOLD_AT_MOST = outbox_sql.HAS_NEXT_AT_MOST
 MARK_DELAY = 0.05  # seconds
 STOP_CHECK = 0.25  # seconds between looks at the stop event (see Relay.stop)
+CLAIM_TIMEOUT = 30.0  # seconds a claim may go unanswered before its connection is given up
 CONNECTION_NAME = "txbox-publisher"  # its one connection's application_name (pg_stat_activity)
 
 
@@ -164,6 +165,7 @@ class Relay(Daemon):
         self._draining = False
         self._closing = False  # the drain asked the channel to close
         self._finished = False  # the drain recorded what was left and ended the loop
+        self._drain_check = False  # a look at the drain is scheduled (_done)
         self._drain_deadline = 0.0
         self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(self.settings.service)
         # What the loop ran, by kind (claim, mark, write: a transaction of failures), for
@@ -192,7 +194,8 @@ class Relay(Daemon):
         """
         super().stop()
         if threading.current_thread() is not self._loop_thread:
-            self._loop.add_callback_threadsafe(self._begin_drain)
+            with contextlib.suppress(Exception):  # a loop that has ended already needs no wake-up
+                self._loop.add_callback_threadsafe(self._begin_drain)
 
     def run(self) -> None:
         """Relay until stopped, then drain (bounded) and return."""
@@ -226,14 +229,16 @@ class Relay(Daemon):
         return False
 
     def _tick(self) -> None:
-        """The poll fallback, at least every poll interval: look again, stop if asked."""
+        """The poll fallback, at least every poll interval: look again; give up a claim that
+        has not answered within CLAIM_TIMEOUT (a database gone silent, not closed)."""
         self.progress()
-        if self.stopping:
-            self._begin_drain()
+        cycle = self._cycle
+        if cycle is not None and time.monotonic() - cycle.sent_at > CLAIM_TIMEOUT:
+            self._lost_db(DatabaseUnavailable(f"a claim had no answer within {CLAIM_TIMEOUT:g}s"))
         if not self._draining:
             self._hint = True
             self._step_soon()
-        self._loop.call_later(float(self.config.poll_interval), self._tick)
+        self._loop.call_later(min(float(self.config.poll_interval), CLAIM_TIMEOUT), self._tick)
 
     def _check_stop(self) -> None:
         if self.stopping:
@@ -251,10 +256,11 @@ class Relay(Daemon):
             self._loop.call_later(0, self._step)
 
     def _step_in(self, delay: float) -> None:
-        """Run a step ``delay`` seconds from now, unless one comes sooner."""
+        """Run a step ``delay`` seconds from now, unless a timed one comes sooner (a step at the
+        next turn does not count: what it finds may need this one, say after a backoff)."""
         delay = max(0.0, delay)
         at = time.monotonic() + delay
-        if self._soon or (self._later is not None and self._later[0] <= at):
+        if self._later is not None and self._later[0] <= at:
             return
         if self._later is not None:
             self._loop.remove_timeout(self._later[1])
@@ -286,16 +292,16 @@ class Relay(Daemon):
             if channel is None:
                 if self._marks_overdue():
                     self._write_marks(conn)
+                if self._broker_after > time.monotonic():
+                    self._step_in(self._broker_after - time.monotonic())
                 return
             self._gauges(conn, channel)
             self._claim(conn, channel, channel.in_flight)
             self._db_failures = 0
             if self._cycle is None and self._confirmed:
                 self._step_in(self._confirmed[0][1] + MARK_DELAY - time.monotonic())
-        except (psycopg.Error, DatabaseUnavailable) as exc:
-            if not isinstance(exc, DatabaseUnavailable) and not db.is_infrastructure_error(exc):
-                log.exception("unexpected database error")
-            self._lost_db(exc)
+        except Exception as exc:  # the last resort: the loop goes on with a new connection
+            self._failed(exc)
         finally:
             self._stepping = False
 
@@ -345,7 +351,14 @@ class Relay(Daemon):
             rows = cycle.rows = outbox_sql.fetch_claimed(conn, self._sql_claim, params)
             self._counted_claim(rows)
         self._wide = len(rows) >= cycle.room
-        self._statistics.after_claim(conn, time.monotonic() - cycle.sent_at, len(rows), log)
+        # A slow claim may run ANALYZE (framework/db.py, Statistics): before the claim ahead,
+        # which must be alone on the connection; and should it fail, the rows in hand
+        # still go out before the connection is given up.
+        trouble: Exception | None = None
+        try:
+            self._statistics.after_claim(conn, time.monotonic() - cycle.sent_at, len(rows), log)
+        except Exception as exc:
+            trouble = exc
         # A short claim took every due head there is: claiming again is pointless until
         # something changes (a write frees the next heads, NOTIFY, a confirm whose mark
         # may free one, the poll timer). A NOTIFY or such a confirm that came during the
@@ -362,12 +375,15 @@ class Relay(Daemon):
             else:
                 self._step_soon()
             return
-        if full:
+        if full and trouble is None:
             # The next batch while this one is published: PostgreSQL claims while Python sends.
             self._claim(conn, channel, channel.in_flight + len(rows))
         if rows:
             self._publish(conn, channel, rows)
         self._in_flight.set(channel.in_flight)
+        if trouble is not None:
+            self._failed(trouble)
+            return
         if self._claims.in_flight:  # the claim ahead
             return
         # A step now only if one was asked for meanwhile (a NOTIFY, a confirm that frees a
@@ -451,7 +467,8 @@ class Relay(Daemon):
         else:
             self._others.append((item, error))
             self._step_soon()
-        if self._draining:
+        if self._draining and not self._drain_check:
+            self._drain_check = True  # one look per loop turn, however many confirms came
             self._loop.call_later(0, self._drained)
 
     # ---- recording -------------------------------------------------------------------
@@ -564,10 +581,8 @@ class Relay(Daemon):
         elif rows is not None:
             try:
                 self._claimed(conn, rows)
-            except (psycopg.Error, DatabaseUnavailable) as exc:
-                if not isinstance(exc, DatabaseUnavailable) and not db.is_infrastructure_error(exc):
-                    log.exception("unexpected database error")
-                self._lost_db(exc)
+            except Exception as exc:  # the last resort, as in _step
+                self._failed(exc)
 
     def _notice(self) -> None:
         """Rows may have arrived: claim at once, or after the hold or window (Pace)."""
@@ -585,6 +600,16 @@ class Relay(Daemon):
             self._step_in(delay)
         else:
             self._step_soon()
+
+    def _failed(self, exc: Exception) -> None:
+        """A step or a claim's rows failed: log what is not the database's usual trouble, then
+        start again on a new connection (marks wait for the next claim; rows in hand that
+        were not published wait for their lease)."""
+        if not isinstance(exc, DatabaseUnavailable) and not (
+            isinstance(exc, psycopg.Error) and db.is_infrastructure_error(exc)
+        ):
+            log.exception("unexpected error in the relay's loop")
+        self._lost_db(exc)
 
     def _unwatch(self) -> None:
         """Stop watching the database socket. psycopg closes it itself on a fatal error,
@@ -642,7 +667,7 @@ class Relay(Daemon):
             return
         self.set_ready(RABBITMQ, False)
         if self._draining:
-            self._finish_drain()
+            self._drained()
             return
         # Its incomplete sends have failed as connection_lost (their releases are written
         # at the next step); a new channel after a backoff.
@@ -669,8 +694,11 @@ class Relay(Daemon):
     def _drained(self) -> None:
         """Called at the drain's start, after each confirm while draining and at its timeout:
         once nothing is outstanding (or the time is up), close the channel."""
+        self._drain_check = False
         if self._cycle is not None:
-            return  # its rows are given back when they come (_claimed), which calls again
+            if time.monotonic() < self._drain_deadline:
+                return  # its rows are given back when they come (_claimed), which calls again
+            self._lost_db(DatabaseUnavailable("the claim in flight had no answer by the end of the drain"))
         channel = self._channel
         if channel is None or channel.state not in ("opening", "open"):
             self._finish_drain()
