@@ -159,14 +159,16 @@ class ConfirmChannel:
         (the broker may or may not have them). A channel still opening stops trying."""
         if self.state in ("closed", "broken"):
             return
-        was = self.state
         self.state = "closing"
         conn = self._conn
-        if conn is not None and not (conn.is_closed or conn.is_closing):
-            conn.close()  # one still opening is aborted: _on_open_error finishes
-        elif was in ("new", "opening") or conn is None or conn.is_closed:
+        if conn is not None and conn.is_open:
+            conn.close()
+        elif conn is None or conn.is_closed:
             self._fail_everything(PublishError("the publisher closed before the broker confirmed", CLOSED))
             self._become("closed")
+        # Still opening: pika cannot abort its connection workflow cleanly (closing one
+        # mid-way raised from inside the loop), so _on_open closes it once it has opened,
+        # and _on_open_error ends a failed one.
 
     def _become(self, state: str) -> None:
         self.state = state
@@ -179,6 +181,9 @@ class ConfirmChannel:
             log.exception("a channel state callback raised")
 
     def _on_open(self, conn: pika.SelectConnection) -> None:
+        if self.state == "closing":  # closed while it opened (close)
+            conn.close()
+            return
         conn.add_on_connection_blocked_callback(self._on_connection_blocked)
         conn.add_on_connection_unblocked_callback(self._on_connection_unblocked)
         conn.channel(on_open_callback=self._on_channel)
@@ -200,6 +205,8 @@ class ConfirmChannel:
 
     def _on_confirm_mode(self, _frame: pika.frame.Method) -> None:
         if self.state != "opening":  # closed while the channel opened
+            if self._conn is not None and self._conn.is_open:
+                self._conn.close()
             return
         self._timer = self.ioloop.call_later(TIMEOUT_CHECK, self._check_timeouts)
         self._become("open")
