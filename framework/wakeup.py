@@ -62,10 +62,6 @@ class Pace:
         wait = min(WINDOW_MAX, 2 * (WINDOW_FROM - gap))
         return wait if wait >= gap else 0.0
 
-    def under_load(self) -> bool:
-        """NOTIFYs come closer together than :data:`WINDOW_FROM` (a window may still be 0)."""
-        return self._gap < WINDOW_FROM
-
     def delay(self, now: float, *, from_sleep: bool) -> float:
         """Seconds to wait after a NOTIFY before claiming: the rest of a hold, else the
         window if the loop was asleep (a busy loop claims soon anyway)."""
@@ -142,9 +138,6 @@ class Wakeup:
 
     def window(self) -> float:
         return self.pace.window()
-
-    def under_load(self) -> bool:
-        return self.pace.under_load()
 
     def wait(self, timeout: float) -> bool:
         """Sleep until a NOTIFY (after the hold, then the window), a :meth:`set`, a stop or

@@ -1,6 +1,7 @@
 """The outbox relay: the daemon `txbox publisher` runs (claim due outbox rows, publish them
-with streamed confirms, record the outcomes). It publishes through the direct-send client,
-:class:`framework.publisher.Publisher`.
+with streamed confirms, record the outcomes), on one thread that owns its connection and
+its :class:`framework.publisher.channel.ConfirmChannel` (docs/architecture.md, "One thread
+per daemon").
 """
 
 from framework.relay.config import RelayConfig

@@ -15,7 +15,6 @@ which costs a join instead of psycopg adapting every id.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,28 +23,14 @@ from psycopg import pq
 from psycopg.adapt import Transformer
 
 from framework.errors import DatabaseUnavailable, TxboxError
+from framework.sql import positional
 from framework.sql.outbox import Claimed
 
 PARAMETERS = ("limit", "lease", "window", "marked", "ages")
 # Their types (int8, float8, int8, uuid[], float8[]): one claim does not use ``window``,
 # and PostgreSQL cannot prepare a statement with a parameter of no known type.
 _TYPES = [20, 701, 20, 2951, 1022]
-_PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
 _FIELD_NAMES = [name.encode() for name in Claimed._fields]
-
-
-def positional(rendered: bytes, names: Sequence[str] = PARAMETERS) -> bytes:
-    """A statement rendered for psycopg (``%(name)s``, ``%%``) with libpq's ``$n`` instead."""
-
-    def one(match: re.Match[bytes]) -> bytes:
-        if match.group(0) == b"%%":
-            return b"%"
-        name = match.group(1).decode()
-        if name not in names:
-            raise TxboxError(f"the claim statement has a parameter {name!r} the relay does not pass")
-        return b"$%d" % (names.index(name) + 1)
-
-    return _PLACEHOLDER.sub(one, rendered)
 
 
 def parameters(limit: int, lease: float, marked: Sequence[str], ages: Sequence[float]) -> list[bytes]:
@@ -64,7 +49,7 @@ class Claims:
     :meth:`send` a claim and :meth:`collect` its rows."""
 
     def __init__(self, statements: dict[str, bytes]) -> None:
-        self._statements = {name.encode(): positional(text) for name, text in statements.items()}
+        self._statements = {name.encode(): positional(text, PARAMETERS) for name, text in statements.items()}
         self._transformer: Any = None  # psycopg.adapt.Transformer of the connection (a variable to mypy)
         self.in_flight = False
 

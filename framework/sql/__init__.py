@@ -11,6 +11,9 @@ the migrations are checked against stays in framework/tables.py (docs/architectu
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
+
 from psycopg import sql
 
 from framework.errors import TxboxError
@@ -28,3 +31,23 @@ def rendered(statement: sql.Composable) -> bytes:
     if not text.isascii():
         raise TxboxError(f"a statement rendered once must be ASCII, whatever the client encoding: {text[:200]!r}")
     return text
+
+
+_PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
+
+
+def positional(rendered: bytes, names: Sequence[str], casts: Mapping[str, str] | None = None) -> bytes:
+    """A :func:`rendered` statement (``%(name)s``, ``%%``) with libpq's ``$n`` instead, for
+    statements a daemon prepares and sends with libpq's own calls: ``$n`` is the place of
+    the name in ``names``, with ``::cast`` from ``casts``. Raises on a name not in ``names``."""
+
+    def one(match: re.Match[bytes]) -> bytes:
+        if match.group(0) == b"%%":
+            return b"%"
+        name = match.group(1).decode()
+        if name not in names:
+            raise TxboxError(f"the statement has a parameter {name!r} that is not passed: {rendered[:200]!r}")
+        cast = (casts or {}).get(name)
+        return b"$%d" % (names.index(name) + 1) + (f"::{cast}".encode() if cast else b"")
+
+    return _PLACEHOLDER.sub(one, rendered)

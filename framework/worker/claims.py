@@ -25,6 +25,7 @@ from psycopg.adapt import Transformer
 
 from framework.connections import ConnectionSlot
 from framework.errors import DatabaseUnavailable
+from framework.sql import positional
 from framework.worker import decode
 
 _OK = pq.ExecStatus.TUPLES_OK
@@ -40,10 +41,7 @@ class Statement:
 
 def statement(name: str, rendered: bytes) -> Statement:
     """A rendered claim (``%(limit)s``, ``%(lease)s``) as a statement with ``$n`` parameters."""
-    text = rendered.replace(b"%(limit)s", b"$1::int8").replace(b"%(lease)s", b"$2::float8")
-    if b"%(" in text or b"%%" in text:
-        raise ValueError(f"unexpected placeholder in the claim statement {name}")
-    return Statement(name.encode(), text)
+    return Statement(name.encode(), positional(rendered, ("limit", "lease"), {"limit": "int8", "lease": "float8"}))
 
 
 @dataclass(frozen=True)
