@@ -37,7 +37,7 @@ from framework import amqp, db, expiry, metrics, names, topology
 from framework import retention as retention_
 from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot
-from framework.daemon import RABBITMQ, Daemon, Reconnect
+from framework.daemon import RABBITMQ, Daemon
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, PublishError
 from framework.outcomes import RelayOutcome
 from framework.publisher.channel import ConfirmChannel, Outgoing
@@ -63,7 +63,6 @@ log = logging.getLogger("txbox.publisher")
 # claim's successor probe grows with them), and for at most MARK_DELAY.
 FOLD_AT_MOST = outbox_sql.HAS_NEXT_AT_MOST
 MARK_DELAY = 0.05  # seconds
-STOP_CHECK = 0.25  # seconds between looks at the stop event (see Relay.stop)
 CLAIM_TIMEOUT = 30.0  # seconds a claim may go unanswered before its connection is given up
 CONNECTION_NAME = "txbox-publisher"  # its one connection's application_name (pg_stat_activity)
 
@@ -139,8 +138,6 @@ class Relay(Daemon):
             generic_plans=True,
             application_name=CONNECTION_NAME,
         )
-        self._loop = IOLoop()
-        self._loop_thread: threading.Thread | None = None  # the thread that runs it (run)
         self._fd: int | None = None  # the database socket while the loop watches it
         self._channel: ConfirmChannel | None = None
         self._pace = Pace()
@@ -164,9 +161,10 @@ class Relay(Daemon):
         self._broker_after = 0.0  # monotonic: no new channel before this (backoff)
         self._draining = False
         self._closing = False  # the drain asked the channel to close
-        self._finished = False  # the drain recorded what was left and ended the loop
+        self._finished_drain = False  # the drain recorded what was left and the relay ended
         self._drain_check = False  # a look at the drain is scheduled (_done)
         self._drain_deadline = 0.0
+        self._drain_timer: Any = None  # the drain's timeout, until the relay ended
         self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(self.settings.service)
         # What the loop ran, by kind (claim, mark, write: a transaction of failures), for
         # the tests and the bench: a cycle is one claim (docs/architecture.md, "Wake-ups").
@@ -185,52 +183,52 @@ class Relay(Daemon):
 
     # ---- lifecycle ---------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Request a stop; safe from any thread and from a signal handler (it only wakes the loop).
+    @property
+    def _loop(self) -> IOLoop:
+        loop = self.loop
+        assert loop is not None, "the relay runs only once started (start_on)"
+        return loop
 
-        On the loop's own thread (a signal handler of `txbox publisher`) it only sets the
-        stop event, which the loop looks at every STOP_CHECK seconds: the wake-up call
-        takes a lock that the interrupted loop may hold.
-        """
-        super().stop()
-        if threading.current_thread() is not self._loop_thread:
-            with contextlib.suppress(Exception):  # a loop that has ended already needs no wake-up
-                self._loop.add_callback_threadsafe(self._begin_drain)
-
-    def run(self) -> None:
-        """Relay until stopped, then drain (bounded) and return."""
+    def _begin(self) -> None:
+        """Declare the topology (again after a backoff while RabbitMQ is down), then relay;
+        a stop request drains (:meth:`_begin_drain`)."""
         self.state("starting", f"service {self.settings.service}, schema {self.schema}")
-        if self.declare_topology and not self._declare():
-            return
         self.pruner.start()
-        self._loop_thread = threading.current_thread()
-        try:
-            self._loop.call_later(0, self._tick)
-            self._loop.call_later(STOP_CHECK, self._check_stop)
-            self._step_soon()
-            if not self.stopping:
-                self._loop.start()
-        finally:
-            self._shut()
-            self.pruner.close()
-            self._in_flight.set(0)
-            self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
+        if self.declare_topology:
+            self._declare()
+        else:
+            self._relay()
 
-    def _declare(self) -> bool:
-        retry = Reconnect(self)
-        while not self.stopping:
-            self.progress()
-            try:
-                topology.declare(self.settings, self.service.registry)
-                return True
-            except BrokerUnavailable as exc:
-                if retry.failed("RabbitMQ", exc):
-                    return False
-        return False
+    def _declare(self, failures: int = 0) -> None:
+        """Declare the topology with one blocking call, the loop's only one, before any
+        channel of the relay is open; on failure try again after a backoff, the other
+        daemons of the loop going on meanwhile."""
+        if self._draining:
+            return
+        self.progress()
+        try:
+            topology.declare(self.settings, self.service.registry)
+        except BrokerUnavailable as exc:
+            delay = _backoff(failures + 1)
+            self.state("RabbitMQ unavailable", f"{exc}; retrying in {delay:.1f}s")
+            self._loop.call_later(delay, lambda: self._declare(failures + 1))
+            return
+        self._relay()
+
+    def _relay(self) -> None:
+        if self._draining:
+            return
+        self._loop.call_later(0, self._tick)
+        self._step_soon()
+
+    def _on_stop(self) -> None:
+        self._begin_drain()
 
     def _tick(self) -> None:
         """The poll fallback, at least every poll interval: look again; give up a claim that
         has not answered within CLAIM_TIMEOUT (a database gone silent, not closed)."""
+        if self._finished_drain:
+            return
         self.progress()
         cycle = self._cycle
         if cycle is not None and time.monotonic() - cycle.sent_at > CLAIM_TIMEOUT:
@@ -239,12 +237,6 @@ class Relay(Daemon):
             self._hint = True
             self._step_soon()
         self._loop.call_later(min(float(self.config.poll_interval), CLAIM_TIMEOUT), self._tick)
-
-    def _check_stop(self) -> None:
-        if self.stopping:
-            self._begin_drain()
-        else:
-            self._loop.call_later(STOP_CHECK, self._check_stop)
 
     # ---- scheduling ----------------------------------------------------------------
 
@@ -688,7 +680,7 @@ class Relay(Daemon):
         outstanding = channel.in_flight if channel is not None else 0
         self.state("draining", f"{outstanding} confirm(s) outstanding")
         self._drain_deadline = time.monotonic() + float(self.config.drain_timeout)
-        self._loop.call_later(float(self.config.drain_timeout), self._drained)
+        self._drain_timer = self._loop.call_later(float(self.config.drain_timeout), self._drained)
         self._drained()
 
     def _drained(self) -> None:
@@ -713,9 +705,9 @@ class Relay(Daemon):
 
     def _finish_drain(self) -> None:
         """Record what is left (three tries), then end the loop; once."""
-        if self._finished:
+        if self._finished_drain:
             return
-        self._finished = True
+        self._finished_drain = True
         for _ in range(3):
             try:
                 conn = self._db.get()
@@ -726,13 +718,20 @@ class Relay(Daemon):
                 self._db.close()
                 log.warning("could not record outcomes on shutdown (%s); leases will expire instead", exc)
                 time.sleep(0.2)
-        self._loop.stop()
+        self._shut()
+        self._end()
 
     def _shut(self) -> None:
-        """After the loop: nothing is left open."""
+        """The relay's end: nothing is left open, no timer of its runs again."""
         channel = self._channel
         if channel is not None and channel.state in ("opening", "open"):
             channel.close()
         self._unwatch()
         self._db.close()
-        self._loop.close()
+        for timer in (self._later[1] if self._later else None, self._drain_timer):
+            if timer is not None:
+                self._loop.remove_timeout(timer)
+        self._later = self._drain_timer = None
+        self.pruner.close()
+        self._in_flight.set(0)
+        self.state("stopped", f"published {self.published}, failed {self.failed}, abandoned {self.abandoned}")
