@@ -1,27 +1,31 @@
 """`txbox run`: publisher, receiver, worker (and dead-letter collector) of one service in one process.
 
-For small deployments and development. Each daemon runs in a thread of its own with its
-usual configuration (``TXBOX_PUBLISHER_*``, ``TXBOX_RECEIVER_*``, ``TXBOX_WORKER_*``,
-``TXBOX_COLLECTOR_*``). The threads share one stop event: SIGTERM/SIGINT, or any daemon
-dying, stops all of them, each finishing the way it does alone (the publisher waits for
-outstanding confirms, the worker for its running batch). The exit code is 0 after a
-requested stop, 1 if a daemon failed. One process means one GIL: for throughput run the
-daemons as separate processes (`txbox publisher`, `txbox receiver`, `txbox worker`).
+The daemons run on one loop on the process's main thread (docs/architecture.md, "One
+loop per process"), each with its usual configuration (``TXBOX_PUBLISHER_*``,
+``TXBOX_RECEIVER_*``, ``TXBOX_WORKER_*``, ``TXBOX_COLLECTOR_*``). They share one stop
+event: SIGTERM/SIGINT, or any daemon failing, stops all of them, each finishing the way
+it does alone (the publisher waits for outstanding confirms, the worker for its running
+batch). The exit code is 0 after a requested stop, 1 if a daemon failed. One loop means
+one core and handlers that run between the other daemons' work: which deployment suits
+which load is in docs/how-to/daemons.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
-from framework import logs
+from pika.adapters.select_connection import IOLoop
+
 from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
-from framework.daemon import Daemon
+from framework.daemon import STOP_CHECK, Daemon
 from framework.service import Service
 
 log = logging.getLogger("txbox.run")
@@ -73,52 +77,71 @@ def build(service: Service, without: list[str] | tuple[str, ...] = ()) -> list[D
 
 
 class Supervisor:
-    """Runs daemons in threads; the first failure or signal stops them all."""
+    """Runs daemons on one loop, on the thread that calls :meth:`run`; the first failure,
+    or a daemon ending unasked, stops them all (docs/architecture.md, "One loop per process").
+
+    Everything here runs on that thread but :meth:`stop`, which any thread may call (a
+    signal handler too: the daemons share one stop event, which each of them watches).
+    """
 
     def __init__(self, daemons: list[Daemon]) -> None:
         self.daemons = daemons
         self.stop_event = daemons[0].stop_event if daemons else threading.Event()
         self.failures: list[tuple[str, BaseException]] = []
-        self._threads: list[threading.Thread] = []
+        self.stuck: list[str] = []  # the daemons still running when the stop timeout ran out
+        self._loop = IOLoop()
+        self._running: set[str] = set()
+        self._deadline: float | None = None  # monotonic: give up on the stragglers then
 
-    def _run(self, daemon: Daemon) -> None:
+    def run(self, stop_timeout: float = 30.0) -> None:
+        """Start every daemon on the loop and run it until all of them have ended, or until
+        ``stop_timeout`` seconds after the stop request (:attr:`stuck` names who is left)."""
+        self._stop_timeout = stop_timeout
         try:
-            with logs.bind(daemon=daemon.name):  # its helper threads' records name it by logger
-                daemon.run()
-        except BaseException as exc:  # any daemon dying takes the others down cleanly
-            log.error("%s failed: %s", daemon.name, exc, exc_info=not isinstance(exc, Exception) or None)
-            self.failures.append((daemon.name, exc))
+            for daemon in self.daemons:
+                self._running.add(daemon.name)
+                daemon.start_on(self._loop, functools.partial(self._ended, daemon))
+            log.info("running %s on one loop", ", ".join(d.name for d in self.daemons))
+            self._loop.call_later(STOP_CHECK, self._watch)
+            while self._running and not self.stuck:
+                try:
+                    self._loop.start()
+                except Exception as exc:  # a daemon's callback raised: a bug; the others still drain
+                    log.exception("a daemon's callback failed: stopping every daemon")
+                    self.failures.append(("loop", exc))
+                    self.stop()
         finally:
-            if not self.stop_event.is_set():
-                if not self.failures:
-                    log.error("%s returned without a stop request: stopping the others", daemon.name)
-                    self.failures.append((daemon.name, RuntimeError("returned early")))
-                self.stop()
-
-    def start(self) -> None:
-        for daemon in self.daemons:
-            thread = threading.Thread(target=self._run, args=(daemon,), name=f"txbox {daemon.name}")
-            thread.start()
-            self._threads.append(thread)
-        log.info("running %s", ", ".join(d.name for d in self.daemons))
+            self._loop.close()
 
     def stop(self) -> None:
         for daemon in self.daemons:
-            daemon.stop()  # sets the shared event and wakes the daemon's own waits
+            daemon.stop()  # sets the shared event, and wakes the loop from another thread
 
-    def join(self, timeout: float) -> list[str]:
-        """Wait for every thread after a stop; returns the names still running at the deadline."""
-        import time
+    def _ended(self, daemon: Daemon, exc: BaseException | None) -> None:
+        self._running.discard(daemon.name)
+        if exc is not None:
+            log.error("%s failed: %s", daemon.name, exc, exc_info=not isinstance(exc, Exception) or None)
+            self.failures.append((daemon.name, exc))
+        elif not self.stop_event.is_set():
+            log.error("%s ended without a stop request: stopping the others", daemon.name)
+            self.failures.append((daemon.name, RuntimeError("returned early")))
+        if not self.stop_event.is_set():
+            self.stop()
+        if not self._running:
+            self._loop.stop()
 
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return [t.name for t in self._threads if t.is_alive()]
-
-    def wait(self) -> None:
-        """Block until a stop is requested (signal) or a daemon ends."""
-        while not self.stop_event.wait(0.5):
-            pass
+    def _watch(self) -> None:
+        """Every STOP_CHECK: once a stop was requested, give the daemons ``stop_timeout``."""
+        if not self._running:
+            return
+        now = time.monotonic()
+        if self.stop_event.is_set() and self._deadline is None:
+            self._deadline = now + self._stop_timeout
+        if self._deadline is not None and now >= self._deadline:
+            self.stuck = sorted(self._running)
+            self._loop.stop()
+            return
+        self._loop.call_later(STOP_CHECK, self._watch)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,11 +161,9 @@ def run(args: argparse.Namespace) -> int:
     from framework.liveness import watch
 
     with watch(daemons, port=args.metrics_port, config=liveness_config(args)):
-        supervisor.start()
-        supervisor.wait()
-        stuck = supervisor.join(args.stop_timeout)
-    if stuck:
-        log.error("still running after %.0fs: %s; exiting anyway", args.stop_timeout, ", ".join(stuck))
+        supervisor.run(args.stop_timeout)
+    if supervisor.stuck:
+        log.error("still running after %.0fs: %s; exiting anyway", args.stop_timeout, ", ".join(supervisor.stuck))
         _exit_now(1)
     return 1 if supervisor.failures else 0
 
