@@ -272,6 +272,12 @@ def notify_channel(schema: str, table: str) -> str:
     return f"{schema}_{table}_insert"
 
 
+#: The transaction-local setting that, set to ``off``, leaves the inbox's insert NOTIFY out:
+#: the receiver of `txbox run` sets it when it hands the rows to its own worker
+#: (docs/architecture.md, "The hand-off in one process"; migration 0011).
+QUIET_NOTIFY_SETTING = "txbox.notify"
+
+
 def inbox_help_channel(schema: str) -> str:
     """The channel the worker replica that listens on the inbox's inserts NOTIFYs when its
     claim came back full, waking the other replicas of ``schema``'s workers

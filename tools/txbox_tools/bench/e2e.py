@@ -247,12 +247,19 @@ class Scratch:
         workers: int = 1,
         worker_metrics_ports: list[int] | None = None,
         publisher_metrics_port: int | None = None,
+        *,
+        one_process: bool = False,
     ) -> None:
         """The publisher, the receiver and ``workers`` workers; ``worker_metrics_ports``: one
         ``--metrics-port`` per worker, and ``publisher_metrics_port`` the publisher's, for the
-        benches that read their counters."""
+        benches that read their counters. ``one_process``: one `txbox run` instead, holding
+        the three and one worker, its metrics on ``publisher_metrics_port``."""
         app = ["--app", "txbox_tools.bench.e2e:app"]
         port = ["--metrics-port", str(publisher_metrics_port)] if publisher_metrics_port else []
+        if one_process:
+            # Like the separate daemons: a publisher, a receiver and one worker; no collector.
+            group.start("run", ["run", *app, *port, "--without", "collector"])
+            return
         group.start("publisher", ["publisher", *app, *port])
         group.start("receiver", ["receiver", *app])
         for n in range(workers):

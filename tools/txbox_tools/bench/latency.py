@@ -60,6 +60,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="duration of the offered load (default 30)")
     parser.add_argument("--raw-seconds", type=float, default=10.0, help="duration of the raw measurement")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds excluded at the start (default 2)")
+    parser.add_argument(
+        "--deployment",
+        choices=("daemons", "run"),
+        default="daemons",
+        help="daemons: one process per daemon, --workers workers (default); run: one `txbox run` "
+        "(publisher, receiver and one worker on one loop)",
+    )
     add_common_options(parser)
 
 
@@ -93,10 +100,18 @@ def run(args: argparse.Namespace) -> Result:
         log_dir = args.log_dir or Path(scratch.tmp.name) / "logs"
         group = ProcessGroup(log_dir, env=scratch.env)
         try:
-            ports = [_free_port() for _ in range(args.workers)]
+            one_process = args.deployment == "run"
+            if one_process:
+                args.workers = 1
             publisher_port = _free_port()
+            # One `txbox run` serves the worker's counters on the publisher's port.
+            ports = [publisher_port] if one_process else [_free_port() for _ in range(args.workers)]
             scratch.start_daemons(
-                group, args.workers, worker_metrics_ports=ports, publisher_metrics_port=publisher_port
+                group,
+                args.workers,
+                worker_metrics_ports=ports,
+                publisher_metrics_port=publisher_port,
+                one_process=one_process,
             )
             wait_ready(scratch, group)
             meter = cpu.pipeline(((d.name, d.process.pid) for d in group.daemons), scratch.database_url)
@@ -136,6 +151,7 @@ def run(args: argparse.Namespace) -> Result:
             **used,
             **statements,
             **raw_cpu,
+            "deployment": args.deployment,
             "workers": args.workers,
             "writers": args.writers,
             "queue_type": args.queue_type,
