@@ -31,10 +31,14 @@ ORDERS = int(os.environ.get("TXBOX_CHAOS_MESSAGES", "1500"))
 # Longer than the run's own limits (600 s, then 60 s to stop), so a stalled run reports
 # where its messages sit instead of being cut off, output and all, by the suite's 300 s.
 @pytest.mark.timeout(720)
-def test_exactly_once_survives_crashes_restarts_and_a_poison_message(tmp_path: Path) -> None:
+@pytest.mark.parametrize("deployment", ["daemons", "run"])
+def test_exactly_once_survives_crashes_restarts_and_a_poison_message(tmp_path: Path, deployment: str) -> None:
+    """``run``: each service is one `txbox run` process; a kill takes all its daemons."""
     args = [
         *txbox_command(),
         "chaos",
+        "--deployment",
+        deployment,
         "--messages",
         str(ORDERS),
         "--faults",

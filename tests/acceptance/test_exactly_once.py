@@ -2,7 +2,8 @@
 
 docs/architecture.md, "Guarantees and how they are kept".
 
-Receiver and worker run as ``txbox receiver|worker --app tests.apps.counter:service``.
+Receiver and worker run as ``txbox receiver|worker --app tests.apps.counter:service``,
+or, in one variant, as two ``txbox run`` processes.
 Messages are published while a chaos loop SIGKILLs the receiver and the workers at
 random moments and restarts them. The handler adds one to a per-message counter in
 the worker's transaction, so a message applied twice shows as 2 and a lost one as a
@@ -38,22 +39,24 @@ def env(database_url: str, amqp_url: str) -> dict[str, str]:
 
 
 class Chaos:
-    """Keeps one receiver and two workers running; kills one of them now and then."""
+    """Keeps one receiver and two workers running (or, with ``deployment="run"``, two
+    `txbox run` processes, each all daemons of the service); kills one of them now and then."""
 
-    def __init__(self, group: ProcessGroup, env: dict[str, str], seed: int) -> None:
+    def __init__(self, group: ProcessGroup, env: dict[str, str], seed: int, deployment: str = "daemons") -> None:
         self.group = group
         self.env = env
         self.rng = random.Random(seed)
-        self.kills = {"receiver": 0, "worker": 0}
+        self.one_process = deployment == "run"
+        self.kills = {"run": 0} if self.one_process else {"receiver": 0, "worker": 0}
         self.crashes = 0  # workers the poison handler ended (its exit code)
         self.started = 0
         self.daemons: dict[str, Daemon] = {}
-        for name in ("receiver", "worker-a", "worker-b"):
+        for name in ("run-a", "run-b") if self.one_process else ("receiver", "worker-a", "worker-b"):
             self._start(name)
 
     def _start(self, name: str) -> None:
         self.started += 1
-        command = "receiver" if name == "receiver" else "worker"
+        command = name.partition("-")[0]  # receiver, worker or run
         self.daemons[name] = self.group.start(f"{name}-{self.started}", [command, *APP], env=self.env)
 
     def revive(self) -> None:
@@ -64,7 +67,7 @@ class Chaos:
 
     def strike(self) -> None:
         kind = min(self.kills, key=lambda k: (self.kills[k], self.rng.random()))
-        name = "receiver" if kind == "receiver" else self.rng.choice(["worker-a", "worker-b"])
+        name = "receiver" if kind == "receiver" else self.rng.choice([f"{kind}-a", f"{kind}-b"])
         if not self.daemons[name].alive:  # it ended on its own since revive(): not our kill
             self.revive()
             return
@@ -109,23 +112,29 @@ def settle_and_stop(chaos: Chaos, url: str, expected: int, processes: ProcessGro
     for daemon in list(chaos.daemons.values()):
         # A daemon restarted a moment ago may still be importing: SIGTERM would end it
         # before it could install its handler. Wait until it runs its loop.
-        ready = "consuming" if daemon.name.startswith("receiver") else "processing"
+        ready = "consuming" if daemon.name.startswith(("receiver", "run")) else "processing"
         support.wait_until(lambda d=daemon, r=ready: r in d.log_tail(100_000), 60, message=f"{daemon.name} to be up")
         assert processes.stop(daemon) == 0, f"{daemon.name} did not exit 0 on SIGTERM\n{daemon.log_tail()}"
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("deployment", ["daemons", "run"])
 def test_messages_exactly_once_through_kill_9s(
-    database_url: str, amqp_url: str, env: dict[str, str], processes: ProcessGroup
+    database_url: str, amqp_url: str, env: dict[str, str], processes: ProcessGroup, deployment: str
 ) -> None:
+    """With ``run``, both processes hand the rows their receiver stores to their own worker
+    (docs/architecture.md, "The hand-off in one process"), and both consume: a kill takes
+    a receiver and a worker at once, between any two steps of the hand-off."""
+    if deployment == "run":
+        env = {**env, "TXBOX_RECEIVER_STANDBY": "false"}
     bodies = [counter.envelope(n, aggregate_id=str(n % 200)) for n in range(MESSAGES)]
     ids = {json.loads(b)["message_id"] for b in bodies}
     sender = publish_in_background(amqp_url, bodies)
-    chaos = Chaos(processes, env, seed=int(time.time()))
+    chaos = Chaos(processes, env, seed=int(time.time()), deployment=deployment)
     chaos.run(done=lambda: not sender.is_alive(), kills_each=KILLS_EACH)
     settle_and_stop(chaos, database_url, len(bodies), processes)
 
-    assert chaos.kills["receiver"] >= KILLS_EACH and chaos.kills["worker"] >= KILLS_EACH
+    assert min(chaos.kills.values()) >= KILLS_EACH
     counts = dict(query(database_url, "SELECT id::text, n FROM counters"))
     assert set(counts) == ids, f"missing: {len(ids - set(counts))}, unexpected: {len(set(counts) - ids)}"
     twice = {k: v for k, v in counts.items() if v != 1}

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from txbox_tools.chaos.faults import DAEMON_KINDS, Kind, plan
+from txbox_tools.chaos.faults import DAEMON_KINDS, Kind, in_one_process, plan
 
 
 def test_same_seed_same_schedule_other_seed_other_schedule() -> None:
@@ -64,3 +64,16 @@ def test_a_node_lost_for_good_ends_the_schedule_and_leaves_the_rest_as_it_was() 
 def test_a_node_lost_for_good_needs_a_cluster() -> None:
     with pytest.raises(ValueError, match="cluster"):
         plan(4, 1, lose_node=True)
+
+
+def test_in_one_process_a_kill_of_any_daemon_kills_its_services_run_process() -> None:
+    schedule = plan(4, 40, replicas=2)
+    moved = in_one_process(schedule)
+    kills = [(a, b) for a, b in zip(schedule, moved, strict=True) if a.kind is Kind.KILL]
+    processes = {"orders-run", "inventory-run", "orders-run-2", "inventory-run-2"}
+    assert kills and all(b.target in processes for _, b in kills)
+    assert all(a.target.split("-")[0] == b.target.split("-")[0] for a, b in kills)  # the same service
+    assert all(a.target.endswith("-2") == b.target.endswith("-2") for a, b in kills)  # the same replica
+    assert [(f.kind, f.at_progress, f.down_seconds) for f in moved] == [
+        (f.kind, f.at_progress, f.down_seconds) for f in schedule
+    ]

@@ -119,6 +119,22 @@ def plan(
     return out
 
 
+def in_one_process(schedule: list[Fault]) -> list[Fault]:
+    """``schedule`` for services that each run as one `txbox run` process (``orders-run``):
+    a kill of one of a service's daemons kills that process, with all its daemons. The
+    rest is unchanged, so a seed's moments and restart delays stay those of its run with
+    one process per daemon."""
+    out = []
+    for fault in schedule:
+        if fault.kind is Kind.KILL:
+            service, daemon = fault.target.split("-", 1)  # orders-worker, orders-worker-2
+            _, _, replica = daemon.partition("-")
+            target = replica_name(f"{service}-run", int(replica) if replica else 1)
+            fault = Fault(fault.kind, target, fault.at_progress, fault.down_seconds)
+        out.append(fault)
+    return out
+
+
 def replica_name(daemon: str, n: int) -> str:
     """The supervisor's name of replica ``n`` (from 1) of ``orders-worker``: the first has no suffix."""
     return daemon if n == 1 else f"{daemon}-{n}"

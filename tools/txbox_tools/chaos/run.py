@@ -48,7 +48,7 @@ from framework.service import Service
 from framework.sql import outbox as outbox_sql
 from txbox_tools import repository
 from txbox_tools.chaos import apps
-from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, plan, replica_name
+from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, in_one_process, plan, replica_name
 from txbox_tools.chaos.instances import PrivatePostgres, PrivateRabbit, PrivateRabbitCluster
 from txbox_tools.chaos.supervisor import Spec, Supervisor
 from txbox_tools.chaos.verdict import Verdict, judge
@@ -85,6 +85,9 @@ class ChaosOptions:
     replicas: int = 1  # processes of every daemon per service; kills pick among them
     rabbit_nodes: int = 1  # 3 or more: a RabbitMQ cluster, and the rabbitmq_node_kill fault
     lose_node: bool = False  # on a cluster: the rabbitmq_node_lost fault ends the schedule
+    #: ``daemons``: a process per daemon; ``run``: one `txbox run` per service (and replica),
+    #: which every kill of one of its daemons kills whole
+    deployment: str = "daemons"
     keep_logs: bool = False
     log_dir: Path | None = None
 
@@ -296,6 +299,8 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
         replicas=options.replicas,
         lose_node=options.lose_node,
     )
+    if options.deployment == "run":
+        schedule = in_one_process(schedule)
     say(f"txbox chaos: {options.messages:,} orders, seed {options.seed}, schedule: {describe(schedule)}")
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="txbox-chaos-logs-"))
 
@@ -323,6 +328,10 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
                 "TXBOX_AMQP_URL": rabbit.amqp_url(),
                 "TXBOX_QUEUE_TYPE": options.queue_type,
             }
+            if options.deployment == "run":
+                for n in range(1, options.replicas + 1):
+                    specs[replica_name(f"{short}-run", n)] = Spec(["run", "--app", app], env)
+                continue
             for daemon in daemons:
                 copies = max(options.replicas, options.workers if daemon == "worker" else 1)
                 for n in range(1, copies + 1):

@@ -30,6 +30,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         default=1,
         help="processes of every daemon per service (default 1); kills pick among them",
     )
+    parser.add_argument(
+        "--deployment",
+        choices=("daemons", "run"),
+        default="daemons",
+        help="daemons: a process per daemon (default); run: one `txbox run` per service and replica",
+    )
     parser.add_argument("--no-poison", action="store_true", help="do not send the poison message")
     parser.add_argument("--no-analyze", action="store_true", help="skip `txbox analyze --fail-on-lost`")
     parser.add_argument(
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         replicas=max(1, args.replicas),
         rabbit_nodes=args.rabbit_nodes,
         lose_node=args.lose_node,
+        deployment=args.deployment,
         drain_timeout=args.drain_timeout,
         stall_timeout=args.stall_timeout,
         log_dir=args.log_dir,
