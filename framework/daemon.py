@@ -5,7 +5,7 @@ A daemon's loop checks :attr:`Daemon.stopping` between units of work and waits w
 prompt without sleeping in a busy loop. Each turn of the loop calls
 :meth:`Daemon.progress` (an idle turn too: the loop ticks at least every poll interval),
 and the connect steps call :meth:`Daemon.set_ready`; the probes and the heartbeat read
-both (docs/architecture.md, "Probes, logs and liveness").
+both (docs/explanation/operations.md, "Probes, logs and liveness").
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Daemon:
 
     ``config`` is the daemon's ``*Config`` (``from_env()`` when not given); a shared
     ``stop_event`` lets ``txbox run`` stop several daemons with one request
-    (docs/architecture.md, "Daemons: one shape").
+    (docs/explanation/daemons.md, "Daemons: one shape").
     """
 
     name = "daemon"
@@ -43,9 +43,9 @@ class Daemon:
     needs: tuple[str, ...] = (POSTGRESQL, RABBITMQ)
 
     def __init__(self, service: Service, *, stop_event: threading.Event | None = None) -> None:
-        # Process-wide, so here and not at import (docs/architecture.md, "What txbox changes in a process").
+        # Process-wide, so here and not at import (docs/explanation/daemons.md, "What txbox changes in a process").
         tune_drivers()
-        # Also process-wide; fails at start on a misconfigured OTEL_* (docs/architecture.md, "Tracing").
+        # Also process-wide; fails at start on a misconfigured OTEL_* (docs/explanation/operations.md, "Tracing").
         tracing.setup(service.settings.service)
         self.service = service
         self.settings = service.settings

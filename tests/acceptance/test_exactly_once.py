@@ -1,6 +1,6 @@
 """Exactly once, proven with real processes killed at random moments.
 
-docs/architecture.md, "Guarantees and how they are kept".
+docs/explanation/guarantees.md, "Guarantees and how they are kept".
 
 Receiver and worker run as ``txbox receiver|worker --app tests.apps.counter:service``.
 Messages are published while a chaos loop SIGKILLs the receiver and the workers at
