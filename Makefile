@@ -32,7 +32,7 @@ rabbit-cluster: setup-test
 	TXBOX_RABBIT_CLUSTER_ORDERS=$(CLUSTER_ORDERS) TXBOX_CHAOS_SEED=$(SEED) .venv/bin/pytest -p no:cacheprovider tests/acceptance/test_rabbit_cluster.py
 
 # Two replicas of every daemon per service, the seeded kills picking among them
-# (docs/architecture.md, "Replicas of every daemon"; a few minutes, not part of `make test`):
+# (docs/explanation/operations.md, "Replicas of every daemon"; a few minutes, not part of `make test`):
 #   make chaos-replicas SEED=7
 chaos-replicas: setup-test
 	.venv/bin/txbox chaos --replicas 2 --messages 2000 --faults 5 --seed $(SEED)
@@ -56,7 +56,7 @@ bench: setup
 bench-peers: setup-test
 	bash benchmarks/peers/run.sh $(PEERS_ARGS)
 
-# PostgreSQL failover at a larger size than the one of `make test` (docs/architecture.md,
+# PostgreSQL failover at a larger size than the one of `make test` (docs/explanation/operations.md,
 # "PostgreSQL failover"): kill -9 of a primary with a synchronous standby, mid-run.
 #   make failover FAILOVER_MESSAGES=20000
 FAILOVER_MESSAGES ?= 10000

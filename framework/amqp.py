@@ -55,7 +55,7 @@ def bound_decoder_depth() -> None:
 
     Every pika decoder looks ``decode_value`` up in ``pika.data`` at call time, so the
     one assignment reaches them all; it is process-wide, which is why only a daemon's
-    start makes it, never an import (docs/architecture.md, "What txbox changes in a process").
+    start makes it, never an import (docs/explanation/daemons.md, "What txbox changes in a process").
     """
     if not getattr(pika.data.decode_value, "bounded", False):
         pika.data.decode_value = _bounded(pika.data.decode_value)
@@ -94,7 +94,7 @@ def parameters_list(amqp_url: str, *, name: str = "txbox") -> list[pika.URLParam
     The order is shuffled once per process, so the daemons of a deployment spread over a
     cluster's nodes instead of all crowding the first one, while one process keeps
     going back to the node it prefers; a connect tries them in turn
-    (docs/architecture.md, "A RabbitMQ cluster").
+    (docs/explanation/operations.md, "A RabbitMQ cluster").
     """
     return [parameters(url, name=name) for url in _process_order(amqp_url)]
 
@@ -175,7 +175,7 @@ def encodable_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     What pika decodes it cannot always encode: a double header of 1e19 or more arrives
     as an int past 64 bits (pika truncates floats to ints), a Decimal with a huge
     exponent does not fit its field. A copy holding one would fail at every publish,
-    and its delivery would wait forever (docs/architecture.md, "Receiver intake").
+    and its delivery would wait forever (docs/explanation/receive.md, "Receiver intake").
     Checked per top-level header, so one bad value costs only itself.
     """
     out: dict[str, Any] = {}

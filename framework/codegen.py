@@ -1,4 +1,4 @@
-"""Typed payload classes from the contracts: ``txbox codegen`` (docs/architecture.md, "Typed payloads").
+"""Typed payload classes from the contracts: ``txbox codegen`` (docs/explanation/development.md, "Typed payloads").
 
 One ``TypedDict`` per message type, named after it, so mypy checks what a handler reads
 (``message.payload_as(messages.PlaceOrder)``) and what it sends
@@ -238,7 +238,7 @@ def _any(module: _Module) -> str:
 def _docstring(text: str) -> str:
     """A class docstring of ``text``: its paragraphs wrapped to the line length ruff keeps.
 
-    Escaped (docs/architecture.md, "Contracts are outside input"): backslashes and every
+    Escaped (docs/explanation/receive.md, "Contracts are outside input"): backslashes and every
     double quote (a final `"` would otherwise close the docstring early), and what is not
     printable as a Python escape, so no text from a contract ends the string.
     """
@@ -299,7 +299,7 @@ def render(output: Path, contracts_dir: Path, services: Sequence[str] = ()) -> s
 def checked(text: str, output: Path) -> str:
     """``text`` if it parses as Python; else ContractError, and nothing is written.
 
-    The last resort behind the escaping (docs/architecture.md, "Contracts are outside
+    The last resort behind the escaping (docs/explanation/receive.md, "Contracts are outside
     input"): whatever a contract holds, the generator never writes code that does not
     compile, nor code that does more than define classes.
     """

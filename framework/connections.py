@@ -3,7 +3,7 @@
 Reconnecting is the daemon loop's business (:class:`framework.daemon.Reconnect` waits
 with capped backoff between tries, or the loop schedules the next try; the next
 :meth:`ConnectionSlot.get` connects again). Each daemon's loop LISTENs on a connection it
-owns (docs/architecture.md, "One thread per daemon").
+owns (docs/explanation/daemons.md, "One thread per daemon").
 """
 
 from __future__ import annotations

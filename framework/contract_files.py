@@ -1,4 +1,4 @@
-"""Reading the contracts folder as outside input (docs/architecture.md, "Contracts are outside input").
+"""Reading the contracts folder as outside input (docs/explanation/receive.md, "Contracts are outside input").
 
 Other teams write to the contracts folder, so every file and every ``$ref`` in it is
 hostile until checked: only regular files inside the folder are read (never a FIFO, a

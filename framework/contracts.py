@@ -1,7 +1,7 @@
 """AsyncAPI 2.x (YAML or JSON) + JSON Schema (draft-07) contracts: loader, registry and lint.
 
 The conventions are Mosaic's own, so one contract means the same to a txbox service and
-to a service built with Mosaic's libraries (docs/architecture.md, "Mosaic compatibility"):
+to a service built with Mosaic's libraries (docs/explanation/receive.md, "Mosaic compatibility"):
 
 - ``x-service-id`` names the service, at the document's top level (where Mosaic's tools
   read it) or under ``info``; else ``info.title`` in lower-kebab-case.
@@ -18,7 +18,7 @@ to a service built with Mosaic's libraries (docs/architecture.md, "Mosaic compat
   and the generator's name are accepted as aliases of that type when no other message
   claims them: a received alias is stored under the message's one type.
 - ``tags: [{name: "aggregate-type:<x>"}]`` gives the aggregate type.
-- Versions (docs/architecture.md, "Message versions"): ``x-message-version`` names the
+- Versions (docs/explanation/receive.md, "Message versions"): ``x-message-version`` names the
   version ``payload`` describes (the current one, the only schema Mosaic's tools read);
   ``x-previous-versions`` maps each older version a service may still receive to its
   payload schema. A message without them takes any ``message_version``, as Mosaic's own
@@ -55,7 +55,7 @@ _Compiled = tuple[dict[str, Any], Draft7Validator, Any, str, Mapping[str, Any]]
 
 # Checked with fullmatch: ``$`` would also match before a final newline.
 # A channel: words, after Mosaic's tenant and environment placeholders for a multi-tenant
-# message (`*.*.image_types.declare`; docs/architecture.md, "Multi-tenant routing keys").
+# message (`*.*.image_types.declare`; docs/explanation/receive.md, "Multi-tenant routing keys").
 _CHANNEL = re.compile(r"(\*\.\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 _BINDING_KEY = re.compile(r"([A-Za-z0-9_-]+|\*|#)(\.([A-Za-z0-9_-]+|\*|#))*")
 _IRREGULAR_PAST = frozenset(
@@ -128,7 +128,7 @@ class MessageSpec:
         """The spec whose schema payloads of ``version`` follow (None: the current one).
 
         A version the contract does not declare raises PayloadValidationError: there is no
-        schema to check such a payload against (docs/architecture.md, "Message versions").
+        schema to check such a payload against (docs/explanation/receive.md, "Message versions").
         """
         if version is None or self.version is None or version == self.version:
             return self
@@ -153,7 +153,7 @@ class MessageSpec:
 
         Only jsonschema-rs, with its linear regex engine, judges and words the errors: a
         contract's `pattern` never runs in a backtracking engine on a sender's data, so a
-        check costs bounded time per byte whatever the contract says (docs/architecture.md,
+        check costs bounded time per byte whatever the contract says (docs/explanation/receive.md,
         "Contracts are outside input"). ``validator``, the reference one, lints the schema
         at load and never sees a payload.
         """
@@ -462,7 +462,7 @@ class _Loader:
         """The channel's `bindings.amqp.queue.name` (default `inbox`); None on a problem.
 
         txbox receives every message of a service in `<service>:inbox`, whatever a channel
-        names (docs/architecture.md, "Mosaic compatibility"); another name is a warning
+        names (docs/explanation/receive.md, "Mosaic compatibility"); another name is a warning
         that says where each side receives the channel's messages.
         """
         bindings = item.get("bindings")
@@ -679,7 +679,7 @@ class _Loader:
         if "$ref" in payload and len(payload) == 1:
             ref = str(payload["$ref"])
             file_part, _, fragment = ref.partition("#")
-            try:  # docs/architecture.md, "Contracts are outside input": only files inside the folder
+            try:  # docs/explanation/receive.md, "Contracts are outside input": only files inside the folder
                 target = contract_files.ref_target(self.root, self.path.parent, file_part)
                 schema = files.load(target, f"$ref {ref[:200]!r}")
             except ContractError as exc:

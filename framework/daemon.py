@@ -1,6 +1,6 @@
 """What every daemon shares: its loop, stop on SIGTERM/SIGINT, state-change logging, progress and readiness.
 
-A daemon runs on an event loop it does not own (docs/architecture.md, "One loop per
+A daemon runs on an event loop it does not own (docs/explanation/daemons.md, "One loop per
 process"): :meth:`Daemon.start_on` registers its handlers and timers on a pika
 :class:`~pika.adapters.select_connection.IOLoop` and returns; the loop's one thread then
 runs everything the daemon does, and the daemon reports its end through the ``finished``
@@ -10,7 +10,7 @@ request (:meth:`Daemon.stop`, any thread) wakes the loop; one made on the loop's
 thread (a signal handler) is seen within :data:`STOP_CHECK`. Each turn of the loop calls
 :meth:`Daemon.progress` (an idle turn too: the loop ticks at least every poll interval),
 and the connect steps call :meth:`Daemon.set_ready`; the probes and the heartbeat read
-both (docs/architecture.md, "Probes, logs and liveness").
+both (docs/explanation/operations.md, "Probes, logs and liveness").
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Daemon:
 
     ``config`` is the daemon's ``*Config`` (``from_env()`` when not given); a shared
     ``stop_event`` lets ``txbox run`` stop several daemons with one request
-    (docs/architecture.md, "Daemons: one shape").
+    (docs/explanation/daemons.md, "Daemons: one shape").
     """
 
     name = "daemon"
@@ -57,9 +57,9 @@ class Daemon:
     needs: tuple[str, ...] = (POSTGRESQL, RABBITMQ)
 
     def __init__(self, service: Service, *, stop_event: threading.Event | None = None) -> None:
-        # Process-wide, so here and not at import (docs/architecture.md, "What txbox changes in a process").
+        # Process-wide, so here and not at import (docs/explanation/daemons.md, "What txbox changes in a process").
         tune_drivers()
-        # Also process-wide; fails at start on a misconfigured OTEL_* (docs/architecture.md, "Tracing").
+        # Also process-wide; fails at start on a misconfigured OTEL_* (docs/explanation/operations.md, "Tracing").
         tracing.setup(service.settings.service)
         self.service = service
         self.settings = service.settings

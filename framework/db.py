@@ -30,7 +30,7 @@ from framework.errors import ConfigurationError, DatabaseUnavailable
 # many connections), the server shutting down or refusing connections (57P0x), system
 # errors (58), and a read-only transaction (25006): with target_session_attrs=read-write
 # that means the server became a standby under us, so reconnect, which finds the primary
-# (docs/architecture.md, "PostgreSQL failover"). Everything else a statement raises is
+# (docs/explanation/operations.md, "PostgreSQL failover"). Everything else a statement raises is
 # about that statement — psycopg files a program limit (54000), a lock timeout (55P03) or
 # a cancelled statement (57014) under OperationalError too, but retrying them elsewhere
 # would only fail the same way.
@@ -60,7 +60,7 @@ EXAMPLE_MULTI_HOST_URL = (
 )
 
 # What libpq's target_session_attrs accepts; with several hosts only the two that reach a
-# server taking writes will do (docs/architecture.md, "PostgreSQL failover").
+# server taking writes will do (docs/explanation/operations.md, "PostgreSQL failover").
 _SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
 _WRITABLE_ATTRS = ("read-write", "primary")
 _DIALECT: Dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]  # untyped in SQLAlchemy
@@ -130,7 +130,7 @@ def conninfo(database_url: str) -> str:
 def create_engine(database_url: str, **kwargs: Any) -> Engine:
     url = parse_url(database_url)
     # A pooled connection may be to a server that died or failed over: the ping finds it
-    # before a statement does (docs/architecture.md, "PostgreSQL failover").
+    # before a statement does (docs/explanation/operations.md, "PostgreSQL failover").
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("json_deserializer", jsoncodec.loads)
     engine = sa.create_engine(url, **kwargs)
@@ -163,7 +163,7 @@ def connect(
     ``synchronous_commit=False``: its commits do not wait for the WAL flush, for the
     daemons' leases and marks that a database crash may lose without harm (each caller
     says why). ``generic_plans=True``: its prepared statements keep one plan instead of
-    being planned again on every run (docs/architecture.md, "Generic plans"), for
+    being planned again on every run (docs/explanation/daemons.md, "Generic plans"), for
     statements whose plan does not depend on their parameters' values. Both are set per
     session, so options in the URL stay as they are.
     """

@@ -5,7 +5,7 @@ all end as one row of ``txbox.dead_letters`` built here, in the same transaction
 abandons the message, so a message is never both pending and dead, nor lost between.
 Building a row never raises and always yields what PostgreSQL stores, and a body is
 kept as a bounded prefix with its length and sha256, a parsed envelope whole up to
-:data:`MESSAGE_LIMIT` (docs/architecture.md, "Dead letters").
+:data:`MESSAGE_LIMIT` (docs/explanation/dead-letters.md, "Dead letters").
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ Source = Literal["broker", "inbox", "outbox"]
 # Every pattern below sees sender text (error messages quote payload values). Each runs
 # in linear time: no start position scans further than a bounded window or its own run
 # (the lookaheads are bounded for that), and only ``_SCAN_LIMIT`` characters are judged
-# (see docs/architecture.md, "Dead letters").
+# (see docs/explanation/dead-letters.md, "Dead letters").
 # Dashed, or 32 hex digits with a letter among them: 32 plain digits are a number (<n>).
 _UUID = re.compile(
     r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
@@ -94,7 +94,7 @@ MESSAGE_LIMIT = 2 * MAX_ACCEPTED_BODY
 """Bytes of a parsed envelope's JSON a dead letter keeps whole; a larger one is kept as a raw
 prefix only. Above every body a receiver accepts (compact JSON is not longer than the body
 it was parsed from, but for a few escapes), so each message a service accepts stays
-replayable (docs/architecture.md, "Dead letters")."""
+replayable (docs/explanation/dead-letters.md, "Dead letters")."""
 ERROR_LIMIT = 16 * 1024  # characters of an error text kept (errors may quote whole payloads)
 
 
@@ -103,7 +103,7 @@ class DeadLetter:
     """One row of txbox.dead_letters before insertion.
 
     :meth:`row` never raises: whatever a sender put into the fields, it returns a row
-    PostgreSQL stores (see docs/architecture.md, "Dead letters").
+    PostgreSQL stores (see docs/explanation/dead-letters.md, "Dead letters").
     """
 
     source: Source
@@ -120,7 +120,7 @@ class DeadLetter:
 
     def __post_init__(self) -> None:
         # Made storable first (bounded depth: the scrub recurses), then no auth_token at
-        # rest (docs/architecture.md, "Secrets"). Should the scrub fail all the same, the
+        # rest (docs/explanation/operations.md, "Secrets"). Should the scrub fail all the same, the
         # parsed copies go rather than a secret: the raw body is redacted when encoded.
         try:
             self.message = None if self.message is None else to_storable(self.message)

@@ -4,7 +4,7 @@ The inbox's primary key is the dedup memory: the receiver inserts with ``ON CONF
 (id) DO NOTHING``, the replay of a dead letter looks the id up first. Whatever removes
 inbox rows (``txbox archive``, any later retention) must therefore go through
 :func:`forget`, which keeps every row finished within ``TXBOX_DEDUP_WINDOW`` as a
-*tombstone* and deletes only the older ones. See docs/architecture.md, "Dedup memory".
+*tombstone* and deletes only the older ones. See docs/explanation/guarantees.md, "Dedup memory".
 
 Why tombstones in the inbox and not a table of remembered ids: with a second table the
 receiver's insert would need a second unique probe per row (its hot path) and would race

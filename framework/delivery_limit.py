@@ -1,6 +1,6 @@
 """The inbox queues' delivery limit, applied as a RabbitMQ policy through the management API.
 
-The limit is the last net under the receiver (docs/architecture.md, "Receiver intake"):
+The limit is the last net under the receiver (docs/explanation/receive.md, "Receiver intake"):
 a message delivered ``INBOX_DELIVERY_LIMIT`` times without an ack is dead-lettered by
 RabbitMQ into ``<service>:dead_letter`` and stored by the collector. It must be a policy,
 not a queue argument (Mosaic services declare the inbox queues without one), and on

@@ -4,7 +4,7 @@ The changes are process-wide (they replace a function of pika, raise two limits 
 psycopg, freeze the heap for the garbage collector and space out its young
 collections), so an application that merely
 imports txbox to write outbox rows must not get them behind its back
-(docs/architecture.md, "What txbox changes in a process"). Every daemon calls
+(docs/explanation/daemons.md, "What txbox changes in a process"). Every daemon calls
 :func:`tune_drivers` in its constructor, so a daemon run by the CLI, by ``txbox run`` or
 embedded in a test has them before its first connection.
 """
@@ -42,7 +42,7 @@ def _freeze_heap() -> None:
     A daemon allocates per message (rows, messages, spans waiting for export) and the
     collector's full passes walked the hundreds of thousands of objects the imports left,
     every time: ``gc.freeze()`` took 14 % of the worker's CPU per message off
-    (docs/architecture.md, "What txbox changes in a process"). What is frozen is never
+    (docs/explanation/daemons.md, "What txbox changes in a process"). What is frozen is never
     freed, so this runs once, before the daemon's first message.
     """
     gc.collect()
@@ -63,7 +63,7 @@ def _space_young_collections() -> None:
     processor keeps until it exports 512 of them) for longer than 700 allocations: each
     young collection found them alive, walked them and moved them up, and the older
     collections walked them again. In ``txbox bench worker`` that was 11 % of a worker's
-    CPU; at 20,000 it is 4-5 % (docs/architecture.md, "What txbox changes in a
+    CPU; at 20,000 it is 4-5 % (docs/explanation/daemons.md, "What txbox changes in a
     process"). Garbage in reference cycles waits longer: 20,000 objects at most, a few
     megabytes.
     """

@@ -1,4 +1,4 @@
-"""The message envelope (the Mosaic format, docs/architecture.md "The envelope"), strict parsing and serialization.
+"""The message envelope (the Mosaic format, docs/explanation/relay.md "The envelope"), strict parsing and serialization.
 
 Parsing never trusts its input: every malformation raises :class:`EnvelopeError` with a
 stable ``reason`` code (used as the dead-letter reason) and the field at fault.
@@ -83,7 +83,7 @@ class Message:
         return replace(self, attempt=attempt, max_attempts=max_attempts)
 
     def to_dict(self) -> dict[str, Any]:
-        """The envelope as JSON-ready dict, in the field order of docs/architecture.md, "The envelope"."""
+        """The envelope as JSON-ready dict, in the field order of docs/explanation/relay.md, "The envelope"."""
         out: dict[str, Any] = {
             "payload": self.payload,
             "message_context": self.message_context,
@@ -293,7 +293,7 @@ def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-# docs/architecture.md, "Receiver intake" (Ids of bodies too deep or too large): a body
+# docs/explanation/receive.md, "Receiver intake" (Ids of bodies too deep or too large): a body
 # refused before it parsed whole still names its message. Only the first bytes are
 # looked at, each once: the three patterns are single character classes (no
 # backtracking), and every step moves forward, so the scan is linear in its window.

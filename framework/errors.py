@@ -5,7 +5,7 @@ boundary, so callers catch one root and branch on types that say what went wrong
 
 Two branches are control flow for handler authors rather than faults of txbox:
 :class:`RetryableError` (settle as FAILED: retry later) and :class:`PermanentError`
-(settle as REJECTED: straight to the dead letters), the outcomes of docs/architecture.md, "Outcomes".
+(settle as REJECTED: straight to the dead letters), the outcomes of docs/explanation/handle.md, "Outcomes".
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class ConfigurationError(TxboxError):
 
 class SelectorError(ConfigurationError):
     """A handler's selector does not parse; the message names the handler, the position and
-    what was expected there (docs/architecture.md, "Expiry and filters")."""
+    what was expected there (docs/explanation/receive.md, "Expiry and filters")."""
 
 
 class ContractError(TxboxError):
@@ -132,7 +132,7 @@ class PermanentError(HandlerOutcome):
 
 class Unauthorized(PermanentError):
     """The message's ``auth_token`` is missing, invalid, expired, for another audience, or
-    lacks a permission the handler requires (docs/architecture.md, "Handler middleware and
+    lacks a permission the handler requires (docs/explanation/handle.md, "Handler middleware and
     the permission guard"). Its text never contains the token."""
 
     dead_letter_reason = Reason.UNAUTHORIZED

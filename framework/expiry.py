@@ -5,7 +5,7 @@ A sender gives ``ttl`` (``outbox.send_command(..., ttl=...)``, ``publish_event``
 the sender's clock, and every daemon that holds it compares that time with its own
 clock before passing it on: the relay before publishing, the receiver before storing,
 the worker before running the handler. An expired message is dead-lettered as
-``expired`` (docs/architecture.md, "Expiry and filters").
+``expired`` (docs/explanation/receive.md, "Expiry and filters").
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ whatever it writes through ``session`` and ``outbox`` commits exactly once with 
 mark, or not at all. Raise RetryableError (or anything else) to retry later,
 PermanentError to abandon at once.
 
-Message versions (docs/architecture.md, "Message versions"): a handler takes the
+Message versions (docs/explanation/receive.md, "Message versions"): a handler takes the
 contract's current version of its message type unless ``versions`` names the versions it
 takes as they are; ``upcasters`` turns an older version's payload into the current one
 before ``handle`` sees it.
 
 ``handle`` may be ``async def handle(self, message, session, outbox)``: its ``session``
 is then an ``AsyncSession`` joined to the same transaction, and every worker guarantee
-holds as for a plain handler (docs/architecture.md, "Async handlers"). Sync and async
+holds as for a plain handler (docs/explanation/handle.md, "Async handlers"). Sync and async
 handlers mix in one service.
 """
 
@@ -55,12 +55,12 @@ class Handler:
     #: Permissions the message's ``auth_token`` must grant before ``handle`` runs (None: no
     #: token needed; empty: a valid token, no particular permission), else its message is
     #: dead-lettered as ``unauthorized``
-    #: (docs/architecture.md, "Handler middleware and the permission guard").
+    #: (docs/explanation/handle.md, "Handler middleware and the permission guard").
     permissions: ClassVar[Collection[str] | None] = None
     #: Which messages of the type this service takes at all (None: every one): a selector on
     #: headers and envelope fields, e.g. ``"headers['x-tenant'] = 'acme' AND payload.count > 0"``.
     #: The receiver acks and counts a message it does not match without storing it; parsed
-    #: at ``register`` (framework/selectors.py; docs/architecture.md, "Expiry and filters").
+    #: at ``register`` (framework/selectors.py; docs/explanation/receive.md, "Expiry and filters").
     selector: ClassVar[str | None] = None
 
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
@@ -97,7 +97,7 @@ _COROUTINE_CLASSES: dict[type[Handler], bool] = {}
 
 def is_coroutine_handler(handler: Handler) -> bool:
     """``handler.handle`` is ``async def`` (or another coroutine function): it runs awaited, with an
-    ``AsyncSession`` (docs/architecture.md, "Async handlers"). Decided once per handler class; a
+    ``AsyncSession`` (docs/explanation/handle.md, "Async handlers"). Decided once per handler class; a
     ``handle`` set on the instance itself is looked at every time."""
     if "handle" in getattr(handler, "__dict__", ()):
         return inspect.iscoroutinefunction(handler.handle)

@@ -5,7 +5,7 @@ inbox row. A random (version 4) id lands on a different page of that index with 
 insert; over a table that holds months of finished rows, each of those pages is read
 back and its first change after a checkpoint writes a whole page image to the WAL. Ids
 that begin with the time land beside each other, at the index's growing edge
-(docs/architecture.md, "The tables"). They are still UUIDs, unique without coordination
+(docs/explanation/how-it-works.md, "The tables"). They are still UUIDs, unique without coordination
 (74 random bits per millisecond), and any peer may keep sending version 4 ids.
 """
 
@@ -37,7 +37,7 @@ def sent_id(incoming: uuid.UUID, service: str, handler: str, message_type: str, 
     savepoint rolled back gives its sends' ordinals back), so a handler run again after a
     crash before its commit, or after a failover that lost that commit, sends copies under
     the ids of the first run, which the receiving inbox drops as duplicates
-    (docs/architecture.md, "Ids of the messages a handler sends"). The name is a JSON array,
+    (docs/explanation/write.md, "Ids of the messages a handler sends"). The name is a JSON array,
     so no two distinct inputs share one.
     """
     name = json.dumps([str(incoming), service, handler, message_type, ordinal], ensure_ascii=True)

@@ -3,7 +3,7 @@
 - :func:`loads` / :func:`dumps`: JSON on the hot paths, orjson's speed with the standard
   library's results (below);
 - :func:`to_storable`, :func:`clean_text`, :func:`clean_string`, :func:`storable_text`, :func:`clip_depth`:
-  hostile values made into what PostgreSQL stores (docs/architecture.md, "Dead letters");
+  hostile values made into what PostgreSQL stores (docs/explanation/dead-letters.md, "Dead letters");
 - :func:`amqp_json`: what an AMQP delivery carries (bytes, datetimes, decimals) as JSON text;
 - :func:`plain` / :func:`pretty`: any value for a JSON response or a person to read
   (what JSON has no type for becomes its ``str()``).

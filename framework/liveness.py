@@ -5,7 +5,7 @@ The heartbeat thread upserts one row per daemon into ``daemon_heartbeats`` every
 (never the business one), and prunes rows of processes gone for a day. Whether that
 write succeeds is the daemons' PostgreSQL readiness: one small query, the same for all
 daemons, instead of each loop reporting on its own connections — which some hold only
-while they have work (docs/architecture.md, "Probes, logs and liveness").
+while they have work (docs/explanation/operations.md, "Probes, logs and liveness").
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def _wait(daemon: Daemon) -> dict[str, object]:
     """The wait columns of ``daemon``'s row, all None while it does not wait.
 
     :meth:`Daemon.waiting` reads a snapshot the daemon's own thread replaces whole, so
-    this thread only reads it (docs/architecture.md, "The daemons and their threads").
+    this thread only reads it (docs/explanation/daemons.md, "The daemons and their threads").
     """
     waiting = daemon.waiting()
     if waiting is None:

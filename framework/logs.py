@@ -7,7 +7,7 @@ bound one, else the daemon a ``txbox.<daemon>`` logger is named for. ``trace_id`
 from the record (``extra={"trace_id": ...}``), the context, or the source that tracing
 registers with :func:`set_trace_id_source`. Both formats pass the whole line through
 :mod:`framework.redaction` and mask URL passwords, so no token or password reaches a log
-(docs/architecture.md, "Probes, logs and liveness").
+(docs/explanation/operations.md, "Probes, logs and liveness").
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class _Bound:
 def scrub(text: str) -> str:
     if len(text) > MAX_MESSAGE_CHARS:
         text = text[:MAX_MESSAGE_CHARS] + "… (cut)"
-    # URL and DSN passwords too: redact_text is the one scrub (docs/architecture.md, "Secrets").
+    # URL and DSN passwords too: redact_text is the one scrub (docs/explanation/operations.md, "Secrets").
     return redaction.redact_text(text)
 
 

@@ -4,7 +4,7 @@ A series is named ``txbox_<daemon>_<what>_<unit>`` — the daemon as its command
 (``publisher``, ``receiver``, ``worker``, ``collector``), what it counts or measures, and
 the unit (``total`` for counters, ``seconds``, ``bytes``, ``rows``, ``messages``) — and
 carries a ``service`` label, so the daemons of several services can share one
-Prometheus without relabelling (docs/architecture.md, "Daemons: one shape"). The
+Prometheus without relabelling (docs/explanation/daemons.md, "Daemons: one shape"). The
 constructors below enforce both. Everything lives in prometheus_client's default
 registry; ``--metrics-port`` serves it at ``/metrics`` beside the probes (framework/probes.py).
 """
@@ -27,7 +27,7 @@ def _gauge(daemon: str, what: str, unit: str, doc: str) -> Gauge:
 # ---- every daemon ------------------------------------------------------------------
 
 #: Seconds since the daemon's loop last turned, read at scrape time (framework/liveness.py):
-#: above TXBOX_STUCK_AFTER the daemon is stuck (docs/architecture.md, "Probes, logs and liveness").
+#: above TXBOX_STUCK_AFTER the daemon is stuck (docs/explanation/operations.md, "Probes, logs and liveness").
 _SINCE_PROGRESS_DOC = "Seconds since the daemon's loop last made progress"
 PUBLISHER_SINCE_PROGRESS = _gauge("publisher", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
 RECEIVER_SINCE_PROGRESS = _gauge("receiver", "since_progress", "seconds", _SINCE_PROGRESS_DOC)
@@ -53,7 +53,7 @@ PUBLISHER_FAILED = _counter(
     "reason",
 )
 PUBLISHER_ABANDONED = _counter("publisher", "abandoned", "Outbox rows given up after max_attempts", "message_type")
-# A cycle is one claim, which carries the marks (docs/architecture.md, "Wake-ups"): ``kind``
+# A cycle is one claim, which carries the marks (docs/explanation/daemons.md, "Wake-ups"): ``kind``
 # is claim, mark (marks alone), write (a transaction of failures) or gauge.
 PUBLISHER_STATEMENTS = _counter(
     "publisher", "statements", "Statements (and transactions) the relay sent to PostgreSQL, by kind", "kind"
@@ -65,7 +65,7 @@ PUBLISHER_IN_FLIGHT = _gauge(
 PUBLISHER_BACKLOG = _gauge("publisher", "outbox_backlog", "rows", "Pending outbox rows (not processed, not abandoned)")
 PUBLISHER_OLDEST_DUE_AGE = _gauge("publisher", "oldest_due_age", "seconds", "Age of the oldest due pending outbox row")
 
-# Retention (docs/architecture.md, "Retention"): what the publisher's pruner deleted and
+# Retention (docs/explanation/operations.md, "Retention"): what the publisher's pruner deleted and
 # what the outbox costs, read from PostgreSQL once per pruning pass.
 PUBLISHER_PRUNED = _counter(
     "publisher", "pruned", "Outbox rows deleted by retention, by the state they ended in", "state"
@@ -116,7 +116,7 @@ WORKER_FAILED = _counter("worker", "failed", "Handler runs that failed and will 
 WORKER_ABANDONED = _counter("worker", "abandoned", "Messages given up into the dead letters", "message_type", "reason")
 WORKER_CONFLICTS = _counter("worker", "conflicts", "Batches re-run after a serialization failure or deadlock")
 # One claim per wake-up at most, and one that finds nothing is a statement for nothing
-# (docs/architecture.md, "Wake-ups"): ``found`` is ``rows`` or ``nothing``.
+# (docs/explanation/daemons.md, "Wake-ups"): ``found`` is ``rows`` or ``nothing``.
 WORKER_CLAIMS = _counter("worker", "claims", "Claims the worker ran, by whether they found rows", "found")
 WORKER_STATEMENTS = _counter(
     "worker", "statements", "Statements the worker sent to PostgreSQL: claims, batches and the handlers' own"

@@ -2,7 +2,7 @@
 
 A middleware subclasses :class:`Middleware` and overrides the hooks it needs (the others
 are no-ops); ``service.add_middleware(m)`` appends it to the service's ordered list
-(docs/architecture.md, "Handler middleware and the permission guard"):
+(docs/explanation/handle.md, "Handler middleware and the permission guard"):
 
 - ``before(message, session)`` in list order, before ``handle``; raising fails the
   message as ``handle`` raising would (a :class:`~framework.errors.PermanentError`

@@ -25,7 +25,7 @@ EXCHANGES = (COMMAND_EXCHANGE, EVENT_EXCHANGE, DELAY_EXCHANGE, RETRY_EXCHANGE, D
 # Broker-level retry delays. Mosaic's libraries declare the shared queues `delay:10s` and
 # `delay:30s` (bound to `delay` with `delay.10s`/`delay.30s`) with at-most-once
 # dead-lettering; txbox parks its own retries in queues of its own beside them, which
-# dead-letter at least once (docs/architecture.md, "Mosaic compatibility").
+# dead-letter at least once (docs/explanation/receive.md, "Mosaic compatibility").
 DELAY_SECONDS = (10, 30)
 
 # Headers txbox adds to AMQP messages.
@@ -39,18 +39,18 @@ HEADER_SEGMENT = "x-txbox-segment"
 HEADER_CONCURRENCY = "x-txbox-concurrency"
 # The outbox row's priority (a smallint; the AMQP priority property holds only 0-255).
 HEADER_PRIORITY = "x-txbox-priority"
-# W3C trace context (docs/architecture.md, "Tracing"); a foreign publisher's are joined too.
+# W3C trace context (docs/explanation/operations.md, "Tracing"); a foreign publisher's are joined too.
 HEADER_TRACEPARENT = "traceparent"
 HEADER_TRACESTATE = "tracestate"
 # Key of the trace context in the outbox and inbox rows' ``metadata``.
 METADATA_TRACE = "trace"
-# A message's expiry (docs/architecture.md, "Expiry and filters"): on the wire an ISO 8601
+# A message's expiry (docs/explanation/receive.md, "Expiry and filters"): on the wire an ISO 8601
 # UTC time in this header, which Mosaic's libraries ignore; in the outbox and inbox rows'
 # ``metadata`` seconds since the Unix epoch under this key.
 HEADER_EXPIRES_AT = "x-txbox-expires-at"
 METADATA_EXPIRES_AT = "expires_at"
 # Control headers only our own daemons may set: a receiver honours them from trusted broker
-# users only (docs/architecture.md, "Receiver intake").
+# users only (docs/explanation/receive.md, "Receiver intake").
 CONTROL_HEADERS = (
     HEADER_SEGMENT,
     HEADER_CONCURRENCY,
@@ -75,7 +75,7 @@ HEADER_LAST_DEATH_EXCHANGE = "x-last-death-exchange"
 # Headers RabbitMQ writes when it dead-letters a message. A sender's own (forged, or
 # malformed: an ``x-death`` list holding a string) make RabbitMQ 3.10's dead-lettering
 # crash when that message next dies, e.g. when a copy expires from a delay queue
-# (docs/architecture.md, "Receiver intake"): copies of a stranger's delivery drop them.
+# (docs/explanation/receive.md, "Receiver intake"): copies of a stranger's delivery drop them.
 BROKER_DEATH_HEADERS = (
     HEADER_DEATH,
     HEADER_FIRST_DEATH_QUEUE,
@@ -138,7 +138,7 @@ def mosaic_queue(service: str, queue: str) -> str:
     """The queue Mosaic's message bus consumes a channel from: `<service>:<bindings.amqp.queue.name>`.
 
     ``service`` is the receiving service (the consumer of a command, the subscriber of an
-    event); ``queue`` the channel's binding name (docs/architecture.md, "Mosaic compatibility").
+    event); ``queue`` the channel's binding name (docs/explanation/receive.md, "Mosaic compatibility").
     """
     return f"{service}:{queue}"
 
@@ -148,7 +148,7 @@ def receiver_lock_key(service: str) -> int:
 
     A signed 64-bit number (``pg_try_advisory_lock(bigint)``) derived from the inbox
     queue's name, so every replica of the receiver computes the same key
-    (docs/architecture.md, "Replicas of every daemon").
+    (docs/explanation/operations.md, "Replicas of every daemon").
     """
     return _lock_key(f"txbox receiver {inbox_queue(service)}")
 
@@ -158,7 +158,7 @@ def pruner_lock_key(service: str, table: str) -> int:
 
     Derived like :func:`receiver_lock_key`, so every replica of the publisher (outbox) or
     the worker (inbox) computes the same key and only one of them prunes at a time
-    (docs/architecture.md, "Retention").
+    (docs/explanation/operations.md, "Retention").
     """
     return _lock_key(f"txbox pruner {service} {table}")
 
@@ -274,21 +274,21 @@ def notify_channel(schema: str, table: str) -> str:
 
 #: The transaction-local setting that, set to ``off``, leaves the inbox's insert NOTIFY out:
 #: the receiver of `txbox run` sets it when it hands the rows to its own worker
-#: (docs/architecture.md, "The hand-off in one process"; migration 0011).
+#: (docs/explanation/daemons.md, "The hand-off in one process"; migration 0011).
 QUIET_NOTIFY_SETTING = "txbox.notify"
 
 
 def inbox_help_channel(schema: str) -> str:
     """The channel the worker replica that listens on the inbox's inserts NOTIFYs when its
     claim came back full, waking the other replicas of ``schema``'s workers
-    (docs/architecture.md, "Wake-ups")."""
+    (docs/explanation/daemons.md, "Wake-ups")."""
     return f"{schema}_{INBOX}_help"
 
 
 def worker_listener_lock_key(schema: str) -> int:
     """The advisory lock key held, on its LISTEN connection, by the one worker replica that
     listens on ``schema``'s inbox inserts (signed 64-bit). Keyed by the schema: the replicas
-    that claim from one inbox are those of one service (docs/architecture.md, "Replicas of
+    that claim from one inbox are those of one service (docs/explanation/operations.md, "Replicas of
     every daemon")."""
     return _lock_key(f"txbox worker listener {schema}")
 
@@ -330,7 +330,7 @@ def mosaic_message_type(schema_title: str) -> str:
     return _KIND_SUFFIX.sub("", pascal_case(schema_title))
 
 
-# --- names a contract gives (docs/architecture.md, "Contracts are outside input") ---------
+# --- names a contract gives (docs/explanation/receive.md, "Contracts are outside input") ---------
 # They reach routing keys, queue names, metric labels, SQL rows and generated Python, so
 # each is checked against one of these at load (fullmatch, after a length check: the
 # patterns never see more than MAX_NAME characters).

@@ -53,7 +53,7 @@ class Outbox:
     ordinal. Sends inside a savepoint (``begin_nested()``) that is rolled back are undone
     here too: their rows leave ``written`` (and the worker's batch) and their ordinals are
     given back, so the ids of what a run keeps do not depend on the savepoints that failed
-    on the way (docs/architecture.md, "Ids of the messages a handler sends").
+    on the way (docs/explanation/write.md, "Ids of the messages a handler sends").
     """
 
     def __init__(
@@ -151,15 +151,15 @@ class Outbox:
 
         ``message_version`` defaults to the contract's current version of the message
         (``x-message-version``), else 1.0; the payload is validated against the schema of
-        the version it is written as (docs/architecture.md, "Message versions").
+        the version it is written as (docs/explanation/receive.md, "Message versions").
 
         ``ttl`` (a timedelta or seconds): the message expires that long after this call, on
         this process's clock; once expired it is dead-lettered as ``expired`` wherever it
-        waits instead of being handled (docs/architecture.md, "Expiry and filters").
+        waits instead of being handled (docs/explanation/receive.md, "Expiry and filters").
 
         ``tenant_id`` and ``environment_id`` fill a multi-tenant message's routing key;
         inside a handler they default to the ones its message came with
-        (docs/architecture.md, "Multi-tenant routing keys"). A multi-tenant message without
+        (docs/explanation/receive.md, "Multi-tenant routing keys"). A multi-tenant message without
         them, or another message with them, raises ContractError.
         """
         payload = dict(payload)
@@ -177,7 +177,7 @@ class Outbox:
             message_context = self._incoming.message_context if self._incoming is not None else {}
         if auth_token is None and self._incoming is not None:
             # A handler's messages act for whoever sent its message; auth_token="" sends none
-            # (docs/architecture.md, "Handler middleware and the permission guard").
+            # (docs/explanation/handle.md, "Handler middleware and the permission guard").
             auth_token = self._incoming.auth_token
         aggregate = str(aggregate_id)
         metadata: dict[str, Any] = {}
@@ -188,7 +188,7 @@ class Outbox:
             metadata[names.METADATA_EXPIRES_AT] = expires_at
         if auth_token:
             metadata["auth_token"] = auth_token
-        # The span current now is the message's parent (docs/architecture.md, "Tracing").
+        # The span current now is the message's parent (docs/explanation/operations.md, "Tracing").
         trace = tracing.current()
         if trace is not None:
             metadata[names.METADATA_TRACE] = trace
@@ -256,7 +256,7 @@ class Outbox:
         if self._asyncio:
             raise TypeError(
                 "an AsyncSession's or AsyncConnection's outbox rows reach the table with its commit; "
-                'read them back after it (docs/architecture.md, "Async outbox")'
+                'read them back after it (docs/explanation/write.md, "Async outbox")'
             )
         if self._deferred is None:
             outbox_commit.write_held(self._connection())

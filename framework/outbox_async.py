@@ -1,4 +1,4 @@
-"""Outbox writes into an asyncio transaction (docs/architecture.md, "Async outbox").
+"""Outbox writes into an asyncio transaction (docs/explanation/write.md, "Async outbox").
 
 ``service.outbox(session)`` also takes SQLAlchemy's ``AsyncSession`` and
 ``AsyncConnection``; ``send_command`` and ``publish_event`` stay plain calls, so they

@@ -1,4 +1,4 @@
-"""Outbox rows that travel with the caller's COMMIT (docs/architecture.md, "Outbox writes").
+"""Outbox rows that travel with the caller's COMMIT (docs/explanation/write.md, "Outbox writes").
 
 A one-row business transaction is a few round trips: BEGIN, its statement and COMMIT.
 An outbox INSERT of its own would be one more, and parsing and planning a wide INSERT
@@ -24,7 +24,7 @@ reach another transaction on the same pooled connection.
 
 An asyncio connection (SQLAlchemy's ``AsyncConnection`` with psycopg) runs
 these same listeners inside SQLAlchemy's greenlet; the pipeline then waits for the
-socket on the event loop (docs/architecture.md, "Async outbox"). Its writer does no I/O
+socket on the event loop (docs/explanation/write.md, "Async outbox"). Its writer does no I/O
 of its own, so rows written inside a savepoint are held too (``savepoints=True``): they
 are inserted in one pipeline just before its RELEASE, and dropped when it rolls back.
 

@@ -1,6 +1,6 @@
 """What became of one message in a daemon, as enums rather than loose strings.
 
-The values are the words the logs, metrics and docs use (docs/architecture.md,
+The values are the words the logs, metrics and docs use (docs/explanation/handle.md,
 "Outcomes"); being ``StrEnum`` members they compare and format as those words.
 """
 

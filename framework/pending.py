@@ -1,7 +1,7 @@
 """What is pending: the unfinished rows of the outbox and the inbox, as named SQL for people.
 
 `txbox outbox list`, `txbox inbox list` and the dashboard's pending page read through
-here (docs/architecture.md, "What is pending"). Each pending row is in exactly one
+here (docs/explanation/dead-letters.md, "What is pending"). Each pending row is in exactly one
 *state*, the first that holds of:
 
 - ``leased``: a claim holds it now (``started_attempts > finished_attempts`` and the
@@ -71,7 +71,7 @@ def list_pending(conn: psycopg.Connection[Any], schema: str, filters: Filters) -
     """Up to ``filters.limit`` pending rows, highest priority then oldest first, each with its state and age."""
     query, params = pending_sql.list_query(schema, filters)
     rows = [dict(r) for r in conn.execute(query, params).fetchall()]
-    for row in rows:  # a cut never leaves part of a URL's password (docs/architecture.md, "Secrets")
+    for row in rows:  # a cut never leaves part of a URL's password (docs/explanation/operations.md, "Secrets")
         row["last_error"] = redaction.clip(row["last_error"], pending_sql.ERROR_CHARS)
     return rows
 

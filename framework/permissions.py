@@ -7,7 +7,7 @@ the token grants every permission. A missing, invalid or insufficient token rais
 :class:`~framework.errors.Unauthorized`: the message is dead-lettered at once with reason
 ``unauthorized``. A JWKS endpoint that cannot be reached is not the message's fault: a
 :class:`~framework.errors.RetryableError`. The token itself appears in no error text
-(docs/architecture.md, "Handler middleware and the permission guard").
+(docs/explanation/handle.md, "Handler middleware and the permission guard").
 
 The configuration (``TXBOX_JWT_*``, :class:`JwtSettings`) is read and checked when the
 service starts (``Service.check()``), and PyJWT is imported then: the ``jwt`` extra.

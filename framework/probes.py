@@ -4,7 +4,7 @@
 not for longer than the stuck bound (a hung handler, a deadlocked loop: restarting
 helps). ``/readyz`` is 200 only while every daemon has its dependencies (PostgreSQL;
 RabbitMQ with the topology declared, for the daemons that use it): an outage makes a
-pod unready, not restarted (docs/architecture.md, "Probes, logs and liveness"). Both
+pod unready, not restarted (docs/explanation/operations.md, "Probes, logs and liveness"). Both
 answer JSON saying which daemon is at fault.
 """
 
@@ -55,7 +55,7 @@ class MaskedRegistry(Collector):
 
     Label values come from rows (an outbox or inbox row's ``message_type``, whatever
     wrote it), so one can quote a URL or a DSN; masked here, where the text leaves the
-    process, whichever metric carries it (docs/architecture.md, "Secrets"). Two values
+    process, whichever metric carries it (docs/explanation/operations.md, "Secrets"). Two values
     that differ only in a password would show as one series twice: never for a type
     of the contracts, which a URL is not.
     """

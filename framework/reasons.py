@@ -2,7 +2,7 @@
 
 The values are stored in ``txbox.dead_letters.reason``, shown by ``txbox dlq`` and the
 dashboard, used as a metric label and read by code outside txbox: never change a
-spelling, only add members (docs/architecture.md, "Dead letters"). A ``StrEnum`` member
+spelling, only add members (docs/explanation/dead-letters.md, "Dead letters"). A ``StrEnum`` member
 is its string everywhere it goes (psycopg, JSON, pika headers, Prometheus labels).
 
 Two kinds of reason are not members: what RabbitMQ itself dead-lettered is
@@ -24,7 +24,7 @@ class Reason(StrEnum):
     NOT_OBJECT = "not_object"
     MISSING_FIELD = "missing_field"
     INVALID_FIELD = "invalid_field"
-    # The receiver refused a well-formed envelope (docs/architecture.md, "Receiver intake").
+    # The receiver refused a well-formed envelope (docs/explanation/receive.md, "Receiver intake").
     UNKNOWN_MESSAGE_TYPE = "unknown_message_type"
     SCHEMA_INVALID = "schema_invalid"
     TOO_LARGE = "too_large"
@@ -35,13 +35,13 @@ class Reason(StrEnum):
     UNSTORABLE = "unstorable"  # PostgreSQL refused the row for a reason of the data (e.g. \u0000 in JSON)
     REDELIVERY_LIMIT = "redelivery_limit"
     RETRIES_EXHAUSTED = "retries_exhausted"  # the broker-level delay/retry chain used up
-    # The worker gave up (docs/architecture.md, "Outcomes").
+    # The worker gave up (docs/explanation/handle.md, "Outcomes").
     MAX_ATTEMPTS = "max_attempts"  # also the relay's: publishing failed that often
     PERMANENT_ERROR = "permanent_error"
     POISON = "poison"
     NO_HANDLER = "no_handler"  # a message type this process has no handler for
     UNAUTHORIZED = "unauthorized"  # auth_token missing, invalid or short of the handler's permissions
-    # An event's signature did not pass its producer's policy (docs/architecture.md, "Event signing").
+    # An event's signature did not pass its producer's policy (docs/explanation/receive.md, "Event signing").
     SIGNATURE_MISSING = "signature_missing"
     SIGNATURE_INVALID = "signature_invalid"
     SIGNING_KEY_UNKNOWN = "signing_key_unknown"
@@ -49,7 +49,7 @@ class Reason(StrEnum):
     UNROUTABLE = "unroutable"
     NACKED = "nacked"
     # The message's time to live ran out before it was handled, wherever it waited
-    # (docs/architecture.md, "Expiry and filters").
+    # (docs/explanation/receive.md, "Expiry and filters").
     EXPIRED = "expired"
     # The last resort: txbox failed to judge or store the input; what could be kept is kept.
     INTERNAL_ERROR = "internal_error"

@@ -196,7 +196,7 @@ def mask_credentials(text: str) -> str:
     ``sslpassword``, ``PGPASSWORD``). A password may hold ``@ : / ? #`` and quotes: the
     userinfo ends at the last ``@`` before a blank or the next URL, so when in doubt more is
     masked, never less. Not caught: a raw blank inside a URL's password (not a valid URL).
-    Linear on any input: every repetition is bounded or possessive (docs/architecture.md, "Secrets").
+    Linear on any input: every repetition is bounded or possessive (docs/explanation/operations.md, "Secrets").
     """
     lowered = text.lower()
     if "://" not in text and "pass" not in lowered and "pwd" not in lowered:
@@ -221,7 +221,7 @@ def credentials_masked(value: Any) -> Any:
     """A copy of a JSON-like ``value`` with every string, keys too, through :func:`mask_credentials`.
 
     For an exit whose data may have been masked already (:func:`masked` is not
-    idempotent, this is): the dashboard's JSON answers (docs/architecture.md, "Secrets")."""
+    idempotent, this is): the dashboard's JSON answers (docs/explanation/operations.md, "Secrets")."""
     if isinstance(value, dict):
         return {credentials_masked(k): credentials_masked(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -5,7 +5,7 @@ of its own: every ``TXBOX_RETENTION_INTERVAL`` one *pass*, if it takes the table
 advisory lock (one pruner per table and service however many replicas run), deletes the
 rows that may go in pages of ``TXBOX_RETENTION_BATCH_SIZE``, each page its own short
 transaction, so no lock and no snapshot lasts longer than one page. Which rows go
-(framework/sql/retention.py; docs/architecture.md, "Retention"):
+(framework/sql/retention.py; docs/explanation/operations.md, "Retention"):
 
 - processed (outbox: published) longer ago than the table's retention;
 - abandoned longer ago than the table's retention once no dead letter of the message

@@ -1,4 +1,4 @@
-"""`txbox new SERVICE`: a service to start from (docs/architecture.md, "A new service").
+"""`txbox new SERVICE`: a service to start from (docs/explanation/development.md, "A new service").
 
 The folder is a Python package: a contract with one command (and the event its handler
 publishes), the handler, the service's own tables with an Alembic history beside the

@@ -2,7 +2,7 @@
 
 A handler may declare ``selector = "..."``; the receiver then stores only the messages
 of its type the selector matches, and acks and counts the others without storing them
-(docs/architecture.md, "Expiry and filters"). The language is a small part of SQL's
+(docs/explanation/receive.md, "Expiry and filters"). The language is a small part of SQL's
 (as JMS message selectors are)::
 
     expr    := and ( OR and )*

@@ -103,7 +103,7 @@ class Service:
         """Add a handler instance; conflicts are reported by :meth:`check`.
 
         Its ``selector`` is parsed here, so a malformed one stops the start with its position
-        (docs/architecture.md, "Expiry and filters").
+        (docs/explanation/receive.md, "Expiry and filters").
         """
         if isinstance(handler, type):
             raise TypeError(f"register an instance: service.register({handler.__name__}())")
@@ -159,7 +159,7 @@ class Service:
         self, session: Session | Connection | AsyncSession | AsyncConnection, *, incoming: Message | None = None
     ) -> Outbox:
         """An outbox writing into ``session``'s current transaction (blocking or asyncio:
-        docs/architecture.md, "Async outbox")."""
+        docs/explanation/write.md, "Async outbox")."""
         return Outbox(
             session,
             self.registry,

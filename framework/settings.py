@@ -223,7 +223,7 @@ class Settings:
 NO_DATABASE_URL = "postgresql+psycopg://txbox-uses-no-database.invalid/none"
 
 
-# Hide the password of a URL in messages: the one masker (docs/architecture.md, "Secrets").
+# Hide the password of a URL in messages: the one masker (docs/explanation/operations.md, "Secrets").
 mask_url = _mask = redaction.mask_credentials
 
 MAX_AMQP_URLS = 64
@@ -234,7 +234,7 @@ def amqp_urls(value: str) -> list[str]:
     """The broker addresses in ``TXBOX_AMQP_URL``: one URL, or several separated by commas.
 
     Several URLs name the nodes of one RabbitMQ cluster; a daemon tries them in turn
-    (docs/architecture.md, "A RabbitMQ cluster"). Blanks around commas are ignored.
+    (docs/explanation/operations.md, "A RabbitMQ cluster"). Blanks around commas are ignored.
     """
     example = (
         "Example: TXBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2F or, for a cluster, "
@@ -275,7 +275,7 @@ class DedupSettings:
 @dataclass(frozen=True, kw_only=True)
 class RetentionSettings(FromEnv):
     """How long finished rows stay: the publisher prunes the outbox, the worker the inbox
-    (framework/retention.py; docs/architecture.md, "Retention"). ``0`` turns a rule off."""
+    (framework/retention.py; docs/explanation/operations.md, "Retention"). ``0`` turns a rule off."""
 
     outbox_retention: Seconds = setting(
         "TXBOX_OUTBOX_RETENTION",
@@ -329,7 +329,7 @@ class RetentionSettings(FromEnv):
         """Seconds after which a processed inbox row goes (0: never); fails if set inside the window.
 
         Deleting a row forgets its id, so a retention shorter than ``TXBOX_DEDUP_WINDOW``
-        would let a late duplicate run again (docs/architecture.md, "Dedup memory").
+        would let a late duplicate run again (docs/explanation/guarantees.md, "Dedup memory").
         """
         if self.inbox_retention is None:
             return max(7 * 86400.0, dedup_window)

@@ -1,6 +1,6 @@
 """Event signatures as Mosaic's message bus makes and checks them.
 
-docs/architecture.md, "Event signing". A signed event carries two AMQP headers:
+docs/explanation/receive.md, "Event signing". A signed event carries two AMQP headers:
 ``x-mosaic-signature``, the base64 RSA-SHA256 (PKCS#1 v1.5) signature of the body's
 bytes, and ``x-mosaic-signature-key-version``, the version (a whole number) of the
 producer's key. The body is the envelope as sent: a verifier checks the bytes it
@@ -370,7 +370,7 @@ def parse_policies(text: str) -> tuple[dict[str, Policy], Policy | None]:
 
 @dataclass(frozen=True, kw_only=True)
 class SigningConfig(FromEnv):
-    """Event signing (``TXBOX_SIGNING_*``; docs/architecture.md, "Event signing")."""
+    """Event signing (``TXBOX_SIGNING_*``; docs/explanation/receive.md, "Event signing")."""
 
     key_file: str = setting(
         "TXBOX_SIGNING_KEY_FILE",

@@ -1,6 +1,6 @@
 """Producers' public signing keys fetched from a URL: a JWKS document or Mosaic's key service.
 
-docs/architecture.md, "Event signing". Two shapes of answer, one per
+docs/explanation/receive.md, "Event signing". Two shapes of answer, one per
 ``TXBOX_SIGNING_KEYS_FORMAT``:
 
 - ``jwks``: a JSON Web Key Set (RFC 7517) fetched with ``GET``. Each key is RSA (``kty``
@@ -62,7 +62,7 @@ MAX_MODULUS_CHARS = 1400
 MAX_KEY_CHARS = 8192  # a key service entry's base64 SubjectPublicKeyInfo (RSA-8192: ~1,400)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
-# What Mosaic's message bus asks its key service (docs/architecture.md, "Event signing").
+# What Mosaic's message bus asks its key service (docs/explanation/receive.md, "Event signing").
 KEY_SERVICE_QUERY = (
     "query GetPublicSigningKeys($filter: PublicKeyFilter!) {\n"
     "  publicKeys(filter: $filter) {\n"

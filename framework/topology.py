@@ -6,7 +6,7 @@ queue; Mosaic's shared ``delay:<n>s`` queues, declared with exactly the argument
 Mosaic's libraries give them (:func:`mosaic_delay_queue`), and txbox's own
 ``delay:<n>s:at-least-once`` queues that its delayed retries wait in (:func:`delay_queue`).
 Every declaration matches what a Mosaic service declares for the same name, so a txbox
-service and a Mosaic service start on one vhost in either order (docs/architecture.md,
+service and a Mosaic service start on one vhost in either order (docs/explanation/receive.md,
 "Mosaic compatibility").
 """
 

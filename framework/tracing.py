@@ -1,4 +1,4 @@
-"""W3C trace context across the outbox, the broker and the inbox (docs/architecture.md, "Tracing").
+"""W3C trace context across the outbox, the broker and the inbox (docs/explanation/operations.md, "Tracing").
 
 Built on the OpenTelemetry API alone: without an SDK its spans record nothing, yet a
 context that came in still goes out (the API's no-op spans carry their parent's ids), so
@@ -32,7 +32,7 @@ from framework import names, redaction
 from framework.errors import ConfigurationError
 
 # The W3C propagator itself rather than the global one: the headers are fixed by name
-# whatever OTEL_PROPAGATORS says (docs/architecture.md, "Tracing").
+# whatever OTEL_PROPAGATORS says (docs/explanation/operations.md, "Tracing").
 _W3C = TraceContextTextMapPropagator()
 
 # A version-00 traceparent has 55 characters; later versions may only append fields.
@@ -95,7 +95,7 @@ def extract(headers: Mapping[str, Any] | None) -> Context:
 
 # Parsed contexts, by their header text: a business transaction's rows share their
 # writer's context, so a worker meets the same one for a whole batch of messages, and
-# parsing it is most of what making it current costs (docs/architecture.md, "Tracing").
+# parsing it is most of what making it current costs (docs/explanation/operations.md, "Tracing").
 # A Context is immutable, so one object serves every message that carries the same text.
 @functools.lru_cache(maxsize=256)
 def _remote(traceparent: str, tracestate: str | None) -> Context:
@@ -167,7 +167,7 @@ def _format(context: trace.SpanContext) -> Carrier:
 def recording() -> bool:
     """A tracer provider is set, so spans may record. Without one every span is the API's
     no-op, and a hot path may skip building it: making the incoming context current is
-    all such a span does (docs/architecture.md, "Tracing")."""
+    all such a span does (docs/explanation/operations.md, "Tracing")."""
     return recording_tracer() is not None
 
 
@@ -195,7 +195,7 @@ def failed(span: trace.Span, exc: BaseException) -> None:
     """Mark ``span`` failed by ``exc``; never raises, and the text is redacted and bounded.
 
     An exception's ``__str__`` is a handler's code and may fail, and its text may carry a
-    secret (docs/architecture.md, "Secrets"): spans leave the process with the exporter.
+    secret (docs/explanation/operations.md, "Secrets"): spans leave the process with the exporter.
     """
     try:
         text = str(exc)
@@ -247,7 +247,7 @@ def batch_spans(
 ) -> list[trace.Span]:
     """The spans of one batch that covers many traces, linked to each distinct context of
     ``carriers`` (:func:`carrier_from` results, see :func:`distinct_contexts`;
-    docs/architecture.md, "Tracing"); the caller ends them.
+    docs/explanation/operations.md, "Tracing"); the caller ends them.
 
     One span per :data:`MAX_LINKS` contexts (at least one), so no link is built that the
     SDK would drop. Each is given its links at start, as the OpenTelemetry specification
@@ -275,7 +275,7 @@ def batch_spans(
 class CurrentSpan:
     """Makes ``span`` current while the ``with`` block runs, and ends it after.
 
-    The per-message form of ``trace.use_span`` (docs/architecture.md, "Tracing"): one
+    The per-message form of ``trace.use_span`` (docs/explanation/operations.md, "Tracing"): one
     attach and one detach, no generator-based context managers. An exception out of the
     block marks the span failed through :func:`failed` (never the SDK's own recording,
     which calls ``str()`` on the exception: one whose ``__str__`` raises would replace

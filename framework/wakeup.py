@@ -1,7 +1,7 @@
 """The event a daemon sleeps on between claims, and the two ways it spends fewer wake-ups.
 
 A wake-up, not a message, is the unit of a daemon's cost: each pays a whole cycle
-(claim, then publish or handle, then commit). So (docs/architecture.md, "Wake-ups"):
+(claim, then publish or handle, then commit). So (docs/explanation/daemons.md, "Wake-ups"):
 
 - **A window under load.** When NOTIFYs come closer together than
   :data:`WINDOW_FROM`, a daemon woken from sleep by one waits (up to :data:`WINDOW_MAX`,
@@ -27,7 +27,7 @@ WINDOW_FROM = 0.005  # seconds: NOTIFYs at least this far apart get no window
 # Seconds: the longest window, for NOTIFYs 2.5 ms apart or closer. At 500 msg/s a 5 ms
 # window took the pipeline from 1.42-1.45 to 1.18-1.21 cores and its p50 from 15-16 to
 # 13-14 ms (the CPU it saved was time spent queueing for a core); 3 ms saved less, 10 ms
-# more CPU but cost latency (docs/architecture.md, "Wake-ups").
+# more CPU but cost latency (docs/explanation/daemons.md, "Wake-ups").
 WINDOW_MAX = 0.005
 HOLD_FIRST = 0.005  # seconds a replica holds NOTIFYs back after its first empty claim
 HOLD_MAX = 0.1  # seconds: the longest hold, bounded by the poll interval too
@@ -37,7 +37,7 @@ _SMOOTHING = 0.25  # weight of the newest gap between two NOTIFYs in their runni
 class Pace:
     """When to claim after NOTIFYs: the window under load and a replica's hold (the module's
     text). Pure state, for the one thread that owns it: :class:`Wakeup` for a loop that
-    sleeps on an event, and the relay's loop directly (docs/architecture.md, "One thread
+    sleeps on an event, and the relay's loop directly (docs/explanation/daemons.md, "One thread
     per daemon")."""
 
     def __init__(self, *, hold_max: float = HOLD_MAX) -> None:

@@ -1,5 +1,5 @@
 """A key source the tests serve themselves over loopback HTTP: a JWKS document or Mosaic's
-key service, honest or hostile (docs/architecture.md, "Event signing").
+key service, honest or hostile (docs/explanation/receive.md, "Event signing").
 
 ``answer`` is what the next request gets and may be changed while the server runs (key
 rotation, a hostile turn): ``Answer(body=...)`` or one of the hostile kinds. Every request

@@ -1,7 +1,7 @@
 """The order service's HTTP API: the web front end of the saga (Starlette on uvicorn).
 
 ``POST /orders`` stores the order and sends PlaceOrder in one ``AsyncSession``
-transaction: both commit together or neither does (docs/architecture.md, "Async
+transaction: both commit together or neither does (docs/explanation/write.md, "Async
 outbox"). ``GET /orders/{id}`` shows where the order stands. Run it with::
 
     TXBOX_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/txbox_demo_orders \\

@@ -1,6 +1,6 @@
 """`txbox archive`: move processed and abandoned rows older than a cutoff to Parquet, as a Spark job.
 
-The same job shape as `txbox analyze` (docs/architecture.md, "The Spark job on a
+The same job shape as `txbox analyze` (docs/explanation/analytics.md, "The Spark job on a
 cluster"): the session of framework/analytics/session.py (local by default, or
 ``--master spark://HOST:7077``, or spark-submit), the partitioned JDBC reads of
 framework/analytics/read.py, and a location that is a URI (``file://``, ``hdfs://``,
@@ -13,7 +13,7 @@ Layout (Hive-style, read by `txbox analyze --history URI`, Spark and pyarrow.dat
 
 ``day`` is the UTC day of ``created_at``; ``message_type`` lives in the path, not in the
 file. uuid and jsonb columns are stored as strings (JSON text), timestamps as UTC
-microseconds; ``metadata`` never holds an ``auth_token`` (docs/architecture.md, "Secrets").
+microseconds; ``metadata`` never holds an ``auth_token`` (docs/explanation/operations.md, "Secrets").
 
 Crash safety without renames or fsync (which object stores and HDFS clients do not
 offer): the manifest of every batch is a row of ``txbox.archive_batches``
@@ -118,7 +118,7 @@ def select_list(table: Table) -> str:
     for c in table.columns:
         if c.name in NOT_IN_FILES:
             continue
-        # Archives never hold an auth_token (docs/architecture.md, "Secrets").
+        # Archives never hold an auth_token (docs/explanation/operations.md, "Secrets").
         name = f"({c.name} - 'auth_token')" if c.name == "metadata" else c.name
         cols.append(f"{name}::text AS {c.name}" if isinstance(c.type, UUID | JSONB) else c.name)
     cols.append("to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS day")

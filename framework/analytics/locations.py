@@ -7,7 +7,7 @@ unless it names storage the driver and every executor share. So a location is a 
 Hadoop's file systems as it is, never through :class:`pathlib.Path` (which turns
 ``s3a://b/x`` into the local path ``s3a:/b/x``). A plain path is taken as a local file
 on the driver's side and made absolute, because an executor's working directory is not
-the driver's. See docs/architecture.md, "The Spark job on a cluster".
+the driver's. See docs/explanation/analytics.md, "The Spark job on a cluster".
 
 The pure part (parsing) needs no pyspark; the checks against the file system go through
 the running session's Hadoop configuration, so they see exactly what the job will see.

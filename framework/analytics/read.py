@@ -10,7 +10,7 @@ daemons' claims. So the job never opens one long transaction:
   only as long as that slice (~100k rows, about a second). Quantiles, not equal strides
   between min and max: traffic comes in bursts and one old pending row stretches the
   range, and equal strides would then put nearly every row in one partition, read by one
-  executor while the others wait (docs/architecture.md, "The Spark job on a cluster");
+  executor while the others wait (docs/explanation/analytics.md, "The Spark job on a cluster");
 - only a bounded window is read (``created_at >= now - window``, plus rows still
   pending, which sit on the small partial index), so the cost does not grow with history;
 - sessions are read-only and carry a statement timeout, so a stuck read cannot pin a

@@ -4,7 +4,7 @@ The PostgreSQL JDBC driver comes from Debian (``/usr/share/java/postgresql.jar``
 ``spark.jars``, which also ships it to every executor (they fetch it from the driver);
 ``spark.jars.packages`` is never used because these machines reach no Maven repository.
 The job runs no Python on the executors (no UDF, no Python RDD), so they need Java and
-network reach, not a Python environment (docs/architecture.md, "The Spark job on a
+network reach, not a Python environment (docs/explanation/analytics.md, "The Spark job on a
 cluster"). UTC everywhere (session and JVM) so minute/hour buckets and the timestamp
 literals of the partitioned reads mean the same thing on every executor.
 
@@ -130,7 +130,7 @@ def local_frame(spark: SparkSession, rows: Sequence[Sequence[Any]], columns: Seq
 
     ``createDataFrame`` of Python rows is a Python RDD: the executor that computes it
     starts a Python worker, and the executors then need a Python with pyspark. Literals
-    keep the executors free of Python (docs/architecture.md, "The Spark job on a cluster").
+    keep the executors free of Python (docs/explanation/analytics.md, "The Spark job on a cluster").
     """
     from pyspark.sql import functions as F
 

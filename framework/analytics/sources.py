@@ -75,7 +75,7 @@ def jdbc_target(database_url: str) -> JdbcTarget:
 
     Several hosts (``?host=a:5432&host=b:5432&target_session_attrs=read-write``) become
     pgjdbc's ``jdbc:postgresql://a:5432,b:5432/db?targetServerType=primary``, so the job
-    follows a failover as the daemons do (docs/architecture.md, "PostgreSQL failover").
+    follows a failover as the daemons do (docs/explanation/operations.md, "PostgreSQL failover").
     """
     try:
         url = make_url(database_url)

@@ -7,7 +7,7 @@ Each sub-command lives in its own module exposing ``configure(parser)`` and
 Other distributions add sub-commands through the entry-point group :data:`COMMAND_GROUP`,
 each entry naming such a module with a one-line ``HELP`` besides; the repository's
 development tools (``bench``, ``chaos``, ``demo``) come that way, so the library's wheel
-holds none of them (docs/architecture.md, "The development tools").
+holds none of them (docs/explanation/development.md, "The development tools").
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def install_excepthooks() -> None:
     """Tracebacks that no log handler formats (an uncaught exception in the main thread or
     in any thread, an unraisable one) go to stderr through the same masker as the logs
     (redaction.redact_text): a driver's text quoting a URL or DSN loses its password
-    there too (docs/architecture.md, "Secrets"). Installed by :func:`main`, for the whole process."""
+    there too (docs/explanation/operations.md, "Secrets"). Installed by :func:`main`, for the whole process."""
     sys.excepthook = _excepthook
     threading.excepthook = _thread_excepthook
     sys.unraisablehook = _unraisablehook
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     except TxboxError as exc:
         # Our errors carry the fix in their text; a stack trace would only hide it.
-        # Masked: a driver's text can quote the DSN (docs/architecture.md, "Secrets").
+        # Masked: a driver's text can quote the DSN (docs/explanation/operations.md, "Secrets").
         print(f"txbox {name}: error: {redaction.mask_credentials(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

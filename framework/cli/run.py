@@ -1,6 +1,6 @@
 """`txbox run`: publisher, receiver, worker (and dead-letter collector) of one service in one process.
 
-The daemons run on one loop on the process's main thread (docs/architecture.md, "One
+The daemons run on one loop on the process's main thread (docs/explanation/daemons.md, "One
 loop per process"), each with its usual configuration (``TXBOX_PUBLISHER_*``,
 ``TXBOX_RECEIVER_*``, ``TXBOX_WORKER_*``, ``TXBOX_COLLECTOR_*``). They share one stop
 event: SIGTERM/SIGINT, or any daemon failing, stops all of them, each finishing the way
@@ -78,7 +78,7 @@ def build(service: Service, without: list[str] | tuple[str, ...] = ()) -> list[D
 
 class Supervisor:
     """Runs daemons on one loop, on the thread that calls :meth:`run`; the first failure,
-    or a daemon ending unasked, stops them all (docs/architecture.md, "One loop per process").
+    or a daemon ending unasked, stops them all (docs/explanation/daemons.md, "One loop per process").
 
     Everything here runs on that thread but :meth:`stop`, which any thread may call (a
     signal handler too: the daemons share one stop event, which each of them watches).

@@ -201,7 +201,7 @@ def _bucket(seconds: int) -> str:
 
 def shown(value: Any) -> Any:
     """Every value a page prints, on its way out: credentials of URLs and DSNs masked
-    (docs/architecture.md, "Secrets"). The rows were masked when read; this also covers
+    (docs/explanation/operations.md, "Secrets"). The rows were masked when read; this also covers
     what is not a row (a filter's choices, an error's text, whatever a page adds later).
     Markup is the page's own (charts drawn from numbers): it passes as it is."""
     if isinstance(value, str) and not isinstance(value, markupsafe.Markup):
@@ -339,7 +339,8 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             if other is not s:
                 with queries.connection(other.engine) as report:
                     found = reports_sql.analytics(report, other.schema, s.name, covering=True)
-        if found is not None:  # all message types in one figure per stage (docs/architecture.md)
+        # All message types in one figure per stage (docs/explanation/analytics.md, "Dashboard: latency per stage").
+        if found is not None:
             found["latency"] = latency.per_stage(found["latency"])
         return found
 

@@ -7,7 +7,7 @@ stand for the whole service. Here each part's percentiles are read as its distri
 (a quantile function through ``(0, 0)``, ``(0.5, p50)``, ``(0.9, p90)``, ``(0.99, p99)``
 and ``(1, max)``, linear between them), the parts are mixed in proportion to their
 samples, and the service's percentiles are read off the mix. A part alone keeps its own
-figures exactly; mean and max are exact (docs/architecture.md, "Dashboard: latency per
+figures exactly; mean and max are exact (docs/explanation/analytics.md, "Dashboard: latency per
 stage").
 """
 

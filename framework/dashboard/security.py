@@ -14,7 +14,7 @@ and discard are refused (403): a dashboard nobody secured must not change data.
 allow-list (DNS rebinding: a page of ``evil.example`` resolving to 127.0.0.1 would
 otherwise read the API as same-origin), refuses bodies over the size limit before
 anything parses them, and puts the security headers on every response, error pages
-included. See docs/architecture.md, "Secrets".
+included. See docs/explanation/operations.md, "Secrets".
 """
 
 from __future__ import annotations

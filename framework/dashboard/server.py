@@ -1,6 +1,6 @@
 """How the dashboard is served: uvicorn with limits, for `txbox dashboard`, benchmarks and tests.
 
-Limits (docs/architecture.md, "Secrets"): at most ``max_connections`` concurrent
+Limits (docs/explanation/operations.md, "Secrets"): at most ``max_connections`` concurrent
 connections (more get 503), request headers within ``header_timeout`` of connecting or
 of the previous response (uvicorn has no such timer: a client trickling headers would
 hold a connection forever), headers of at most 16 KiB, idle keep-alive closed after 5 s.

@@ -118,7 +118,7 @@ def letter_from_delivery(
     Whatever arrives (no, forged or malformed ``x-death`` and ``x-txbox-*`` headers,
     properties of the wrong type), the delivery becomes a letter: should judging it
     fail all the same, the letter of last resort (``internal_error``) with its body and
-    headers (see docs/architecture.md, "Dead letters").
+    headers (see docs/explanation/dead-letters.md, "Dead letters").
     """
     try:
         return _letter_from_delivery(properties, body, routing_key)

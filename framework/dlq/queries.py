@@ -3,7 +3,7 @@ with, the overview card and the timeline's buckets.
 
 The statements are in framework/sql/: the dead letters' reads in ``dead_letters.py``, the
 inbox's and outbox's numbers and the timeline's counts in ``messages.py``, the report
-tables in ``reports.py`` (docs/architecture.md, "Tables and their SQL").
+tables in ``reports.py`` (docs/explanation/daemons.md, "Tables and their SQL").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Replay semantics (each covered by tests/integration/dlq/test_dlq_replay.py and
 test_replay_route.py). Every letter is first judged by :func:`framework.dlq.route.route`:
 its parts must agree with each other and with the route this service's contracts give
-its type, or it is refused and stays open (docs/architecture.md, "Dead letters").
+its type, or it is refused and stays open (docs/explanation/dead-letters.md, "Dead letters").
 
 * **inbox** letters (the worker abandoned the message): the inbox row is reset in the
   transaction that marks the letter replayed — ``abandoned_at``/``last_error`` cleared,

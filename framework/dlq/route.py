@@ -2,7 +2,7 @@
 
 A letter holds what a sender wrote (or a stranger who published to the ``dead_letter``
 exchange, or a row someone inserted), and a replay acts under this service's database and
-broker users. So nothing of the letter is taken on trust (docs/architecture.md, "Dead
+broker users. So nothing of the letter is taken on trust (docs/explanation/dead-letters.md, "Dead
 letters"): its message type is looked up in the contracts, which give the kind, exchange
 and routing key, and every claim the letter makes about them — the ``message_type`` and
 ``routing_key`` columns, the envelope's fields, the stored AMQP ``type`` and
@@ -88,7 +88,7 @@ def route(letter: dict[str, Any], registry: Registry, service: str) -> Route:
     )
     exchange = names.exchange_for(spec.kind)
     # A multi-tenant message's key names its tenant: every key the letter holds must be that
-    # one key (docs/architecture.md, "Multi-tenant routing keys").
+    # one key (docs/explanation/receive.md, "Multi-tenant routing keys").
     agreed: str | None = None
     for where, key in _keys(letter, headers, attempts, service):
         if not spec.routes(key) or (agreed is not None and key != agreed):

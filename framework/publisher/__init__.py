@@ -1,5 +1,5 @@
 """The direct-send client: :class:`Publisher` publishes with streamed confirms, each send a
-future completed on the broker's confirm (docs/architecture.md, "Direct sends"). The outbox
+future completed on the broker's confirm (docs/explanation/write.md, "Direct sends"). The outbox
 relay daemon (:mod:`framework.relay`) is built on it; :class:`AsyncPublisher` is its awaitable
 face for async code.
 """

@@ -1,5 +1,5 @@
 """Direct sends from async code: :class:`AsyncPublisher`, the awaitable face of
-:class:`~framework.publisher.confirms.Publisher` (docs/architecture.md, "Direct sends
+:class:`~framework.publisher.confirms.Publisher` (docs/explanation/write.md, "Direct sends
 from async code").
 
 It wraps a Publisher rather than repeating it: confirms, send-order completions,

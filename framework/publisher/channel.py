@@ -3,10 +3,10 @@
 :class:`ConfirmChannel` owns one ``SelectConnection`` and its channel in confirm mode on an
 ``IOLoop`` that the caller's thread runs; every method and every callback runs on that
 thread, so nothing in it is locked. The relay runs it on its own loop beside its database
-socket (docs/architecture.md, "One thread per daemon"); :class:`~framework.publisher.Publisher`
+socket (docs/explanation/daemons.md, "One thread per daemon"); :class:`~framework.publisher.Publisher`
 runs it on a loop thread of its own for application code that sends from any thread.
 
-Completion semantics (the Jakarta Messaging async-send rules, docs/architecture.md "Direct sends"):
+Completion semantics (the Jakarta Messaging async-send rules, docs/explanation/write.md "Direct sends"):
 
 - a send completes when the broker confirms it (``basic.ack``), or fails with
   :class:`~framework.errors.PublishError` when it is nacked, returned as unroutable
@@ -79,7 +79,7 @@ class Outgoing:
 class ConfirmChannel:
     """A connection and a confirm channel on ``ioloop``; all of it runs on the loop's thread.
 
-    ``open()`` connects to the URL's nodes in turn (docs/architecture.md, "A RabbitMQ
+    ``open()`` connects to the URL's nodes in turn (docs/explanation/operations.md, "A RabbitMQ
     cluster") and returns at once; ``on_change(channel)`` runs when the channel opened,
     broke (connection lost, the nodes all refused, a nack streak) or closed. ``publish``
     sends at once; ``on_completed(n)`` runs after each round of completions with their
@@ -214,7 +214,7 @@ class ConfirmChannel:
     def _on_connection_blocked(self, _conn: pika.SelectConnection, frame: pika.frame.Method) -> None:
         """RabbitMQ stopped reading our publishes (``connection.blocked``): sends wait for their
         confirm until it unblocks, or pika drops the connection after ``blocked_connection_timeout``
-        (docs/architecture.md, "Publishing blocked by the broker")."""
+        (docs/explanation/receive.md, "Publishing blocked by the broker")."""
         reason = str(getattr(frame.method, "reason", "") or "resource alarm")
         log.warning("RabbitMQ blocks publishing on %s: %s", self.name, reason)
         self._set_blocked(reason)
@@ -358,7 +358,7 @@ class ConfirmChannel:
 
         A RabbitMQ 3.10 channel whose first publish to a quorum queue met a dead leader
         kept getting nacks after a new leader was elected, while a new channel got acks
-        at once (docs/architecture.md, "A RabbitMQ cluster"). The sends still waiting
+        at once (docs/explanation/operations.md, "A RabbitMQ cluster"). The sends still waiting
         fail as connection_lost: not the messages' fault, so the relay releases them.
         """
         streak = self._nacks_in_a_row

@@ -1,6 +1,6 @@
 """Bounds of direct sends (``TXBOX_PUBLISHER_MAX_UNCONFIRMED``, ``_OVERFLOW``, ``_OVERFLOW_TIMEOUT``).
 
-docs/architecture.md, "Direct sends": a caller faster than the broker's confirms would
+docs/explanation/write.md, "Direct sends": a caller faster than the broker's confirms would
 otherwise queue without limit in memory; the bound makes it wait or fail instead.
 """
 

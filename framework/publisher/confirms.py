@@ -7,7 +7,7 @@ an asynchronous connection reach ~18,000 msg/s. The loop thread runs a
 channel); callers hand messages over through a queue and one
 ``ioloop.add_callback_threadsafe`` wake-up per burst (not per message), because that
 call writes to a pipe. The relay does not use this class: it runs a ConfirmChannel on
-its own loop (docs/architecture.md, "One thread per daemon").
+its own loop (docs/explanation/daemons.md, "One thread per daemon").
 
 Completion semantics are the channel's (framework/publisher/channel.py); here in addition:
 
@@ -16,7 +16,7 @@ Completion semantics are the channel's (framework/publisher/channel.py); here in
   has completed; calling either from inside a completion callback raises, since it
   would wait for itself.
 
-Bounds (docs/architecture.md, "Direct sends"): :meth:`Publisher.publish` lets at most
+Bounds (docs/explanation/write.md, "Direct sends"): :meth:`Publisher.publish` lets at most
 ``max_unconfirmed`` sends await their confirm; beyond that it waits for room (overflow
 ``block``, up to ``overflow_timeout``) or raises :class:`PublisherOverflow` at once
 (``fail``). What the caller passes is copied at the call: the caller may reuse or change
@@ -196,7 +196,7 @@ class Publisher:
 
         ``ttl`` (a timedelta or seconds) adds the ``x-txbox-expires-at`` header: a txbox
         receiver dead-letters the message as ``expired`` once that time has passed
-        (docs/architecture.md, "Expiry and filters").
+        (docs/explanation/receive.md, "Expiry and filters").
         """
         body = bytes(body)
         if ttl is not None:
@@ -436,7 +436,7 @@ def _check_encodable(properties: pika.BasicProperties) -> None:
     Found on the I/O thread instead, the encoder's exception looked like a dying channel:
     every send in flight failed as ``connection_lost`` and the connection was renewed, for
     one caller's bad header (say an int past 64 bits, or a value of a type AMQP has no
-    field for). Encoding here costs a few microseconds per send (docs/architecture.md,
+    field for). Encoding here costs a few microseconds per send (docs/explanation/write.md,
     "Direct sends").
     """
     try:

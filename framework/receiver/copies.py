@@ -5,7 +5,7 @@ A broker under a memory or disk alarm blocks every connection that publishes
 receiver consumes on one connection and publishes its copies through a
 :class:`~framework.publisher.Publisher` on a second one: while publishing is blocked, the
 deliveries whose copy waits for its confirm stay unacked, and every other delivery is
-stored and acked as usual (docs/architecture.md, "Publishing blocked by the broker").
+stored and acked as usual (docs/explanation/receive.md, "Publishing blocked by the broker").
 
 Everything here but the completion hand-over runs on the consuming thread: a copy's
 completion (on the publisher's I/O thread) is handed to the consuming thread with the

@@ -138,7 +138,7 @@ class Receiver(Daemon):
         # Deliveries still to take one at a time after a lost connection (see _consume).
         self._careful = 0
         self._limit_checked = False
-        # The one consuming replica per inbox queue (docs/architecture.md, "Replicas of every daemon").
+        # The one consuming replica per inbox queue (docs/explanation/operations.md, "Replicas of every daemon").
         self._turn = (
             ConsumerTurn(
                 self.settings.database_url, self.settings.service, connect_timeout=self.config.db_connect_timeout
@@ -200,7 +200,7 @@ class Receiver(Daemon):
                 self._declare_extra_delays(channel)
                 self._ensure_delivery_limit()
                 # Copies go on a connection of their own: a broker that blocks publishers
-                # (a memory or disk alarm) keeps delivering to this one (docs/architecture.md,
+                # (a memory or disk alarm) keeps delivering to this one (docs/explanation/receive.md,
                 # "Publishing blocked by the broker").
                 self._copies.begin(connection, channel)
                 careful = self._careful > 0
@@ -249,7 +249,7 @@ class Receiver(Daemon):
         the takeover bound: a holder whose session was lost while its consumer still held
         deliveries must have them requeued before anything later is stored, but the
         consumer of a node that died stays counted until that node returns, perhaps never
-        (docs/architecture.md, "A RabbitMQ cluster"). Returns False when stopped meanwhile.
+        (docs/explanation/operations.md, "A RabbitMQ cluster"). Returns False when stopped meanwhile.
         """
         if self._turn is None:
             others = channel.queue_declare(self.queue, passive=True).method.consumer_count
@@ -336,10 +336,10 @@ class Receiver(Daemon):
 
         ``careful`` (prefetch 1), after a lost connection, until ``prefetch`` deliveries
         are settled: a delivery that kills the connection itself (one pika cannot even
-        decode) then comes back alone, so RabbitMQ's delivery limit (docs/architecture.md,
+        decode) then comes back alone, so RabbitMQ's delivery limit (docs/explanation/receive.md,
         "Receiver intake") counts it, not the innocent deliveries prefetched beside it.
 
-        One thread does it all (docs/architecture.md, "The daemons and their threads"): a
+        One thread does it all (docs/explanation/daemons.md, "The daemons and their threads"): a
         batch's INSERT, its commit included, is sent without waiting (:class:`InboxWrite`) and the
         database socket is watched on the broker connection's own I/O loop, so the wait
         for more deliveries ends as soon as the commit is in. Batch N is acked once its
@@ -604,7 +604,7 @@ class Receiver(Daemon):
         letters: list[tuple[Delivery, dl.DeadLetter]] = []
         for delivery in group:
             # The sender's context, bounded, is what the handler continues (the worker
-            # parses it) and what the store spans link (docs/architecture.md, "Tracing").
+            # parses it) and what the store spans link (docs/explanation/operations.md, "Tracing").
             delivery.trace = tracing.carrier_from(delivery.headers) or None
         spans = self._store_spans(group)
         try:
@@ -613,7 +613,7 @@ class Receiver(Daemon):
                 if isinstance(outcome, InboxRow):
                     pairs.append((delivery, outcome))
                 elif isinstance(outcome, Filtered):
-                    # Not for this service: acked with its batch, never stored (docs/architecture.md,
+                    # Not for this service: acked with its batch, never stored (docs/explanation/receive.md,
                     # "Expiry and filters").
                     metrics.RECEIVER_FILTERED.labels(message_type=outcome.message_type, **self._labels).inc()
                 else:
@@ -628,7 +628,7 @@ class Receiver(Daemon):
 
     def _store_spans(self, group: Sequence[Delivery]) -> list[trace.Span]:
         """The CONSUMER spans of one batch (parsing and its one write), linked to the context
-        of every delivery, ours or a foreign publisher's (docs/architecture.md, "Tracing")."""
+        of every delivery, ours or a foreign publisher's (docs/explanation/operations.md, "Tracing")."""
         return tracing.batch_spans(
             f"store {self.queue}",
             trace.SpanKind.CONSUMER,

@@ -26,7 +26,8 @@ from framework.signing import SignatureRejected, Verifier
 from framework.sql.inbox import InboxRow
 
 MAX_SEGMENT_CHARS = 1024  # a longer lane name would not fit the inbox's segment index
-MAX_HEADER_DEPTH = 16  # deeper header tables are kept as a marker string (docs/architecture.md)
+# Deeper header tables are kept as a marker string (docs/explanation/receive.md, "Receiver intake").
+MAX_HEADER_DEPTH = 16
 _MAX_KEY_CHARS = 200  # a redelivery counter key is the message id, or a digest
 
 
@@ -48,7 +49,7 @@ class Delivery:
     # process from an envelope (tests, benchmarks, tools) have no route to check.
     wire: bool = False
     # The receiver's span for this delivery as a W3C carrier, kept with the inbox row: the
-    # handler's span continues it (docs/architecture.md, "Tracing").
+    # handler's span continues it (docs/explanation/operations.md, "Tracing").
     trace: dict[str, str] | None = None
 
     @classmethod
@@ -189,7 +190,7 @@ def unparsed_message_id(delivery: Delivery) -> uuid.UUID | None:
     The AMQP ``message_id`` property when it is a UUID, else the envelope's top-level
     ``message_id`` read from the body's first bytes without parsing the rest
     (:func:`~framework.envelope.peek_top_level`), else None: an operator finds the letter
-    by id either way (docs/architecture.md, "Receiver intake").
+    by id either way (docs/explanation/receive.md, "Receiver intake").
     """
     found = _uuid(delivery.properties.get("message_id"))
     return found if found is not None else _uuid(peek_top_level(delivery.body, "message_id"))
@@ -216,7 +217,7 @@ class Intake:
         verifier: Verifier | None = None,
     ) -> None:
         self.registry = registry
-        # Producers' event signatures (docs/architecture.md, "Event signing"); None: not checked.
+        # Producers' event signatures (docs/explanation/receive.md, "Event signing"); None: not checked.
         self.verifier = verifier
         # Message type → its handler's selector (framework/selectors.py).
         self.selectors = dict(selectors or {})
@@ -347,7 +348,7 @@ class Intake:
             spec.validate(message.payload, message.message_version)
         except PayloadValidationError as exc:
             return self.reject(delivery, Reason.SCHEMA_INVALID, str(exc), data=data)
-        # docs/architecture.md, "Expiry and filters": one lookup each when neither is used.
+        # docs/explanation/receive.md, "Expiry and filters": one lookup each when neither is used.
         selector = self.selectors.get(spec.message_type)
         if selector is not None and not selector.matches(
             Fields(data, delivery.headers, delivery.original_routing_key(self.service))

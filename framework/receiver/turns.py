@@ -1,5 +1,5 @@
 """Whose turn it is to consume a service's inbox queue, and when a new holder may start
-(docs/architecture.md, "Replicas of every daemon" and "A RabbitMQ cluster").
+(docs/explanation/operations.md, "Replicas of every daemon" and "A RabbitMQ cluster").
 
 The receiver stores deliveries in the order they arrive and the worker orders a segment
 by that order, so two receivers consuming one queue would interleave a segment's

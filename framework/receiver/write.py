@@ -1,7 +1,7 @@
 """A batch's inbox INSERT, with its commit, sent without waiting, on the consuming thread.
 
 The receiver's one thread collects the next batch while this one is written
-(docs/architecture.md, "The daemons and their threads"): :class:`InboxWrite` sends the
+(docs/explanation/daemons.md, "The daemons and their threads"): :class:`InboxWrite` sends the
 statement with libpq's asynchronous calls on the daemon's own psycopg connection and is
 driven by the readiness of that connection's socket, which the consuming loop watches on
 the broker connection's own I/O loop beside the broker's socket (:meth:`InboxWrite.watch`).

@@ -1,4 +1,4 @@
-"""The relay's claims, sent and collected on the relay's loop (docs/architecture.md, "One thread per daemon").
+"""The relay's claims, sent and collected on the relay's loop (docs/explanation/daemons.md, "One thread per daemon").
 
 A claim is one statement in autocommit (framework/sql/outbox.py: it marks the rows
 confirmed since the last one and leases the next heads of their lanes). The loop sends
@@ -8,7 +8,7 @@ the one thread that owns both. At most one claim is in flight, and nothing else 
 the connection meanwhile.
 
 The two claim statements are prepared once per connection under names of their own
-(with ``generic_plans`` the connection keeps one plan for them: docs/architecture.md,
+(with ``generic_plans`` the connection keeps one plan for them: docs/explanation/daemons.md,
 "Generic plans"). Their parameters go as text: the ids to mark as one array literal,
 which costs a join instead of psycopg adapting every id.
 """

@@ -1,6 +1,6 @@
 """The outbox relay: claim due outbox rows, publish them with streamed confirms, record outcomes.
 
-One thread owns the relay (docs/architecture.md, "One thread per daemon"): its loop
+One thread owns the relay (docs/explanation/daemons.md, "One thread per daemon"): its loop
 waits on the database socket (``NOTIFY``) and the broker's (confirms, returns) at once,
 with timers for the poll fallback, marks that wait and reconnects. One database
 connection claims, records and listens; one :class:`ConfirmChannel` publishes. The loop
@@ -14,8 +14,8 @@ publisher takes over when the lease runs out.
 What each outcome means for its row is settlement's (framework/relay/settle.py); how a
 row becomes a message is translation's (framework/relay/messages.py). A claimed row whose
 time to live has run out is abandoned at once with a dead letter ``expired``
-(docs/architecture.md, "Expiry and filters"); one whose message cannot be built is
-abandoned at once as ``internal_error`` (docs/architecture.md, "Dead letters"), and the
+(docs/explanation/receive.md, "Expiry and filters"); one whose message cannot be built is
+abandoned at once as ``internal_error`` (docs/explanation/dead-letters.md, "Dead letters"), and the
 rest of its batch goes on.
 """
 
@@ -58,7 +58,7 @@ from framework.wakeup import Pace
 
 log = logging.getLogger("txbox.publisher")
 
-# Marks wait for the next claim to carry them (docs/architecture.md, "Wake-ups"): at most
+# Marks wait for the next claim to carry them (docs/explanation/daemons.md, "Wake-ups"): at most
 # this many rows (more are marked by a statement of their own just before the claim: the
 # claim's successor probe grows with them), and for at most MARK_DELAY.
 FOLD_AT_MOST = outbox_sql.HAS_NEXT_AT_MOST
@@ -111,7 +111,7 @@ class Relay(Daemon):
         super().__init__(service, stop_event=stop_event)
         self.config = config or RelayConfig.from_env()
         # Published rows older than TXBOX_OUTBOX_RETENTION go, in a thread of their own with
-        # a connection of its own (docs/architecture.md, "Retention").
+        # a connection of its own (docs/explanation/operations.md, "Retention").
         self.pruner = retention_.outbox_pruner(self, retention)
         self.declare_topology = declare_topology
         self.schema = self.settings.schema
@@ -130,7 +130,7 @@ class Relay(Daemon):
         # maybe published) again, which at-least-once delivery allows. Losing the last
         # marks only means those rows are published again (the inbox dedups). So the
         # connection does not wait for fsync. Generic plans: left to choose, PostgreSQL
-        # planned every claim again (docs/architecture.md, "Generic plans").
+        # planned every claim again (docs/explanation/daemons.md, "Generic plans").
         self._db = ConnectionSlot(
             self.settings.database_url,
             autocommit=True,
@@ -167,7 +167,7 @@ class Relay(Daemon):
         self._drain_timer: Any = None  # the drain's timeout, until the relay ended
         self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(self.settings.service)
         # What the loop ran, by kind (claim, mark, write: a transaction of failures), for
-        # the tests and the bench: a cycle is one claim (docs/architecture.md, "Wake-ups").
+        # the tests and the bench: a cycle is one claim (docs/explanation/daemons.md, "Wake-ups").
         self.statements: Tally[str] = Tally()
         self.published = 0  # totals of this relay, for tests and `txbox run`'s summary
         self.failed = 0
@@ -402,7 +402,7 @@ class Relay(Daemon):
 
     def _outgoing(self, rows: list[Claimed]) -> list[Outgoing]:
         """The messages of ``rows``; one that cannot be built is a failure abandoned at once,
-        and the others go on (docs/architecture.md, "Dead letters")."""
+        and the others go on (docs/explanation/dead-letters.md, "Dead letters")."""
         items: list[Outgoing] = []
         for row in rows:
             try:
@@ -415,7 +415,7 @@ class Relay(Daemon):
 
     def _expire(self, items: list[Outgoing]) -> list[Outgoing]:
         """The items still to publish; expired ones are failures abandoned at once
-        (docs/architecture.md, "Expiry and filters")."""
+        (docs/explanation/receive.md, "Expiry and filters")."""
         keep: list[Outgoing] = []
         now = time.time()
         for item in items:
@@ -434,7 +434,7 @@ class Relay(Daemon):
         """A publish completed (the channel calls this on the loop): keep its outcome, and
         step now only if that must be acted on now.
 
-        A confirmed row's mark waits for the next claim (docs/architecture.md, "Wake-ups"),
+        A confirmed row's mark waits for the next claim (docs/explanation/daemons.md, "Wake-ups"),
         unless a row waits behind it in its lane (``has_next`` True, asked at its claim)
         or may (None: a large claim's rows are not asked): then the loop claims now, and
         the claim marks it and takes the successor. A row written behind it after its

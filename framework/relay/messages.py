@@ -30,7 +30,7 @@ def envelope_body(row: Claimed) -> bytes:
 
     Payload and context come out of PostgreSQL as JSON text already; splicing them saves
     a parse and a dump per message on the hot path. Field order is the envelope's
-    (docs/architecture.md, "The envelope").
+    (docs/explanation/relay.md, "The envelope").
     """
     parts = [
         '{"payload":',
@@ -69,7 +69,7 @@ def _short_strings(row: Claimed) -> None:
 
 def unbuildable(row: Claimed, exc: Exception) -> tuple[Outgoing, PublishError]:
     """The outcome of a row whose message could not be built: a failure the writer abandons
-    at once as ``internal_error`` (docs/architecture.md, "Dead letters")."""
+    at once as ``internal_error`` (docs/explanation/dead-letters.md, "Dead letters")."""
     item = Outgoing("", "", b"", pika.BasicProperties(message_id=row.id), True, row)
     error = f"the relay could not build its message: {type(exc).__name__}: {exc}"
     return item, PublishError(clip(error, 2000) or "", Reason.INTERNAL_ERROR)  # clip: see redaction.clip
@@ -99,7 +99,7 @@ def outgoing(row: Claimed, user_id: str = "", signer: Signer | None = None) -> O
     ``user_id`` (the relay's broker user) lets RabbitMQ vouch for the lane headers. The
     AMQP ``priority`` mirrors the row's where it fits 0-255 (classic priority queues
     and other consumers read it; quorum queues ignore it). With a ``signer``, an event
-    carries the signature of its body, as Mosaic's do (docs/architecture.md, "Event
+    carries the signature of its body, as Mosaic's do (docs/explanation/receive.md, "Event
     signing"); commands are not signed.
     """
     body = envelope_body(row)
@@ -113,7 +113,7 @@ def outgoing(row: Claimed, user_id: str = "", signer: Signer | None = None) -> O
         if expires_at is not None:
             headers[names.HEADER_EXPIRES_AT] = expiry.header_value(expires_at)
     # The writer's context goes out as it was stored: the publish is a batch span linked
-    # to it, not a hop of the trace (docs/architecture.md, "Tracing").
+    # to it, not a hop of the trace (docs/explanation/operations.md, "Tracing").
     if row.trace is not None:
         headers.update(tracing.carrier_from(row.trace))
     # AMQP short strings hold 255 bytes: pika would refuse them only when publishing, on

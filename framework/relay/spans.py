@@ -1,4 +1,4 @@
-"""The PRODUCER spans of the relay's publishes (docs/architecture.md, "Tracing")."""
+"""The PRODUCER spans of the relay's publishes (docs/explanation/operations.md, "Tracing")."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from framework.publisher.channel import Outgoing
 
 class PublishSpans:
     """The PRODUCER spans of one claimed batch, linked to the contexts its rows were written
-    in (docs/architecture.md, "Tracing"). They end with the batch's last confirm, marked
+    in (docs/explanation/operations.md, "Tracing"). They end with the batch's last confirm, marked
     failed if any publish of it failed. The relay's loop thread owns them."""
 
     def __init__(self, spans: list[trace.Span], count: int) -> None:

@@ -5,7 +5,7 @@
 the pruners' pages of both; ``reports`` for
 the report tables of ``txbox analyze``. Every writer of a table goes through that
 table's one INSERT, and claimed rows are read by column name. The SQLAlchemy metadata
-the migrations are checked against stays in framework/tables.py (docs/architecture.md,
+the migrations are checked against stays in framework/tables.py (docs/explanation/daemons.md,
 "Tables and their SQL").
 """
 
@@ -23,7 +23,7 @@ def rendered(statement: sql.Composable) -> bytes:
     """``statement`` as the bytes psycopg sends, rendered once for a daemon's hot path.
 
     psycopg composes a ``sql.Composed`` statement again at every execute, adapting each
-    identifier and literal anew, which a batch of one pays in full (docs/architecture.md,
+    identifier and literal anew, which a batch of one pays in full (docs/explanation/daemons.md,
     "Tables and their SQL"). Rendered without a connection: right only while its names
     and literals are ASCII, the same bytes in every client encoding, which is checked here.
     """

@@ -3,7 +3,7 @@
 A batch's row is written (state ``pending``, with the exact ids it covers) before any of
 its Parquet; it turns ``done`` in the transaction that deletes the batch's rows. So a
 ``pending`` row means none of its rows were deleted, and a rerun rewrites the batch's
-directory from them (docs/architecture.md, "The Spark job on a cluster").
+directory from them (docs/explanation/analytics.md, "The Spark job on a cluster").
 """
 
 from __future__ import annotations

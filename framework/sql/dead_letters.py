@@ -229,7 +229,10 @@ def groups(conn: psycopg.Connection[Any], schema: str, filters: Filters, *, limi
 
 
 def _clipped(rows: list[dict[str, Any]], chars: int) -> list[dict[str, Any]]:
-    """The rows' errors cut to ``chars``, never leaving part of a URL's password (docs/architecture.md, "Secrets")."""
+    """The rows' errors cut to ``chars``, never leaving part of a URL's password.
+
+    The cut is ``redaction.clip``'s (docs/explanation/operations.md, "Secrets").
+    """
     for row in rows:
         row["error"] = redaction.clip(row["error"], chars)
     return rows

@@ -1,7 +1,7 @@
 """The SQL of ``daemon_heartbeats``: a daemon's upsert and prune, the dashboard's read.
 
 Only the schema (a validated identifier) is composed into the text; every value is a
-bound parameter (docs/architecture.md, "Probes, logs and liveness").
+bound parameter (docs/explanation/operations.md, "Probes, logs and liveness").
 """
 
 from __future__ import annotations

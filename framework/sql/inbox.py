@@ -5,9 +5,9 @@ intake builds it, the dead-letter replay too) and :func:`insert_rows` the one IN
 ``INSERT ... SELECT FROM jsonb_array_elements(batch)`` stores a whole batch in one round trip;
 ``ON CONFLICT (id) DO NOTHING`` makes a duplicate delivery a no-op and ``RETURNING id``
 tells duplicates from new rows. :func:`conflicting` tells a true duplicate from an id
-reused for other content (docs/architecture.md, "Receiver intake").
+reused for other content (docs/explanation/receive.md, "Receiver intake").
 
-Working (docs/architecture.md, "Worker"): the claim takes due rows that are at the head
+Working (docs/explanation/handle.md, "Worker"): the claim takes due rows that are at the head
 of their sequential segment (no pending sequential row of the segment comes before them;
 parallel rows need no such check), skips rows another worker has locked, and in the same
 statement counts the start and sets the lease. Rows whose previous run never finished
@@ -157,7 +157,7 @@ def insert_all_new_sql(schema: str) -> bytes:
     (:func:`batch_json`), ``$2`` its number of rows; for libpq's own calls.
 
     The receiver sends it alone, so it runs in an implicit transaction committed by the
-    same round trip (docs/architecture.md, "The daemons and their threads"). A row that
+    same round trip (docs/explanation/daemons.md, "The daemons and their threads"). A row that
     was not new (a duplicate, or a different message under a stored id, which must become
     an ``id_conflict`` letter in the same transaction) makes it divide by zero
     (SQLSTATE 22012, :data:`NOT_ALL_NEW`), which rolls the whole batch back: the caller
@@ -180,7 +180,7 @@ def batch_json(rows: Sequence[InboxRow]) -> str:
 
     One C-speed ``orjson.dumps`` for the batch instead of sixteen arrays that psycopg
     adapts element by element in Python: the receiver's GIL-bound thread spends about half
-    as much per row, its backend a little more (docs/architecture.md, "Tables and their SQL").
+    as much per row, its backend a little more (docs/explanation/daemons.md, "Tables and their SQL").
     UUIDs, the timestamp (RFC 3339, with its zone) and booleans are written in a form
     their PostgreSQL types read back unchanged. A string no UTF-8 encoder takes (a lone
     surrogate) raises here, as psycopg's adaptation did: the receiver then stores the
@@ -214,7 +214,7 @@ def insert_rows(cur: psycopg.Cursor[Any], schema: str, rows: Sequence[InboxRow])
     return {row[0] for row in cur.fetchall()}
 
 
-# --- the dedup memory (framework/dedup.py, docs/architecture.md "Dedup memory") ---------
+# --- the dedup memory (framework/dedup.py, docs/explanation/guarantees.md "Dedup memory") ---------
 
 DIGEST_KEY = "payload_sha256"
 FINISHED = "(processed_at IS NOT NULL OR abandoned_at IS NOT NULL)"
@@ -286,7 +286,7 @@ def expired_tombstones(schema: str) -> sql.Composed:
     )
 
 
-# What makes two messages with one id the same message (docs/architecture.md, "Receiver
+# What makes two messages with one id the same message (docs/explanation/receive.md, "Receiver
 # intake"): type, aggregate and payload, the payload compared as jsonb (key order and
 # number spelling do not matter), or by its digest where the archive left a tombstone
 # (below). Context, timestamp, version, token and headers may differ between
@@ -438,7 +438,7 @@ def _claim_order(row: tuple[Any, ...]) -> tuple[Any, Any]:
 # load the plan for the values at hand looked cheaper than the generic one, and PostgreSQL
 # planned the presumption again at every batch, which cost more than running it. It
 # guesses the same for a subquery's array whatever the values, and so keeps the generic
-# plan per connection (docs/architecture.md, "Generic plans").
+# plan per connection (docs/explanation/daemons.md, "Generic plans").
 _FENCE = f"""t.ctid = ANY(ARRAY(
     SELECT (SELECT i.ctid FROM {{inbox}} i WHERE i.id = c.id AND i.started_attempts = c.started
               AND {pending_by_id("i")})
@@ -447,7 +447,7 @@ _FENCE = f"""t.ctid = ANY(ARRAY(
 
 
 # The presumption drops the message's auth_token (no longer needed once processed: no
-# token at rest, docs/architecture.md "Secrets"); a run that did not succeed gets it back
+# token at rest, docs/explanation/operations.md "Secrets"); a run that did not succeed gets it back
 # from the claimed row (param: the token or NULL) for its next run.
 _TOKEN_BACK = "jsonb_strip_nulls(jsonb_build_object('auth_token', %s::text))"
 

@@ -31,7 +31,7 @@ def current(schema: str, table: str, same: sql.Composable) -> sql.Composed:
 
 def reset(schema: str, table: str) -> sql.Composed:
     """Params: id, auth_token. An abandoned row due again at once, with a fresh set of attempts and no
-    expiry: replaying is someone's decision to run it now (docs/architecture.md, "Expiry and filters").
+    expiry: replaying is someone's decision to run it now (docs/explanation/receive.md, "Expiry and filters").
     Its auth_token is the one given (the operator's, or NULL: none), never one it kept."""
     return sql.SQL(
         """UPDATE {t} SET processed_at = NULL, abandoned_at = NULL, last_error = NULL,

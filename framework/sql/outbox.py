@@ -1,6 +1,6 @@
 """All SQL of ``txbox.outbox``: the one INSERT every writer uses, its row codec, and the relay's statements.
 
-Writing (docs/architecture.md, "Outbox writes"): :class:`OutboxRow` is the one shape of
+Writing (docs/explanation/write.md, "Outbox writes"): :class:`OutboxRow` is the one shape of
 a row on its way in and :meth:`OutboxRow.params` its one encoding (JSON columns as text
 by ``framework.jsoncodec``); :func:`insert` is the one statement, with named parameters
 for psycopg, and :func:`insert_text` the same statement with ``$n`` parameters for the
@@ -14,7 +14,7 @@ round trip. The UPDATE finds the locked rows by ``ctid`` (stable while the CTE h
 their row locks): a TID scan, instead of probing a primary key that is bloated with one
 entry per earlier row version.
 The same statement marks the rows the relay saw confirmed since its last claim
-(``marked``), so a cycle is one statement and one commit (docs/architecture.md, "Wake-ups").
+(``marked``), so a cycle is one statement and one commit (docs/explanation/daemons.md, "Wake-ups").
 
 Ordering lane = (segment, priority) of a *sequential* row: a sequential row is due only
 when no earlier pending sequential row of the same segment and priority exists, so
@@ -133,7 +133,7 @@ class Claimed(NamedTuple):
     finished_attempts: int
     segment: str = ""  # "" or the default lane (aggregate_type:aggregate_id): no header
     concurrency: str = "sequential"
-    trace: dict[str, Any] | None = None  # the writer's span (docs/architecture.md, "Tracing")
+    trace: dict[str, Any] | None = None  # the writer's span (docs/explanation/operations.md, "Tracing")
     expires_at: Any = None  # metadata's expiry, a number when set (framework/expiry.py)
     # A pending row waits behind this one in its lane (False: none; None: not asked, maybe).
     has_next: bool | None = None
@@ -206,7 +206,7 @@ _PROBE = f"""NOT EXISTS (
               AND p.id <> ALL(%(marked)s::uuid[]))"""
 
 # The published rows of earlier claims, marked by the claim that follows them (one
-# statement and one commit per cycle, not two: docs/architecture.md, "Wake-ups"). It
+# statement and one commit per cycle, not two: docs/explanation/daemons.md, "Wake-ups"). It
 # marks only rows still pending, as :func:`mark_published` does; it is not referenced,
 # so it runs to completion after the claim, and the claim never takes a row it marks.
 # ``processed_at`` stays the time of the broker's confirm: ``ages`` holds, per marked

@@ -1,7 +1,7 @@
 """All SQL of ``txbox.redeliveries``: the receiver's count of deliveries of one message.
 
 A row per (queue, message key) that RabbitMQ delivered again; it survives a receiver
-that crashes on a delivery, so the redelivery limit still holds (docs/architecture.md,
+that crashes on a delivery, so the redelivery limit still holds (docs/explanation/receive.md,
 "Receiver intake"). Rows of settled messages are deleted at once: the table stays small.
 """
 

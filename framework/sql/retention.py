@@ -8,7 +8,7 @@ The pass keeps its place in ``after`` (the newest ``created_at`` of the last pag
 the rows that must stay (pending, or abandoned with an open letter) are read once per
 pass, not once per page. Why not an index on ``processed_at``: the publisher's and the
 worker's marks would each pay one more index entry per row, on their hot path, for a
-statement that runs once a minute (docs/architecture.md, "Retention").
+statement that runs once a minute (docs/explanation/operations.md, "Retention").
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def delete_page(schema: str, table: str) -> sql.Composed:
 
 def select_page(schema: str, table: str) -> sql.Composed:
     """One page of prunable rows, locked: ``(id, created_at, processed)``, for the inbox,
-    whose rows go through :func:`framework.dedup.forget` (docs/architecture.md, "Dedup memory")."""
+    whose rows go through :func:`framework.dedup.forget` (docs/explanation/guarantees.md, "Dedup memory")."""
     return _format(
         schema,
         table,

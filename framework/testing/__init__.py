@@ -1,4 +1,4 @@
-"""Test what you build on txbox without a broker or daemons (docs/architecture.md, "Testing handlers").
+"""Test what you build on txbox without a broker or daemons (docs/explanation/development.md, "Testing handlers").
 
 - :class:`Harness`: deliver a message to a service's handler against a real (test)
   database, admitted as the receiver admits it and run as the worker runs it; get back

@@ -1,5 +1,5 @@
 """Deliver messages to handlers against a real database, with no broker and no daemons
-(docs/architecture.md, "Testing handlers").
+(docs/explanation/development.md, "Testing handlers").
 
 A message is admitted exactly as the receiver admits a delivery (:class:`Intake`: the
 envelope, the message type, the service's contract, the payload schema), then its handler

@@ -1,4 +1,4 @@
-"""pytest fixtures for testing txbox services (docs/architecture.md, "Testing handlers").
+"""pytest fixtures for testing txbox services (docs/explanation/development.md, "Testing handlers").
 
 Loaded automatically wherever txbox is installed (the ``pytest11`` entry point); the
 fixtures cost nothing until a test asks for one:

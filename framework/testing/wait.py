@@ -1,4 +1,4 @@
-"""Wait until the daemons processed messages: for tests that do run them (docs/architecture.md,
+"""Wait until the daemons processed messages: for tests that do run them (docs/explanation/development.md,
 "Testing handlers").
 
 It polls the service's inbox table until every message is processed, and fails at once

@@ -1,7 +1,7 @@
 """The worker's batch: run the handlers of claimed inbox rows in one transaction, and settle them.
 
 :class:`BatchRunner` processes the rows the daemon claimed (framework/worker/daemon.py
-keeps the loop, the claims and the connections; docs/architecture.md, "Worker batches").
+keeps the loop, the claims and the connections; docs/explanation/handle.md, "Worker batches").
 
 **Process** (one transaction per batch, on a SQLAlchemy connection): the first
 statement presumes every claim processed and locks it (``presume_processed``: fence and
@@ -32,7 +32,7 @@ guard PostgreSQL enforces, and a batch mark the driver tracks for free tell the 
 (framework/worker/guard.py). A release after a crash leaves out the claim whose handler
 was running, so it counts toward poison. Rows the worker cannot decode, and batches it
 fails on itself, end as dead letters (``internal_error``), never as a crash that would
-repeat on restart (docs/architecture.md, "Worker: handlers that misbehave").
+repeat on restart (docs/explanation/handle.md, "Worker: handlers that misbehave").
 
 Timeout: handlers run in the worker's thread (they need its transaction); a watchdog
 interrupts an overdue one (statement cancel + an exception raised in the thread) and
@@ -490,7 +490,7 @@ class BatchRunner:
 def handler_span(claimed: Claimed, *, tracer: trace.Tracer | None) -> contextlib.AbstractContextManager[object]:
     """The CONSUMER span of one handler run, current while it runs: child of the context the
     inbox row keeps (the span that wrote the message), so what the handler sends continues
-    the message's trace (docs/architecture.md, "Tracing").
+    the message's trace (docs/explanation/operations.md, "Tracing").
 
     When nothing records (``tracer`` None: :func:`framework.tracing.recording_tracer`) no span is
     built: the API's no-op span would only carry the stored context, so that context is
@@ -559,7 +559,7 @@ def run_deadlines(claimed_at: float, now: float, lease: float, timeout: float) -
 
 
 def _expired(value: Any) -> bool:
-    """An inbox row's stored expiry has passed (docs/architecture.md, "Expiry and filters")."""
+    """An inbox row's stored expiry has passed (docs/explanation/receive.md, "Expiry and filters")."""
     expires_at = expiry.from_metadata(value)
     return expires_at is not None and expiry.passed(expires_at)
 

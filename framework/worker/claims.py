@@ -1,7 +1,7 @@
 """The worker's claim connection: claims sent and collected on the worker's own thread.
 
 A claim is one statement in autocommit, so it commits in the round trip that returns its
-rows (docs/architecture.md, "Worker batches"). Under a backlog the worker sends the next
+rows (docs/explanation/handle.md, "Worker batches"). Under a backlog the worker sends the next
 claim before it runs the batch in hand and collects the rows after it, so PostgreSQL
 claims while Python handles: libpq's asynchronous calls (send, then read the result
 when the batch is done) instead of a thread that would block in the call. At most one

@@ -1,5 +1,5 @@
 """Async handlers: an ``async def handle`` run to the end in the worker's thread
-(docs/architecture.md, "Async handlers").
+(docs/explanation/handle.md, "Async handlers").
 
 The batch transaction lives on the worker's synchronous psycopg connection, and a
 handler's writes must commit with its message's processed mark. So the ``AsyncSession``
@@ -15,7 +15,7 @@ per message would cost more than a small handler's work. The coroutine runs as a
 of that loop, in a copy of the caller's context (the handler's span and log fields).
 The task's first step gets one pass of the loop, which is all a handler whose awaits
 never suspend needs (its session's never do); only a task still pending after it gets
-``run_until_complete`` (docs/architecture.md, "Async handlers", "The loop").
+``run_until_complete`` (docs/explanation/handle.md, "Async handlers", "The loop").
 On timeout the watchdog cancels the running statement and the task
 (:func:`cancel_running`), since an exception raised into a thread blocked in the
 loop's ``select`` would not arrive before the loop wakes.

@@ -1,4 +1,4 @@
-"""What the worker sends to PostgreSQL, counted on its own thread (docs/architecture.md, "Worker batches").
+"""What the worker sends to PostgreSQL, counted on its own thread (docs/explanation/handle.md, "Worker batches").
 
 Every statement of a claim, a batch (BEGIN and COMMIT included: psycopg sends them as
 statements of their own) and the handlers' own queries adds to :class:`Counts`, which the

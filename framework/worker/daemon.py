@@ -13,13 +13,13 @@ connection) run. One cycle of the loop:
 2. **Decode** (framework/worker/decode.py): each row a :class:`Claimed`, pure.
 3. **Process** (one transaction per batch): :class:`framework.worker.batch.BatchRunner`
    runs the handlers; framework/worker/settle.py settles every row
-   (docs/architecture.md, "Worker batches").
+   (docs/explanation/handle.md, "Worker batches").
 4. **Wait** (framework/worker/wake.py): ``poll`` on the LISTEN socket and the stop alarm,
    for a NOTIFY, the poll interval or a stop. One replica of the service, the holder of
    an advisory lock on its LISTEN session, listens on the inbox's inserts and NOTIFYs
    the others (on a help channel) when its claim comes back full; the others claim at
    their poll interval too, and take the lock when its holder's session ends
-   (docs/architecture.md, "Replicas of every daemon").
+   (docs/explanation/operations.md, "Replicas of every daemon").
 
 Poison: a row whose earlier run never finished (the process died) is claimed *alone*,
 with nothing claimed ahead beside it, so a batch mate of the killer is never blamed for
@@ -72,7 +72,7 @@ class Worker(Daemon):
         super().__init__(service, stop_event=stop_event)
         self.config = config or WorkerConfig.from_env()
         # Processed rows older than the inbox's retention (never inside TXBOX_DEDUP_WINDOW:
-        # a shorter setting fails here) go, in a thread of their own (docs/architecture.md, "Retention").
+        # a shorter setting fails here) go, in a thread of their own (docs/explanation/operations.md, "Retention").
         self.pruner = inbox_pruner(self, retention)
         self.schema = self.settings.schema
         self.counts = Counts()  # statements and claims, written by the loop only (framework/worker/counts.py)
@@ -88,7 +88,7 @@ class Worker(Daemon):
         self._conn: Connection | None = None
         self._alarm = Alarm()  # stop() rings it: the one write from another thread
         # One replica of the service LISTENs on the inserts; the others on the help channel
-        # (docs/architecture.md, "Wake-ups" and "Replicas of every daemon").
+        # (docs/explanation/daemons.md, "Wake-ups" and "Replicas of every daemon").
         self._listen = Notifications(
             self.settings.database_url,
             names.notify_channel(self.schema, names.INBOX),
@@ -97,7 +97,7 @@ class Worker(Daemon):
             counts=self.counts,
         )
         # A worker whose claim after a NOTIFY found nothing (another replica took the rows)
-        # holds the next ones back, never longer than the poll interval (docs/architecture.md, "Wake-ups").
+        # holds the next ones back, never longer than the poll interval (docs/explanation/daemons.md, "Wake-ups").
         self._wake = LoopWakeup(
             self.stop_event,
             self._listen,
@@ -128,7 +128,7 @@ class Worker(Daemon):
     @property
     def leading(self) -> bool:
         """This replica is its service's listener: it LISTENs on the inbox's inserts
-        (docs/architecture.md, "Wake-ups" and "Replicas of every daemon")."""
+        (docs/explanation/daemons.md, "Wake-ups" and "Replicas of every daemon")."""
         return self._listen.leading
 
     # --- the loop -----------------------------------------------------------------
@@ -174,7 +174,7 @@ class Worker(Daemon):
         if self._watchdog is None:  # called without run() (tests, embedding): timeouts still hold
             self._watchdog = Watchdog()
         # The NOTIFYs on the socket now are for rows this claim's snapshot sees: they must
-        # not wake the loop again after it (docs/architecture.md, "Wake-ups").
+        # not wake the loop again after it (docs/explanation/daemons.md, "Wake-ups").
         self._wake.take_notifies()
         self._wake.clear()
         if self._claims.in_flight:
@@ -199,7 +199,7 @@ class Worker(Daemon):
             self._claims.send(self._claim_batch, self.config.batch_size)
         if full:
             # Work for more than one replica: the listener wakes the others, once per full
-            # claim (docs/architecture.md, "Replicas of every daemon"). A full batch is
+            # claim (docs/explanation/operations.md, "Replicas of every daemon"). A full batch is
             # followed by a claim at once, which sees any row whose NOTIFY this statement read.
             self._listen.call_for_help()
         handled = self._process(batch)
@@ -222,7 +222,7 @@ class Worker(Daemon):
     def _wait_for_work(self) -> bool:
         """Sleep until NOTIFY on an inbox insert, the poll interval, or a stop; True if a
         NOTIFY woke it from sleep (an empty claim after it means another replica took the
-        rows: docs/architecture.md, "Wake-ups"). One claim answers every NOTIFY since the last one.
+        rows: docs/explanation/daemons.md, "Wake-ups"). One claim answers every NOTIFY since the last one.
         """
         self._polled = False
         if self.stopping:

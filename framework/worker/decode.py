@@ -1,5 +1,5 @@
 """Claimed inbox rows as the worker's :class:`Claimed`: pure translation, no I/O
-(docs/architecture.md, "Worker batches").
+(docs/explanation/handle.md, "Worker batches").
 
 :func:`claimed` turns one row of a claim into a :class:`Claimed` (its :class:`Message`,
 fencing token and lease start), or marks it ``undecodable`` when it cannot: it never

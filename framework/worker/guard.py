@@ -1,4 +1,4 @@
-"""What keeps a handler from ending the worker's transaction (docs/architecture.md, "Worker: handlers
+"""What keeps a handler from ending the worker's transaction (docs/explanation/handle.md, "Worker: handlers
 that misbehave").
 
 A handler's writes commit with its message's ``processed_at`` in the worker's batch
@@ -111,9 +111,9 @@ def run_handler(
 
     The one way a handler is invoked: the worker and ``framework.testing`` both call it.
     The message reaches ``handle`` in a version the handler takes (upcast if need be;
-    docs/architecture.md, "Message versions"). ``chain`` is the service's middleware
+    docs/explanation/receive.md, "Message versions"). ``chain`` is the service's middleware
     (``Service.middleware``), its hooks run around the handler, under the same guard
-    (docs/architecture.md, "Handler middleware and the permission guard").
+    (docs/explanation/handle.md, "Handler middleware and the permission guard").
     """
     message = as_handled(handler, message, outbox.registry.get(message.message_type))
     session.txbox_running, session.txbox_refused = True, ""
@@ -213,7 +213,7 @@ def create_guard() -> sql.Composed:
     index at every COMMIT that touched it, about 0.3 ms of the server's CPU per batch,
     more than the rest of a small batch's guard and presumption together. The worker
     empties it every :data:`TRUNCATE_EVERY` batches and after a failed pass instead
-    (:func:`truncate`; docs/architecture.md, "Worker: handlers that misbehave"). The
+    (:func:`truncate`; docs/explanation/handle.md, "Worker: handlers that misbehave"). The
     test kit's connections run too few deliveries for their dead keys to matter.
     """
     return sql.SQL(

@@ -1,5 +1,5 @@
 """Settling a batch's claims: what a handler's outcome means for its row, and the statements
-that record it (docs/architecture.md, "Worker batches").
+that record it (docs/explanation/handle.md, "Worker batches").
 
 :class:`Settlement` classifies a failed run (retry with backoff, or abandon: a
 ``PermanentError``, the last attempt), abandons rows for the worker's own reasons
@@ -64,7 +64,7 @@ class Settlement:
     def classify(self, claimed: Claimed, exc: BaseException) -> None:
         """What a handler's exception means: abandoned now, or failed and retried after a backoff."""
         # A handler's error text is logged and stored (last_error, the dead letter): never
-        # with the message's auth_token in it (docs/architecture.md, "Secrets").
+        # with the message's auth_token in it (docs/explanation/operations.md, "Secrets").
         token = claimed.message.auth_token
         text = redaction.scrub_values(redaction.redact_text(describe(exc)), [token] if token else [])
         if isinstance(exc, PermanentError):

@@ -47,7 +47,7 @@ class _Arming:
 class Watchdog:
     """Interrupts the handler running on the worker's loop thread when its time is up.
 
-    The one thread the worker keeps besides its loop (docs/architecture.md, "The daemons
+    The one thread the worker keeps besides its loop (docs/explanation/daemons.md, "The daemons
     and their threads"), because it must be another thread: the handler runs on the loop
     thread and may be stuck there, in Python code, in a statement or in C, so nothing on
     that thread can act until the handler returns. Only another thread can cancel the

@@ -1,6 +1,6 @@
 """What the worker's loop sleeps on, on its own thread: its LISTEN connection and a stop alarm.
 
-No listener thread (docs/architecture.md, "Wake-ups"): the loop holds ``LISTEN
+No listener thread (docs/explanation/daemons.md, "Wake-ups"): the loop holds ``LISTEN
 <schema>_inbox_insert`` on a connection of its own and, between batches, waits with
 ``poll`` on that connection's socket and on :class:`Alarm`, a socket pair whose one
 cross-thread use is :meth:`Alarm.ring` (a stop from a signal handler or from ``txbox
@@ -56,7 +56,7 @@ class Alarm:
 class Notifications:
     """``LISTEN`` on a connection the loop owns, read without blocking; with ``help_channel``
     and ``lock_key``, one replica of a service listens on ``channel`` and the others on
-    ``help_channel`` (docs/architecture.md, "Wake-ups" and "Replicas of every daemon").
+    ``help_channel`` (docs/explanation/daemons.md, "Wake-ups" and "Replicas of every daemon").
 
     The *listener* is the replica whose LISTEN session holds the session advisory lock
     ``lock_key``: it LISTENs on ``channel`` (the inserts) and, when a claim of its came

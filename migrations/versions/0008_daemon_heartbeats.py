@@ -3,7 +3,7 @@
 Every daemon process upserts its row (service, kind, host, pid) every few seconds on a
 connection of its own, outside any business transaction; rows of processes gone for a
 day are pruned by the daemons themselves. The dashboard's overview reads them
-(docs/architecture.md, "Probes, logs and liveness"). A new table: no lock on the others.
+(docs/explanation/operations.md, "Probes, logs and liveness"). A new table: no lock on the others.
 
 Revision ID: 0008
 Revises: 0007

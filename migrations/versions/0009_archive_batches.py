@@ -3,7 +3,7 @@
 `txbox archive` is a Spark job that writes to any Hadoop storage (file://, hdfs://,
 s3a://), where renames are not atomic and fsync is not offered; its crash safety rests
 on this table instead: a batch's ids are recorded here before its Parquet is written, and
-the batch is marked done in the transaction that deletes its rows (docs/architecture.md,
+the batch is marked done in the transaction that deletes its rows (docs/explanation/analytics.md,
 "The Spark job on a cluster"). A new table: no lock on the others.
 
 Revision ID: 0009

@@ -3,7 +3,7 @@
 A receiver that is ready yet does not consume — another replica holds the turn, or it
 holds the turn while RabbitMQ still counts another consumer, such as that of a node
 lost for good — said so only in its own ``/readyz``. Its heartbeat now carries the wait,
-so the dashboard's daemon list shows it too (docs/architecture.md, "Probes, logs and
+so the dashboard's daemon list shows it too (docs/explanation/operations.md, "Probes, logs and
 liveness"): ``waiting_since`` (the database's clock), ``waiting_queue`` (the queue whose
 turn it waits for) and ``waiting_detail`` (the state and the line it logged), all null
 while it works. The texts are bounded: the daemon cuts them to these lengths.

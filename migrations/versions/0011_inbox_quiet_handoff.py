@@ -2,7 +2,7 @@
 
 `txbox run` hands the rows its receiver stores straight to its own worker: the batch's
 INSERT and a claim of the same rows travel in one round trip and one transaction
-(docs/architecture.md, "The hand-off in one process"). A NOTIFY for those rows would
+(docs/explanation/daemons.md, "The hand-off in one process"). A NOTIFY for those rows would
 only wake the service's listener for a claim that finds them taken. So the trigger
 function now notifies unless the transaction set ``txbox.notify`` to ``off``
 (``set_config('txbox.notify', 'off', true)``, local to that transaction); every other

@@ -1,6 +1,6 @@
 """Exactly once, proven with real processes killed at random moments.
 
-docs/architecture.md, "Guarantees and how they are kept".
+docs/explanation/guarantees.md, "Guarantees and how they are kept".
 
 Receiver and worker run as ``txbox receiver|worker --app tests.apps.counter:service``,
 or, in one variant, as two ``txbox run`` processes.
@@ -123,7 +123,7 @@ def test_messages_exactly_once_through_kill_9s(
     database_url: str, amqp_url: str, env: dict[str, str], processes: ProcessGroup, deployment: str
 ) -> None:
     """With ``run``, both processes hand the rows their receiver stores to their own worker
-    (docs/architecture.md, "The hand-off in one process"), and both consume: a kill takes
+    (docs/explanation/daemons.md, "The hand-off in one process"), and both consume: a kill takes
     a receiver and a worker at once, between any two steps of the hand-off."""
     if deployment == "run":
         env = {**env, "TXBOX_RECEIVER_STANDBY": "false"}

@@ -1,6 +1,6 @@
 """PostgreSQL failover: kill -9 the primary mid-run, promote its synchronous standby.
 
-docs/architecture.md, "PostgreSQL failover".
+docs/explanation/operations.md, "PostgreSQL failover".
 
 A private primary streams to a synchronous standby (every commit waits for it). The
 publisher, receiver and worker of `counter-service` run as processes against the

@@ -1,6 +1,6 @@
 """/healthz and /readyz of real daemon processes: a stuck handler, a stopped database or broker.
 
-docs/architecture.md, "Probes, logs and liveness". The daemons run as ``txbox ... --app
+docs/explanation/operations.md, "Probes, logs and liveness". The daemons run as ``txbox ... --app
 tests.apps.counter:service --metrics-port P``; the outages use private PostgreSQL and
 RabbitMQ instances (the shared ones serve other tests).
 """

@@ -3,7 +3,7 @@
 The example saga runs with every daemon given all three nodes' URLs (TXBOX_AMQP_URL as a
 comma-separated list); `txbox chaos --rabbit-nodes 3` kills -9 the node leading the
 inbox queues, brings it back, and judges the run from both services' databases
-(docs/architecture.md, "A RabbitMQ cluster"). `make test` runs 1,000 orders (about a
+(docs/explanation/operations.md, "A RabbitMQ cluster"). `make test` runs 1,000 orders (about a
 minute, most of it booting the three nodes); `make rabbit-cluster` 3,000
 (``TXBOX_RABBIT_CLUSTER_ORDERS``). The fault, which fires at a share of the expected
 progress, and the assertions are the same at any size. Timings are printed, never asserted.

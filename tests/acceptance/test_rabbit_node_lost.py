@@ -7,7 +7,7 @@ declared (quorum queues are led by the declaring node) — is killed with ``kill
 after the first half of the commands and never started again; a plain pika client
 publishes everything to the surviving nodes. The quorum queue keeps counting the dead
 node's consumer until that node returns, so a rule that waits for the queue to show no
-other consumer never consumes again (docs/architecture.md, "A RabbitMQ cluster"). Every
+other consumer never consumes again (docs/explanation/operations.md, "A RabbitMQ cluster"). Every
 message must be handled exactly once, each segment in the order it was published. The
 time from the kill to the first message of the second half handled is printed, never
 asserted (the generous wait below only bounds the test).

@@ -1,7 +1,7 @@
 """Two receivers and two workers of one service, as processes, killed in turn: nothing is
 lost or doubled, and every segment is handled in the order it was sent.
 
-docs/architecture.md, "Replicas of every daemon". The counter service's handler stamps
+docs/explanation/operations.md, "Replicas of every daemon". The counter service's handler stamps
 each message with ``clock_timestamp()`` in the worker's transaction; a segment's messages
 are sequential, so their stamps must follow the order of publication.
 """

@@ -117,7 +117,7 @@ def outbox_drained(url: str) -> bool:
 
 
 def mosaic_envelope(order_id: str, correlation_id: str) -> tuple[str, bytes]:
-    """A PlaceOrder exactly as a Mosaic service would publish it (docs/architecture.md, "The envelope")."""
+    """A PlaceOrder exactly as a Mosaic service would publish it (docs/explanation/relay.md, "The envelope")."""
     message_id = str(uuid.uuid4())
     body = {
         "payload": {"customer": "other-team", "sku": "SKU-A", "quantity": 1},

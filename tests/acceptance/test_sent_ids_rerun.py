@@ -1,6 +1,6 @@
 """A handler run again sends the same messages: proven with real processes and two services.
 
-docs/architecture.md, "Ids of the messages a handler sends". `fanout-service`
+docs/explanation/write.md, "Ids of the messages a handler sends". `fanout-service`
 (:mod:`tests.apps.fanout`) turns each Fan command into two Count commands to
 `counter-service` (:mod:`tests.apps.counter`), each service with a database of its own in
 one vhost: fanout's receiver, worker and publisher as processes, counter's `txbox run`.
@@ -152,7 +152,7 @@ def test_a_lost_commit_run_again_sends_copies_that_the_receiving_inbox_drops(pai
     assert pair.counters() == dict.fromkeys(first_run, 1)
     assert pair.duplicates() == 0
 
-    # What an asynchronous standby promoted after this commit would hold (docs/architecture.md,
+    # What an asynchronous standby promoted after this commit would hold (docs/explanation/operations.md,
     # "PostgreSQL failover"): the claim (its own autocommit statement, replicated), not the
     # worker's transaction, so the Fan is pending again and its outbox rows never existed.
     # The relay had published them already: counter-service holds and applied them.

@@ -1,6 +1,6 @@
 """Async handlers for `order-service` (the worker tests' service): the same behaviour as the
 sync test handlers, written as ``async def handle`` with an ``AsyncSession``
-(docs/architecture.md, "Async handlers").
+(docs/explanation/handle.md, "Async handlers").
 
 ``AsyncRecorder`` records each run and inserts a ``seen`` row, then awaits ``act`` (each
 test sets it); ``AsyncStockReserved`` handles an event type beside a sync ``PlaceOrder``

@@ -3,10 +3,10 @@
 Every ``Count`` command adds one to the row of its message id in ``counters``, in the
 worker's transaction: a message applied twice shows as 2, a lost one as a missing row.
 A payload with ``"crash": true`` ends the process inside the handler (``os._exit``), the
-way a segfault or the OOM killer would: the poison case (docs/architecture.md,
+way a segfault or the OOM killer would: the poison case (docs/explanation/guarantees.md,
 "Guarantees and how they are kept"). ``"sleep": s`` blocks the handler in C for ``s``
 seconds (a timeout that cannot interrupt it). ``async_service`` is the same service with
-the handler written as ``async def handle`` (docs/architecture.md, "Async handlers").
+the handler written as ``async def handle`` (docs/explanation/handle.md, "Async handlers").
 
 Run: ``txbox worker --app tests.apps.counter:service`` (or ``:async_service``) with ``TXBOX_DATABASE_URL`` and
 ``TXBOX_AMQP_URL`` set (the contracts folder is this app's own).

@@ -1,4 +1,4 @@
-"""`fanout-service`: the test service of the re-run tests (docs/architecture.md, "Ids of the
+"""`fanout-service`: the test service of the re-run tests (docs/explanation/write.md, "Ids of the
 messages a handler sends").
 
 Every ``Fan`` command sends two ``Count`` commands to `counter-service`

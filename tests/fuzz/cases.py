@@ -202,7 +202,7 @@ def plain_properties(draw: st.DrawFn, *, hostile: bool) -> dict[str, Any]:
         if "expiration" in props:
             # RabbitMQ 3.10 itself loses a message with a malformed x-death that expires in the
             # inbox queue (its dead-lettering crashes the queue's leader), before any txbox
-            # daemon sees it (docs/architecture.md, "Receiver intake"): not a case to judge.
+            # daemon sees it (docs/explanation/receive.md, "Receiver intake"): not a case to judge.
             props["headers"].pop("x-death", None)
         props["user_id"] = None  # the broker refuses a user_id other than the connection's
     else:

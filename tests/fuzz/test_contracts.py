@@ -1,6 +1,6 @@
 """Generated hostile contracts: random mutations of a valid one, loaded and turned into code.
 
-docs/architecture.md, "Contracts are outside input". Hypothesis starts from a valid
+docs/explanation/receive.md, "Contracts are outside input". Hypothesis starts from a valid
 contract and bends it: hostile names (service id, channel, message type, title,
 aggregate type, property names), hostile strings (descriptions, enum values, defaults:
 quotes, backslashes, NUL, line separators, ``#``, braces), ``$ref``s to URLs, absolute

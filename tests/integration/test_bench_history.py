@@ -2,7 +2,7 @@
 
 Rows longer than the ones the bench writes would leave on each old page a leftover that
 fits a new row, so the measurement would read and dirty old pages on every insert
-(docs/architecture.md, "The tables"): the fill's shape is part of what it measures.
+(docs/explanation/how-it-works.md, "The tables"): the fill's shape is part of what it measures.
 """
 
 from __future__ import annotations

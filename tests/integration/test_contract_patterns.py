@@ -1,6 +1,6 @@
 """A contract's catastrophic `pattern` against a running `txbox receiver`, fed with plain pika.
 
-docs/architecture.md, "Contracts are outside input": a pattern never runs in a
+docs/explanation/receive.md, "Contracts are outside input": a pattern never runs in a
 backtracking engine on a sender's data, including the wording of the error after the
 payload was rejected. ``^(a+)+$`` and ``(a|aa)+$`` on ``'a' * 40 + '!'`` take a
 backtracking engine about 2**40 steps; the receiver must dead-letter those payloads with

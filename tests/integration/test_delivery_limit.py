@@ -2,7 +2,7 @@
 
 The receiver (and ``txbox topology``) apply the policy through the management API; a
 message no receiver ever acks is then dead-lettered by RabbitMQ after the limit and
-stored by the collector, never redelivered forever (docs/architecture.md, "Receiver intake").
+stored by the collector, never redelivered forever (docs/explanation/receive.md, "Receiver intake").
 """
 
 from __future__ import annotations

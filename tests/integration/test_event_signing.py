@@ -1,4 +1,4 @@
-"""Signed events on the real broker and database (docs/architecture.md, "Event signing").
+"""Signed events on the real broker and database (docs/explanation/receive.md, "Event signing").
 
 The relay's signatures are checked with the cryptography library directly over the raw
 bytes a plain pika consumer received; the receiver's judgments come from deliveries the

@@ -3,7 +3,7 @@
 Real receivers on the real servers: the wait comes from another receiver consuming the
 inbox queue (standby) or from a plain pika consumer holding it (taking over, as the
 consumer of a RabbitMQ node lost for good stays counted). The wait ends when the other
-consumer goes, and every view of it clears (docs/architecture.md, "Probes, logs and
+consumer goes, and every view of it clears (docs/explanation/operations.md, "Probes, logs and
 liveness").
 """
 

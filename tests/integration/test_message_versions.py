@@ -1,4 +1,4 @@
-"""Message versions through the real receiver and worker (docs/architecture.md, "Message versions").
+"""Message versions through the real receiver and worker (docs/explanation/receive.md, "Message versions").
 
 ``StockShelf`` (tests/fixtures/versions) is version 2, with version 1 still declared. A v1
 and a v2 delivery are both admitted, each checked against its own version's schema; the

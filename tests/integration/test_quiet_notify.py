@@ -1,7 +1,7 @@
 """Migration 0011: the inbox's insert NOTIFY is left out only by a transaction that asks.
 
 `txbox run`'s receiver claims what it stores for its own worker in the inserting
-transaction (docs/architecture.md, "The hand-off in one process"); everyone else's
+transaction (docs/explanation/daemons.md, "The hand-off in one process"); everyone else's
 inserts must still wake the listener.
 """
 

@@ -1,6 +1,6 @@
 """A server that refuses writes (a standby now) makes the engine drop its pool.
 
-docs/architecture.md, "PostgreSQL failover". A session with
+docs/explanation/operations.md, "PostgreSQL failover". A session with
 ``default_transaction_read_only`` stands in for a demoted server: its writes fail with
 SQLSTATE 25006 exactly as a standby's do.
 """

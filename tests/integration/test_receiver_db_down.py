@@ -1,9 +1,10 @@
-"""PostgreSQL down: deliveries go round the delay/retry chain (docs/architecture.md, "The topology"), nothing is lost.
+"""PostgreSQL down: deliveries go round the delay/retry chain, nothing is lost.
 
-The database is a private cluster this test owns (initdb + pg_ctl on a free port, run as
-the ``postgres`` user), so it can be stopped and started again without disturbing
-anyone else. The retry schedule is shortened to 1 s delays; the receiver declares the
-``delay:1s`` queue itself, shaped like the standard ``delay:10s``/``delay:30s``.
+The chain: docs/explanation/relay.md, "The topology". The database is a private cluster
+this test owns (initdb + pg_ctl on a free port, run as the ``postgres`` user), so it can
+be stopped and started again without disturbing anyone else. The retry schedule is
+shortened to 1 s delays; the receiver declares the ``delay:1s`` queue itself, shaped
+like the standard ``delay:10s``/``delay:30s``.
 """
 
 from __future__ import annotations

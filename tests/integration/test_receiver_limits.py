@@ -120,7 +120,7 @@ def test_body_bytes_held_unacked_are_bounded_while_the_database_is_slow(
 ) -> None:
     """The write of the first batch stalls on a row lock; deliveries keep arriving meanwhile.
     The bound holds while the next batch is collected as one is written (every batch is
-    sent without waiting, docs/architecture.md "The daemons and their threads")."""
+    sent without waiting, docs/explanation/daemons.md "The daemons and their threads")."""
     topology.declare(service.settings, service.registry)
     first = place_order(aggregate_id="first")
     padding = "x" * 100_000

@@ -1,7 +1,7 @@
 """The receiver's batch write sent without waiting (framework/receiver/write.py) against
 the real PostgreSQL, and the shape of pika's I/O loop it is watched on (framework.amqp.ioloop).
 
-docs/architecture.md, "The daemons and their threads": a batch of new rows is one
+docs/explanation/daemons.md, "The daemons and their threads": a batch of new rows is one
 statement, committed in the same round trip; a batch with a row that is not new, or one
 PostgreSQL refuses, stores nothing and leaves the connection idle and usable.
 """

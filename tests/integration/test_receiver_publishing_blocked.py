@@ -1,5 +1,5 @@
 """A broker that blocks publishers does not stop the receiver consuming
-(docs/architecture.md, "Publishing blocked by the broker").
+(docs/explanation/receive.md, "Publishing blocked by the broker").
 
 A private RabbitMQ node raises its memory alarm (``set_vm_memory_high_watermark 0``):
 RabbitMQ then blocks every connection that publishes and keeps delivering on those that

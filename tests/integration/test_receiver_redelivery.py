@@ -1,6 +1,6 @@
 """The receiver's redelivery counter, with a receiver process killed (-9) while it holds a message.
 
-docs/architecture.md, "Receiver intake".
+docs/explanation/receive.md, "Receiver intake".
 
 How the receiver is made to die *holding one given message*, without a test hook in the
 product: the test inserts that message's id into txbox.inbox in a transaction it keeps

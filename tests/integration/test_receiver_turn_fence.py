@@ -1,5 +1,5 @@
 """A holder whose database went away gives its turn up after the lease, so another
-replica's takeover bound holds (docs/architecture.md, "Replicas of every daemon").
+replica's takeover bound holds (docs/explanation/operations.md, "Replicas of every daemon").
 
 A private PostgreSQL is stopped under a receiver's turn: the shared server must not be.
 """

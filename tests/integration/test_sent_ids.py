@@ -1,6 +1,6 @@
 """The ids of the messages a handler sends, through the worker and the real PostgreSQL.
 
-docs/architecture.md, "Ids of the messages a handler sends": every run of a handler for one
+docs/explanation/write.md, "Ids of the messages a handler sends": every run of a handler for one
 incoming message sends under the same ids (framework/ids.py, ``sent_id``), whatever made
 it run again; a send inside a savepoint rolled back is undone and gives its ordinal back;
 an explicit ``message_id=`` and sends outside a handler keep their own ids.
@@ -95,7 +95,7 @@ def test_a_send_in_a_savepoint_rolled_back_is_undone_and_gives_its_ordinal_back(
 
     def division_by_zero(message: Message, session: Session, outbox: Outbox) -> None:
         # A database error in a batch mate: the worker runs the whole batch again carefully,
-        # a savepoint of its own around each handler (docs/architecture.md, "Worker batches").
+        # a savepoint of its own around each handler (docs/explanation/handle.md, "Worker batches").
         if message.aggregate_id == "mate":
             session.execute(text("SELECT 1 / 0"))
         else:

@@ -1,4 +1,4 @@
-"""Producers' keys fetched from a JWKS URL by a running receiver (docs/architecture.md,
+"""Producers' keys fetched from a JWKS URL by a running receiver (docs/explanation/receive.md,
 "Event signing"), on the real broker and database.
 
 The test serves the producer's JWKS over loopback HTTP and publishes events it signs

@@ -169,7 +169,7 @@ def test_the_worker_claim_updates_its_rows_by_tid_whatever_the_statistics_say(da
 
 
 # The relay runs its statements with generic plans (framework/db.py, generic_plans), and the
-# worker's fenced statements get one by PostgreSQL's choice (docs/architecture.md, "Generic
+# worker's fenced statements get one by PostgreSQL's choice (docs/explanation/daemons.md, "Generic
 # plans"): each of their plans is checked both ways, the plan for these values and the one for any.
 PLANNED = pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 
@@ -334,7 +334,7 @@ def test_the_worker_presumption_keeps_one_generic_plan_when_postgresql_chooses(d
     # The batch connection runs the handlers' queries too, so the worker leaves the choice
     # between generic and custom plans to PostgreSQL. Its presumption, with the arrays
     # passed straight to unnest, got a custom plan at every batch of one: planned again
-    # each time (docs/architecture.md, "Generic plans").
+    # each time (docs/explanation/daemons.md, "Generic plans").
     statement = guard.armed(q.presume_processed("txbox"))
     batches = 12
     with psycopg.connect(db.conninfo(db_url(database))) as conn:  # plan_cache_mode as the server's

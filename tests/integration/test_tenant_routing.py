@@ -1,4 +1,4 @@
-"""Multi-tenant routing keys (docs/architecture.md, "Multi-tenant routing keys").
+"""Multi-tenant routing keys (docs/explanation/receive.md, "Multi-tenant routing keys").
 
 A contract written as Mosaic's multi-tenant ones are (`*.*.entity.action` channels)
 loads; a command sent with plain pika on one tenant's key is stored under that key; the

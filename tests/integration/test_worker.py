@@ -267,7 +267,7 @@ def test_notify_wakes_an_idle_worker_long_before_the_poll(service: Service, busi
 
 
 def test_the_worker_listens_claims_ahead_and_handles_on_one_thread(service: Service, business: str) -> None:
-    """docs/architecture.md, "The daemons and their threads": besides its loop the worker
+    """docs/explanation/daemons.md, "The daemons and their threads": besides its loop the worker
     starts only the watchdog and the pruner (no listener, no claim thread), while it takes
     a NOTIFY from sleep and claims ahead under a backlog."""
     service.register(Recorder())
@@ -546,7 +546,7 @@ def _round_trips(trace: str) -> tuple[int, int]:
 
 
 def test_a_batch_costs_three_round_trips_and_a_claim_one(service: Service, business: str, tmp_path: Any) -> None:
-    """docs/architecture.md, "Worker batches": BEGIN, the presumption that arms the commit
+    """docs/explanation/handle.md, "Worker batches": BEGIN, the presumption that arms the commit
     guard, the guard's DELETE with the COMMIT (a handler that writes nothing has no flush);
     each claim commits in its own round trip. Five and three before."""
 

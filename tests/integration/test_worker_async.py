@@ -2,7 +2,7 @@
 exactly once with the processed mark, the timeout that cancels the coroutine and its
 statement, poison, backoff, ordering, batching, and sync and async handlers in one service.
 
-docs/architecture.md, "Async handlers".
+docs/explanation/handle.md, "Async handlers".
 """
 
 from __future__ import annotations

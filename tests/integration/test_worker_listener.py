@@ -1,4 +1,4 @@
-"""One listener per service (docs/architecture.md, "Replicas of every daemon"): of two
+"""One listener per service (docs/explanation/operations.md, "Replicas of every daemon"): of two
 workers only the holder of the advisory lock wakes for the inbox's NOTIFYs, the other
 claims when the listener's claim came back full, and takes the turn when the listener's
 session ends (a kill -9 of its process)."""

@@ -1,6 +1,6 @@
 """Ordering: sequential segments strictly in order with several workers.
 
-docs/architecture.md, "Guarantees and how they are kept".
+docs/explanation/guarantees.md, "Guarantees and how they are kept".
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class TagWidget(CommandHandler):
     def handle(self, message: Message, session: Session, outbox: Outbox) -> None:
         name = str(message.payload["name"])
         _record(session, message, name)
-        # No tenant named: the event takes the command's (docs/architecture.md, "Multi-tenant routing keys").
+        # No tenant named: the event takes the command's (docs/explanation/receive.md, "Multi-tenant routing keys").
         outbox.publish_event(
             "WidgetTagged", aggregate_id=message.aggregate_id, payload={"widget_id": message.aggregate_id, "name": name}
         )

@@ -1,4 +1,4 @@
-"""Signed events between txbox and a Mosaic service, both ways (docs/architecture.md, "Event signing").
+"""Signed events between txbox and a Mosaic service, both ways (docs/explanation/receive.md, "Event signing").
 
 The Mosaic peer (tests/interop/peer) signs its events with Mosaic's message bus
 (``rmqEventSigningPrivateKey``) and checks the events it receives with Mosaic's

@@ -1,4 +1,4 @@
-"""Tenant-scoped messages between txbox and a Mosaic service, both ways (docs/architecture.md,
+"""Tenant-scoped messages between txbox and a Mosaic service, both ways (docs/explanation/receive.md,
 "Multi-tenant routing keys").
 
 Both contracts have Mosaic's multi-tenant channels (``*.*.entity.action``). The Mosaic peer

@@ -3,7 +3,7 @@
 Rows written before a contract renamed a type, or by a sender still using the old name,
 carry the alias; the receiver stores such a delivery under the one type
 (``Registry.get``), and the reconciliation must resolve the name the same way instead of
-leaving those messages "not judged" (docs/architecture.md, "Mosaic compatibility").
+leaving those messages "not judged" (docs/explanation/receive.md, "Mosaic compatibility").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """TXBOX_AMQP_URL with the nodes of a cluster: parsed, validated, tried in a per-process order.
 
-docs/architecture.md, "A RabbitMQ cluster".
+docs/explanation/operations.md, "A RabbitMQ cluster".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """framework/worker/coroutines.py without a database: the per-thread loop, the cancel at the
-timeout, the refusals (docs/architecture.md, "Async handlers")."""
+timeout, the refusals (docs/explanation/handle.md, "Async handlers")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TXBOX_DATABASE_URL with several hosts: engine and raw connections reach the same servers.
 
-docs/architecture.md, "PostgreSQL failover".
+docs/explanation/operations.md, "PostgreSQL failover".
 """
 
 from __future__ import annotations

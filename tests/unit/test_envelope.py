@@ -10,7 +10,7 @@ import pytest
 from framework.envelope import Message, message_from_dict, parse_message, peek_top_level
 from framework.errors import EnvelopeError
 
-# The sample envelope of Mosaic's guide (docs/architecture.md, "The envelope"), verbatim.
+# The sample envelope of Mosaic's guide (docs/explanation/relay.md, "The envelope"), verbatim.
 SEED_ENVELOPE = """{
 "payload":{"title": "Example Title 1", "count": 3},
 "message_context":{"example_correlation_id": "9b9824d7-5af1-45c2-9f5d-32423f0d6d39"},

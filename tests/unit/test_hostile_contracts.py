@@ -1,6 +1,6 @@
 """Hostile contract files, written by the test as raw text, through `txbox contracts check` and `txbox codegen`.
 
-docs/architecture.md, "Contracts are outside input": a contract is refused with the
+docs/explanation/receive.md, "Contracts are outside input": a contract is refused with the
 file, the path in it and the value, never turned into code, a wait or a slow regex.
 """
 

@@ -1,5 +1,5 @@
 """Message versions: the contract form, validation by version, handler versions and upcasters,
-and the assembly check (docs/architecture.md, "Message versions")."""
+and the assembly check (docs/explanation/receive.md, "Message versions")."""
 
 from __future__ import annotations
 

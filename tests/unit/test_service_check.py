@@ -114,7 +114,7 @@ def test_handler_without_message_type_is_named() -> None:
 
 def test_an_async_handle_assembles_beside_sync_ones() -> None:
     """``async def handle`` is awaited by the worker with an AsyncSession
-    (docs/architecture.md, "Async handlers"): ``check()`` takes it like a plain one."""
+    (docs/explanation/handle.md, "Async handlers"): ``check()`` takes it like a plain one."""
 
     class AsyncPlaceOrder(CommandHandler):
         message_type = "PlaceOrder"

@@ -1,4 +1,4 @@
-"""Event signatures (docs/architecture.md, "Event signing"): what each policy makes of a
+"""Event signatures (docs/explanation/receive.md, "Event signing"): what each policy makes of a
 delivery's headers and body, and what a key's text may be."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Producers' keys from a URL and from a file of PEMs (docs/architecture.md, "Event signing"):
+"""Producers' keys from a URL and from a file of PEMs (docs/explanation/receive.md, "Event signing"):
 what a JWKS document or Mosaic's key service may answer, when keys are fetched again, and
 what a hostile answer ends in. The key sources are served by the test over loopback."""
 

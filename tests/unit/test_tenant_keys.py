@@ -1,4 +1,4 @@
-"""Multi-tenant routing keys (docs/architecture.md, "Multi-tenant routing keys"): filling,
+"""Multi-tenant routing keys (docs/explanation/receive.md, "Multi-tenant routing keys"): filling,
 matching and reading Mosaic's `*.*` placeholders."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the worker does per message stays cheap: the driver's own timestamp loader, no span
-object when nothing records (docs/architecture.md, "Worker batches")."""
+object when nothing records (docs/explanation/handle.md, "Worker batches")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The development tools' own failures, under the library's one root (``TxboxError``).
 
 They are here, not in ``framework/errors.py``, because nothing in the wheel raises them
-(docs/architecture.md, "The development tools").
+(docs/explanation/development.md, "The development tools").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``python -m txbox_tools.golden_sql`` writes ``tests/golden/statements.sql``;
 ``tests/unit/test_golden_sql.py`` renders the statements again and fails when the
 committed file differs, so a change to a statement shows in review as a change to its
-full text, not only to the fragments it is composed of (docs/architecture.md, "Tables
+full text, not only to the fragments it is composed of (docs/explanation/daemons.md, "Tables
 and their SQL").
 
 Each entry is headed ``-- module.function(args)`` and rendered for the default schema

@@ -2,7 +2,7 @@
 
 The benchmarks, the chaos run and the demo drive the example services of ``examples/``
 with the contracts of ``contracts/``; both live in a clone of the repository, never in an
-installed package (docs/architecture.md, "The development tools").
+installed package (docs/explanation/development.md, "The development tools").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """AsyncPublisher, direct sends from async code, on a real broker: the confirm awaited,
 completions in send order, room under the bound awaited without blocking the loop, and
-a drain on close (docs/architecture.md, "Direct sends from async code")."""
+a drain on close (docs/explanation/write.md, "Direct sends from async code")."""
 
 from __future__ import annotations
 

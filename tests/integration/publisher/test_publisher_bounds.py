@@ -1,4 +1,4 @@
-"""Bounded direct sends and copies at the call, on a real broker (docs/architecture.md, "Direct sends").
+"""Bounded direct sends and copies at the call, on a real broker (docs/explanation/write.md, "Direct sends").
 
 Confirms are held back deterministically: completions run one after another on the
 publisher's I/O thread, so a completion callback that waits on an event keeps every later

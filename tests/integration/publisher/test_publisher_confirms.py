@@ -1,6 +1,6 @@
 """framework.Publisher, the confirm-tracking publisher for direct sends, on a real broker.
 
-docs/architecture.md, "Direct sends".
+docs/explanation/write.md, "Direct sends".
 """
 
 from __future__ import annotations

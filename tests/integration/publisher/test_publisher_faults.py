@@ -110,7 +110,7 @@ def test_database_connections_killed_and_the_relay_recovers(
 
 def test_a_streak_of_nacks_makes_the_relay_publish_again_on_a_new_channel(settings: Settings, service: Service) -> None:
     """RabbitMQ 3.10 kept nacking a channel that met a dead quorum leader while a new channel got
-    acks (docs/architecture.md, "A RabbitMQ cluster"): here a full queue nacks every publish."""
+    acks (docs/explanation/operations.md, "A RabbitMQ cluster"): here a full queue nacks every publish."""
     ids = insert_rows(settings, service.registry, orders(10, 1))
     topology.declare(settings, service.registry)
     exchange, key = names.COMMAND_EXCHANGE, service.registry.get("PlaceOrder").routing_key

@@ -270,7 +270,7 @@ def test_a_lane_drains_without_notify_or_poll_as_each_mark_frees_its_successor(
 def test_the_relay_plans_its_claims_once_not_on_every_claim(settings: Settings, service: Service) -> None:
     # Left to choose, PostgreSQL planned every claim again (its plans for the values at
     # hand looked cheaper), about half a millisecond of its CPU per claim; the relay's
-    # connections keep one generic plan (docs/architecture.md, "Generic plans").
+    # connections keep one generic plan (docs/explanation/daemons.md, "Generic plans").
     with running_relay(service) as relay:
         for n in range(8):  # one claim each: psycopg prepares a statement from its 5th run
             insert_rows(settings, service.registry, orders(1, 1, segment=f"plan-{n}"))
@@ -323,7 +323,7 @@ def test_claimed_rows_are_read_by_column_name_in_any_order(settings: Settings) -
 def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
     settings: Settings, service: Service
 ) -> None:
-    # The relay's marks ride its next claim (docs/architecture.md, "Wake-ups"): the
+    # The relay's marks ride its next claim (docs/explanation/daemons.md, "Wake-ups"): the
     # claim must see a marked row's successor as the head of its lane in the same
     # statement, say of each row whether a pending row waits behind it, and date each
     # mark at its confirm, not at the claim.
@@ -350,7 +350,7 @@ def test_a_claim_marks_the_rows_it_carries_and_takes_their_successors_at_once(
 
 
 def test_each_mark_rides_a_claim_and_no_claim_comes_back_empty(settings: Settings, service: Service) -> None:
-    # A cycle is one statement (docs/architecture.md, "Wake-ups"): the claim of the next
+    # A cycle is one statement (docs/explanation/daemons.md, "Wake-ups"): the claim of the next
     # NOTIFY marks what was confirmed. Here no NOTIFY follows each row (the test waits for
     # its mark first), so the mark waits MARK_DELAY and then goes alone, one statement,
     # rather than in a claim that would find nothing. Nothing else is written.

@@ -6,7 +6,7 @@ and the server's WAL writer, checkpointer and background writer, which write for
 the RabbitMQ node. The load generator — its own Python and its PostgreSQL backends, told
 apart by :data:`LOAD_APPLICATION` — is not counted: a web front end pays it with or
 without txbox. The broker and the server's background processes are measured whole, so
-the figures mean something only on a machine that runs nothing else (docs/architecture.md,
+the figures mean something only on a machine that runs nothing else (docs/explanation/daemons.md,
 "CPU per message").
 
 A process that exits between the two readings loses what it spent since the first one;
@@ -150,7 +150,7 @@ class Saturation:
 
     Only the bench's own database's backends count, not the server's helper processes
     nor the broker: those serve everything on the machine, and other work there would
-    be counted as the bench's (docs/architecture.md, "CPU per message"). A backend must
+    be counted as the bench's (docs/explanation/daemons.md, "CPU per message"). A backend must
     still be connected at :meth:`stop` for its CPU to count: stop before closing.
     """
 

@@ -1,7 +1,7 @@
 """`--history N` of `txbox bench relay|worker|e2e`: the same measurement over a table that has a past.
 
 A service that has run for a while has an outbox and an inbox full of finished rows
-(until retention takes them: docs/architecture.md, "Retention"). The benches measure on
+(until retention takes them: docs/explanation/operations.md, "Retention"). The benches measure on
 empty tables first, then pre-fill ``N`` historical rows with one ``INSERT ... SELECT
 generate_series`` per million (a realistic mix: mostly processed, some abandoned with
 their dead letters, in the inbox some tombstones), VACUUM ANALYZE and CHECKPOINT (history
@@ -16,7 +16,7 @@ included. Rows of another size would not be history of this service, and they wo
 change what is measured: PostgreSQL puts a new row (or a row's new version) on any page
 whose free space the free-space map says fits it, so history rows a little longer than
 the new ones leave on each old page a leftover that fits a new row, and every insert
-then reads and dirties an old page out of cache (docs/architecture.md, "The tables").
+then reads and dirties an old page out of cache (docs/explanation/how-it-works.md, "The tables").
 The rows were created over ``SPAN`` ending ``AGE`` ago, inside each table's default
 retention, so the daemons' pruners have nothing to delete during the measurement: what
 is measured is the cost of a big table, not of pruning it. The partial indexes the

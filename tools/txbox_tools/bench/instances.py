@@ -3,9 +3,9 @@
 Python runs one daemon's hot path on one core (the GIL), so a stage scales the way users
 deploy it: more instances of the daemon, competing for the same rows or deliveries
 (``FOR UPDATE SKIP LOCKED`` claims; competing consumers, which for receivers only suits
-unordered traffic: docs/how-to/daemons.md, "Scaling"). The benches start them here, spawned (no inherited
-sockets), and time from the moment every instance is ready to the moment their combined
-counter reaches the target.
+unordered traffic: docs/explanation/operations.md, "Replicas of every daemon"). The benches
+start them here, spawned (no inherited sockets), and time from the moment every instance
+is ready to the moment their combined counter reaches the target.
 
 An instance is built in its child by ``build(*args)``, a module-level function returning
 the daemon and the Prometheus counter child that counts its finished work; children copy

@@ -14,7 +14,7 @@ consumer committing one row per message — the floor any outbox-free design pay
 machine. Its rate and latency are reported as ``raw_limit_rate`` / ``raw_p50_ms`` /
 ``raw_p99_ms``.
 
-CPU, beside time (docs/architecture.md, "CPU per message"): ``cpu_cores`` is the CPU
+CPU, beside time (docs/explanation/daemons.md, "CPU per message"): ``cpu_cores`` is the CPU
 seconds per wall second of every process that carries the messages — each daemon, the
 PostgreSQL processes serving them, the RabbitMQ node, not the load generator — from the
 first message offered to the last one handled; ``cpu_ms_per_message`` the same per

@@ -5,7 +5,7 @@ Session, as a user writes them; the raw limit is the business transaction alone,
 measured in the same run and interleaved in rounds so machine noise hits both alike.
 Bar (docs/explanation/benchmarks.md): with the outbox row the rate is at least 1/1.25 = 0.8 of the raw one.
 ``--async`` measures the same through an ``AsyncSession`` on the psycopg asyncio driver,
-against an async one-row business transaction (docs/architecture.md, "Async outbox").
+against an async one-row business transaction (docs/explanation/write.md, "Async outbox").
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class Scratch:
 
 def envelopes(n: int) -> list[bytes]:
     """PlaceOrder envelopes of the usual size, each its own aggregate (own segment), with the
-    ids a txbox sender gives them (UUIDv7: docs/architecture.md, "The tables")."""
+    ids a txbox sender gives them (UUIDv7: docs/explanation/how-it-works.md, "The tables")."""
     out = []
     for i in range(n):
         message = Message(
@@ -237,7 +237,7 @@ def admission_floor(amqp_url: str, queue: str, service: Service, n: int, cpu: Sa
     """:func:`raw_consume` that also admits every delivery as the receiver does (parsed,
     judged, made a row; framework/receiver/daemon.py builds its intake the same way) and
     renders each hundred rows as the INSERT's parameter, with no database: messages/s; the
-    most a receiver that admits in Python can take here (docs/architecture.md, "CPU per message")."""
+    most a receiver that admits in Python can take here (docs/explanation/daemons.md, "CPU per message")."""
     config = ReceiverConfig()
     intake = Intake(service.registry, service.name, max_body_bytes=config.max_body_bytes, selectors=service.selectors)
     trusted = config.trusted(amqp.username(amqp_url))

@@ -6,7 +6,7 @@ business transaction of its own that also records its send time in ``bench_sent`
 business row: the outbox rows themselves are pruned during the run). The daemons run
 with every retention set to ``--retention`` and a pruning pass every
 ``--prune-interval``, so the publisher and the worker delete while they work
-(docs/architecture.md, "Retention").
+(docs/explanation/operations.md, "Retention").
 
 Every ``--sample`` seconds a sampler records the handled rate, p50/p99 of send →
 handler commit over the messages handled since the last sample, and for the outbox and

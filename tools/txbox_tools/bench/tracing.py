@@ -6,7 +6,7 @@ exporter, registered in the entry-point group the SDK looks exporters up in, so 
 bench measures recording and batching spans, not a collector's speed. Nor an exporter's
 encoding: a real OTLP exporter also turns each span into protobuf on the processor's
 thread, which this one skips, so ``tracing_ratio`` leaves that cost out
-(docs/architecture.md, "Tracing").
+(docs/explanation/operations.md, "Tracing").
 """
 
 from __future__ import annotations

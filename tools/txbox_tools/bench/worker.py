@@ -13,7 +13,7 @@ beside it ``transactions_per_message`` is the server's own count, the scratch
 database's ``xact_commit + xact_rollback`` over the run (only the workers use it then).
 
 ``--async-handler`` then runs the same rows again through the same handler written as
-``async def handle`` (its session an ``AsyncSession``; docs/architecture.md, "Async
+``async def handle`` (its session an ``AsyncSession``; docs/explanation/handle.md, "Async
 handlers") and reports its rate beside the sync one's, and their ratio.
 """
 

@@ -591,7 +591,7 @@ class PrivateRabbitCluster(_Management):
     start_app``). Quorum
     queues declared afterwards get a member on every node, so the cluster keeps its
     queues when one node dies: the failover the daemons must survive
-    (docs/architecture.md, "A RabbitMQ cluster").
+    (docs/explanation/operations.md, "A RabbitMQ cluster").
     """
 
     def __init__(self, size: int = 3, base_dir: Path | None = None) -> None:

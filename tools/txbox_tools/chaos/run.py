@@ -629,7 +629,7 @@ def _inject(
 
 def _resumed_after(dsns: dict[str, str], events: list[Event]) -> float | None:
     """Seconds from the loss of a node for good to the first inbox row stored after it, for
-    the service that took longest (docs/architecture.md, "A RabbitMQ cluster")."""
+    the service that took longest (docs/explanation/operations.md, "A RabbitMQ cluster")."""
     lost = next((e for e in events if e.fault.kind is Kind.RABBITMQ_NODE_LOST), None)
     if lost is None:
         return None
