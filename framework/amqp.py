@@ -15,6 +15,7 @@ from typing import Any
 import pika
 import pika.data
 import pika.exceptions
+from pika.adapters.select_connection import IOLoop
 
 from framework.errors import BrokerUnavailable, ConfigurationError
 from framework.settings import amqp_urls, mask_url
@@ -122,6 +123,46 @@ def connect(amqp_url: str, *, name: str = "txbox") -> pika.BlockingConnection:
         raise BrokerUnavailable(f"RabbitMQ at {mask_url(amqp_url)} refused the credentials: {exc}") from exc
     except pika.exceptions.AMQPError as exc:
         raise BrokerUnavailable(f"cannot connect to RabbitMQ at {mask_url(amqp_url)}: {exc!r}") from exc
+
+
+#: What a :class:`pika.SelectConnection` calls back with: the connection, and for the
+#: error and close callbacks what failed or closed it.
+Opened = Callable[[pika.SelectConnection], None]
+Failed = Callable[[pika.SelectConnection, BaseException], None]
+
+
+def connect_on(
+    loop: IOLoop,
+    nodes: Iterator[pika.ConnectionParameters],
+    *,
+    on_open: Opened,
+    on_open_error: Failed,
+    on_close: Failed,
+) -> tuple[pika.SelectConnection | None, BaseException | None]:
+    """Start opening a connection on ``loop`` to the next of ``nodes`` (from :func:`parameters_list`).
+
+    Returns at once with the connection being opened and None; its callbacks then run on
+    the loop: ``on_open`` once it is open, ``on_open_error`` when the node did not answer
+    (call this again for the next node: a connect tries them in turn, docs/explanation/operations.md,
+    "A RabbitMQ cluster"), ``on_close`` when an opened connection closed. A node whose
+    parameters pika refuses only now counts as one that did not answer. Returns (None, the
+    last such refusal or None) once ``nodes`` is used up.
+    """
+    refused: BaseException | None = None
+    for params in nodes:
+        try:
+            connection = pika.SelectConnection(
+                params,
+                on_open_callback=on_open,
+                on_open_error_callback=on_open_error,
+                on_close_callback=on_close,
+                custom_ioloop=loop,
+            )
+        except Exception as exc:  # pika checks some parameters only here
+            refused = exc
+            continue
+        return connection, None
+    return None, refused
 
 
 def ioloop(connection: pika.BlockingConnection) -> Any:

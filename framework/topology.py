@@ -12,11 +12,14 @@ service and a Mosaic service start on one vhost in either order (docs/explanatio
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pika
+import pika.channel
 import pika.exceptions
 
 from framework import amqp, names
@@ -137,33 +140,62 @@ def declare(settings: Settings, registry: Registry, channel: Any | None = None) 
     return topology
 
 
+def declare_on(settings: Settings, registry: Registry, channel: pika.channel.Channel, done: Callable[[], None]) -> None:
+    """Declare everything on an open channel of a connection on a loop, without waiting.
+
+    The declarations go out in :func:`declare`'s order (pika sends each once RabbitMQ has
+    answered the one before); ``done`` runs on the loop once the last was answered. A
+    declaration RabbitMQ refuses closes the channel instead: its close callback gets the
+    reason, which :func:`mismatch` explains.
+    """
+    topology = plan(settings, registry)
+    calls: list[Callable[..., None]] = [
+        functools.partial(channel.exchange_declare, e, exchange_type="topic", durable=True) for e in topology.exchanges
+    ]
+    for queue in topology.queues:
+        calls.append(functools.partial(channel.queue_declare, queue.name, durable=True, arguments=queue.arguments))
+        calls += [functools.partial(channel.queue_bind, queue.name, e, routing_key=k) for e, k in queue.bindings]
+    for call in calls[:-1]:
+        call()
+    calls[-1](callback=lambda _frame: done())  # a channel answers in order: this one comes last
+
+
+def mismatch(settings: Settings, exc: BaseException) -> TopologyMismatch | None:
+    """What a channel closed by RabbitMQ's 406 (PRECONDITION_FAILED) to a declaration means;
+    None for any other reason."""
+    if not isinstance(exc, pika.exceptions.ChannelClosedByBroker) or exc.reply_code != 406:
+        return None
+    found = amqp.explain_precondition(exc.reply_text)
+    if found is None:
+        return TopologyMismatch(f"RabbitMQ refused a declaration: {exc.reply_text}")
+    what, name, arg, wanted, current = found
+    hint = ""
+    if arg == "x-queue-type" and name in (
+        names.inbox_queue(settings.service),
+        names.dead_letter_queue(settings.service),
+    ):
+        hint = f", or set TXBOX_QUEUE_TYPE={current.strip(chr(39))} to keep the existing queue"
+    if name in {names.mosaic_delay_queue(s) for s in names.DELAY_SECONDS}:
+        hint = (
+            ". It is shared with Mosaic services, which declare it with only x-message-ttl, "
+            "x-dead-letter-exchange=retry and x-queue-type=quorum (a txbox release before Mosaic "
+            "compatibility declared more); txbox's own retries wait in "
+            f"{names.delay_queue(int(name.removeprefix('delay:').removesuffix('s')))!r}"
+        )
+    return TopologyMismatch(
+        f"{what} {name!r} already exists with {arg}={current}, txbox needs {arg}={wanted}. "
+        f"Fix: drain and delete it (rabbitmqctl delete_queue {name!r}) so txbox can declare it{hint}."
+        if what == "queue"
+        else f"exchange {name!r} already exists with {arg}={current}, txbox needs {wanted}. "
+        f"Fix: delete the exchange (rabbitmqctl delete_exchange {name!r}) and run `txbox topology` again."
+    )
+
+
 def _guard(declare_call: Any, settings: Settings) -> None:
     try:
         declare_call()
     except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code != 406:
-            raise
-        found = amqp.explain_precondition(exc.reply_text)
+        found = mismatch(settings, exc)
         if found is None:
-            raise TopologyMismatch(f"RabbitMQ refused a declaration: {exc.reply_text}") from None
-        what, name, arg, wanted, current = found
-        hint = ""
-        if arg == "x-queue-type" and name in (
-            names.inbox_queue(settings.service),
-            names.dead_letter_queue(settings.service),
-        ):
-            hint = f", or set TXBOX_QUEUE_TYPE={current.strip(chr(39))} to keep the existing queue"
-        if name in {names.mosaic_delay_queue(s) for s in names.DELAY_SECONDS}:
-            hint = (
-                ". It is shared with Mosaic services, which declare it with only x-message-ttl, "
-                "x-dead-letter-exchange=retry and x-queue-type=quorum (a txbox release before Mosaic "
-                "compatibility declared more); txbox's own retries wait in "
-                f"{names.delay_queue(int(name.removeprefix('delay:').removesuffix('s')))!r}"
-            )
-        raise TopologyMismatch(
-            f"{what} {name!r} already exists with {arg}={current}, txbox needs {arg}={wanted}. "
-            f"Fix: drain and delete it (rabbitmqctl delete_queue {name!r}) so txbox can declare it{hint}."
-            if what == "queue"
-            else f"exchange {name!r} already exists with {arg}={current}, txbox needs {wanted}. "
-            f"Fix: delete the exchange (rabbitmqctl delete_exchange {name!r}) and run `txbox topology` again."
-        ) from None
+            raise
+        raise found from None

@@ -20,17 +20,21 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pika
+import pika.channel
 import pika.exceptions
+import pika.spec
 import psycopg
+from pika.adapters.select_connection import IOLoop
 
 from framework import amqp, jsoncodec, metrics, names, reasons, topology
+from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot
-from framework.daemon import RABBITMQ, Daemon, Reconnect
+from framework.daemon import RABBITMQ, Daemon
 from framework.dead_letters import (
     BODY_LIMIT,
     ERROR_LIMIT,
@@ -44,7 +48,7 @@ from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
 from framework.reasons import Reason
 from framework.service import Service
-from framework.settings import FromEnv, Seconds, setting
+from framework.settings import FromEnv, Seconds, mask_url, setting
 from framework.sql import dead_letters as dead_letters_sql
 
 
@@ -321,7 +325,32 @@ def _unstorable(json_text: str) -> str:
     return json.dumps({"unstorable": json_text.replace("\\u0000", "\\ufffd")[:20_000]})
 
 
+Delivery = tuple[pika.BasicProperties, bytes, str]  # properties, body, routing key
+
+
+def _cause(exc: BaseException) -> str:
+    """What a session failure is, as the collector's state names it."""
+    if isinstance(exc, BrokerUnavailable | pika.exceptions.AMQPError):
+        return "broker"
+    if isinstance(exc, DatabaseUnavailable | psycopg.OperationalError):
+        return "database"
+    return "collector"
+
+
 class Collector(Daemon):
+    """The collector daemon (`txbox collector`), a guest of the loop it is started on.
+
+    A session is one connection to RabbitMQ (the nodes of ``TXBOX_AMQP_URL`` in turn) and
+    one to PostgreSQL: it declares the topology, consumes with a prefetch of ``batch_size``,
+    stores a batch when it is full or its first delivery has waited ``flush_interval``
+    (:func:`store`, synchronous: short statements may run on the loop, docs/explanation/daemons.md,
+    "One loop per process") and acks it after the commit; a tick every flush interval runs
+    the resolve sweep when it is due. A failure ends the session (what it took and did not
+    ack goes back to the queue) and a new one starts after a backoff. A stop stores and
+    acks what it holds, cancels the consumer and closes. Everything runs on the loop's
+    thread but :meth:`stop`.
+    """
+
     name = "collector"
 
     def __init__(
@@ -331,75 +360,252 @@ class Collector(Daemon):
         self.config = config or CollectorConfig.from_env()
         self.queue = names.dead_letter_queue(self.settings.service)
         self._db = ConnectionSlot(self.settings.database_url, autocommit=True)
+        self._amqp: pika.SelectConnection | None = None  # opening or open
+        self._nodes: Iterator[pika.ConnectionParameters] = iter(())
+        self._channel: pika.channel.Channel | None = None
+        self._consumer: str | None = None  # the consumer tag while consuming
+        self._batch: list[Delivery] = []
+        self._last_tag = 0
+        self._flush_timer: Any = None
+        self._tick_timer: Any = None
+        self._retry_timer: Any = None
+        self._next_resolve = 0.0  # monotonic
+        self._failures = 0
+        self._ended_by: tuple[str, BaseException] | None = None  # why the session is closing
+        self._leaving = False  # a stop was requested
         self.collected = 0
-        self.finished = threading.Event()  # set once run() returned and the connections are closed
+        self.finished = threading.Event()  # set once it has ended and its connections are closed
 
-    def run(self) -> None:
-        reconnect = Reconnect(self)
+    @property
+    def _loop(self) -> IOLoop:
+        loop = self.loop
+        assert loop is not None, "the collector runs only once started (start_on)"
+        return loop
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def _begin(self) -> None:
+        self.state("starting", f"from {self.queue}")
+        self._tick()
+        self._connect()
+
+    def _on_stop(self) -> None:
+        """Store and ack what it holds, cancel the consumer, close; end once closed."""
+        self._leaving = True
+        self._cancel("_retry_timer")
+        amqp_conn, channel = self._amqp, self._channel
+        if amqp_conn is None:
+            self._finish()
+        elif self._consumer is not None and channel is not None and channel.is_open:
+            self._guarded(self._flush)
+            self._guarded(self._cancel_consumer)  # unless the flush ended the session
+        elif amqp_conn.is_open:
+            self._close()
+        # Still opening: _on_open closes it, or _on_open_error ends the collector.
+
+    def _cancel_consumer(self) -> None:
+        channel, consumer = self._channel, self._consumer
+        if channel is not None and consumer is not None and channel.is_open:
+            channel.basic_cancel(consumer, callback=lambda _f: self._close())
+
+    def _finish(self) -> None:
+        """Closed: end, once."""
+        if self.ended:
+            return
+        for timer in ("_flush_timer", "_tick_timer", "_retry_timer"):
+            self._cancel(timer)
+        self._batch = []
+        self._db.close()
+        self.set_ready(RABBITMQ, False)
+        self.state("stopped", f"{self.collected} dead letters collected")
+        self.finished.set()
+        self._end()
+
+    def _cancel(self, attribute: str) -> None:
+        timer = getattr(self, attribute)
+        if timer is not None:
+            setattr(self, attribute, None)
+            self._loop.remove_timeout(timer)
+
+    def _guarded(self, call: Callable[[], None]) -> None:
+        """Run one of the collector's steps with its last resort: a failure ends the session."""
         try:
-            while not self.stopping:
-                self.progress()
-                try:
-                    self._session(reconnect)
-                except (BrokerUnavailable, pika.exceptions.AMQPError) as exc:
-                    if reconnect.failed("broker", exc):
-                        break
-                except (DatabaseUnavailable, psycopg.OperationalError) as exc:
-                    if reconnect.failed("database", exc):
-                        break
-                except Exception as exc:  # a bug must not end the collector: what it took is not acked
-                    self.log.exception("collector session failed; starting a new one")
-                    if reconnect.failed("collector", exc):
-                        break
-            self.state("stopped", f"{self.collected} dead letters collected")
-        finally:
-            self._db.close()
-            self.finished.set()
+            call()
+        except Exception as exc:
+            self._failed(exc)
 
-    def _session(self, reconnect: Reconnect) -> None:
-        conn = self._db.get()  # kept in the slot if the broker is down: closed when run() ends
-        connection = amqp.connect(self.settings.amqp_url, name=f"{self.settings.service} collector")
+    # ---- the session ---------------------------------------------------------------
+
+    def _connect(self) -> None:
+        """Start a session: PostgreSQL, then RabbitMQ's nodes in turn."""
+        self._retry_timer = None
+        if self._leaving:
+            return
+        self.progress()
         try:
-            channel = connection.channel()
-            with amqp.broker_errors("collector"):
-                topology.declare(self.settings, self.service.registry, channel)
-                channel.basic_qos(prefetch_count=self.config.batch_size)
-            reconnect.succeeded()
-            self.set_ready(RABBITMQ, True)
-            self.state("collecting", f"from {self.queue}")
-            self._loop(conn, channel)
-            with amqp.broker_errors("collector"):
-                channel.cancel()  # requeues nothing: every delivery taken was stored and acked
-        finally:
-            self.set_ready(RABBITMQ, False)
-            self._db.close()
-            amqp.close_quietly(connection)
+            self._db.get()  # kept while the broker is down; closed with the session
+        except (DatabaseUnavailable, psycopg.OperationalError) as exc:
+            self._retry("database", exc)
+            return
+        self._nodes = iter(amqp.parameters_list(self.settings.amqp_url, name=f"{self.settings.service} collector"))
+        self._connect_next()
 
-    def _loop(self, conn: psycopg.Connection[Any], channel: Any) -> None:
-        batch: list[tuple[pika.BasicProperties, bytes, str]] = []
-        last_tag = 0
-        oldest = 0.0
-        next_resolve = 0.0
-        schema = self.settings.schema
-        with amqp.broker_errors("collector"):
-            deliveries = channel.consume(self.queue, inactivity_timeout=float(self.config.flush_interval))
-            for method, properties, body in deliveries:
-                self.progress()  # an idle consume still yields None every flush_interval
-                if method is not None:
-                    if not batch:
-                        oldest = time.monotonic()
-                    batch.append((properties, body, method.routing_key))
-                    last_tag = method.delivery_tag
-                due = time.monotonic() - oldest >= self.config.flush_interval
-                if batch and (len(batch) >= self.config.batch_size or method is None or due):
-                    new = store(conn, schema, batch)
-                    channel.basic_ack(last_tag, multiple=True)  # only after the commit
-                    self.collected += new
-                    metrics.COLLECTOR_DEAD_LETTERS.labels(self.settings.service).inc(new)
-                    metrics.COLLECTOR_DUPLICATES.labels(self.settings.service).inc(len(batch) - new)
-                    batch = []
-                if time.monotonic() >= next_resolve:
-                    resolve_replayed(conn, schema)
-                    next_resolve = time.monotonic() + self.config.resolve_interval
-                if self.stopping and not batch:
-                    return
+    def _connect_next(self, refused: BaseException | None = None) -> None:
+        self._amqp, error = amqp.connect_on(
+            self._loop, self._nodes, on_open=self._on_open, on_open_error=self._on_open_error, on_close=self._on_closed
+        )
+        if self._amqp is None:
+            url = mask_url(self.settings.amqp_url)
+            self._retry("broker", BrokerUnavailable(f"cannot connect to RabbitMQ at {url}: {error or refused!r}"))
+
+    def _on_open_error(self, connection: pika.SelectConnection, exc: BaseException) -> None:
+        if connection is not self._amqp:
+            return
+        self._amqp = None
+        if self._leaving:
+            self._finish()
+        else:
+            self._connect_next(exc)
+
+    def _on_open(self, connection: pika.SelectConnection) -> None:
+        if self._leaving or self._ended_by is not None:  # given up while it opened (_close)
+            connection.close()
+            return
+        connection.channel(on_open_callback=lambda channel: self._guarded(lambda: self._on_channel(channel)))
+
+    def _on_channel(self, channel: pika.channel.Channel) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_cancel_callback(lambda _f: self._failed(BrokerUnavailable("RabbitMQ cancelled the consumer")))
+        topology.declare_on(self.settings, self.service.registry, channel, lambda: self._guarded(self._on_declared))
+
+    def _on_declared(self) -> None:
+        channel = self._channel
+        if channel is None or self._leaving:
+            return
+        channel.basic_qos(prefetch_count=self.config.batch_size)
+        self._consumer = channel.basic_consume(
+            self.queue, self._on_message, callback=lambda _f: self._guarded(self._consuming)
+        )
+
+    def _consuming(self) -> None:
+        if self._leaving:
+            return
+        self._failures = 0
+        self._next_resolve = 0.0  # the first tick resolves
+        self.set_ready(RABBITMQ, True)
+        self.state("collecting", f"from {self.queue}")
+
+    def _on_message(
+        self,
+        channel: pika.channel.Channel,
+        method: pika.spec.Basic.Deliver,
+        properties: pika.BasicProperties,
+        body: bytes,
+    ) -> None:
+        try:
+            if channel is not self._channel:
+                return  # a session given up: RabbitMQ takes it back with the connection
+            self.progress()
+            self._batch.append((properties, body, method.routing_key))
+            self._last_tag = method.delivery_tag
+            if len(self._batch) >= self.config.batch_size:
+                self._flush()
+            elif self._flush_timer is None:
+                self._flush_timer = self._loop.call_later(float(self.config.flush_interval), self._flush_due)
+        except Exception as exc:  # the last resort: one delivery must never stop the collector
+            self._failed(exc)
+
+    def _flush_due(self) -> None:
+        self._flush_timer = None
+        self._guarded(self._flush)
+
+    def _flush(self) -> None:
+        """Store the batch in one transaction, then ack it (only after the commit)."""
+        self._cancel("_flush_timer")
+        batch, channel = self._batch, self._channel
+        if not batch or channel is None:
+            return
+        new = store(self._db.get(), self.settings.schema, batch)
+        self._batch = []
+        channel.basic_ack(self._last_tag, multiple=True)
+        self.collected += new
+        metrics.COLLECTOR_DEAD_LETTERS.labels(self.settings.service).inc(new)
+        metrics.COLLECTOR_DUPLICATES.labels(self.settings.service).inc(len(batch) - new)
+
+    def _tick(self) -> None:
+        """Every flush interval, connected or not (idle is not stuck): the resolve sweep when due."""
+        self._tick_timer = self._loop.call_later(max(float(self.config.flush_interval), 0.01), self._tick)
+        self.progress()
+        if self._consumer is not None and not self._leaving and time.monotonic() >= self._next_resolve:
+            self._next_resolve = time.monotonic() + self.config.resolve_interval
+            self._guarded(self._resolve)
+
+    def _resolve(self) -> None:
+        resolve_replayed(self._db.get(), self.settings.schema)
+
+    # ---- the end of a session --------------------------------------------------------
+
+    def _failed(self, exc: BaseException) -> None:
+        """A step failed: end the session; a new one starts after a backoff (or the collector
+        ends, when stopping). What it took and did not ack goes back to the queue."""
+        cause = _cause(exc)
+        if cause == "collector":  # a bug must not end the collector
+            self.log.error("collector session failed; starting a new one", exc_info=exc)
+        if self._ended_by is None:
+            self._ended_by = (cause, exc)
+        self._close()
+
+    def _close(self) -> None:
+        connection = self._amqp
+        self._drop_session()
+        if connection is not None and connection.is_open:
+            try:
+                connection.close()  # _on_closed goes on
+                return
+            except Exception as exc:  # closing already: its close callback goes on
+                self.log.debug("closing the collector's connection: %r", exc)
+                return
+        if connection is None or connection.is_closed:
+            self._on_closed(connection, None)
+        # Still opening: _on_open closes it once it has opened.
+
+    def _drop_session(self) -> None:
+        """Forget what the session held: RabbitMQ requeues the unacked deliveries."""
+        self._channel = None
+        self._consumer = None
+        self._batch = []
+        self._cancel("_flush_timer")
+        self.set_ready(RABBITMQ, False)
+
+    def _on_channel_closed(self, channel: pika.channel.Channel, reason: BaseException) -> None:
+        if channel is not self._channel or isinstance(reason, pika.exceptions.ConnectionClosed):
+            return  # the connection's close callback comes next
+        refusal = topology.mismatch(self.settings, reason)
+        why = str(refusal) if refusal else f"channel closed ({reason!r})"
+        self._failed(BrokerUnavailable(f"collector: {why}"))
+
+    def _on_closed(self, connection: pika.SelectConnection | None, reason: BaseException | None) -> None:
+        if connection is not self._amqp:
+            return
+        self._amqp = None
+        self._drop_session()
+        self._db.close()
+        ended_by, self._ended_by = self._ended_by, None
+        if self._leaving:
+            self._finish()
+            return
+        if ended_by is None:
+            ended_by = ("broker", BrokerUnavailable(f"collector: connection lost ({reason!r})"))
+        self._retry(*ended_by)
+
+    def _retry(self, what: str, exc: BaseException) -> None:
+        """A new session after a backoff, as :class:`framework.daemon.Reconnect` waits."""
+        self._db.close()
+        if self._leaving:
+            self._finish()
+            return
+        self._failures += 1
+        delay = backoff_seconds(self._failures, base=0.5, cap=1.0, jitter=0.2)
+        self.state(f"{what} unavailable", f"{exc}; retrying in {delay:.1f}s")
+        self._retry_timer = self._loop.call_later(delay, lambda: self._guarded(self._connect))

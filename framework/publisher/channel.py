@@ -137,22 +137,15 @@ class ConfirmChannel:
         self._connect_next()
 
     def _connect_next(self) -> None:
-        params = next(self._nodes, None)
-        if params is None or self.state != "opening":
-            if self.state == "opening":
-                self._become("broken")
+        if self.state != "opening":
             return
-        try:
-            self._conn = pika.SelectConnection(
-                params,
-                on_open_callback=self._on_open,
-                on_open_error_callback=self._on_open_error,
-                on_close_callback=self._on_closed,
-                custom_ioloop=self.ioloop,
-            )
-        except Exception as exc:  # a parameter pika refuses only now: as if the node refused
-            self.error = exc
-            self._connect_next()
+        self._conn, refused = amqp.connect_on(
+            self.ioloop, self._nodes, on_open=self._on_open, on_open_error=self._on_open_error, on_close=self._on_closed
+        )
+        if refused is not None:
+            self.error = refused
+        if self._conn is None:
+            self._become("broken")
 
     def close(self) -> None:
         """Close the connection; sends still incomplete fail as ``closed`` when it has closed
