@@ -1,11 +1,15 @@
 """The receiver daemon: inbox queue → txbox.inbox, acked only after commit.
 
-The loop collects deliveries for up to ``batch_size`` messages (waiting up to
-``batch_wait`` for more only while the previous batch is still being written), parses
-and validates them, stores them with one statement and its commit, sent without waiting
-on the same thread (:mod:`framework.receiver.write`) while the next batch is being
-collected and parsed, and, once that commit is done, acks the batch with one
-``basic_ack(multiple=True)``. Three paths leave the happy one:
+A guest of a loop it is given (docs/explanation/daemons.md, "One loop per process"): it
+consumes on a ``SelectConnection`` on that loop (:class:`~framework.receiver.consumer.Consumer`),
+writes each batch on its database connection with libpq's asynchronous calls, the
+socket watched by the same loop (:mod:`framework.receiver.write`), and publishes its
+retry and dead-letter copies on a confirm channel of their own there
+(:mod:`framework.receiver.copies`). Deliveries gather while the previous batch is
+written (for up to ``batch_wait`` after the first, up to ``batch_size``), and go as soon
+as the database is free; once a batch's commit is done it is acked with one
+``basic_ack(multiple=True)``, before the next batch is sent. Three paths leave the happy
+one (:mod:`framework.receiver.store` writes them):
 
 - bad input is REJECTED into txbox.dead_letters in the same transaction (never raised);
 - a redelivered delivery (the previous holder died with it) is counted in
@@ -14,61 +18,54 @@ collected and parsed, and, once that commit is done, acks the batch with one
 - PostgreSQL unavailable: each delivery is republished to the ``delay`` exchange with
   its attempt number and acked only once the broker confirmed the copy; after
   the final attempt the copy goes, confirmed the same way, to ``<service>:dead_letter``.
+
+A session is one consuming connection: the topology declared (one blocking call, tried
+again on a timer while RabbitMQ is down), the prefetch set, the turn awaited
+(:mod:`framework.receiver.turns`), then consuming until the connection is lost, the
+turn is lost (standing down), or a stop; the last two drain first (:meth:`Receiver._wind_down`).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pika
-import pika.exceptions
-import psycopg
-from opentelemetry import trace
+from pika.adapters.select_connection import IOLoop
 from prometheus_client import Counter
 
-from framework import amqp, db, delivery_limit, metrics, names, topology, tracing
-from framework import dead_letters as dl
+from framework import amqp, db, delivery_limit, metrics, names, topology
+from framework.backoff import backoff_seconds
 from framework.connections import ConnectionSlot
-from framework.daemon import RABBITMQ, Daemon, Reconnect
-from framework.envelope import decode_json
+from framework.daemon import RABBITMQ, Daemon
 from framework.errors import BrokerUnavailable
 from framework.reasons import Reason
 from framework.receiver.config import ReceiverConfig
+from framework.receiver.consumer import Consumer
 from framework.receiver.copies import Copies, Copy
-from framework.receiver.intake import (
-    Delivery,
-    Filtered,
-    Intake,
-)
+from framework.receiver.intake import Delivery, Intake
+from framework.receiver.store import Prepared, Storing, end_spans
 from framework.receiver.turns import POLL_SECONDS, ConsumerTurn, Takeover, takeover_seconds
-from framework.receiver.write import InboxWrite, prepare
+from framework.receiver.write import InboxWrite
 from framework.service import Service
 from framework.signing import SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as inbox_sql
 from framework.sql import redeliveries as redeliveries_sql
-from framework.sql.inbox import InboxRow
 
-_IDLE_WAIT = 0.2  # seconds of an empty wait before the loop looks at ``stopping`` again
-_INSERT_NAME = b"txbox_receiver_insert"  # the batch INSERT, prepared once per connection (write.prepare)
-_DRAIN_SECONDS = 5.0  # at most this long, on the way out, for copies still waiting for their confirm
+__all__ = ["InboxWrite", "Receiver"]
 
-
-def _nothing() -> None:
-    pass
+_IDLE_WAIT = 0.2  # seconds between a consuming receiver's looks at its turn, its copies and its progress
+_INSERT_NAME = b"txbox_receiver_insert"  # the batch INSERT, prepared once per connection (InboxWrite)
+_DRAIN_SECONDS = 5.0  # at most this long, on the way out, for the write in flight, then for copies' confirms
 
 
-@dataclass
-class _Prepared:
-    pairs: list[tuple[Delivery, InboxRow]]
-    letters: list[tuple[Delivery, dl.DeadLetter]]
-    settled_keys: list[str]
-    spans: list[trace.Span]  # the batch's store spans, linked to its deliveries' contexts; none if not recording
+def _backoff(failures: int) -> float:
+    """Seconds before the next reconnect, as :class:`framework.daemon.Reconnect` waits."""
+    return backoff_seconds(failures, base=0.5, cap=1.0, jitter=0.2)
 
 
 @dataclass(eq=False)
@@ -76,7 +73,7 @@ class _Inflight:
     """A batch being written: sent without waiting (``write``), or written already with its outcome (``error``)."""
 
     batch: list[Delivery]
-    prepared: _Prepared
+    prepared: Prepared
     write: InboxWrite | None = None
     error: Exception | None = None
 
@@ -85,16 +82,13 @@ class _Inflight:
         return self.write is None or self.write.done
 
 
-def _end(spans: Sequence[trace.Span], exc: BaseException | None = None) -> None:
-    """End a batch's spans, marked failed by ``exc`` if given."""
-    for span in spans:
-        if exc is not None:
-            tracing.failed(span, exc)
-        span.end()
+class Receiver(Storing, Daemon):
+    """``Receiver(service, config).run()`` until :meth:`stop` (or SIGTERM via the CLI), or
+    started on a shared loop (:meth:`start_on`, `txbox run`).
 
-
-class Receiver(Daemon):
-    """``Receiver(service, config).run()`` until :meth:`stop` (or SIGTERM via the CLI)."""
+    Every attribute is the loop thread's, but for what :class:`Daemon` shares, :meth:`stop`
+    and what :meth:`waiting` and the gauges read (each replaced whole).
+    """
 
     name = "receiver"
 
@@ -121,7 +115,10 @@ class Receiver(Daemon):
             application_name="txbox-receiver",
         )
         self._buffer: list[Delivery] = []
-        self._insert_prepared_on: psycopg.Connection[Any] | None = None  # the connection it was prepared on
+        self._first_at = 0.0  # monotonic: when the buffer's first delivery came
+        self._inflight: _Inflight | None = None  # the batch being written
+        self._insert_prepared_on: Any = None  # the connection the INSERT was prepared on
+        self._sql_insert = inbox_sql.insert_all_new_sql(self.settings.schema)
         self._labels = {"service": self.settings.service}
         # The children counted per batch or delivery, looked up once.
         self._received = metrics.RECEIVER_RECEIVED.labels(**self._labels)
@@ -130,13 +127,14 @@ class Receiver(Daemon):
         self._user = amqp.username(self.settings.amqp_url)
         self._trusted = self.config.trusted(self._user)
         # Bytes of the bodies held unacked: collected (``_buffered``) and being written
-        # (``_writing``). Past ``max_unacked_bytes`` the loop stops reading from the
-        # socket, so RabbitMQ's sends back up into TCP instead of into our memory.
+        # (``_writing``). At ``max_unacked_bytes`` the receiver stops reading from the
+        # socket (Consumer.pause), so RabbitMQ's sends back up into TCP instead of into our memory.
         self._buffered = 0
         self._writing = 0
         self.peak_held_bytes = 0
-        # Deliveries still to take one at a time after a lost connection (see _consume).
+        # Deliveries still to take one at a time after a lost connection (see _consumer_open).
         self._careful = 0
+        self._session_careful = False  # this session consumes with prefetch 1
         self._limit_checked = False
         # The one consuming replica per inbox queue (docs/explanation/operations.md, "Replicas of every daemon").
         self._turn = (
@@ -156,79 +154,95 @@ class Receiver(Daemon):
         # What the receiver waits for instead of consuming, and since when (monotonic): /readyz.
         self._waiting: tuple[str, str, float] | None = None
         self.consuming = False  # between basic_consume and leaving it: for tests and logs
+        self._consumer: Consumer | None = None
+        self._copies: Copies | None = None  # made on the loop (_begin)
+        self._blocked_since: float | None = None  # publishing blocked by a broker alarm since (the loop writes it)
+        metrics.RECEIVER_PUBLISHING_BLOCKED.labels(**self._labels).set_function(self._blocked_seconds)
+        metrics.RECEIVER_COPIES_WAITING.labels(**self._labels).set_function(self._copies_waiting)
+        self._standing_down = False  # another replica took the turn: stop consuming (_our_turn)
+        self._broker_failures = 0
+        self._soon = False  # a step is scheduled for the loop's next turn
+        self._timers: dict[str, Any] = {}  # name → the pending timer of that name (_after)
+        self._leaving: Callable[[], None] | None = None  # winding the session down; then this (_wind_down)
+        self._leave_deadline = 0.0
+        self._draining = False  # stopping: no new session
+
+    # --- the loop: sessions ---------------------------------------------------------
+
+    @property
+    def _loop(self) -> IOLoop:
+        loop = self.loop
+        assert loop is not None, "the receiver runs only once started (start_on)"
+        return loop
+
+    def _after(self, name: str, delay: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` in ``delay`` seconds, replacing the pending timer of that name;
+        guarded, like every callback of the receiver's (:meth:`_guarded`)."""
+        self._cancel(name)
+
+        def due() -> None:
+            self._timers.pop(name, None)
+            self._guarded(callback)
+
+        self._timers[name] = self._loop.call_later(max(0.0, delay), due)
+
+    def _cancel(self, name: str) -> None:
+        timer = self._timers.pop(name, None)
+        if timer is not None:
+            self._loop.remove_timeout(timer)
+
+    def _guarded(self, callback: Callable[[], None]) -> None:
+        """The last resort of the receiver's own timers: a bug ends the session, never the loop."""
+        try:
+            callback()
+        except Exception as exc:
+            self.log.exception("unexpected error in the receiver's loop: reconnecting")
+            self._restart(exc)
+
+    def _begin(self) -> None:
+        self.state("starting", f"service {self.settings.service}, queue {self.queue}")
         self._copies = Copies(
             self.settings.amqp_url,
+            self._loop,
             name=f"{self.settings.service} receiver copies",
-            max_unconfirmed=self.config.prefetch,
             on_blocked=self._publishing_blocked,
+            on_settled=self._copy_settled,
         )
-        self._blocked_since: float | None = None  # publishing blocked by a broker alarm since
-        metrics.RECEIVER_PUBLISHING_BLOCKED.labels(**self._labels).set_function(self._blocked_seconds)
-        metrics.RECEIVER_COPIES_WAITING.labels(**self._labels).set_function(lambda: len(self._copies.waiting))
-        self._standing_down = False  # another replica took the turn: stop consuming (_our_turn)
+        self._declare()
 
-    # --- the loop -----------------------------------------------------------------
-
-    def run(self) -> None:
-        reconnect = Reconnect(self)
+    def _declare(self) -> None:
+        """Declare the topology with one blocking call (the receiver's only one, before its
+        connections open; the delivery-limit policy is applied once per process with it),
+        then open the consuming connection; while RabbitMQ is down, try again after a backoff."""
+        if self._draining:
+            return
+        self.progress()
         try:
-            while not self.stopping:
-                self.progress()
-                try:
-                    self._consume(reconnect)
-                except BrokerUnavailable as exc:
-                    self._careful = self.config.prefetch
-                    if self._turn is not None:
-                        # A replica that still reaches the broker may consume meanwhile;
-                        # a turn taken again later waits for its consumer afresh.
-                        self._turn.release()
-                        self._takeover.reset()
-                    if reconnect.failed("RabbitMQ", exc):
-                        break
-        finally:
-            self._drop_db()
-            if self._turn is not None:
-                self._turn.release()
-            self.state("stopped")
+            self._declare_topology()
+        except BrokerUnavailable as exc:
+            self._broker_failed(exc)
+            return
+        self._ensure_delivery_limit()
+        consumer = self._consumer = Consumer(
+            self.settings.amqp_url,
+            self._loop,
+            name=f"{self.settings.service} receiver",
+            on_open=self._consumer_open,
+            on_gone=self._consumer_gone,
+            on_delivery=self._on_delivery,
+        )
+        consumer.open()
 
-    def _consume(self, reconnect: Reconnect) -> None:
+    def _declare_topology(self) -> None:
         connection = amqp.connect(self.settings.amqp_url, name=f"{self.settings.service} receiver")
         try:
-            with amqp.broker_errors("receiving"):
+            with amqp.broker_errors("declaring the topology"):
                 channel = connection.channel()
                 topology.declare(self.settings, self.service.registry, channel)
-                self._declare_extra_delays(channel)
-                self._ensure_delivery_limit()
-                # Copies go on a connection of their own: a broker that blocks publishers
-                # (a memory or disk alarm) keeps delivering to this one (docs/explanation/receive.md,
-                # "Publishing blocked by the broker").
-                self._copies.begin(connection, channel)
-                careful = self._careful > 0
-                channel.basic_qos(prefetch_count=1 if careful else self.config.prefetch)
-                reconnect.succeeded()
-                self.set_ready(RABBITMQ, True)  # a standby is ready: standing by is its job
-                if not self._await_turn(connection, channel):
-                    return
-                tag = channel.basic_consume(self.queue, self._on_delivery)
-                self.consuming = True
-                self.state("consuming", self.queue)
-                self._loop(connection, channel, careful=careful)
-                if careful and not self.stopping and self._our_turn():
-                    # The deliveries held when the connection was lost are settled: full speed.
-                    channel.basic_cancel(tag)
-                    channel.basic_qos(prefetch_count=self.config.prefetch)
-                    tag = channel.basic_consume(self.queue, self._on_delivery)
-                    self._loop(connection, channel, careful=False)
-                self._copies.drain(_DRAIN_SECONDS)
-                # Undispatched deliveries are nacked (requeued) by pika on cancel.
-                channel.basic_cancel(tag)
+                # Delay queues of a non-standard schedule, shaped exactly like topology's ones.
+                for seconds in self.config.extra_delays:
+                    topology.declare_queue(channel, topology.delay_queue(seconds), self.settings)
         finally:
-            self.consuming = False
-            self._waiting = None  # not waiting for a turn: for the broker (readiness says so)
-            self.set_ready(RABBITMQ, False)
-            self._buffer = []  # unacked: the broker requeues them when the channel closes
-            self._buffered = self._writing = 0
-            self._copies.close()
             amqp.close_quietly(connection)
 
     def _ensure_delivery_limit(self) -> None:
@@ -242,69 +256,159 @@ class Receiver(Daemon):
         else:
             self.log.warning("%s", outcome.message)
 
-    def _await_turn(self, connection: pika.BlockingConnection, channel: Any) -> bool:
-        """Stand by until this replica holds the turn and may start (framework.receiver.turns).
+    def _broker_failed(self, exc: BaseException) -> None:
+        """RabbitMQ could not be reached or was lost: a new session after a backoff, in careful
+        mode; a replica that still reaches the broker may consume meanwhile, so the turn goes."""
+        self._careful = self.config.prefetch
+        if self._turn is not None:
+            # A turn taken again later waits for its consumer afresh.
+            self._turn.release()
+            self._takeover.reset()
+        if self._draining:
+            return
+        self._broker_failures += 1
+        delay = _backoff(self._broker_failures)
+        self.state("RabbitMQ unavailable", f"{exc}; retrying in {delay:.1f}s")
+        self._after("session", delay, self._declare)
+
+    def _consumer_open(self, consumer: Consumer) -> None:
+        if consumer is not self._consumer:
+            return
+        # Copies go on a connection of their own: a broker that blocks publishers (a memory
+        # or disk alarm) keeps delivering to this one (docs/explanation/receive.md, "Publishing
+        # blocked by the broker").
+        assert self._copies is not None
+        self._copies.begin(consumer)
+        careful = self._careful > 0
+        self._session_careful = careful
+        consumer.qos(1 if careful else self.config.prefetch, then=self._qos_set)
+
+    def _qos_set(self) -> None:
+        self._broker_failures = 0
+        self.set_ready(RABBITMQ, True)  # a standby is ready: standing by is its job
+        self._await_turn()
+
+    def _consumer_gone(self, consumer: Consumer, error: BaseException | None) -> None:
+        """The consuming connection closed: asked to (the end of a wind-down), or lost."""
+        if consumer is not self._consumer:
+            return
+        self._consumer = None
+        self._close_session()
+        then, self._leaving = self._leaving, None
+        if then is not None:
+            self._cancel("leave")
+            then()
+            return
+        self._broker_failed(error or BrokerUnavailable("receiving: the connection closed"))
+        if self._draining:
+            self._finish_stop()
+
+    def _close_session(self) -> None:
+        """What a session held, let go: the broker requeues what is unacked when the channel goes."""
+        self.consuming = False
+        self._waiting = None  # not waiting for a turn: for the broker (readiness says so)
+        self.set_ready(RABBITMQ, False)
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and inflight.write is not None and not inflight.write.done:
+            # Left mid-write: its commit's outcome is unknown, so the connection goes; the
+            # batch is redelivered, and deduped.
+            inflight.write.unwatch()
+            end_spans(inflight.prepared.spans)
+            self._drop_db()
+        self._buffer = []  # unacked: the broker requeues them when the channel closes
+        self._buffered = self._writing = 0
+        for name in ("tick", "turn", "batch wait"):
+            self._cancel(name)
+        if self._copies is not None:
+            self._copies.close()
+
+    def _restart(self, exc: BaseException) -> None:
+        """A bug of ours outside a broker callback: end the session as if the connection were lost."""
+        consumer = self._consumer
+        if consumer is None:
+            if not self._draining:
+                self._broker_failed(exc)
+            return
+        self._leaving = None
+        consumer.error = exc
+        consumer.close()
+
+    # --- waiting for the turn -----------------------------------------------------------
+
+    def _await_turn(self) -> None:
+        """Stand by until this replica holds the turn and may start (framework.receiver.turns),
+        looking every POLL_SECONDS.
 
         Holding the turn, it waits while the broker counts another consumer, for at most
         the takeover bound: a holder whose session was lost while its consumer still held
         deliveries must have them requeued before anything later is stored, but the
         consumer of a node that died stays counted until that node returns, perhaps never
-        (docs/explanation/operations.md, "A RabbitMQ cluster"). Returns False when stopped meanwhile.
+        (docs/explanation/operations.md, "A RabbitMQ cluster").
         """
+        consumer = self._consumer
+        if consumer is None or not consumer.is_open or self._draining or self._leaving is not None:
+            return
+        self.progress()
         if self._turn is None:
-            others = channel.queue_declare(self.queue, passive=True).method.consumer_count
+            consumer.consumers(self.queue, self._counted_without_turn)
+            return
+        try:
+            held: bool | None = self._turn.check()
+        except Exception as exc:
+            if not db.is_infrastructure_error(exc):
+                raise
+            held = None  # unknown: the database cannot be reached
+        if held is False:
+            self._takeover.reset()
+            self._wait_for("standby", f"another receiver consumes {self.queue}")
+            self._after("turn", POLL_SECONDS, self._await_turn)
+            return
+        # Held, or the database cannot be reached: a replica that can take the turn must
+        # still wait for our consumer to leave, and ours keeps the retry chain going until
+        # it can check the turn (_our_turn).
+        consumer.consumers(self.queue, lambda others: self._counted(held, others))
+
+    def _counted_without_turn(self, others: int) -> None:
+        if others:
+            self.log.warning(
+                "%d other consumer(s) on %s and TXBOX_RECEIVER_STANDBY=false: messages of one sequential "
+                "segment may be stored, and handled, out of order",
+                others,
+                self.queue,
+            )
+        self._start_consuming()
+
+    def _counted(self, held: bool | None, others: int) -> None:
+        if self._draining or self._leaving is not None:
+            return
+        if held:
+            start = self._takeover.ready(others)
+        else:
+            self._takeover.reset()  # the broker's count is the only guard: no bound
+            start = not others
+        if start:
             if others:
                 self.log.warning(
-                    "%d other consumer(s) on %s and TXBOX_RECEIVER_STANDBY=false: messages of one sequential "
-                    "segment may be stored, and handled, out of order",
-                    others,
+                    "taking over %s after %.0fs although RabbitMQ still counts %d other consumer(s): a "
+                    "receiver that lost its turn stops within that time, so they are consumers of a lost "
+                    "node (their deliveries were requeued when it went) or not txbox receivers",
                     self.queue,
+                    self._takeover.waited(),
+                    others,
                 )
-            return True
-        while not self.stopping:
-            self.progress()
-            try:
-                held: bool | None = self._turn.check()
-            except Exception as exc:
-                if not db.is_infrastructure_error(exc):
-                    raise
-                held = None  # unknown: the database cannot be reached
-            if held is not False:
-                # Held, or the database cannot be reached: a replica that can take the
-                # turn must still wait for our consumer to leave, and ours keeps the retry
-                # chain going until it can check the turn (_our_turn).
-                others = channel.queue_declare(self.queue, passive=True).method.consumer_count
-                if held:
-                    start = self._takeover.ready(others)
-                else:
-                    self._takeover.reset()  # the broker's count is the only guard: no bound
-                    start = not others
-                if start:
-                    if others:
-                        self.log.warning(
-                            "taking over %s after %.0fs although RabbitMQ still counts %d other consumer(s): a "
-                            "receiver that lost its turn stops within that time, so they are consumers of a lost "
-                            "node (their deliveries were requeued when it went) or not txbox receivers",
-                            self.queue,
-                            self._takeover.waited(),
-                            others,
-                        )
-                    self._takeover.reset()
-                    self._standing_down = False
-                    self._waiting = None
-                    return True
-                state, detail = (
-                    ("taking over", f"{others} other consumer(s) on {self.queue}; waiting at most "
-                                    f"{self._takeover.bound:.0f}s for them to leave")
-                    if held
-                    else ("standby", f"{others} other consumer(s) on {self.queue}; the turn cannot be checked")
-                )  # fmt: skip
-            else:
-                self._takeover.reset()
-                state, detail = "standby", f"another receiver consumes {self.queue}"
-            self._wait_for(state, detail)
-            connection.process_data_events(time_limit=POLL_SECONDS)  # keeps the broker connection alive
-        return False
+            self._takeover.reset()
+            self._standing_down = False
+            self._waiting = None
+            self._start_consuming()
+            return
+        state, detail = (
+            ("taking over", f"{others} other consumer(s) on {self.queue}; waiting at most "
+                            f"{self._takeover.bound:.0f}s for them to leave")
+            if held
+            else ("standby", f"{others} other consumer(s) on {self.queue}; the turn cannot be checked")
+        )  # fmt: skip
+        self._wait_for(state, detail)
+        self._after("turn", POLL_SECONDS, self._await_turn)
 
     def _wait_for(self, state: str, detail: str) -> None:
         """Log the state once; keep when this wait began for :meth:`waiting`."""
@@ -331,71 +435,140 @@ class Receiver(Daemon):
             self.state("standing down", f"another receiver took over {self.queue}")
         return not self._standing_down
 
-    def _loop(self, connection: pika.BlockingConnection, channel: Any, *, careful: bool) -> None:
-        """Consume and settle until stopped; batch N is written while batch N+1 is collected.
+    # --- consuming ----------------------------------------------------------------------
+
+    def _start_consuming(self) -> None:
+        consumer = self._consumer
+        if consumer is None or not consumer.is_open:
+            return
+        consumer.consume(self.queue)
+        self.consuming = True
+        self.state("consuming", self.queue)
+        self._after("tick", _IDLE_WAIT, self._tick)
+
+    def _full_speed(self) -> None:
+        """Consume again, with the full prefetch, unless the session is ending meanwhile."""
+        consumer = self._consumer
+        if consumer is not None and consumer.is_open and self._leaving is None and not self._draining:
+            consumer.consume(self.queue)
+
+    def _tick(self) -> None:
+        """Every _IDLE_WAIT while consuming: progress, copies whose connection was lost, the turn."""
+        if self._leaving is not None or self._consumer is None:
+            return
+        self.progress()
+        assert self._copies is not None
+        self._copies.flush()
+        if not self._our_turn():
+            self._wind_down(self._declare)  # a new session, standing by
+            return
+        self._after("tick", _IDLE_WAIT, self._tick)
+
+    def _on_delivery(self, method: Any, props: Any, body: bytes) -> None:
+        """On the loop, for each delivery pika read; the batch goes at the loop's next turn."""
+        if not self._buffer:
+            self._first_at = time.monotonic()
+        self._buffer.append(Delivery.from_pika(method, props, body, self._trusted))
+        self._buffered += len(body)
+        held = self._buffered + self._writing
+        if held > self.peak_held_bytes:
+            self.peak_held_bytes = held
+            self._peak_held.set(held)
+        self._step_soon()
+
+    def _full(self) -> bool:
+        """Holding as many deliveries, or body bytes, as allowed unacked: read no more for now."""
+        return (
+            len(self._buffer) >= self.config.batch_size
+            or self._buffered + self._writing >= self.config.max_unacked_bytes
+        )
+
+    def _step_soon(self) -> None:
+        """Run a step at the loop's next turn, after what pika is delivering now (one per burst).
+        A timer, not ``add_callback``, which writes to the loop's wake-up pipe each time."""
+        if not self._soon:
+            self._soon = True
+            self._loop.call_later(0, self._step)
+
+    def _step(self) -> None:
+        self._soon = False
+        self._guarded(self._advance)
+
+    def _advance(self) -> None:
+        """Group commit (docs/explanation/daemons.md, "The daemons and their threads"): while a batch is
+        written, deliveries gather for the next one, for up to ``batch_wait`` after the
+        first or until the batch is full, and then reading pauses until the write is over;
+        once the database is free, what has arrived goes at once. Batch N is acked once its
+        commit is done and before batch N+1 is sent, so acks follow commits in order.
 
         ``careful`` (prefetch 1), after a lost connection, until ``prefetch`` deliveries
         are settled: a delivery that kills the connection itself (one pika cannot even
         decode) then comes back alone, so RabbitMQ's delivery limit (docs/explanation/receive.md,
         "Receiver intake") counts it, not the innocent deliveries prefetched beside it.
-
-        One thread does it all (docs/explanation/daemons.md, "The daemons and their threads"): a
-        batch's INSERT, its commit included, is sent without waiting (:class:`InboxWrite`) and the
-        database socket is watched on the broker connection's own I/O loop, so the wait
-        for more deliveries ends as soon as the commit is in. Batch N is acked once its
-        commit is done and before batch N+1 is sent, so acks still follow commits in order.
         """
-        inflight: _Inflight | None = None
-        try:
-            while not self.stopping and not (careful and self._careful <= 0) and self._our_turn():
-                self.progress()  # _fill returns at least every _IDLE_WAIT
-                self._copies.flush()  # copies whose publishing connection was lost go again
-                self._fill(connection, busy=inflight)
-                if not self._buffer:
-                    if inflight is not None:
-                        self._finish(inflight, channel)
-                        inflight = None
-                    continue
-                batch, self._buffer = self._buffer, []
-                batch_bytes, self._buffered = self._buffered, 0
-                self._received.inc(len(batch))
-                if any(d.redelivered for d in batch):
-                    if inflight is not None:
-                        self._finish(inflight, channel)
-                        inflight = None
-                    # Someone died holding these: take them one by one so the one that
-                    # kills us is the only one whose counter climbs.
-                    self._writing = batch_bytes
-                    for delivery in batch:
-                        self._settle_group([delivery], channel)
-                    self._writing = 0
-                    continue
-                try:
-                    prepared = self._admit(batch, {})
-                except Exception:  # last resort: a bug of ours; each delivery alone, in order
-                    self.log.exception("admitting a batch of %d failed: settling them one by one", len(batch))
-                    if inflight is not None:
-                        self._finish(inflight, channel)
-                        inflight = None
-                    for delivery in batch:
-                        self._settle_group([delivery], channel)
-                    continue
-                if inflight is not None:
-                    self._finish(inflight, channel)
+        consumer = self._consumer
+        if consumer is None:
+            return
+        inflight = self._inflight
+        if inflight is not None and not inflight.done:
+            self._hold(consumer)
+            return
+        if inflight is not None:
+            self._inflight = None
+            self._finish(inflight)
+        if self._leaving is not None:
+            self._leave_step()
+            return
+        if self._session_careful and self._careful <= 0 and consumer.is_open and self._our_turn():
+            # The deliveries held when the connection was lost are settled: full speed.
+            self._session_careful = False
+            consumer.cancel(lambda: consumer.qos(self.config.prefetch, then=self._full_speed))
+        if not self._buffer:
+            consumer.resume()
+            return
+        self._cancel("batch wait")
+        batch, self._buffer = self._buffer, []
+        batch_bytes, self._buffered = self._buffered, 0
+        self._received.inc(len(batch))
+        self.progress()
+        if any(d.redelivered for d in batch):
+            # Someone died holding these: take them one by one so the one that kills us is
+            # the only one whose counter climbs.
+            self._writing = batch_bytes
+            for delivery in batch:
+                self._settle_group([delivery])
+            self._writing = 0
+        else:
+            try:
+                prepared = self._admit(batch, {})
+            except Exception:  # last resort: a bug of ours; each delivery alone, in order
+                self.log.exception("admitting a batch of %d failed: settling them one by one", len(batch))
+                for delivery in batch:
+                    self._settle_group([delivery])
+            else:
                 self._writing = batch_bytes
-                inflight = self._send(connection, batch, prepared)
-            if inflight is not None:
-                self._finish(inflight, channel)
-                inflight = None
-        finally:
-            if inflight is not None and inflight.write is not None and not inflight.write.done:
-                # Left mid-write (the broker connection failed): its commit's outcome is
-                # unknown, so the connection goes; the batch is redelivered, and deduped.
-                inflight.write.unwatch()
-                _end(inflight.prepared.spans)
-                self._drop_db()
+                self._inflight = self._send(batch, prepared)
+                if self._inflight.done:
+                    self._step_soon()
+        if self._inflight is not None and not self._inflight.done and self._full():
+            consumer.pause()
+        else:
+            consumer.resume()
 
-    def _send(self, connection: pika.BlockingConnection, batch: list[Delivery], prepared: _Prepared) -> _Inflight:
+    def _hold(self, consumer: Consumer) -> None:
+        """A write is in flight: gather, or, the batch full or its ``batch_wait`` over, stop reading
+        until the write's end (its ``on_done`` steps again)."""
+        if not self._buffer:
+            if self._full():
+                consumer.pause()
+            return
+        remaining = self._first_at + float(self.config.batch_wait) - time.monotonic()
+        if self._full() or remaining <= 0:
+            consumer.pause()
+        elif "batch wait" not in self._timers:
+            self._after("batch wait", remaining, self._step_soon)
+
+    def _send(self, batch: list[Delivery], prepared: Prepared) -> _Inflight:
         """Start writing ``prepared``: sent without waiting when it is only rows (the usual
         batch), else written at once the ordinary way (dead letters, counters, a batch too large)."""
         rows = [row for _, row in prepared.pairs]
@@ -414,39 +587,29 @@ class Receiver(Daemon):
         try:
             conn = self._connection()
         except Exception as exc:
-            _end(prepared.spans, exc)
+            end_spans(prepared.spans, exc)
             inflight.error = exc
             return inflight
-        try:
-            if self._insert_prepared_on is not conn:
-                prepare(conn, _INSERT_NAME, inbox_sql.insert_all_new_sql(self.settings.schema))
-                self._insert_prepared_on = conn
-        except Exception as exc:
-            self._drop_db()
-            _end(prepared.spans, exc)
-            inflight.error = exc
-            return inflight
-        # Its end wakes the loop's wait on the broker connection (a timer due at once
-        # ends process_data_events), so the batch's ack is never late.
+        # Prepared once per connection, by the first write on it; its end steps the loop, so
+        # the batch's ack is never late.
+        statement = None if self._insert_prepared_on is conn else self._sql_insert
         write = InboxWrite(
-            conn,
-            _INSERT_NAME,
-            [text, str(len(rows)).encode()],
-            on_done=functools.partial(connection.call_later, 0, _nothing),
+            conn, _INSERT_NAME, [text, str(len(rows)).encode()], on_done=self._step_soon, statement=statement
         )
+        self._insert_prepared_on = None if statement is not None else conn
         inflight.write = write
         try:
             write.send()
             if not write.done:
-                write.watch(amqp.ioloop(connection))
+                write.watch(self._loop)
         except Exception as exc:  # a bug of ours: the batch is rescued (_finish), the connection dropped
             write.unwatch()
             self._drop_db()
-            _end(prepared.spans, exc)
+            end_spans(prepared.spans, exc)
             inflight.write, inflight.error = None, exc
         return inflight
 
-    def _write_now(self, prepared: _Prepared) -> Exception | None:
+    def _write_now(self, prepared: Prepared) -> Exception | None:
         """:meth:`_write` on this thread; its failure returned, for :meth:`_finish`."""
         try:
             self._write(prepared)
@@ -454,7 +617,7 @@ class Receiver(Daemon):
             return exc
         return None
 
-    def _finish(self, inflight: _Inflight, channel: Any) -> None:
+    def _finish(self, inflight: _Inflight) -> None:
         batch = inflight.batch
         try:
             if inflight.write is not None:
@@ -464,7 +627,7 @@ class Receiver(Daemon):
         except Exception as exc:
             self._writing = 0
             if not db.is_infrastructure_error(exc):
-                self._rescue(batch, exc, channel)
+                self._rescue(batch, exc)
                 return
             self._database_down(exc)
             self._retry_later(batch)
@@ -472,25 +635,27 @@ class Receiver(Daemon):
         self._writing = 0
         self._careful -= len(batch)
         self.state("consuming", self.queue)
+        assert self._copies is not None
         self._copies.ack(batch)
 
-    def _complete(self, prepared: _Prepared, write: InboxWrite) -> None:
-        """Wait for the write if it is not over yet, then settle it: committed (the usual
-        batch), or refused and written again the ordinary way (:meth:`_write`), which
-        letters the conflicts of a duplicate id, or finds the rows PostgreSQL refuses."""
-        write.wait()
+    def _complete(self, prepared: Prepared, write: InboxWrite) -> None:
+        """Settle a write that is over: committed (the usual batch), or refused and written again
+        the ordinary way (:meth:`_write`), which letters the conflicts of a duplicate id, or
+        finds the rows PostgreSQL refuses."""
         write.unwatch()
+        if write.prepared:
+            self._insert_prepared_on = write.connection
         if write.error is not None:
             self._drop_db()  # mid-protocol: the connection cannot be used again
             if db.is_infrastructure_error(write.error):
-                _end(prepared.spans, write.error)
+                end_spans(prepared.spans, write.error)
                 raise write.error
             self._write(prepared)  # on a fresh connection
             return
         if write.refused is not None:
             self._write(prepared)
             return
-        _end(prepared.spans)
+        end_spans(prepared.spans)
         rows = [row for _, row in prepared.pairs]
         self._count(rows, {row.id for row in rows}, [])
 
@@ -498,273 +663,111 @@ class Receiver(Daemon):
         self._drop_db()
         self.state("database unavailable", f"{exc}".strip().splitlines()[0] if str(exc) else type(exc).__name__)
 
-    def _on_delivery(self, channel: Any, method: Any, props: Any, body: bytes) -> None:
-        self._buffer.append(Delivery.from_pika(method, props, body, self._trusted))
-        self._buffered += len(body)
-        held = self._buffered + self._writing
-        if held > self.peak_held_bytes:
-            self.peak_held_bytes = held
-            self._peak_held.set(held)
-
-    def _full(self) -> bool:
-        """Holding as many deliveries, or body bytes, as allowed unacked: read no more for now."""
-        return (
-            len(self._buffer) >= self.config.batch_size
-            or self._buffered + self._writing >= self.config.max_unacked_bytes
-        )
-
-    def _fill(self, connection: pika.BlockingConnection, busy: _Inflight | None) -> None:
-        """Collect deliveries until a full batch, a free database, ``batch_wait`` after the first, or a stop.
-
-        Group commit: while the previous batch is being written (``busy``), deliveries
-        gather for the next one; once the database is free, what has arrived goes at
-        once. A quiet receiver adds no batching delay to a message's latency, a busy one
-        gets batches as large as a write takes. Every wait returns early on a delivery or
-        on the end of the write (:meth:`_send`), so the write's ack is never late.
-        """
-        deadline: float | None = None
-        while not self._full() and not self.stopping:
-            if deadline is None:
-                connection.process_data_events(time_limit=_IDLE_WAIT)
-                if not self._buffer:
-                    return
-                deadline = time.monotonic() + self.config.batch_wait
-                continue
-            if busy is None or busy.done:
-                connection.process_data_events(time_limit=0)  # what has arrived meanwhile
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            connection.process_data_events(time_limit=remaining)
-
-    def _declare_extra_delays(self, channel: Any) -> None:
-        """Delay queues of a non-standard schedule, shaped exactly like topology's ones."""
-        for seconds in self.config.extra_delays:
-            topology.declare_queue(channel, topology.delay_queue(seconds), self.settings)
-
-    # --- settling a batch -----------------------------------------------------------
-
-    def _settle_group(self, group: list[Delivery], channel: Any) -> None:
+    def _settle_group(self, group: list[Delivery]) -> None:
         try:
             forced = self._count_redeliveries(group)
             self._store(group, forced)
         except Exception as exc:
             if not db.is_infrastructure_error(exc):
-                self._rescue(group, exc, channel)
+                self._rescue(group, exc)
                 return
             self._database_down(exc)
             self._retry_later(group)
             return
         self._careful -= len(group)
         self.state("consuming", self.queue)
+        assert self._copies is not None
         self._copies.ack(group)
 
-    def _count_redeliveries(self, group: Sequence[Delivery]) -> dict[int, dl.DeadLetter]:
-        """Count redeliveries in their own committed transaction; dead letters for those past the limit."""
-        forced: dict[int, dl.DeadLetter] = {}
-        redelivered = [d for d in group if d.redelivered]
-        if not redelivered:
-            return forced
-        metrics.RECEIVER_REDELIVERED.labels(**self._labels).inc(len(redelivered))
-        conn = self._connection()
-        with conn.cursor() as cur:
-            counts = {
-                d.delivery_tag: redeliveries_sql.count(cur, self.settings.schema, self.queue, d.counter_key)
-                for d in redelivered
-            }
-        conn.commit()
-        for delivery in redelivered:
-            count = counts[delivery.delivery_tag]
-            if count > self.config.redelivery_limit:
-                forced[delivery.delivery_tag] = self._redelivery_letter(delivery, count)
-        return forced
+    # --- the way out: standing down, stopping -----------------------------------------
 
-    def _redelivery_letter(self, delivery: Delivery, count: int) -> dl.DeadLetter:
-        error = (
-            f"redelivered {count} times (limit {self.config.redelivery_limit}): the receiver died holding it each time"
-        )
-        try:
-            data: Any = decode_json(delivery.body)
-        except Exception:  # whatever it is, it is dead: keep the raw body only
-            data = None
-        try:
-            return self.intake.reject(delivery, Reason.REDELIVERY_LIMIT, error, data=data)
-        except Exception:
-            letter = self.intake.last_resort(delivery, error)
-            letter.reason = letter.error_type = Reason.REDELIVERY_LIMIT
-            return letter
-
-    def _store(self, group: Sequence[Delivery], forced: dict[int, dl.DeadLetter]) -> None:
-        self._write(self._admit(group, forced))
-
-    def _admit(self, group: Sequence[Delivery], forced: dict[int, dl.DeadLetter]) -> _Prepared:
-        """Parse and validate (CPU only, no database): rows to store and dead letters."""
-        pairs: list[tuple[Delivery, InboxRow]] = []
-        letters: list[tuple[Delivery, dl.DeadLetter]] = []
-        for delivery in group:
-            # The sender's context, bounded, is what the handler continues (the worker
-            # parses it) and what the store spans link (docs/explanation/operations.md, "Tracing").
-            delivery.trace = tracing.carrier_from(delivery.headers) or None
-        spans = self._store_spans(group)
-        try:
-            for delivery in group:
-                outcome = forced.get(delivery.delivery_tag) or self.intake.admit(delivery)
-                if isinstance(outcome, InboxRow):
-                    pairs.append((delivery, outcome))
-                elif isinstance(outcome, Filtered):
-                    # Not for this service: acked with its batch, never stored (docs/explanation/receive.md,
-                    # "Expiry and filters").
-                    metrics.RECEIVER_FILTERED.labels(message_type=outcome.message_type, **self._labels).inc()
-                else:
-                    letters.append((delivery, outcome))
-        except BaseException as exc:
-            _end(spans, exc)
-            raise
-        if letters:
-            for span in spans:
-                span.set_attribute("txbox.rejected", len(letters))
-        return _Prepared(pairs, letters, [d.counter_key for d in group if d.redelivered], spans)
-
-    def _store_spans(self, group: Sequence[Delivery]) -> list[trace.Span]:
-        """The CONSUMER spans of one batch (parsing and its one write), linked to the context
-        of every delivery, ours or a foreign publisher's (docs/explanation/operations.md, "Tracing")."""
-        return tracing.batch_spans(
-            f"store {self.queue}",
-            trace.SpanKind.CONSUMER,
-            {
-                "messaging.system": tracing.MESSAGING_SYSTEM,
-                "messaging.operation.type": "receive",
-                "messaging.destination.name": self.queue,
-                "messaging.batch.message_count": len(group),
-            },
-            (delivery.trace for delivery in group),
-        )
-
-    def _write(self, prepared: _Prepared) -> None:
-        """One statement for the rows, one for the dead letters, one for the counters; one commit.
-
-        A message id that was already stored is compared with what is stored only then
-        (one more statement, for those ids alone): a true duplicate is quiet, a different
-        message under that id is an ``id_conflict`` letter.
-        """
-        if not prepared.spans:
-            self._write_batch(prepared)
+    def _wind_down(self, then: Callable[[], None]) -> None:
+        """End the session: consume no more, let the write in flight end and the copies get
+        their confirms (each bounded by _DRAIN_SECONDS: a stalled database or a blocked broker
+        answers nothing), so their deliveries are acked rather than requeued; then close the
+        connection and call ``then``."""
+        consumer = self._consumer
+        if consumer is None:
+            then()
             return
-        try:
-            with trace.use_span(prepared.spans[0], record_exception=False, set_status_on_exception=False):
-                self._write_batch(prepared)
-        except BaseException as exc:
-            _end(prepared.spans, exc)
-            raise
-        _end(prepared.spans)
+        if self._leaving is not None:
+            self._leaving = then
+            return
+        self._leaving = then
+        self._cancel("turn")
+        self._cancel("tick")
+        if consumer.is_open and consumer.tag is not None:
+            consumer.cancel()
+        consumer.resume()
+        self._leave_deadline = time.monotonic() + _DRAIN_SECONDS
+        self._after("leave", _DRAIN_SECONDS, self._leave_timeout)
+        self._step_soon()
 
-    def _write_batch(self, prepared: _Prepared) -> None:
-        pairs, settled_keys = prepared.pairs, prepared.settled_keys
-        rows = [row for _, row in pairs]
-        schema = self.settings.schema
-        conn = self._connection()
-        try:
-            with conn.cursor() as cur:
-                new = inbox_sql.insert_rows(cur, schema, rows)
-                letters = prepared.letters + self._conflicts(cur, pairs, new)
-                dead_letters_sql.insert_letters(cur, schema, [letter for _, letter in letters])
-                redeliveries_sql.forget(cur, schema, self.queue, settled_keys)
-            conn.commit()
-        except Exception as exc:  # psycopg's, or a dead letter that cannot be built
-            conn.rollback()
-            if db.is_infrastructure_error(exc):
-                raise
-            # Something in the data (e.g. \u0000 inside a JSON string, which jsonb
-            # refuses): find the culprits one savepoint at a time.
-            new, letters = self._store_carefully(conn, prepared)
-        self._count(rows, new, [letter for _, letter in letters])
+    def _leave_timeout(self) -> None:
+        self._leave_step(expired=True)
 
-    def _conflicts(
-        self, cur: psycopg.Cursor[Any], pairs: Sequence[tuple[Delivery, InboxRow]], new: set[Any]
-    ) -> list[tuple[Delivery, dl.DeadLetter]]:
-        """``id_conflict`` letters for the rows whose id the inbox holds with other content."""
-        rows = [row for _, row in pairs]
-        letters = []
-        for index, stored in inbox_sql.conflicting(cur, self.settings.schema, rows, new):
-            delivery, row = pairs[index]
-            try:
-                data: Any = decode_json(delivery.body)
-            except Exception:
-                data = None
-            letter = self.intake.reject(
-                delivery,
-                Reason.ID_CONFLICT,
-                f"message id {row.id} is already in the inbox with other content ({stored}): "
-                "a different message reusing an id is not a duplicate",
-                data=data,
-            )
-            letter.message_id, letter.message_type = row.id, row.message_type
-            letters.append((delivery, letter))
-        return letters
+    def _leave_step(self, *, expired: bool = False) -> None:
+        """One look at the wind-down: after the write's end, each copy's settling and the timeout."""
+        consumer = self._consumer
+        if self._leaving is None or consumer is None:
+            return
+        expired = expired or time.monotonic() >= self._leave_deadline
+        inflight = self._inflight
+        if inflight is not None:
+            if not inflight.done and not expired:
+                return  # its end steps again
+            self._inflight = None
+            if inflight.done:
+                self._finish(inflight)
+            else:
+                self.log.warning("the batch write in flight did not end within %.0fs: leaving it", _DRAIN_SECONDS)
+                if inflight.write is not None:
+                    inflight.write.unwatch()
+                end_spans(inflight.prepared.spans)
+                self._drop_db()
+            # The copies' own time, from here.
+            self._leave_deadline = time.monotonic() + _DRAIN_SECONDS
+            self._after("leave", _DRAIN_SECONDS, self._leave_timeout)
+            expired = False
+        assert self._copies is not None
+        if self._copies.waiting and not expired:
+            self._copies.flush()
+            return  # each settled copy, or the timeout, looks again
+        self._cancel("leave")
+        consumer.close()  # _consumer_gone calls ``then``
 
-    def _store_carefully(
-        self, conn: psycopg.Connection[Any], prepared: _Prepared
-    ) -> tuple[set[Any], list[tuple[Delivery, dl.DeadLetter]]]:
-        """Each row, then each dead letter, in a savepoint of its own: one bad item cannot fail the rest."""
-        schema = self.settings.schema
-        new: set[Any] = set()
-        letters = list(prepared.letters)
-        kept: list[tuple[Delivery, InboxRow]] = []
-        with conn.cursor() as cur:
-            for delivery, row in prepared.pairs:
-                try:
-                    with conn.transaction():
-                        new |= inbox_sql.insert_rows(cur, schema, [row])
-                    kept.append((delivery, row))
-                except Exception as exc:
-                    if db.is_infrastructure_error(exc):
-                        raise
-                    letter = self.intake.reject(
-                        delivery,
-                        Reason.UNSTORABLE,
-                        f"PostgreSQL refused the row: {exc}".strip(),
-                        error_type=type(exc).__name__,
-                    )
-                    letter.message_id, letter.message_type = row.id, row.message_type
-                    letters.append((delivery, letter))
-            letters += self._conflicts(cur, kept, new)
-            letters = [(delivery, self._insert_letter(conn, cur, delivery, letter)) for delivery, letter in letters]
-            redeliveries_sql.forget(cur, schema, self.queue, prepared.settled_keys)
-        conn.commit()
-        return new, letters
+    def _copy_settled(self) -> None:
+        if self._leaving is not None:
+            self._leave_step()
 
-    def _insert_letter(
-        self, conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any], delivery: Delivery, letter: dl.DeadLetter
-    ) -> dl.DeadLetter:
-        """Store ``letter``; if it cannot be, an ``internal_error`` letter of the raw delivery instead."""
-        try:
-            with conn.transaction():
-                dead_letters_sql.insert_letters(cur, self.settings.schema, [letter])
-            return letter
-        except Exception as exc:
-            if db.is_infrastructure_error(exc):
-                raise
-            fallback = self.intake.last_resort(delivery, f"the {letter.reason} dead letter could not be stored: {exc}")
-            with conn.transaction():
-                dead_letters_sql.insert_letters(cur, self.settings.schema, [fallback])
-            return fallback
+    def _on_stop(self) -> None:
+        self._draining = True
+        self._cancel("session")
+        self.state("draining")
+        consumer = self._consumer
+        if consumer is None:
+            self._finish_stop()
+        elif consumer.is_open:
+            self._wind_down(self._finish_stop)
+        else:
+            self._leaving = self._finish_stop
+            consumer.close()
 
-    def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
-        self._stored.inc(len(new))
-        conflicts = sum(1 for letter in letters if letter.reason == Reason.ID_CONFLICT)
-        if len(rows) > len(new) + conflicts:
-            metrics.RECEIVER_DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)
-        if conflicts:
-            metrics.RECEIVER_ID_CONFLICTS.labels(**self._labels).inc(conflicts)
-        for letter in letters:
-            metrics.RECEIVER_REJECTED.labels(reason=letter.reason, **self._labels).inc()
-            if letter.reason != Reason.UNSTORABLE:
-                self.log.warning("rejected a delivery (%s): %s", letter.reason, letter.error[:300])
+    def _finish_stop(self) -> None:
+        """The receiver's end: nothing is left open, no timer of its runs again."""
+        for name in list(self._timers):
+            self._cancel(name)
+        if self._copies is not None:
+            self._copies.close()
+        self._drop_db()
+        if self._turn is not None:
+            self._turn.release()
+        self.state("stopped")
+        self._end()
 
     # --- last resort: the settling itself failed ----------------------------------------
 
-    def _rescue(self, group: Sequence[Delivery], exc: BaseException, channel: Any) -> None:
+    def _rescue(self, group: Sequence[Delivery], exc: BaseException) -> None:
         """A bug of ours failed a whole group: dead-letter each delivery as ``internal_error`` and go on.
 
         Each one in a transaction of its own, from the raw delivery alone; if even that
@@ -795,7 +798,8 @@ class Receiver(Daemon):
                     self._give_up(delivery, Reason.INTERNAL_ERROR, letter.error)
                 continue
             metrics.RECEIVER_REJECTED.labels(reason=Reason.INTERNAL_ERROR, **self._labels).inc()
-            channel.basic_ack(delivery.delivery_tag)
+            if self._consumer is not None:
+                self._consumer.ack(delivery.delivery_tag)
 
     # --- PostgreSQL down: the delay/retry chain ---------------------------
 
@@ -863,20 +867,17 @@ class Receiver(Daemon):
             user_id=self._user,
             **{k: delivery.properties[k] for k in names.REPUBLISHED_PROPERTIES if k in delivery.properties},
         )
+        assert self._copies is not None
         self._copies.send(Copy(delivery, exchange, key, props, on_confirmed=confirmed.labels(**self._labels).inc))
 
     def _publishing_blocked(self, reason: str | None) -> None:
-        """On the publisher's I/O thread: RabbitMQ blocked (``reason``) or unblocked (None) our copies."""
+        """RabbitMQ blocked (``reason``) or unblocked (None) our copies (on the loop)."""
         self._blocked_since = None if reason is None else time.monotonic()
 
     def _blocked_seconds(self) -> float:
         since = self._blocked_since
         return 0.0 if since is None else time.monotonic() - since
 
-    # --- PostgreSQL connection ----------------------------------------------------
-
-    def _connection(self) -> psycopg.Connection[Any]:
-        return self._db.get()
-
-    def _drop_db(self) -> None:
-        self._db.close()
+    def _copies_waiting(self) -> int:
+        copies = self._copies
+        return 0 if copies is None else len(copies.waiting)

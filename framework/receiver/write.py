@@ -1,10 +1,11 @@
-"""A batch's inbox INSERT, with its commit, sent without waiting, on the consuming thread.
+"""A batch's inbox INSERT, with its commit, sent without waiting, on the receiver's loop.
 
-The receiver's one thread collects the next batch while this one is written
-(docs/explanation/daemons.md, "The daemons and their threads"): :class:`InboxWrite` sends the
-statement with libpq's asynchronous calls on the daemon's own psycopg connection and is
-driven by the readiness of that connection's socket, which the consuming loop watches on
-the broker connection's own I/O loop beside the broker's socket (:meth:`InboxWrite.watch`).
+The receiver collects the next batch while this one is written (docs/explanation/daemons.md,
+"The daemons and their threads"): :class:`InboxWrite` sends the statement with libpq's
+asynchronous calls on the daemon's own psycopg connection and is driven by the readiness
+of that connection's socket, which the loop the receiver runs on watches beside the
+broker's sockets (:meth:`InboxWrite.watch`). It is the one place that sends a batch's
+statements and reports their results.
 
 A batch is one statement in one round trip: sent alone (libpq's extended protocol ends
 it with a Sync), it runs in an implicit transaction that PostgreSQL commits before it
@@ -40,8 +41,12 @@ def prepare(conn: psycopg.Connection[Any], name: bytes, statement: bytes) -> Non
 
 
 class InboxWrite:
-    """One batch's INSERT (the statement prepared as ``name``, :func:`prepare`, with its
-    parameters ``params``) on ``conn``, in flight.
+    """One batch's INSERT (the statement prepared as ``name``, with its parameters
+    ``params``) on ``conn``, in flight.
+
+    With ``statement``, the connection has not prepared it yet: it is prepared first, sent
+    without waiting too (one more round trip, once per connection: a lock on the table
+    must not hold up the loop in a blocking PREPARE); :attr:`prepared` tells it was.
 
     Start it with :meth:`send`; :meth:`advance` reads what arrived, and is called whenever
     the socket is readable (or writable, while :attr:`wants_write`); :attr:`done` tells
@@ -49,13 +54,22 @@ class InboxWrite:
     :attr:`error` (the database failed: the connection must be dropped) and
     :attr:`refused` (PostgreSQL refused the statement: nothing was stored, the connection
     is idle and usable) is set; neither means the batch is committed. All on one thread;
-    nothing here blocks but :meth:`wait`.
+    nothing here blocks but :meth:`wait`, which the receiver never calls (a tool's, a test's).
     """
 
     def __init__(
-        self, conn: psycopg.Connection[Any], name: bytes, params: list[bytes], on_done: Callable[[], None]
+        self,
+        conn: psycopg.Connection[Any],
+        name: bytes,
+        params: list[bytes],
+        on_done: Callable[[], None],
+        *,
+        statement: bytes | None = None,
     ) -> None:
         self._conn = conn
+        self._statement = statement
+        self._preparing = False
+        self.prepared = statement is None
         self._pg = conn.pgconn
         self._name = name
         self._params = params
@@ -69,6 +83,10 @@ class InboxWrite:
         self._fileno = -1
 
     @property
+    def connection(self) -> psycopg.Connection[Any]:
+        return self._conn
+
+    @property
     def fileno(self) -> int:
         return int(self._pg.socket)
 
@@ -77,7 +95,11 @@ class InboxWrite:
         try:
             if self._pg.transaction_status != _IDLE:
                 self._conn.rollback()  # nothing of ours is open between batches; this is a guard
-            self._pg.send_query_prepared(self._name, list(self._params))
+            if self._statement is not None:
+                self._preparing = True
+                self._pg.send_prepare(self._name, self._statement)
+            else:
+                self._pg.send_query_prepared(self._name, list(self._params))
             self._flush()
         except Exception as exc:
             self._fail(exc)
@@ -93,16 +115,20 @@ class InboxWrite:
             while not self._pg.is_busy():
                 result = self._pg.get_result()
                 if result is None:  # the statement's results are over
+                    if self._preparing:
+                        if not self._prepared():
+                            return
+                        continue
                     self._end()
                     return
                 if self._result is None or result.status == pq.ExecStatus.FATAL_ERROR:
                     self._result = result
-        except Exception as exc:  # called from the broker's I/O loop: never raises into it
+        except Exception as exc:  # called from the loop: never raises into it
             self._fail(exc)
 
     def watch(self, ioloop: Any) -> None:
-        """Have ``ioloop`` (the broker connection's, :func:`framework.amqp.ioloop`) call
-        :meth:`advance` when the socket is ready, until :attr:`done`."""
+        """Have ``ioloop`` (pika's ``IOLoop``, or :func:`framework.amqp.ioloop` of a blocking
+        connection) call :meth:`advance` when the socket is ready, until :attr:`done`."""
         self._ioloop, self._fileno = ioloop, self.fileno
         ioloop.add_handler(self._fileno, self._ready, ioloop.READ | (ioloop.WRITE if self.wants_write else 0))
 
@@ -135,7 +161,24 @@ class InboxWrite:
             self.unwatch()
         elif self.wants_write != wanted and self._ioloop is not None:
             ioloop = self._ioloop
-            ioloop.update_handler(self._fileno, ioloop.READ | (ioloop.WRITE if self.wants_write else 0))
+            try:
+                ioloop.update_handler(self._fileno, ioloop.READ | (ioloop.WRITE if self.wants_write else 0))
+            except Exception as exc:  # the last resort of a loop callback: the write fails, the loop goes on
+                self.unwatch()
+                self._fail(exc)
+
+    def _prepared(self) -> bool:
+        """The PREPARE answered: send the INSERT (True), or end as the INSERT would (False)."""
+        result, self._result = self._result, None
+        self._preparing = False
+        if result is None or result.status != pq.ExecStatus.COMMAND_OK:
+            self._result = result
+            self._end()
+            return False
+        self.prepared = True
+        self._pg.send_query_prepared(self._name, list(self._params))
+        self._flush()
+        return True
 
     def _end(self) -> None:
         result = self._result
