@@ -365,15 +365,19 @@ class Worker(Daemon):
         """The worker's end: claims it holds and has not run go back, nothing is left open,
         no timer or handler of its is on the loop."""
         self._waiting = False
-        if self.loop is not None:
-            self._cancel_timer()
-        if self._watchdog is not None:
-            self._watchdog.close()
-        self.pruner.close()
-        self._give_back_handed()
-        self._drop_connections()
-        self._listen.close()
-        self._unwatch_listen()
+        try:
+            if self.loop is not None:
+                self._cancel_timer()
+            if self._watchdog is not None:
+                self._watchdog.close()
+            self.pruner.close()
+            self._give_back_handed()
+            self._drop_connections()
+        except Exception as exc:  # the last resort: the worker ends all the same, the loop goes on
+            self.log.warning("the worker's end did not go cleanly: %r", exc)
+        finally:
+            self._listen.close()
+            self._unwatch_listen()
         self.state("stopped")
 
     # --- one cycle ----------------------------------------------------------------
