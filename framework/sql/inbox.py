@@ -363,7 +363,7 @@ WITH due AS (
     SELECT i.ctid
     FROM {{inbox}} i
     WHERE i.processed_at IS NULL AND i.abandoned_at IS NULL
-      AND i.locked_until <= now()
+      AND i.locked_until <= {{now}}
       AND {{which}}
       AND (i.concurrency = 'parallel' OR NOT EXISTS (
             SELECT 1 FROM {{inbox}} p
@@ -373,13 +373,12 @@ WITH due AS (
               AND (p.priority > i.priority
                    OR (p.priority = i.priority AND (p.created_at, p.id) < (i.created_at, i.id)))))
       {{park}}
-    ORDER BY {{order}}
-    LIMIT %(limit)s
+    {{take}}
     FOR UPDATE OF i SKIP LOCKED
 )
 UPDATE {{inbox}} t
 SET started_attempts = t.started_attempts + 1,
-    locked_until = now() + make_interval(secs => %(lease)s)
+    locked_until = {{now}} + make_interval(secs => %(lease)s)
 WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
 RETURNING {{returning}}
 """
@@ -400,6 +399,33 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
     # others in priority, then arrival order through inbox_due_idx.
     which = "i.started_attempts > i.finished_attempts" if suspects else "i.started_attempts <= i.finished_attempts"
     order = "i.locked_until" if suspects else "i.priority DESC, i.created_at"
+    take = sql.SQL("ORDER BY {order}\n    LIMIT %(limit)s").format(order=sql.SQL(order))
+    return _claim(schema, which=sql.SQL(which), park=park, take=take, now=sql.SQL("now()"))
+
+
+def claim_ids(schema: str, *, park: bool) -> sql.Composed:
+    """Params: ids (a uuid array), lease (seconds). The worker's claim (not of suspects) of
+    the rows among ``ids`` that it would claim now, with the same eligibility (due, not
+    locked, at the head of their sequential segment, not parked when ``park``); rows:
+    :data:`CLAIM_COLUMNS`, in no order (:func:`fetch_claimed` sorts them).
+
+    For a daemon that stores rows and claims them for a worker of its process in the same
+    transaction (framework/worker/daemon.py, ``Worker.take``). So "now" is the statement's
+    own clock, not the transaction's start: a row inserted earlier in the transaction has a
+    ``locked_until`` (its insert's ``clock_timestamp()``) after the transaction's ``now()``,
+    and the lease must run from the claim, not from a ``BEGIN`` some time before. For
+    libpq's own calls: ``positional(rendered(claim_ids(...)), ("ids", "lease"), {"lease":
+    "float8"})`` (framework/sql/__init__.py).
+    """
+    which = sql.SQL("i.started_attempts <= i.finished_attempts AND i.id = ANY(%(ids)s::uuid[])")
+    return _claim(schema, which=which, park=park, take=sql.SQL(""), now=sql.SQL("clock_timestamp()"))
+
+
+def _claim(
+    schema: str, *, which: sql.Composable, park: bool, take: sql.Composable, now: sql.Composable
+) -> sql.Composed:
+    """:data:`_CLAIM` for the rows ``which`` picks, ``take`` ordering and limiting them, with
+    ``now`` the moment rows must be due by and the lease runs from."""
     inbox = sql.Identifier(schema, names.INBOX)
     park_sql = (
         sql.SQL(_PARK).format(inbox=inbox, dead_letters=sql.Identifier(schema, names.DEAD_LETTERS))
@@ -407,7 +433,7 @@ def claim(schema: str, *, suspects: bool, park: bool) -> sql.Composed:
         else sql.SQL("")
     )
     return sql.SQL(_CLAIM).format(
-        inbox=inbox, which=sql.SQL(which), park=park_sql, order=sql.SQL(order), returning=sql.SQL(_RETURNING)
+        inbox=inbox, which=which, park=park_sql, take=take, now=now, returning=sql.SQL(_RETURNING)
     )
 
 

@@ -26,6 +26,7 @@ class Counts:
     claims: int = 0
     empty_claims: int = 0
     statements: int = 0
+    handed: int = 0  # rows another daemon of the process claimed for this worker (Worker.take)
     _published: int = 0  # statements already added to the metric
 
     def claim(self, rows: int, labels: dict[str, str]) -> None:
@@ -42,7 +43,12 @@ class Counts:
             metrics.WORKER_STATEMENTS.labels(**labels).inc(delta)
 
     def as_dict(self) -> dict[str, int]:
-        return {"claims": self.claims, "empty_claims": self.empty_claims, "statements": self.statements}
+        return {
+            "claims": self.claims,
+            "empty_claims": self.empty_claims,
+            "statements": self.statements,
+            "handed": self.handed,
+        }
 
 
 def counting_cursor(counts: Counts) -> type[psycopg.Cursor[Any]]:

@@ -1,21 +1,18 @@
-"""What the worker's loop sleeps on, on its own thread: its LISTEN connection and a stop alarm.
+"""What wakes the worker between batches: its LISTEN connection, read on the loop it runs on.
 
-No listener thread (docs/explanation/daemons.md, "Wake-ups"): the loop holds ``LISTEN
-<schema>_inbox_insert`` on a connection of its own and, between batches, waits with
-``poll`` on that connection's socket and on :class:`Alarm`, a socket pair whose one
-cross-thread use is :meth:`Alarm.ring` (a stop from a signal handler or from ``txbox
-run``'s supervisor writes one byte). :class:`LoopWakeup` is :class:`framework.wakeup.Wakeup`
-(its windows and holds) waiting on those sockets instead of on an event another thread
-sets. Before each claim the loop reads the NOTIFYs already on the socket and clears the
-wake-up: the claim's snapshot covers their rows, so they wake no claim after it.
+No listener thread (docs/explanation/daemons.md, "Wake-ups"): the worker holds ``LISTEN
+<schema>_inbox_insert`` on a connection of its own, whose socket is a handler of the
+loop the worker was given (docs/explanation/daemons.md, "One loop per process"); the loop
+calls the worker when NOTIFYs arrive, and :meth:`Notifications.drain` reads them
+without blocking. When to claim after them is :class:`framework.wakeup.Pace`'s (the
+window and the hold), kept by the worker as timers of that loop. Before each claim the
+worker reads the NOTIFYs already on the socket: the claim's snapshot covers their rows,
+so they wake no claim after it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import select
-import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,33 +21,7 @@ import psycopg
 from psycopg import sql
 
 from framework import db
-from framework.wakeup import HOLD_MAX, Wakeup
 from framework.worker.counts import Counts
-
-
-class Alarm:
-    """A socket pair: :meth:`ring` from any thread (a signal handler too) makes :meth:`fileno` readable."""
-
-    def __init__(self) -> None:
-        self._read, self._write = socket.socketpair()
-        self._read.setblocking(False)
-        self._write.setblocking(False)
-
-    def fileno(self) -> int:
-        return self._read.fileno()
-
-    def ring(self) -> None:
-        with contextlib.suppress(OSError):  # full (a byte is there already) or closed (stopped)
-            self._write.send(b"\0")
-
-    def drain(self) -> None:
-        with contextlib.suppress(OSError):
-            while self._read.recv(512):
-                pass
-
-    def close(self) -> None:
-        self._read.close()
-        self._write.close()
 
 
 class Notifications:
@@ -80,8 +51,10 @@ class Notifications:
         help_channel: str | None = None,
         lock_key: int | None = None,
         counts: Counts | None = None,
+        on_close: Callable[[], None] = lambda: None,
     ) -> None:
         self._url = database_url
+        self._on_close = on_close  # called before the connection closes: its socket is still the one watched
         self._channel = sql.Identifier(channel)
         self._help = None if help_channel is None else sql.Identifier(help_channel)
         self._key = lock_key if help_channel is not None else None
@@ -172,83 +145,10 @@ class Notifications:
         return count
 
     def close(self) -> None:
-        """Close the session (which ends the lock, if it held it)."""
+        """Close the session (which ends the lock, if it held it); ``on_close`` first."""
         if self._conn is not None:
+            self._on_close()
             with contextlib.suppress(Exception):  # a broken connection may fail to close: gone either way
                 self._conn.close()
             self._conn = None
         self.leading = False
-
-
-class LoopWakeup(Wakeup):
-    """:class:`Wakeup` for a loop that reads its own NOTIFYs and alarm (module docstring).
-
-    :meth:`poll` blocks at most its seconds on the loop's sockets and turns what came into
-    :meth:`notify` (one per NOTIFY, for the gaps' running mean) and :meth:`set` (the
-    alarm); :meth:`wait` keeps :meth:`Wakeup.wait`'s meaning, waiting with :meth:`poll`.
-    Everything here runs on the loop's thread.
-    """
-
-    def __init__(
-        self,
-        stop_event: threading.Event,
-        notifications: Notifications,
-        alarm: Alarm,
-        *,
-        hold_max: float = HOLD_MAX,
-        on_lost: Callable[[], None] = lambda: None,
-    ) -> None:
-        super().__init__(stop_event, hold_max=hold_max)
-        self._notifications = notifications
-        self._alarm = alarm
-        self._on_lost = on_lost
-
-    def poll(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for a NOTIFY or the alarm; take in what came."""
-        poller = select.poll()
-        poller.register(self._alarm.fileno(), select.POLLIN)
-        listen = self._notifications.fileno()
-        if listen is not None:
-            poller.register(listen, select.POLLIN)
-        ready = poller.poll(max(0, int(seconds * 1000 + 0.999)) if seconds > 0 else 0)
-        for fd, _ in ready:
-            if fd == listen:
-                self.take_notifies()
-            else:
-                self._alarm.drain()
-                self.set()
-
-    def take_notifies(self) -> None:
-        """Read the NOTIFYs on the socket now (without waiting)."""
-        count = self._notifications.drain()
-        if count < 0:  # the LISTEN connection broke: look now, and listen again before the next wait
-            self._on_lost()
-            self.set()
-        for _ in range(count):
-            self.notify()
-
-    def wait(self, timeout: float) -> bool:
-        """As :meth:`Wakeup.wait`: until a NOTIFY (after the hold, then the window), a
-        :meth:`set`, a stop or ``timeout``; False if the timeout ran out."""
-        deadline = time.monotonic() + timeout
-        self.poll(0)  # what came during the cycle: it makes this no sleep
-        slept = not self._event.is_set()
-        self.woken_from_sleep = False
-        while not self._event.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self.poll(left)
-        if self._kicked or self._stop.is_set():
-            return True
-        self.woken_from_sleep = slept
-        now = time.monotonic()
-        delay = self.pace.delay(now, from_sleep=slept)  # woken from sleep: let the burst grow a little
-        if delay > 0:
-            end = now + min(delay, max(0.0, deadline - now))
-            while not self._stop.is_set() and not self._kicked:
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                self.poll(left)
-        return True

@@ -267,6 +267,60 @@ SET started_attempts = t.started_attempts + 1,
 WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
 RETURNING t.id, t.message_type, t.aggregate_type, t.aggregate_id, t.message_version, t.routing_key, t.payload, t.message_context, t.metadata, t.message_timestamp, t.started_attempts, t.finished_attempts, t.priority, t.created_at
 
+-- framework.sql.inbox.claim_ids(txbox, park=False)
+WITH due AS (
+    SELECT i.ctid
+    FROM "txbox"."inbox" i
+    WHERE i.processed_at IS NULL AND i.abandoned_at IS NULL
+      AND i.locked_until <= clock_timestamp()
+      AND i.started_attempts <= i.finished_attempts AND i.id = ANY(%(ids)s::uuid[])
+      AND (i.concurrency = 'parallel' OR NOT EXISTS (
+            SELECT 1 FROM "txbox"."inbox" p
+            WHERE p.segment = i.segment
+              AND coalesce(p.processed_at, p.abandoned_at) IS NULL
+              AND p.concurrency = 'sequential'
+              AND (p.priority > i.priority
+                   OR (p.priority = i.priority AND (p.created_at, p.id) < (i.created_at, i.id)))))
+      
+    
+    FOR UPDATE OF i SKIP LOCKED
+)
+UPDATE "txbox"."inbox" t
+SET started_attempts = t.started_attempts + 1,
+    locked_until = clock_timestamp() + make_interval(secs => %(lease)s)
+WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
+RETURNING t.id, t.message_type, t.aggregate_type, t.aggregate_id, t.message_version, t.routing_key, t.payload, t.message_context, t.metadata, t.message_timestamp, t.started_attempts, t.finished_attempts, t.priority, t.created_at
+
+-- framework.sql.inbox.claim_ids(txbox, park=True)
+WITH due AS (
+    SELECT i.ctid
+    FROM "txbox"."inbox" i
+    WHERE i.processed_at IS NULL AND i.abandoned_at IS NULL
+      AND i.locked_until <= clock_timestamp()
+      AND i.started_attempts <= i.finished_attempts AND i.id = ANY(%(ids)s::uuid[])
+      AND (i.concurrency = 'parallel' OR NOT EXISTS (
+            SELECT 1 FROM "txbox"."inbox" p
+            WHERE p.segment = i.segment
+              AND coalesce(p.processed_at, p.abandoned_at) IS NULL
+              AND p.concurrency = 'sequential'
+              AND (p.priority > i.priority
+                   OR (p.priority = i.priority AND (p.created_at, p.id) < (i.created_at, i.id)))))
+      
+      AND NOT EXISTS (
+            SELECT 1 FROM "txbox"."inbox" a
+            JOIN "txbox"."dead_letters" d ON d.message_id = a.id AND d.source = 'inbox'
+            WHERE a.abandoned_at IS NOT NULL AND a.segment = i.segment AND a.concurrency = 'sequential'
+              AND d.replayed_at IS NULL AND d.discarded_at IS NULL)
+
+    
+    FOR UPDATE OF i SKIP LOCKED
+)
+UPDATE "txbox"."inbox" t
+SET started_attempts = t.started_attempts + 1,
+    locked_until = clock_timestamp() + make_interval(secs => %(lease)s)
+WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
+RETURNING t.id, t.message_type, t.aggregate_type, t.aggregate_id, t.message_version, t.routing_key, t.payload, t.message_context, t.metadata, t.message_timestamp, t.started_attempts, t.finished_attempts, t.priority, t.created_at
+
 -- framework.sql.inbox.presume_processed(txbox)
 UPDATE "txbox"."inbox" t SET processed_at = clock_timestamp(), finished_attempts = t.finished_attempts + 1, locked_until = clock_timestamp(), metadata = t.metadata - 'auth_token' WHERE t.ctid = ANY(ARRAY(
     SELECT (SELECT i.ctid FROM "txbox"."inbox" i WHERE i.id = c.id AND i.started_attempts = c.started

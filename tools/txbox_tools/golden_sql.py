@@ -92,6 +92,8 @@ def statements() -> list[tuple[str, Statement]]:
                     inbox_sql.claim(s, suspects=suspects, park=park),
                 )
             )
+    for park in (False, True):
+        out.append((f"framework.sql.inbox.claim_ids({s}, park={park})", inbox_sql.claim_ids(s, park=park)))
     presume = inbox_sql.presume_processed(s)
     out += [
         (f"framework.sql.inbox.presume_processed({s})", presume),
