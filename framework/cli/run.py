@@ -61,14 +61,18 @@ def build(service: Service, without: list[str] | tuple[str, ...] = ()) -> list[D
         from framework.relay import Relay, RelayConfig
 
         daemons.append(Relay(service, RelayConfig.from_env(), stop_event=stop))
-    if "receiver" not in without:
-        from framework.receiver import Receiver, ReceiverConfig
+    from framework.receiver import Receiver, ReceiverConfig
+    from framework.worker import Worker, WorkerConfig
 
-        daemons.append(Receiver(service, ReceiverConfig.from_env(), stop_event=stop))
-    if "worker" not in without:
-        from framework.worker import Worker, WorkerConfig
+    receiver = None if "receiver" in without else Receiver(service, ReceiverConfig.from_env(), stop_event=stop)
+    worker = None if "worker" in without else Worker(service, WorkerConfig.from_env(), stop_event=stop)
+    if receiver is not None and worker is not None:
+        from framework.receiver.handoff import Handoff
 
-        daemons.append(Worker(service, WorkerConfig.from_env(), stop_event=stop))
+        # What the receiver stores goes to this worker in the same round trip
+        # (docs/explanation/daemons.md, "The hand-off in one process").
+        receiver.handoff = Handoff(worker)
+    daemons += [d for d in (receiver, worker) if d is not None]
     if "collector" not in without and importlib.util.find_spec("framework.dlq.collector") is not None:
         from framework.dlq.collector import Collector, CollectorConfig
 

@@ -46,10 +46,11 @@ from framework.reasons import Reason
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.consumer import Consumer
 from framework.receiver.copies import Copies, Copy
+from framework.receiver.handoff import Handoff
 from framework.receiver.intake import Delivery, Intake
 from framework.receiver.store import Prepared, Storing, end_spans
 from framework.receiver.turns import POLL_SECONDS, ConsumerTurn, Takeover, takeover_seconds
-from framework.receiver.write import InboxWrite
+from framework.receiver.write import InboxWrite, Step
 from framework.service import Service
 from framework.signing import SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
@@ -76,6 +77,7 @@ class _Inflight:
     prepared: Prepared
     write: InboxWrite | None = None
     error: Exception | None = None
+    handed_at: float | None = None  # monotonic: the write claims its rows for the worker (Handoff)
 
     @property
     def done(self) -> bool:
@@ -117,7 +119,10 @@ class Receiver(Storing, Daemon):
         self._buffer: list[Delivery] = []
         self._first_at = 0.0  # monotonic: when the buffer's first delivery came
         self._inflight: _Inflight | None = None  # the batch being written
-        self._insert_prepared_on: Any = None  # the connection the INSERT was prepared on
+        # The connection the write's statements were prepared on, and their names.
+        self._prepared: tuple[Any, frozenset[bytes]] = (None, frozenset())
+        # `txbox run`: what this receiver stores, it claims for the worker of its process.
+        self.handoff: Handoff | None = None
         self._sql_insert = inbox_sql.insert_all_new_sql(self.settings.schema)
         self._labels = {"service": self.settings.service}
         # The children counted per batch or delivery, looked up once.
@@ -590,13 +595,15 @@ class Receiver(Storing, Daemon):
             end_spans(prepared.spans, exc)
             inflight.error = exc
             return inflight
-        # Prepared once per connection, by the first write on it; its end steps the loop, so
-        # the batch's ack is never late.
-        statement = None if self._insert_prepared_on is conn else self._sql_insert
-        write = InboxWrite(
-            conn, _INSERT_NAME, [text, str(len(rows)).encode()], on_done=self._step_soon, statement=statement
-        )
-        self._insert_prepared_on = None if statement is not None else conn
+        # Prepared once per connection, in the first write's round trip; its end steps the
+        # loop, so the batch's ack is never late.
+        held = self._prepared[1] if self._prepared[0] is conn else frozenset()
+        insert = Step(_INSERT_NAME, self._sql_insert, [text, str(len(rows)).encode()])
+        handoff = self.handoff if self.handoff is not None and self.handoff.wanted else None
+        steps = handoff.steps(insert, [row.id for row in rows]) if handoff else [insert]
+        inflight.handed_at = time.monotonic() if handoff else None  # the lease runs from here
+        write = InboxWrite(conn, steps, on_done=self._step_soon, prepared=held)
+        self._prepared = (None, frozenset())  # known again once the write is over (_complete)
         inflight.write = write
         try:
             write.send()
@@ -621,7 +628,7 @@ class Receiver(Storing, Daemon):
         batch = inflight.batch
         try:
             if inflight.write is not None:
-                self._complete(inflight.prepared, inflight.write)
+                self._complete(inflight.prepared, inflight.write, inflight.handed_at)
             elif inflight.error is not None:
                 raise inflight.error
         except Exception as exc:
@@ -638,13 +645,13 @@ class Receiver(Storing, Daemon):
         assert self._copies is not None
         self._copies.ack(batch)
 
-    def _complete(self, prepared: Prepared, write: InboxWrite) -> None:
+    def _complete(self, prepared: Prepared, write: InboxWrite, handed_at: float | None = None) -> None:
         """Settle a write that is over: committed (the usual batch), or refused and written again
         the ordinary way (:meth:`_write`), which letters the conflicts of a duplicate id, or
         finds the rows PostgreSQL refuses."""
         write.unwatch()
-        if write.prepared:
-            self._insert_prepared_on = write.connection
+        if write.error is None:
+            self._prepared = (write.connection, write.prepared)
         if write.error is not None:
             self._drop_db()  # mid-protocol: the connection cannot be used again
             if db.is_infrastructure_error(write.error):
@@ -658,6 +665,8 @@ class Receiver(Storing, Daemon):
         end_spans(prepared.spans)
         rows = [row for _, row in prepared.pairs]
         self._count(rows, {row.id for row in rows}, [])
+        if handed_at is not None and self.handoff is not None:
+            self.handoff.deliver(handed_at, write.results[-1], write.connection)
 
     def _database_down(self, exc: BaseException) -> None:
         self._drop_db()

@@ -7,20 +7,23 @@ of that connection's socket, which the loop the receiver runs on watches beside 
 broker's sockets (:meth:`InboxWrite.watch`). It is the one place that sends a batch's
 statements and reports their results.
 
-A batch is one statement in one round trip: sent alone (libpq's extended protocol ends
-it with a Sync), it runs in an implicit transaction that PostgreSQL commits before it
-answers. The statement (:func:`framework.sql.inbox.insert_all_new_sql`) fails, and so
-stores nothing, unless every row was new: a duplicate id may need an ``id_conflict``
-letter in the same transaction, so such a batch (:attr:`InboxWrite.refused`) is written
-again the ordinary way, as is one PostgreSQL refuses for its data. A failure of the
-connection itself is :attr:`InboxWrite.error`.
+A batch is one round trip: its statements go out in one libpq pipeline ended by one
+Sync, so they run in one implicit transaction that PostgreSQL commits before it answers.
+Usually that is the INSERT alone; in `txbox run` also the hand-off's statements
+(docs/explanation/daemons.md, "The hand-off in one process"). The INSERT
+(:func:`framework.sql.inbox.insert_all_new_sql`) fails, and so stores nothing, unless
+every row was new: a duplicate id may need an ``id_conflict`` letter in the same
+transaction, so such a batch (:attr:`InboxWrite.refused`) is written again the ordinary
+way, as is one PostgreSQL refuses for its data. A failure of the connection itself is
+:attr:`InboxWrite.error`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import select
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -32,49 +35,52 @@ from framework import db
 _IDLE = pq.TransactionStatus.IDLE
 
 
-def prepare(conn: psycopg.Connection[Any], name: bytes, statement: bytes) -> None:
-    """Prepare ``statement`` as ``name`` on ``conn`` (once per connection; blocking): a batch
-    then sends only its parameters, and PostgreSQL does not parse it again each time."""
-    result = conn.pgconn.prepare(name, statement)
-    if result.status != pq.ExecStatus.COMMAND_OK:
-        raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+@dataclass(frozen=True)
+class Step:
+    """One statement of a write: prepared as ``name`` from ``statement`` (the text, sent
+    first on a connection that has not prepared it), run with ``params``."""
+
+    name: bytes
+    statement: bytes
+    params: list[bytes | None]
 
 
 class InboxWrite:
-    """One batch's INSERT (the statement prepared as ``name``, with its parameters
-    ``params``) on ``conn``, in flight.
+    """One batch's statements (``steps``: the INSERT, or in `txbox run` the hand-off's
+    three) on ``conn``, in flight, in one round trip.
 
-    With ``statement``, the connection has not prepared it yet: it is prepared first, sent
-    without waiting too (one more round trip, once per connection: a lock on the table
-    must not hold up the loop in a blocking PREPARE); :attr:`prepared` tells it was.
+    They go out in one libpq pipeline ended by one Sync, so PostgreSQL runs them in one
+    implicit transaction and commits it before it answers: all of them or none. A step
+    whose name is not in ``prepared`` is prepared first, in the same pipeline (a lock on
+    the table must not hold up the loop in a blocking PREPARE); :attr:`prepared` then
+    names what the connection holds once the write is over.
 
     Start it with :meth:`send`; :meth:`advance` reads what arrived, and is called whenever
     the socket is readable (or writable, while :attr:`wants_write`); :attr:`done` tells
     when it is over, and ``on_done`` is called then, once. Then at most one of
     :attr:`error` (the database failed: the connection must be dropped) and
-    :attr:`refused` (PostgreSQL refused the statement: nothing was stored, the connection
-    is idle and usable) is set; neither means the batch is committed. All on one thread;
-    nothing here blocks but :meth:`wait`, which the receiver never calls (a tool's, a test's).
+    :attr:`refused` (PostgreSQL refused a statement: nothing was stored, the connection
+    is idle and usable) is set; neither means the batch is committed, and
+    :attr:`results` holds each step's result, in order. All on one thread; nothing here
+    blocks but :meth:`wait`, which the receiver never calls (a tool's, a test's).
     """
 
     def __init__(
         self,
         conn: psycopg.Connection[Any],
-        name: bytes,
-        params: list[bytes],
+        steps: Sequence[Step],
         on_done: Callable[[], None],
         *,
-        statement: bytes | None = None,
+        prepared: frozenset[bytes] = frozenset(),
     ) -> None:
         self._conn = conn
-        self._statement = statement
-        self._preparing = False
-        self.prepared = statement is None
         self._pg = conn.pgconn
-        self._name = name
-        self._params = params
+        self._steps = list(steps)
+        self._preparing = [step for step in self._steps if step.name not in prepared]
+        self.prepared = prepared  # and, once over, what this write prepared
         self._on_done = on_done
-        self._result: pq.abc.PGresult | None = None
+        self._answers: list[pq.abc.PGresult] = []  # one per command sent: the PREPAREs, then the steps
+        self.results: list[pq.abc.PGresult] = []
         self.done = False
         self.wants_write = False
         self.refused: psycopg.Error | None = None
@@ -91,15 +97,16 @@ class InboxWrite:
         return int(self._pg.socket)
 
     def send(self) -> None:
-        """Send the statement; the connection must be idle, outside a transaction."""
+        """Send the statements; the connection must be idle, outside a transaction."""
         try:
             if self._pg.transaction_status != _IDLE:
                 self._conn.rollback()  # nothing of ours is open between batches; this is a guard
-            if self._statement is not None:
-                self._preparing = True
-                self._pg.send_prepare(self._name, self._statement)
-            else:
-                self._pg.send_query_prepared(self._name, list(self._params))
+            self._pg.enter_pipeline_mode()
+            for step in self._preparing:
+                self._pg.send_prepare(step.name, step.statement)
+            for step in self._steps:
+                self._pg.send_query_prepared(step.name, list(step.params))
+            self._pg.pipeline_sync()
             self._flush()
         except Exception as exc:
             self._fail(exc)
@@ -112,17 +119,16 @@ class InboxWrite:
             if self.wants_write:
                 self._flush()
             self._pg.consume_input()
+            # In a pipeline each command's results end with a None; the Sync's result ends it all.
             while not self._pg.is_busy():
                 result = self._pg.get_result()
-                if result is None:  # the statement's results are over
-                    if self._preparing:
-                        if not self._prepared():
-                            return
-                        continue
+                if result is None:
+                    continue
+                if result.status == pq.ExecStatus.PIPELINE_SYNC:
+                    self._pg.exit_pipeline_mode()
                     self._end()
                     return
-                if self._result is None or result.status == pq.ExecStatus.FATAL_ERROR:
-                    self._result = result
+                self._answers.append(result)
         except Exception as exc:  # called from the loop: never raises into it
             self._fail(exc)
 
@@ -167,30 +173,22 @@ class InboxWrite:
                 self.unwatch()
                 self._fail(exc)
 
-    def _prepared(self) -> bool:
-        """The PREPARE answered: send the INSERT (True), or end as the INSERT would (False)."""
-        result, self._result = self._result, None
-        self._preparing = False
-        if result is None or result.status != pq.ExecStatus.COMMAND_OK:
-            self._result = result
-            self._end()
-            return False
-        self.prepared = True
-        self._pg.send_query_prepared(self._name, list(self._params))
-        self._flush()
-        return True
-
     def _end(self) -> None:
-        result = self._result
-        if result is None:
-            self._fail(psycopg.OperationalError("the inbox INSERT returned no result"))
+        if len(self._answers) != len(self._preparing) + len(self._steps):
+            self._fail(psycopg.OperationalError(f"the batch's pipeline returned {len(self._answers)} results"))
             return
-        if result.status != pq.ExecStatus.TUPLES_OK:
-            error = psycopg.errors.error_from_result(result, encoding=self._conn.info.encoding)
+        # A PREPARE outlives the transaction: the ones that took hold even if a step failed.
+        answers = zip(self._preparing, self._answers, strict=False)
+        self.prepared |= {step.name for step, answer in answers if answer.status == pq.ExecStatus.COMMAND_OK}
+        failed = next((r for r in self._answers if r.status == pq.ExecStatus.FATAL_ERROR), None)
+        if failed is not None:
+            error = psycopg.errors.error_from_result(failed, encoding=self._conn.info.encoding)
             if db.is_infrastructure_error(error):
                 self._fail(error)
                 return
             self.refused = error
+        else:
+            self.results = self._answers[len(self._preparing) :]
         self._finish()
 
     def _flush(self) -> None:

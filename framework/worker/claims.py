@@ -90,7 +90,7 @@ class Claims:
 
     def _prepare(self, conn: psycopg.Connection[Any]) -> None:
         # One row that does not decode must not fail the claim (decode.register).
-        decode.register(conn)
+        decode.register(conn.adapters)
         for s in self._statements:
             result = conn.pgconn.prepare(s.name, s.text)
             if result.status != pq.ExecStatus.COMMAND_OK:

@@ -459,7 +459,7 @@ class Worker(Daemon):
             and len(self._handed) < self.config.batch_size
         )
 
-    def take(self, claimed_at: float, rows: Sequence[tuple[Any, ...]]) -> None:
+    def take(self, claimed_at: float, rows: Sequence[tuple[Any, ...]], *, statements: int = 0) -> None:
         """On the loop thread: ``rows`` (tuples of :data:`framework.sql.inbox.CLAIM_COLUMNS`)
         were claimed for this worker by someone else (:func:`framework.sql.inbox.claim_ids`
         with this worker's lease), their lease begun at ``claimed_at`` (``time.monotonic()``
@@ -467,7 +467,12 @@ class Worker(Daemon):
         chunks of ``batch_size``, from the loop's next turn on and before the next claim; a
         chunk's rows with less than :data:`HANDED_LEASE_LEFT` of their lease left by then
         are given back instead, and claimed the ordinary way. A worker that has ended gives
-        them back at once."""
+        them back at once. The claim counts as one of the worker's
+        (``txbox_worker_claims_total``, ``txbox_worker_statements_total``), and so do
+        ``statements`` more sent with it on the worker's behalf."""
+        self.counts.claim(len(rows), self._labels)
+        self.counts.statements += statements
+        self.counts.publish(self._labels)
         if not rows:
             return
         handed = self._decoded(claimed_at, sorted(rows, key=_claim_order))

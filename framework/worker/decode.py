@@ -23,8 +23,9 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from psycopg.abc import AdaptContext
-from psycopg.adapt import Buffer, Loader
+from psycopg.adapt import AdaptersMap, Buffer, Loader, Transformer
 from psycopg.pq import Format
 
 from framework import jsoncodec
@@ -78,11 +79,23 @@ class LenientTimestamptzLoader(Loader):
             return _undecodable(data, exc)
 
 
-def register(conn: psycopg.Connection[Any]) -> None:
-    """Make ``conn`` (the claim connection) load JSON and timestamps leniently."""
+def register(adapters: AdaptersMap) -> None:
+    """Make ``adapters`` (the claim connection's) load JSON and timestamps leniently."""
     for name in ("json", "jsonb"):
-        conn.adapters.register_loader(name, LenientJsonLoader)
-    conn.adapters.register_loader("timestamptz", LenientTimestamptzLoader)
+        adapters.register_loader(name, LenientJsonLoader)
+    adapters.register_loader("timestamptz", LenientTimestamptzLoader)
+
+
+def claim_rows(result: pq.abc.PGresult, context: AdaptContext) -> list[tuple[Any, ...]]:
+    """The rows of a claim's ``result`` received on a connection whose loaders are not
+    lenient (``context``'s: a daemon that claims for the worker on a connection of its
+    own), loaded as the claim connection loads them (:func:`register`)."""
+    adapters = AdaptersMap(context.adapters)
+    register(adapters)
+    transformer = Transformer(adapters)
+    transformer.set_pgresult(result)
+    rows: list[tuple[Any, ...]] = transformer.load_rows(0, result.ntuples, tuple)
+    return rows
 
 
 @dataclass

@@ -2,7 +2,7 @@
 the real PostgreSQL, and the shape of pika's I/O loop it is watched on (framework.amqp.ioloop).
 
 docs/explanation/daemons.md, "The daemons and their threads": a batch of new rows is one
-statement, committed in the same round trip; a batch with a row that is not new, or one
+round trip (the PREPARE too, the first time), committed in it; a batch with a row that is not new, or one
 PostgreSQL refuses, stores nothing and leaves the connection idle and usable.
 """
 
@@ -17,21 +17,25 @@ from psycopg import pq
 
 from framework import amqp
 from framework.db import conninfo
-from framework.receiver.write import InboxWrite, prepare
+from framework.receiver.write import InboxWrite, Step
 from framework.sql import inbox as inbox_sql
 from tests.integration.test_inbox_insert import _row
 
 
+def _insert(rows: list[Any]) -> Step:
+    params: list[bytes | None] = [inbox_sql.batch_json(rows).encode(), str(len(rows)).encode()]
+    return Step(b"inbox", inbox_sql.insert_all_new_sql("txbox"), params)
+
+
 def _write(conn: psycopg.Connection[Any], rows: list[Any]) -> InboxWrite:
     done: list[bool] = []
-    if not conn.execute("SELECT 1 FROM pg_prepared_statements WHERE name = 'inbox'").fetchone():
-        prepare(conn, b"inbox", inbox_sql.insert_all_new_sql("txbox"))
+    held = conn.execute("SELECT 1 FROM pg_prepared_statements WHERE name = 'inbox'").fetchone()
     conn.rollback()
-    params = [inbox_sql.batch_json(rows).encode(), str(len(rows)).encode()]
-    write = InboxWrite(conn, b"inbox", params, lambda: done.append(True))
+    write = InboxWrite(conn, [_insert(rows)], lambda: done.append(True), prepared=frozenset({b"inbox"} if held else ()))
     write.send()
     write.wait()
     assert done == [True], "on_done runs once, when the write is over"
+    assert write.error is not None or write.prepared == {b"inbox"}, "prepared in the write's own round trip"
     return write
 
 
@@ -81,11 +85,10 @@ def test_a_refused_batch_stores_nothing_and_leaves_the_connection_usable(databas
 def test_a_lost_connection_is_the_writes_error(database_url: str) -> None:
     conn = psycopg.connect(conninfo(database_url))
     try:
-        prepare(conn, b"inbox", inbox_sql.insert_all_new_sql("txbox"))
         with psycopg.connect(conninfo(database_url), autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
         done: list[bool] = []
-        write = InboxWrite(conn, b"inbox", [inbox_sql.batch_json([_row(0)]).encode(), b"1"], lambda: done.append(True))
+        write = InboxWrite(conn, [_insert([_row(0)])], lambda: done.append(True))
         write.send()
         write.wait()
         assert isinstance(write.error, psycopg.OperationalError), write.error
