@@ -94,7 +94,7 @@ class Supervisor:
         self.failures: list[tuple[str, BaseException]] = []
         self.stuck: list[str] = []  # the daemons still running when the stop timeout ran out
         self._loop = IOLoop()
-        self._running: set[str] = set()
+        self._running: set[Daemon] = set()
         self._deadline: float | None = None  # monotonic: give up on the stragglers then
 
     def run(self, stop_timeout: float = 30.0) -> None:
@@ -103,7 +103,7 @@ class Supervisor:
         self._stop_timeout = stop_timeout
         try:
             for daemon in self.daemons:
-                self._running.add(daemon.name)
+                self._running.add(daemon)
                 daemon.start_on(self._loop, functools.partial(self._ended, daemon))
             log.info("running %s on one loop", ", ".join(d.name for d in self.daemons))
             self._loop.call_later(STOP_CHECK, self._watch)
@@ -122,7 +122,7 @@ class Supervisor:
             daemon.stop()  # sets the shared event, and wakes the loop from another thread
 
     def _ended(self, daemon: Daemon, exc: BaseException | None) -> None:
-        self._running.discard(daemon.name)
+        self._running.discard(daemon)
         if exc is not None:
             log.error("%s failed: %s", daemon.name, exc, exc_info=not isinstance(exc, Exception) or None)
             self.failures.append((daemon.name, exc))
@@ -142,7 +142,7 @@ class Supervisor:
         if self.stop_event.is_set() and self._deadline is None:
             self._deadline = now + self._stop_timeout
         if self._deadline is not None and now >= self._deadline:
-            self.stuck = sorted(self._running)
+            self.stuck = sorted(d.name for d in self._running)
             self._loop.stop()
             return
         self._loop.call_later(STOP_CHECK, self._watch)

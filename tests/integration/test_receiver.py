@@ -107,7 +107,10 @@ def record_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     send = receiver_daemon.InboxWrite.send
 
     def recorded(self: Any) -> None:
-        writes.append((threading.current_thread().name, int(self._params[1])))  # $2: the batch's rows
+        insert = next(step for step in self._steps if step.name == receiver_daemon._INSERT_NAME)
+        rows = insert.params[1]
+        assert rows is not None
+        writes.append((threading.current_thread().name, int(rows)))  # $2: the batch's rows
         send(self)
 
     monkeypatch.setattr(receiver_daemon.InboxWrite, "send", recorded)

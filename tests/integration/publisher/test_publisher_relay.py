@@ -169,6 +169,8 @@ def test_unroutable_command_retries_then_dead_letters_and_unroutable_event_count
     config = RelayConfig(max_attempts=3, **FAST)  # type: ignore[arg-type]
     with running_relay(service, config) as relay:
         wait_until(lambda: outbox_state(settings)["abandoned"] == 1, 30, message="the command abandoned")
+        # The relay counts a write once it has committed: a moment after the test sees it.
+        wait_until(lambda: relay.abandoned == 1, 10, message="the abandonment counted")
         assert relay.published == 1 and relay.failed == 3 and relay.abandoned == 1
     with psycopg.connect(conninfo(settings.database_url)) as conn:
         rows = {
