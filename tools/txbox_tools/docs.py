@@ -52,6 +52,7 @@ _TITLES = {
     "RetentionSettings": "Retention: `txbox publisher` prunes the outbox, `txbox worker` the inbox",
     "SigningConfig": "Event signing: `txbox publisher` signs events, `txbox receiver` verifies them",
     "JwtSettings": "The permission guard: tokens of messages whose handler declares `permissions`",
+    "TenantSettings": "Tenants: the registry `txbox migrate`, `txbox check` and `txbox tenants` read",
 }
 _HELP_WIDTH = "100"
 
