@@ -22,7 +22,6 @@ from pathlib import Path
 from psycopg import sql
 
 from framework import db, names
-from framework.pending import Filters as PendingFilters
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import heartbeats as heartbeats_sql
 from framework.sql import inbox as inbox_sql
@@ -157,7 +156,7 @@ def statements() -> list[tuple[str, Statement]]:
     # Pending rows (`txbox pending`, the dashboard): the unfiltered list and the counts.
     for table in (names.INBOX, names.OUTBOX):
         for park in (False, True):
-            query, _ = pending_sql.list_query(s, PendingFilters(table=table, park=park))
+            query, _ = pending_sql.list_query(s, pending_sql.Filters(table=table, park=park))
             out.append((f"framework.sql.pending.list_query({s}, Filters(table={table}, park={park}))", query))
     for table in (names.INBOX, names.OUTBOX):
         for park in (False, True):
