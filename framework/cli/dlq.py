@@ -14,8 +14,8 @@ from framework.cli.output import clip as _clip
 from framework.cli.output import emit as _print
 from framework.cli.output import table as _table
 from framework.cli.output import utc as _fmt_time
-from framework.dlq import queries, replay
-from framework.dlq.present import masked
+from framework.dead_letters import queries, replay
+from framework.dead_letters.present import masked
 from framework.errors import ConfigurationError
 from framework.permissions import MAX_TOKEN_CHARS
 from framework.sql import dead_letters as dead_letters_sql

@@ -2,7 +2,7 @@
 
 One module for both commands (registered twice, as `check` serves `contracts`): the two
 tables share their columns and states (framework/pending.py). Output looks like
-`txbox dlq list` and is masked as dead letters are (framework/dlq/present.py).
+`txbox dlq list` and is masked as dead letters are (framework/dead_letters/present.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 from framework import pending
 from framework.cli.common import add_service_options, load_service
 from framework.cli.output import clip, emit, table
-from framework.dlq import queries
-from framework.dlq.present import masked
+from framework.dead_letters import queries
+from framework.dead_letters.present import masked
 from framework.settings import parse_duration
 from framework.sql import pending as pending_sql
 

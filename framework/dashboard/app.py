@@ -47,8 +47,8 @@ from framework.dashboard.security import (
     Shield,
     client_of,
 )
-from framework.dlq import queries, replay
-from framework.dlq.present import masked
+from framework.dead_letters import queries, replay
+from framework.dead_letters.present import masked
 from framework.errors import ConfigurationError, HttpError, TxboxError
 from framework.redaction import credentials_masked, mask_credentials, redact_text
 from framework.settings import Seconds, setting

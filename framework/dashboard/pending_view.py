@@ -3,7 +3,7 @@
 ``/pending/{service}`` (HTML) and ``/api/pending/{service}`` (JSON): the pending rows of
 one table with their state, age, attempts and last error, and the count of each state
 in both tables (framework/pending.py). Rows are masked exactly as dead letters are
-(framework/dlq/present.py) before they reach a template or the API; the app's guards
+(framework/dead_letters/present.py) before they reach a template or the API; the app's guards
 (login, host check, security headers: framework/dashboard/security.py) cover these
 routes as every other. Reads only.
 """
@@ -19,8 +19,8 @@ from starlette.routing import Route
 
 from framework import jsoncodec, names, pending
 from framework.dashboard.app import MaskedJSON, Source
-from framework.dlq import queries
-from framework.dlq.present import masked
+from framework.dead_letters import queries
+from framework.dead_letters.present import masked
 from framework.errors import HttpError
 from framework.settings import parse_duration
 from framework.sql import pending as pending_sql

@@ -4,7 +4,7 @@
 the one INSERT, used by the receiver, the worker, the relay and the collector alike;
 ``ON CONFLICT`` on the collector's ``delivery_key`` makes a broker delivery stored twice
 (a crash before its ack) one row, and is never hit by the other writers, whose key is
-NULL. The statements of replay and discard (framework/dlq/replay.py) follow, then the
+NULL. The statements of replay and discard (framework/dead_letters/replay.py) follow, then the
 read side of ``txbox dlq`` and the dashboard (the filters of a list, list, count, groups,
 one letter, the open letters' numbers). Every filter value is a bound parameter; only the schema (a validated
 identifier) is composed into the text. The list pages order by ``died_at DESC, id DESC``
@@ -61,7 +61,7 @@ def insert_letters(cur: psycopg.Cursor[Any], schema: str, letters: Sequence[Dead
         cur.executemany(insert_sql(schema), [letter.row() for letter in letters])
 
 
-# --- replay and discard (framework/dlq/replay.py) ------------------------------------
+# --- replay and discard (framework/dead_letters/replay.py) ------------------------------------
 
 
 def _letters(schema: str) -> sql.Identifier:
@@ -140,7 +140,7 @@ def resolve_forgotten(schema: str) -> sql.Composed:
     )
 
 
-# --- reads: txbox dlq and the dashboard (framework/dlq/queries.py) ----------------------
+# --- reads: txbox dlq and the dashboard (framework/dead_letters/queries.py) ----------------------
 
 Status = Literal["open", "replayed", "resolved", "discarded", "all"]
 STATUSES: tuple[Status, ...] = ("open", "replayed", "resolved", "discarded", "all")

@@ -10,7 +10,7 @@ from psycopg import sql
 
 from framework import names, pending
 from framework.sql import pending as pending_sql
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 from tests.integration.pending.conftest import put
 
 

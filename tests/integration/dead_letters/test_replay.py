@@ -1,4 +1,4 @@
-"""Replay and discard semantics against the real database (framework.dlq.replay docstring)."""
+"""Replay and discard semantics against the real database (framework.dead_letters.replay docstring)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from framework.contracts import Registry
-from framework.dlq import replay
+from framework.dead_letters import replay
 from framework.sql import dead_letters as dead_letters_sql
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 
 S = seed.SCHEMA
 SERVICE = "order-service"
