@@ -29,7 +29,7 @@ def _run(code: str) -> None:
 
 def test_importing_framework_and_its_daemons_changes_neither_pika_nor_psycopg() -> None:
     _run(
-        "import framework, framework.amqp, framework.db, framework.outbox, framework.publisher, framework.relay,"
+        "import framework, framework.amqp, framework.db, framework.outbox, framework.confirms, framework.relay,"
         " framework.receiver, framework.worker, framework.dead_letters.collector, framework.cli.run\n"
         "assert driver_globals() == before, (driver_globals(), before)\n"
     )
