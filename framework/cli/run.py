@@ -65,8 +65,8 @@ def build(service: Service, without: list[str] | tuple[str, ...] = ()) -> list[D
         from framework.worker import Worker, WorkerConfig
 
         daemons.append(Worker(service, WorkerConfig.from_env(), stop_event=stop))
-    if "collector" not in without and importlib.util.find_spec("framework.dlq.collector") is not None:
-        from framework.dlq.collector import Collector, CollectorConfig
+    if "collector" not in without and importlib.util.find_spec("framework.dead_letters.collector") is not None:
+        from framework.dead_letters.collector import Collector, CollectorConfig
 
         daemons.append(Collector(service, CollectorConfig.from_env(), stop_event=stop))
     return daemons

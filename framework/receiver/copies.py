@@ -3,7 +3,7 @@
 A broker under a memory or disk alarm blocks every connection that publishes
 (``connection.blocked``) and keeps delivering on connections that only consume. So the
 receiver consumes on one connection and publishes its copies through a
-:class:`~framework.publisher.Publisher` on a second one: while publishing is blocked, the
+:class:`~framework.confirms.Publisher` on a second one: while publishing is blocked, the
 deliveries whose copy waits for its confirm stay unacked, and every other delivery is
 stored and acked as usual (docs/explanation/receive.md, "Publishing blocked by the broker").
 
@@ -26,8 +26,8 @@ from typing import Any
 import pika
 import pika.exceptions
 
+from framework.confirms import Publisher
 from framework.errors import BrokerUnavailable, PublishError
-from framework.publisher import Publisher
 from framework.reasons import Reason
 from framework.receiver.intake import Delivery
 

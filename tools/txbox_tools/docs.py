@@ -43,7 +43,7 @@ _EXTRAS = {"pyspark", "pyarrow", "starlette", "uvicorn", "jinja2", "multipart", 
 _TITLES = {
     "Settings": "Every command: which service, where its database and broker are",
     "RelayConfig": "`txbox publisher`",
-    "PublisherConfig": "Direct sends (`Publisher.publish`)",
+    "DirectSendConfig": "Direct sends (`Publisher.publish`)",
     "ReceiverConfig": "`txbox receiver`",
     "WorkerConfig": "`txbox worker`",
     "CollectorConfig": "`txbox collector`",

@@ -9,7 +9,7 @@ import pytest
 
 from framework.cli import main
 from tests.conftest import CONTRACTS
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 
 
 def dlq(database_url: str, *args: str) -> list[str]:

@@ -1,7 +1,8 @@
-"""What `txbox dlq` and the dashboard ask for: the filters of a list, a connection to read
-with, the overview card and the timeline's buckets.
+"""What `txbox dlq` and the dashboard ask for: a connection to read with, the overview card
+and the timeline's buckets.
 
-The statements are in framework/sql/: the dead letters' reads in ``dead_letters.py``, the
+The statements are in framework/sql/: the dead letters' reads and the filters of a list
+(``Filters``) in ``dead_letters.py``, the
 inbox's and outbox's numbers and the timeline's counts in ``messages.py``, the report
 tables in ``reports.py`` (docs/explanation/daemons.md, "Tables and their SQL").
 """
@@ -10,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row, tuple_row
@@ -23,8 +23,6 @@ from framework.db import database_errors
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import messages as messages_sql
 
-Status = Literal["open", "replayed", "resolved", "discarded", "all"]
-STATUSES: tuple[Status, ...] = ("open", "replayed", "resolved", "discarded", "all")
 SOURCES = ("broker", "inbox", "outbox")
 
 
@@ -44,39 +42,6 @@ def connection(engine: Engine) -> Iterator[psycopg.Connection[dict[str, Any]]]:
             conn.row_factory = tuple_row
             conn.autocommit = False
         raw.close()  # back to the pool
-
-
-@dataclass(frozen=True, kw_only=True)
-class Filters:
-    """What the list shows. Empty strings count as 'not given' (as HTML forms send them)."""
-
-    status: Status = "open"
-    source: str | None = None
-    message_type: str | None = None
-    reason: str | None = None
-    fingerprint: str | None = None
-    message_id: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if getattr(self, f.name) == "":
-                object.__setattr__(self, f.name, None)
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {self.status!r}")
-
-    def as_query(self) -> dict[str, str]:
-        """The filters as URL query parameters (given ones only)."""
-        out: dict[str, str] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None and not (f.name == "status" and value == "open"):
-                out[f.name] = value.isoformat() if isinstance(value, datetime) else str(value)
-        return out
-
-    def with_(self, **changes: Any) -> Filters:
-        return replace(self, **changes)
 
 
 def parse_when(text: str) -> datetime:

@@ -1,9 +1,9 @@
-"""One confirm channel on an event loop its caller runs: the broker side of every publisher.
+"""One confirm channel on an event loop its caller runs: the broker side of every send.
 
 :class:`ConfirmChannel` owns one ``SelectConnection`` and its channel in confirm mode on an
 ``IOLoop`` that the caller's thread runs; every method and every callback runs on that
 thread, so nothing in it is locked. The relay runs it on its own loop beside its database
-socket (docs/explanation/daemons.md, "One thread per daemon"); :class:`~framework.publisher.Publisher`
+socket (docs/explanation/daemons.md, "One thread per daemon"); :class:`~framework.confirms.Publisher`
 runs it on a loop thread of its own for application code that sends from any thread.
 
 Completion semantics (the Jakarta Messaging async-send rules, docs/explanation/write.md "Direct sends"):
@@ -39,7 +39,7 @@ from framework import amqp
 from framework.errors import PublishError
 from framework.reasons import Reason
 
-log = logging.getLogger("txbox.publisher.confirms")
+log = logging.getLogger("txbox.confirms")
 
 _PENDING: Any = object()  # outcome not known yet (None = confirmed)
 
@@ -164,7 +164,7 @@ class ConfirmChannel:
         if conn is not None and conn.is_open:
             conn.close()
         elif conn is None or conn.is_closed:
-            self._fail_everything(PublishError("the publisher closed before the broker confirmed", CLOSED))
+            self._fail_everything(PublishError("the channel closed before the broker confirmed", CLOSED))
             self._become("closed")
         # Still opening: pika cannot abort its connection workflow cleanly (closing one
         # mid-way raised from inside the loop), so _on_open closes it once it has opened,
@@ -240,7 +240,7 @@ class ConfirmChannel:
         elif self.state != "closing":
             self._broken(reason)
         else:
-            self._fail_everything(PublishError("the publisher closed before the broker confirmed", CLOSED))
+            self._fail_everything(PublishError("the channel closed before the broker confirmed", CLOSED))
             self._become("closed")
 
     def _on_channel_closed(self, _channel: pika.channel.Channel, reason: BaseException) -> None:
@@ -254,7 +254,7 @@ class ConfirmChannel:
             return
         self.state = "broken"
         self.error = reason
-        log.warning("publisher connection lost: %s", reason)
+        log.warning("RabbitMQ connection of %s lost: %s", self.name, reason)
         self._fail_everything(
             PublishError(f"connection to RabbitMQ lost before the confirm ({reason})", CONNECTION_LOST)
         )

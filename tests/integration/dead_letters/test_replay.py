@@ -1,4 +1,4 @@
-"""Replay and discard semantics against the real database (framework.dlq.replay docstring)."""
+"""Replay and discard semantics against the real database (framework.dead_letters.replay docstring)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from framework.contracts import Registry
-from framework.dlq import queries, replay
+from framework.dead_letters import replay
 from framework.sql import dead_letters as dead_letters_sql
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 
 S = seed.SCHEMA
 SERVICE = "order-service"
@@ -186,8 +186,10 @@ def test_discarded_letters_leave_the_open_list_and_cannot_be_replayed(conn: Any,
     lid = seed.abandoned(conn, "inbox", seed.envelope())
     keep = seed.abandoned(conn, "inbox", seed.envelope())
     assert [o.action for o in replay.discard(conn, S, [lid, lid + 1000])] == ["discarded", "skipped"]
-    assert [r["id"] for r in dead_letters_sql.list_letters(conn, S, queries.Filters())] == [keep]
-    assert [r["id"] for r in dead_letters_sql.list_letters(conn, S, queries.Filters(status="discarded"))] == [lid]
+    assert [r["id"] for r in dead_letters_sql.list_letters(conn, S, dead_letters_sql.Filters())] == [keep]
+    assert [r["id"] for r in dead_letters_sql.list_letters(conn, S, dead_letters_sql.Filters(status="discarded"))] == [
+        lid
+    ]
     [o] = replay.replay(conn, S, registry, SERVICE, [lid])
     assert (o.action, o.detail) == ("skipped", "discarded")
 
@@ -205,9 +207,9 @@ def test_worker_hook_resolves_in_the_callers_transaction(conn: Any, registry: Re
 def test_a_whole_group_is_selected_by_fingerprint(conn: Any, registry: Registry) -> None:
     same = [seed.abandoned(conn, "inbox", seed.envelope(), error=f"KeyError: 'sku-{i}'") for i in range(3)]
     seed.abandoned(conn, "inbox", seed.envelope(), error="TimeoutError: handler took 31s")
-    [group, _other] = dead_letters_sql.groups(conn, S, queries.Filters())
+    [group, _other] = dead_letters_sql.groups(conn, S, dead_letters_sql.Filters())
     assert group["count"] == 3
-    ids = dead_letters_sql.ids_matching(conn, S, queries.Filters(fingerprint=group["fingerprint"]))
+    ids = dead_letters_sql.ids_matching(conn, S, dead_letters_sql.Filters(fingerprint=group["fingerprint"]))
     assert ids == same
     assert all(o.ok for o in replay.replay(conn, S, registry, SERVICE, ids))
-    assert dead_letters_sql.count_letters(conn, S, queries.Filters()) == 1
+    assert dead_letters_sql.count_letters(conn, S, dead_letters_sql.Filters()) == 1

@@ -20,9 +20,9 @@ from psycopg.types.json import Jsonb
 from framework.analytics.archive import Archiver
 from framework.contracts import Registry
 from framework.db import conninfo
-from framework.dlq import replay
+from framework.dead_letters import replay
 from framework.sql import inbox as inbox_sql
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 
 S = seed.SCHEMA
 SERVICE = "order-service"

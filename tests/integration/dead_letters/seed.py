@@ -1,4 +1,4 @@
-"""Dead letters as the receiver, worker and publisher write them, for the dlq tests."""
+"""Dead letters as the receiver, worker and publisher write them, for the dead-letter tests."""
 
 from __future__ import annotations
 

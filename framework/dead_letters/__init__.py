@@ -1,11 +1,19 @@
-"""The dead-letter record every part writes when it gives up on a message.
+"""Dead letters: the record every part writes when it gives up on a message, and the
+tools over those records.
 
 Receiver rejections, worker and publisher abandons and the broker's dead_letter queue
-all end as one row of ``txbox.dead_letters`` built here, in the same transaction that
-abandons the message, so a message is never both pending and dead, nor lost between.
-Building a row never raises and always yields what PostgreSQL stores, and a body is
-kept as a bounded prefix with its length and sha256, a parsed envelope whole up to
-:data:`MESSAGE_LIMIT` (docs/explanation/dead-letters.md, "Dead letters").
+all end as one row of ``txbox.dead_letters`` built here (:class:`DeadLetter`), in the
+same transaction that abandons the message, so a message is never both pending and
+dead, nor lost between. Building a row never raises and always yields what PostgreSQL
+stores, and a body is kept as a bounded prefix with its length and sha256, a parsed
+envelope whole up to :data:`MESSAGE_LIMIT` (docs/explanation/dead-letters.md, "Dead letters").
+
+The modules of this package work on those rows: ``collector`` drains the broker's
+``<service>:dead_letter`` queue into them, ``replay`` sends them back for processing or
+closes them (``route`` judges where a letter may go), ``queries`` reads them for people
+and ``present`` masks what is shown. The terminal (``txbox dlq``) and the web dashboard
+(``framework.dashboard``) are thin views over these functions. Importing this module
+loads none of them: every daemon that writes a letter imports it.
 """
 
 from __future__ import annotations

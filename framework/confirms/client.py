@@ -1,15 +1,15 @@
-"""A confirm-tracking publisher for application code: many sends in flight from any thread.
+"""The direct-send client for application code: many sends in flight from any thread.
 
 Why a loop thread of its own: pika's ``BlockingConnection`` gives one blocking round
 trip per confirmed publish (~1,700 msg/s here), while publisher confirms streamed over
 an asynchronous connection reach ~18,000 msg/s. The loop thread runs a
-:class:`~framework.publisher.channel.ConfirmChannel` (which owns the connection and the
+:class:`~framework.confirms.channel.ConfirmChannel` (which owns the connection and the
 channel); callers hand messages over through a queue and one
 ``ioloop.add_callback_threadsafe`` wake-up per burst (not per message), because that
 call writes to a pipe. The relay does not use this class: it runs a ConfirmChannel on
 its own loop (docs/explanation/daemons.md, "One thread per daemon").
 
-Completion semantics are the channel's (framework/publisher/channel.py); here in addition:
+Completion semantics are the channel's (framework/confirms/channel.py); here in addition:
 
 - completions run on the loop thread (never on the sending thread);
 - :meth:`Publisher.flush` and :meth:`Publisher.close` block until every incomplete send
@@ -40,8 +40,7 @@ import pika
 from pika.adapters.select_connection import IOLoop
 
 from framework import expiry, ids, names
-from framework.errors import BrokerUnavailable, PublisherClosed, PublisherOverflow, PublishError
-from framework.publisher.channel import (
+from framework.confirms.channel import (
     CLOSED,
     CONNECTION_LOST,
     NACK_STREAK,
@@ -51,7 +50,8 @@ from framework.publisher.channel import (
     ConfirmChannel,
     Outgoing,
 )
-from framework.publisher.config import Overflow, PublisherConfig
+from framework.confirms.config import DirectSendConfig, Overflow
+from framework.errors import BrokerUnavailable, PublisherClosed, PublisherOverflow, PublishError
 from framework.settings import mask_url
 
 __all__ = [
@@ -65,16 +65,16 @@ __all__ = [
     "Publisher",
 ]
 
-log = logging.getLogger("txbox.publisher.confirms")
+log = logging.getLogger("txbox.confirms")
 
 
 class Publisher:
-    """Streamed-confirm publisher over one connection and channel.
+    """The direct-send client: streamed confirms over one connection and channel.
 
     ``Publisher(url).start()`` (or ``with Publisher(url) as p:``), then
-    ``p.publish(exchange, routing_key, body)`` → a Future. The relay uses
-    :meth:`submit` with batches and a per-message callback instead of futures (and
-    bounds its own batches: ``max_unconfirmed`` holds for :meth:`publish` only).
+    ``p.publish(exchange, routing_key, body)`` → a Future. :meth:`submit` takes batches
+    with a per-message callback instead of futures (and its caller bounds them:
+    ``max_unconfirmed`` holds for :meth:`publish` only).
 
     ``max_unconfirmed``, ``overflow`` and ``overflow_timeout`` default to
     ``TXBOX_PUBLISHER_MAX_UNCONFIRMED`` (1000), ``TXBOX_PUBLISHER_OVERFLOW`` (``block``)
@@ -89,7 +89,7 @@ class Publisher:
         self,
         amqp_url: str,
         *,
-        name: str = "txbox publisher",
+        name: str = "txbox direct sends",
         confirm_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         max_unconfirmed: int | None = None,
@@ -97,7 +97,7 @@ class Publisher:
         overflow_timeout: float | None = None,
         on_blocked: Callable[[str | None], None] | None = None,
     ) -> None:
-        self.limits = PublisherConfig.from_env(
+        self.limits = DirectSendConfig.from_env(
             max_unconfirmed=max_unconfirmed, overflow=overflow, overflow_timeout=overflow_timeout
         )
         self.amqp_url = amqp_url
@@ -191,7 +191,7 @@ class Publisher:
         ``properties``, ``headers`` (added to the properties' own) and ``body`` are copied
         here: neither is changed, kept or read after the call. With ``max_unconfirmed``
         sends awaiting their confirm, it waits for room or raises PublisherOverflow (the
-        overflow policy); PublisherClosed if the publisher is not open; PublishError
+        overflow policy); PublisherClosed if the Publisher is not open; PublishError
         ``unencodable`` if the properties or headers cannot go on the wire (nothing is sent).
 
         ``ttl`` (a timedelta or seconds) adds the ``x-txbox-expires-at`` header: a txbox
@@ -227,7 +227,7 @@ class Publisher:
     def submit(self, items: Iterable[Outgoing]) -> None:
         """Hand a batch to the loop thread (one wake-up); each item's ``on_done`` runs on completion.
 
-        Raises PublisherClosed (nothing was sent) when the publisher is not open.
+        Raises PublisherClosed (nothing was sent) when the Publisher is not open.
         """
         self._enqueue(list(items), reserved=False)
 
@@ -326,8 +326,8 @@ class Publisher:
 
     def _closed_text(self) -> str:
         if self._state == "broken":
-            return f"the publisher's connection was lost ({self.error}); create a new Publisher"
-        return "the publisher is closed"
+            return f"the Publisher's connection was lost ({self.error}); create a new Publisher"
+        return "the Publisher is closed"
 
     def _stop_io(self) -> None:
         ioloop = self._ioloop
@@ -354,7 +354,7 @@ class Publisher:
             self._channel.open()
             ioloop.start()
         except Exception:  # pragma: no cover - defensive: never die silently
-            log.exception("publisher loop thread failed")
+            log.exception("the loop thread of %s failed", self.name)
             with self._lock:
                 self._state = "broken"
         finally:
@@ -380,7 +380,7 @@ class Publisher:
             if channel.state == "broken":
                 channel.refuse(queued, PublishError(f"connection to RabbitMQ lost ({channel.error})", CONNECTION_LOST))
             else:
-                channel.refuse(queued, PublisherClosed("the publisher closed before the broker confirmed", CLOSED))
+                channel.refuse(queued, PublisherClosed("the Publisher closed before the broker confirmed", CLOSED))
         with self._done_cond:  # senders waiting for room see the state (_reserve)
             self._done_cond.notify_all()
         self._ready.set()

@@ -16,7 +16,7 @@ Overflow = Literal["block", "fail"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PublisherConfig(FromEnv):
+class DirectSendConfig(FromEnv):
     """How many direct sends may wait for their confirm, and what ``publish`` does beyond that."""
 
     max_unconfirmed: int = setting(

@@ -1,4 +1,4 @@
-"""Replay sends only what this service could have sent itself (framework/dlq/route.py).
+"""Replay sends only what this service could have sent itself (framework/dead_letters/route.py).
 
 Letters are rows the tests insert raw into txbox.dead_letters (plain SQL, not our
 encoder), or deliveries crafted with plain pika that the collector stores; they are
@@ -25,11 +25,11 @@ from psycopg.types.json import Jsonb
 
 from framework import amqp, names, topology
 from framework.cli import main
-from framework.dlq.collector import Collector, CollectorConfig
+from framework.dead_letters.collector import Collector, CollectorConfig
 from framework.service import Service
 from tests import support
 from tests.conftest import CONTRACTS
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 
 SERVICE = "order-service"
 # The contracts (contracts/*): type → (kind, routing key, aggregate type, a valid payload).

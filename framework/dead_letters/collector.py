@@ -7,7 +7,7 @@ row with the broker's ``x-death`` facts and our own headers, inserted *before* t
 a crash in between redelivers it, and the row's ``delivery_key`` (unique, see migration
 0004) makes the second insert a no-op, so a delivery is never lost and never doubled.
 
-The collector also runs the resolve sweep (:func:`framework.dlq.replay.resolve_replayed`)
+The collector also runs the resolve sweep (:func:`framework.dead_letters.replay.resolve_replayed`)
 every few seconds, so replayed letters turn resolved once their message is processed.
 """
 
@@ -39,7 +39,7 @@ from framework.dead_letters import (
     internal_error_letter,
     stored_body,
 )
-from framework.dlq.replay import resolve_replayed
+from framework.dead_letters.replay import resolve_replayed
 from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, DeadLetterUnstorable, EnvelopeError
 from framework.reasons import Reason

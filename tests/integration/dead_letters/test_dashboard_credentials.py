@@ -35,8 +35,8 @@ from framework.worker import Worker, WorkerConfig
 from tests import support
 from tests.apps.helpers import place_order, running, store_in_inbox
 from tests.conftest import CONTRACTS
-from tests.integration.dlq.test_dashboard import TOKEN, _source, http
-from tests.integration.dlq.test_dashboard_security import BEARER
+from tests.integration.dead_letters.test_dashboard import TOKEN, _source, http
+from tests.integration.dead_letters.test_dashboard_security import BEARER
 from tests.integration.pending.conftest import put
 
 PASSWORD = "pw" + uuid.uuid4().hex  # unique per run

@@ -15,8 +15,8 @@ import pika
 import pytest
 
 from framework import Publisher
+from framework.confirms.config import DirectSendConfig
 from framework.errors import ConfigurationError, PublisherOverflow, PublishError
-from framework.publisher.config import PublisherConfig
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_limits_come_from_the_environment_and_bad_values_name_the_variable(
 ) -> None:
     monkeypatch.setenv("TXBOX_PUBLISHER_MAX_UNCONFIRMED", "7")
     monkeypatch.setenv("TXBOX_PUBLISHER_OVERFLOW", "fail")
-    assert Publisher("amqp://unused").limits == PublisherConfig(max_unconfirmed=7, overflow="fail")
+    assert Publisher("amqp://unused").limits == DirectSendConfig(max_unconfirmed=7, overflow="fail")
     assert Publisher("amqp://unused", max_unconfirmed=9).limits.max_unconfirmed == 9  # the argument wins
     monkeypatch.setenv("TXBOX_PUBLISHER_MAX_UNCONFIRMED", "0")
     with pytest.raises(ConfigurationError, match="TXBOX_PUBLISHER_MAX_UNCONFIRMED=1000"):

@@ -1,5 +1,5 @@
 """Direct sends from async code: :class:`AsyncPublisher`, the awaitable face of
-:class:`~framework.publisher.confirms.Publisher` (docs/explanation/write.md, "Direct sends
+:class:`~framework.confirms.client.Publisher` (docs/explanation/write.md, "Direct sends
 from async code").
 
 It wraps a Publisher rather than repeating it: confirms, send-order completions,
@@ -28,9 +28,9 @@ from typing import Any
 
 import pika
 
+from framework.confirms.client import OVERFLOW, Publisher
+from framework.confirms.config import DirectSendConfig, Overflow
 from framework.errors import PublisherOverflow
-from framework.publisher.config import Overflow, PublisherConfig
-from framework.publisher.confirms import OVERFLOW, Publisher
 
 
 class AsyncPublisher:
@@ -46,14 +46,14 @@ class AsyncPublisher:
         self,
         amqp_url: str,
         *,
-        name: str = "txbox async publisher",
+        name: str = "txbox async direct sends",
         confirm_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         max_unconfirmed: int | None = None,
         overflow: Overflow | None = None,
         overflow_timeout: float | None = None,
     ) -> None:
-        self.limits = PublisherConfig.from_env(
+        self.limits = DirectSendConfig.from_env(
             max_unconfirmed=max_unconfirmed, overflow=overflow, overflow_timeout=overflow_timeout
         )
         # Overflow "fail" underneath: waiting for room happens here, on the loop (module docstring).

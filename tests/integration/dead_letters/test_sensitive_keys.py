@@ -17,7 +17,7 @@ from typing import Any
 from framework.dashboard.app import DashboardSettings, create_app
 from framework.dashboard.server import serving
 from tests.conftest import CONTRACTS, ROOT
-from tests.integration.dlq.test_dashboard import TOKEN, _source, http
+from tests.integration.dead_letters.test_dashboard import TOKEN, _source, http
 
 SECRETS = {
     "password": "pw-" + uuid.uuid4().hex,

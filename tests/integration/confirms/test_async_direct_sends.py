@@ -13,8 +13,8 @@ import pytest
 
 from framework import AsyncPublisher
 from framework.errors import PublisherClosed, PublisherOverflow, PublishError
-from tests.integration.publisher.test_publisher_bounds import Gate
-from tests.integration.publisher.test_publisher_confirms import depth
+from tests.integration.confirms.test_direct_send_bounds import Gate
+from tests.integration.confirms.test_direct_sends import depth
 
 
 @pytest.fixture

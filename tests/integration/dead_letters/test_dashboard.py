@@ -17,7 +17,7 @@ from framework.dashboard.server import serving
 from framework.errors import ConfigurationError
 from tests import support
 from tests.conftest import CONTRACTS
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 
 TOKEN = "t0ken-for-tests-0123456789"
 XSS = "<script>alert('xss')</script>"
@@ -63,7 +63,7 @@ def _source(database_url: str, name: str = "order-service") -> Source:
 @pytest.fixture
 def base(database_url: str) -> Iterator[str]:
     """A dashboard whose pages anyone on the host may view (as configured explicitly): the
-    content tests; tests/integration/dlq/test_dashboard_security.py covers the default."""
+    content tests; tests/integration/dead_letters/test_dashboard_security.py covers the default."""
     settings = DashboardSettings(token=TOKEN, view_requires_token=False)
     with serving(create_app([_source(database_url)], settings)) as url:
         yield url

@@ -1,7 +1,7 @@
 """Replay and discard dead letters; mark replayed ones resolved once processed.
 
-Replay semantics (each covered by tests/integration/dlq/test_dlq_replay.py and
-test_replay_route.py). Every letter is first judged by :func:`framework.dlq.route.route`:
+Replay semantics (each covered by tests/integration/dead_letters/test_replay.py and
+test_replay_route.py). Every letter is first judged by :func:`framework.dead_letters.route.route`:
 its parts must agree with each other and with the route this service's contracts give
 its type, or it is refused and stays open (docs/explanation/dead-letters.md, "Dead letters").
 
@@ -64,7 +64,7 @@ from psycopg.types.json import Jsonb
 
 from framework import jsoncodec, names
 from framework.contracts import MessageSpec, Registry
-from framework.dlq.route import Route, route
+from framework.dead_letters.route import Route, route
 from framework.envelope import Message, message_from_dict
 from framework.errors import ConfigurationError, ReplayRefused, TxboxError
 from framework.outbox import Outbox, default_segment
@@ -140,7 +140,7 @@ def replay(
     """Replay letters, ``CHUNK`` per transaction; ``dry_run`` runs the same steps and rolls back.
 
     ``conn`` must be in autocommit mode (each chunk is its own transaction here). Each
-    letter is first judged by :func:`framework.dlq.route.route`: one whose parts disagree
+    letter is first judged by :func:`framework.dead_letters.route.route`: one whose parts disagree
     with each other or with this service's contracts is refused and stays open.
     ``auth_token``: the token the operator supplies for the replayed messages (a letter
     keeps none, and one a letter holds all the same is never used); it is written only

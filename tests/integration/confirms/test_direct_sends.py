@@ -1,4 +1,4 @@
-"""framework.Publisher, the confirm-tracking publisher for direct sends, on a real broker.
+"""framework.Publisher, the direct-send client, on a real broker.
 
 docs/explanation/write.md, "Direct sends".
 """
@@ -14,8 +14,8 @@ import pika
 import pytest
 
 from framework import Publisher
+from framework.confirms import client
 from framework.errors import BrokerUnavailable, PublisherClosed, PublishError
-from framework.publisher import confirms
 from tests import support
 from tests.support import wait_until
 
@@ -147,7 +147,7 @@ def test_a_streak_of_nacks_breaks_the_publisher_so_that_a_new_channel_is_opened(
         with pytest.raises(PublishError):
             single.result(timeout=30)
         assert publisher.is_open
-        streak = [publisher.publish("x", "full", b"{}") for _ in range(confirms.NACK_STREAK)]
+        streak = [publisher.publish("x", "full", b"{}") for _ in range(client.NACK_STREAK)]
         for future in streak:
             with pytest.raises(PublishError) as nacked:
                 future.result(timeout=30)
@@ -180,5 +180,5 @@ def test_unencodable_properties_fail_that_send_alone_and_the_connection_stays(br
         before.result(timeout=30)
         after.result(timeout=30)
         assert not publisher.broken
-    assert refused.value.reason == confirms.UNENCODABLE
+    assert refused.value.reason == client.UNENCODABLE
     assert depth(vhost, "q") == 2

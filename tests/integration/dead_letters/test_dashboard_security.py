@@ -15,8 +15,8 @@ from framework.dashboard.security import SECURITY_HEADERS
 from framework.dashboard.server import serving
 from tests import support
 from tests.conftest import CONTRACTS
-from tests.integration.dlq import seed
-from tests.integration.dlq.test_dashboard import TOKEN, _login, _source, cookie_named, http, login_form
+from tests.integration.dead_letters import seed
+from tests.integration.dead_letters.test_dashboard import TOKEN, _login, _source, cookie_named, http, login_form
 
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 

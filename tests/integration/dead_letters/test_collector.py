@@ -12,10 +12,10 @@ import pika
 import pytest
 
 from framework import amqp, names, topology
-from framework.dlq.collector import Collector, CollectorConfig, store
+from framework.dead_letters.collector import Collector, CollectorConfig, store
 from framework.service import Service
 from tests import support
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_a_redelivered_delivery_is_not_stored_twice(service: Service, conn: Any)
 
 
 def test_collector_resolves_replayed_letters(service: Service, collector: Collector, conn: Any) -> None:
-    from framework.dlq import replay
+    from framework.dead_letters import replay
 
     m = seed.envelope()
     lid = seed.abandoned(conn, "inbox", m)
@@ -159,7 +159,7 @@ def test_a_broker_letter_replayed_travels_outbox_broker_inbox_handler_once(
     from sqlalchemy import text
 
     from framework import CommandHandler
-    from framework.dlq import replay
+    from framework.dead_letters import replay
     from framework.receiver import Receiver
     from framework.relay import Relay, RelayConfig
     from framework.worker import Worker, WorkerConfig

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.integration.dlq.test_dashboard import TOKEN, _csrf, _login, base, http
-from tests.integration.dlq.test_replay_route import KEPT_TOKEN, OPERATOR_TOKEN, Letter, rows
+from tests.integration.dead_letters.test_dashboard import TOKEN, _csrf, _login, base, http
+from tests.integration.dead_letters.test_replay_route import KEPT_TOKEN, OPERATOR_TOKEN, Letter, rows
 
 __all__ = ["base"]  # the dashboard fixture, shared with test_dashboard
 

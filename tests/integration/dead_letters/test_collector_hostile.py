@@ -18,7 +18,7 @@ import pika
 import pytest
 
 from framework import amqp, dead_letters, jsoncodec, names, topology
-from framework.dlq.collector import Collector, CollectorConfig
+from framework.dead_letters.collector import Collector, CollectorConfig
 from framework.reasons import Reason
 from framework.service import Service
 from tests import support

@@ -1,4 +1,4 @@
-"""framework.publisher.channel.ConfirmChannel on a loop this test runs, against a real broker."""
+"""framework.confirms.channel.ConfirmChannel on a loop this test runs, against a real broker."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from pika.adapters.select_connection import IOLoop
 
-from framework.publisher.channel import ConfirmChannel
+from framework.confirms.channel import ConfirmChannel
 
 DEADLINE = 30.0  # seconds the loop runs at most
 
