@@ -24,6 +24,18 @@ class ConfigurationError(TxboxError):
     """A setting is missing or malformed; the message names it and shows a valid value."""
 
 
+class TenantRegistryError(ConfigurationError):
+    """The tenant registry (a file or the control table) does not load: ``problems`` names
+    each entry at fault, where it is and the fix; ``source`` says which registry. Its text
+    never holds a database password (docs/explanation/operations.md, "Tenants: the registry")."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        listed = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"the tenant registry {source} does not load:\n{listed}")
+
+
 class SelectorError(ConfigurationError):
     """A handler's selector does not parse; the message names the handler, the position and
     what was expected there (docs/explanation/receive.md, "Expiry and filters")."""

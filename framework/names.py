@@ -116,6 +116,17 @@ DAEMON_HEARTBEATS = "daemon_heartbeats"
 ARCHIVE_BATCHES = "archive_batches"
 ALEMBIC_VERSION_TABLE = "txbox_alembic_version"
 
+# The tenant registry's control tables (docs/explanation/operations.md, "Tenants: the registry"):
+# in the control database, in TXBOX_TENANTS_SCHEMA, with a history of their own.
+TENANTS = "tenants"
+TENANTS_VERSION = "tenants_version"
+TENANTS_ALEMBIC_VERSION_TABLE = "txbox_tenants_alembic_version"
+DEFAULT_TENANTS_SCHEMA = "txbox_control"
+MAX_TENANT_KEY_CHARS = 63
+MAX_SCHEMA_CHARS = 63  # PostgreSQL's NAMEDATALEN - 1
+# A tenant key: one lower-case word, usable as a metric label, a log field and a flag.
+_TENANT_KEY = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+
 # Whole names only: checked with fullmatch (``$`` would also match before a final newline).
 _SERVICE_ID = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
@@ -265,6 +276,21 @@ def tenancy(pattern: str, key: str) -> tuple[str, str] | None:
         return None
     found = [w for p, w in zip(pattern.split("."), key.split("."), strict=True) if p == TENANT_PLACEHOLDER]
     return (found[0], found[1]) if len(found) == 2 else None
+
+
+def valid_tenant_key(value: str) -> bool:
+    """A registry's tenant key: 1-63 lower-case letters, digits, ``_`` or ``-``, starting with a letter or digit."""
+    return _TENANT_KEY.fullmatch(value) is not None
+
+
+def valid_mosaic_id(value: str) -> bool:
+    """A Mosaic tenant or environment id: one routing-key word (what :func:`tenant_routing_key` accepts)."""
+    return _TENANT_WORD.fullmatch(value) is not None
+
+
+def tenants_channel(schema: str) -> str:
+    """The channel a change of ``schema``'s tenant registry table NOTIFYs (its new version)."""
+    return f"{schema}_{TENANTS}_changed"
 
 
 def notify_channel(schema: str, table: str) -> str:

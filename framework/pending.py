@@ -14,60 +14,21 @@ here (docs/explanation/dead-letters.md, "What is pending"). Each pending row is 
 - ``scheduled``: not before ``locked_until`` (a scheduled send, or given back later);
 - ``due``: the daemons may take it now (when it heads its segment).
 
-The statements, and how they stay on the partial pending indexes: framework/sql/pending.py.
+The statements and the filters they take (``Filters``), and how they stay on the partial
+pending indexes: framework/sql/pending.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 import psycopg
 
-from framework import names, redaction
+from framework import redaction
 from framework.sql import pending as pending_sql
 
-State = Literal["leased", "failing", "parked", "scheduled", "due"]
-STATES: tuple[State, ...] = ("leased", "failing", "parked", "scheduled", "due")
-TABLES = (names.OUTBOX, names.INBOX)
-DEFAULT_LIMIT = 50
-MAX_LIMIT = 1000
 
-
-@dataclass(frozen=True, kw_only=True)
-class Filters:
-    """Which pending rows to show. Empty strings count as 'not given' (as HTML forms send them).
-
-    ``park``: the worker parks segments behind open dead letters (its segment policy).
-    """
-
-    table: str = names.INBOX
-    state: str | None = None
-    message_type: str | None = None
-    segment: str | None = None
-    older_than: float | None = None  # seconds
-    limit: int = DEFAULT_LIMIT
-    park: bool = False
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if getattr(self, f.name) == "":
-                object.__setattr__(self, f.name, None)
-        if self.table not in TABLES:
-            raise ValueError(f"table must be one of {', '.join(TABLES)}, not {self.table!r}")
-        if self.state is not None and self.state not in STATES:
-            raise ValueError(f"state must be one of {', '.join(STATES)}, not {self.state!r}")
-        if self.older_than is not None and self.older_than < 0:
-            raise ValueError(f"the age must not be negative: {self.older_than!r}")
-        if not 1 <= self.limit <= MAX_LIMIT:
-            raise ValueError(f"limit must be from 1 to {MAX_LIMIT}, not {self.limit}")
-
-    @property
-    def parks(self) -> bool:
-        return pending_sql.parks(self.table, park=self.park)
-
-
-def list_pending(conn: psycopg.Connection[Any], schema: str, filters: Filters) -> list[dict[str, Any]]:
+def list_pending(conn: psycopg.Connection[Any], schema: str, filters: pending_sql.Filters) -> list[dict[str, Any]]:
     """Up to ``filters.limit`` pending rows, highest priority then oldest first, each with its state and age."""
     query, params = pending_sql.list_query(schema, filters)
     rows = [dict(r) for r in conn.execute(query, params).fetchall()]
@@ -82,7 +43,7 @@ def counts(conn: psycopg.Connection[Any], schema: str, table: str, *, park: bool
     found = {r["state"]: r for r in conn.execute(query).fetchall()}
     by_state = {
         state: {"n": int(found[state]["n"]) if state in found else 0, "oldest_seconds": _oldest(found.get(state))}
-        for state in STATES
+        for state in pending_sql.STATES
     }
     return {"pending": sum(s["n"] for s in by_state.values()), "states": by_state}
 

@@ -378,3 +378,89 @@ class RedactionSettings:
 
 
 _SENSITIVE_WORD = re.compile(r"[A-Za-z0-9_-]{2,64}")
+
+
+MAX_TENANT_JOBS = 64
+"""More tenants migrated or checked at once than this would only queue on the server."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenantSettings(FromEnv):
+    """Where a service's tenants are listed (framework.tenants; docs/explanation/operations.md,
+    "Tenants: the registry").
+
+    At most one source: a TOML file or a table in a control database. Neither: the
+    service has one database, ``TXBOX_DATABASE_URL``, as it always had.
+    """
+
+    tenants_file: Path | None = setting(
+        "TXBOX_TENANTS_FILE",
+        "tenants.toml",
+        default=None,
+        help="TOML file listing the service's tenants as `[tenants.KEY]` tables; a RegistryWatcher reads it again "
+        "when it changes",
+    )
+    tenants_database_url: str | None = setting(
+        "TXBOX_TENANTS_DATABASE_URL",
+        "postgresql+psycopg://postgres@127.0.0.1:5432/control",
+        default=None,
+        help="control database whose table `<TXBOX_TENANTS_SCHEMA>.tenants` lists the tenants (`txbox tenants init` "
+        "creates it); a RegistryWatcher polls it for changes",
+    )
+    tenants_schema: str = setting(
+        "TXBOX_TENANTS_SCHEMA",
+        names.DEFAULT_TENANTS_SCHEMA,
+        default=names.DEFAULT_TENANTS_SCHEMA,
+        help="schema of the control table in TXBOX_TENANTS_DATABASE_URL",
+    )
+    tenants_poll_interval: Seconds = setting(
+        "TXBOX_TENANTS_POLL_INTERVAL",
+        "5s",
+        default=Seconds(5),
+        help="how often a watcher looks for a change of the registry (a stat of the file, one small row of the table)",
+    )
+    tenants_jobs: int = setting(
+        "TXBOX_TENANTS_JOBS",
+        "4",
+        default=4,
+        help=f"tenants `txbox migrate` and `txbox check` work on at once (1 to {MAX_TENANT_JOBS})",
+    )
+
+    def __post_init__(self) -> None:
+        if self.tenants_file is not None and self.tenants_database_url is not None:
+            raise ConfigurationError(
+                "TXBOX_TENANTS_FILE and TXBOX_TENANTS_DATABASE_URL are both set: the tenants come from one "
+                "source. Unset one of them. Example: TXBOX_TENANTS_FILE=tenants.toml"
+            )
+        url = self.tenants_database_url
+        if url is not None:
+            example = "Example: TXBOX_TENANTS_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/control"
+            if not url.startswith("postgresql"):
+                raise ConfigurationError(
+                    f"TXBOX_TENANTS_DATABASE_URL={_mask(url)!r} is not a PostgreSQL URL. {example}"
+                )
+            try:
+                db.conninfo(url)
+            except ConfigurationError as exc:
+                raise ConfigurationError(str(exc).replace("TXBOX_DATABASE_URL", "TXBOX_TENANTS_DATABASE_URL")) from None
+        if not (names.valid_schema(self.tenants_schema) and len(self.tenants_schema) <= names.MAX_SCHEMA_CHARS):
+            raise ConfigurationError(
+                f"TXBOX_TENANTS_SCHEMA={self.tenants_schema[:80]!r} is not a valid schema name (a lower-case "
+                f"identifier of at most {names.MAX_SCHEMA_CHARS} characters). "
+                f"Example: TXBOX_TENANTS_SCHEMA={names.DEFAULT_TENANTS_SCHEMA}"
+            )
+        if not 0.05 <= self.tenants_poll_interval <= 3600:
+            raise ConfigurationError(
+                f"TXBOX_TENANTS_POLL_INTERVAL={self.tenants_poll_interval:g}s must be between 50ms and 1h. "
+                "Example: TXBOX_TENANTS_POLL_INTERVAL=5s"
+            )
+        if not 1 <= self.tenants_jobs <= MAX_TENANT_JOBS:
+            raise ConfigurationError(
+                f"TXBOX_TENANTS_JOBS={self.tenants_jobs} must be between 1 and {MAX_TENANT_JOBS}. "
+                "Example: TXBOX_TENANTS_JOBS=4"
+            )
+
+    @property
+    def configured(self) -> bool:
+        """Whether a registry is configured at all (a file or a control database)."""
+        return self.tenants_file is not None or self.tenants_database_url is not None

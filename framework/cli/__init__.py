@@ -31,6 +31,7 @@ from framework.errors import TxboxError
 COMMANDS: dict[str, tuple[str, str]] = {
     "migrate": ("framework.cli.migrate", "apply the framework's migrations (--sql prints them)"),
     "topology": ("framework.cli.topology", "declare exchanges, queues and bindings"),
+    "tenants": ("framework.cli.tenants", "the tenant registry: init (its control table) / list"),
     "check": ("framework.cli.check", "assembly validation and contracts lint"),
     "contracts": ("framework.cli.check", "contracts check: lint the folder and show each message's routing"),
     "publisher": ("framework.cli.publisher", "run the outbox publisher daemon"),

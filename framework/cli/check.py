@@ -8,9 +8,17 @@ import os
 from pathlib import Path
 
 from framework import names
-from framework.cli.common import add_service_options, load_service
+from framework.cli.common import (
+    add_service_options,
+    add_tenant_options,
+    load_service,
+    load_tenants,
+    picked_tenants,
+    quiet_alembic,
+    tenant_settings,
+)
 from framework.contracts import Registry, load_registry, topic_matches
-from framework.errors import Problem
+from framework.errors import Problem, TenantRegistryError
 
 ROUTING_RULE = (
     "routing (Mosaic's rule): a command goes to exchange `command` with routing key "
@@ -33,6 +41,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         help="a module written by txbox codegen: an error if the contracts changed since (repeatable)",
     )
     add_service_options(parser)
+    if name != "contracts":
+        add_tenant_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +58,32 @@ def run(args: argparse.Namespace) -> int:
         subject = f"contracts in {folder}"
         print(routing_report(registry))
     problems = [*problems, *stale_code(args.generated)]
-    return report(problems, subject, strict=args.strict)
+    failed_tenants = check_tenants(args, problems) if args.command != "contracts" else 0
+    return report(problems, subject, strict=args.strict) or (1 if failed_tenants else 0)
+
+
+def check_tenants(args: argparse.Namespace, problems: list[Problem]) -> int:
+    """With a tenant registry: that it loads (its problems join ``problems``) and that each
+    tenant's database answers with its framework tables at head, a line each. The number
+    of tenants that failed (docs/explanation/operations.md, "Tenants: the registry")."""
+    settings = tenant_settings(args)
+    if not settings.configured:
+        return 0
+    quiet_alembic(args)
+    from framework.tenants.runs import check_all
+
+    try:
+        registry = load_tenants(args, settings)
+    except TenantRegistryError as exc:
+        problems.extend(Problem("error", "tenant registry", p) for p in exc.problems)
+        return 0
+    chosen = picked_tenants(registry, args.tenant)
+    print(f"checking {len(chosen)} of {len(registry)} tenants of {registry.source}")
+    outcomes = check_all(chosen, jobs=settings.tenants_jobs, report=lambda outcome: print(outcome, flush=True))
+    failed = sorted(o.tenant.key for o in outcomes if not o.ok)
+    shown = ", ".join(failed[:20]) + (", …" if len(failed) > 20 else "")
+    print(f"tenants: {len(outcomes) - len(failed)} ok, {len(failed)} failed" + (f" ({shown})" if failed else ""))
+    return len(failed)
 
 
 def stale_code(paths: list[Path]) -> list[Problem]:

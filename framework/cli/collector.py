@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from framework.cli.common import add_probe_options, add_service_options, check_assembly, liveness_config, load_service
-from framework.dlq.collector import Collector, CollectorConfig
+from framework.dead_letters.collector import Collector, CollectorConfig
 from framework.liveness import watch
 
 

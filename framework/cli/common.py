@@ -16,6 +16,8 @@ from framework.settings import Settings
 
 if TYPE_CHECKING:
     from framework.liveness import LivenessConfig
+    from framework.settings import TenantSettings
+    from framework.tenants import Registry, Tenant
 
 
 def add_service_options(parser: argparse.ArgumentParser) -> None:
@@ -133,3 +135,77 @@ def quiet_pika(args: argparse.Namespace) -> None:
     """
     if not getattr(args, "verbose", False):
         logging.getLogger("pika").setLevel(logging.CRITICAL)
+
+
+def add_tenant_options(parser: argparse.ArgumentParser, *, pick: bool = True) -> None:
+    """The tenant registry's options (docs/explanation/operations.md, "Tenants: the registry")."""
+    group = parser.add_argument_group("tenants (default: the TXBOX_TENANTS_* environment)")
+    group.add_argument("--tenants-file", type=Path, help="TOML registry of the tenants (TXBOX_TENANTS_FILE)")
+    if pick:
+        group.add_argument(
+            "--tenant", action="append", default=[], metavar="KEY", help="only this tenant of the registry (repeatable)"
+        )
+        group.add_argument("--jobs", type=int, help="tenants worked on at once (TXBOX_TENANTS_JOBS; default 4)")
+
+
+def tenant_settings(args: argparse.Namespace) -> TenantSettings:
+    from framework.settings import TenantSettings
+
+    settings = TenantSettings.from_env(tenants_file=args.tenants_file, tenants_jobs=getattr(args, "jobs", None))
+    if getattr(args, "tenant", None) and not settings.configured:
+        raise ConfigurationError(
+            "--tenant needs a tenant registry: set TXBOX_TENANTS_FILE (or --tenants-file) or "
+            "TXBOX_TENANTS_DATABASE_URL. Example: TXBOX_TENANTS_FILE=tenants.toml"
+        )
+    return settings
+
+
+def tenant_defaults(args: argparse.Namespace) -> tuple[str | None, str]:
+    """What a registry entry without its own ``database_url`` / ``schema`` takes: the
+    service's (``--app``), else TXBOX_DATABASE_URL (may be unset: then every entry names
+    its database) and TXBOX_SCHEMA, or their flags."""
+    from framework import names
+    from framework.tenants.model import url_problem
+
+    if args.app:
+        settings = import_app(args.app).settings
+        url, schema = args.database_url or settings.database_url, args.schema or settings.schema
+    else:
+        url = args.database_url or os.environ.get("TXBOX_DATABASE_URL") or None
+        schema = args.schema or os.environ.get("TXBOX_SCHEMA") or "txbox"
+    if url is not None and (problem := url_problem(url)):
+        from framework.redaction import mask_credentials
+
+        raise ConfigurationError(f"TXBOX_DATABASE_URL {mask_credentials(url)!r} {problem}")
+    if not names.valid_schema(schema):
+        raise ConfigurationError(
+            f"TXBOX_SCHEMA={schema[:80]!r} is not a valid schema name. Example: TXBOX_SCHEMA=txbox"
+        )
+    return url, schema
+
+
+def load_tenants(args: argparse.Namespace, settings: TenantSettings) -> Registry:
+    """The registry ``settings`` configures (one must be), read once."""
+    from framework.tenants import load_registry
+
+    url, schema = tenant_defaults(args)
+    registry = load_registry(settings, default_database_url=url, default_schema=schema)
+    if registry is None:
+        raise ConfigurationError(
+            "no tenant registry: set TXBOX_TENANTS_FILE (or --tenants-file) or TXBOX_TENANTS_DATABASE_URL. "
+            "Example: TXBOX_TENANTS_FILE=tenants.toml"
+        )
+    return registry
+
+
+def picked_tenants(registry: Registry, keys: list[str]) -> list[Tenant]:
+    """The tenants ``--tenant`` names (each must be in the registry), else all of them."""
+    if not keys:
+        return list(registry)
+    return [registry.tenant(key) for key in dict.fromkeys(keys)]
+
+
+def quiet_alembic(args: argparse.Namespace) -> None:
+    """Alembic's INFO lines off (unless -v) where a command prints one line per tenant."""
+    if not getattr(args, "verbose", False):
+        logging.getLogger("alembic").setLevel(logging.WARNING)

@@ -14,8 +14,8 @@ from framework.cli.output import clip as _clip
 from framework.cli.output import emit as _print
 from framework.cli.output import table as _table
 from framework.cli.output import utc as _fmt_time
-from framework.dlq import queries, replay
-from framework.dlq.present import masked
+from framework.dead_letters import queries, replay
+from framework.dead_letters.present import masked
 from framework.errors import ConfigurationError
 from framework.permissions import MAX_TOKEN_CHARS
 from framework.sql import dead_letters as dead_letters_sql
@@ -31,7 +31,7 @@ def when(text: str) -> datetime:
 def _filters(parser: argparse.ArgumentParser, *, status: bool = True) -> None:
     g = parser.add_argument_group("filters")
     if status:
-        g.add_argument("--status", choices=queries.STATUSES, default="open", help="default: open")
+        g.add_argument("--status", choices=dead_letters_sql.STATUSES, default="open", help="default: open")
     g.add_argument("--source", choices=queries.SOURCES, help="where the message gave up")
     g.add_argument("--type", dest="message_type", help="message type, e.g. PlaceOrder")
     g.add_argument("--reason", help="reason code, e.g. max_attempts")
@@ -67,8 +67,8 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
             )
 
 
-def _selected(args: argparse.Namespace, status: str = "open") -> queries.Filters:
-    return queries.Filters(
+def _selected(args: argparse.Namespace, status: str = "open") -> dead_letters_sql.Filters:
+    return dead_letters_sql.Filters(
         status=status,  # type: ignore[arg-type]
         source=args.source,
         message_type=args.message_type,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from framework.dlq.present import printable
+from framework.dead_letters.present import printable
 
 
 def emit(text: str) -> None:

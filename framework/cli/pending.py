@@ -2,7 +2,7 @@
 
 One module for both commands (registered twice, as `check` serves `contracts`): the two
 tables share their columns and states (framework/pending.py). Output looks like
-`txbox dlq list` and is masked as dead letters are (framework/dlq/present.py).
+`txbox dlq list` and is masked as dead letters are (framework/dead_letters/present.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 from framework import pending
 from framework.cli.common import add_service_options, load_service
 from framework.cli.output import clip, emit, table
-from framework.dlq import queries
-from framework.dlq.present import masked
+from framework.dead_letters import queries
+from framework.dead_letters.present import masked
 from framework.settings import parse_duration
+from framework.sql import pending as pending_sql
 
 
 def duration(text: str) -> float:
@@ -32,8 +33,8 @@ def limit(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if not 1 <= value <= pending.MAX_LIMIT:
-        raise argparse.ArgumentTypeError(f"{text!r}: the limit is a number from 1 to {pending.MAX_LIMIT}")
+    if not 1 <= value <= pending_sql.MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text!r}: the limit is a number from 1 to {pending_sql.MAX_LIMIT}")
     return value
 
 
@@ -46,12 +47,15 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
     g = p.add_argument_group("filters")
     g.add_argument("--type", dest="message_type", help="message type, e.g. PlaceOrder")
     g.add_argument("--segment", help="ordering segment, e.g. order:o-1")
-    g.add_argument("--state", choices=pending.STATES, help="one state (default: every pending row)")
+    g.add_argument("--state", choices=pending_sql.STATES, help="one state (default: every pending row)")
     g.add_argument(
         "--older-than", type=duration, metavar="AGE", help="written/stored at least this long ago: 10m, 2h, 7d"
     )
     p.add_argument(
-        "--limit", type=limit, default=pending.DEFAULT_LIMIT, help=f"rows at most (default {pending.DEFAULT_LIMIT})"
+        "--limit",
+        type=limit,
+        default=pending_sql.DEFAULT_LIMIT,
+        help=f"rows at most (default {pending_sql.DEFAULT_LIMIT})",
     )
     p.add_argument(
         "--segment-policy",
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     service = load_service(args)
     policy = WorkerConfig.from_env(segment_policy=args.segment_policy).segment_policy
-    filters = pending.Filters(
+    filters = pending_sql.Filters(
         table=args.command,
         state=args.state,
         message_type=args.message_type,

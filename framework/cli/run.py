@@ -73,8 +73,8 @@ def build(service: Service, without: list[str] | tuple[str, ...] = ()) -> list[D
         # (docs/explanation/daemons.md, "The hand-off in one process").
         receiver.handoff = Handoff(worker)
     daemons += [d for d in (receiver, worker) if d is not None]
-    if "collector" not in without and importlib.util.find_spec("framework.dlq.collector") is not None:
-        from framework.dlq.collector import Collector, CollectorConfig
+    if "collector" not in without and importlib.util.find_spec("framework.dead_letters.collector") is not None:
+        from framework.dead_letters.collector import Collector, CollectorConfig
 
         daemons.append(Collector(service, CollectorConfig.from_env(), stop_event=stop))
     return daemons

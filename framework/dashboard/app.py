@@ -47,8 +47,8 @@ from framework.dashboard.security import (
     Shield,
     client_of,
 )
-from framework.dlq import queries, replay
-from framework.dlq.present import masked
+from framework.dead_letters import queries, replay
+from framework.dead_letters.present import masked
 from framework.errors import ConfigurationError, HttpError, TxboxError
 from framework.redaction import credentials_masked, mask_credentials, redact_text
 from framework.settings import Seconds, setting
@@ -242,7 +242,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     env.filters.update(
         time=_time, age=_age, pretty=jsoncodec.pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket, ms=_ms
     )
-    env.globals.update(sources=[s.name for s in sources], statuses=queries.STATUSES, windows=list(queries.WINDOWS))
+    env.globals.update(
+        sources=[s.name for s in sources], statuses=dead_letters_sql.STATUSES, windows=list(queries.WINDOWS)
+    )
 
     # --- helpers -------------------------------------------------------------------
 
@@ -264,10 +266,10 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         )
         return HTMLResponse(html, status_code=code)
 
-    def filters_from(request: Request) -> queries.Filters:
+    def filters_from(request: Request) -> dead_letters_sql.Filters:
         q = request.query_params
         try:
-            return queries.Filters(
+            return dead_letters_sql.Filters(
                 status=q.get("status") or "open",  # type: ignore[arg-type]
                 source=q.get("origin") or None,
                 message_type=q.get("message_type"),
@@ -319,7 +321,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                             "name": s.name,
                             "stats": queries.overview(conn, s.schema),
                             "timeline": queries.timeline(conn, s.schema, window),
-                            "groups": masked(dead_letters_sql.groups(conn, s.schema, queries.Filters(), limit=5)),
+                            "groups": masked(
+                                dead_letters_sql.groups(conn, s.schema, dead_letters_sql.Filters(), limit=5)
+                            ),
                             "analytics": analytics_of(s, conn),
                             "daemons": [b.view() for b in heartbeats_sql.read(conn, s.schema, s.name)],
                             "error": None,
@@ -410,7 +414,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
 
     def group_ids(s: Source, fingerprint: str) -> list[int]:
         with queries.connection(s.engine) as conn:
-            return dead_letters_sql.ids_matching(conn, s.schema, queries.Filters(fingerprint=fingerprint))
+            return dead_letters_sql.ids_matching(conn, s.schema, dead_letters_sql.Filters(fingerprint=fingerprint))
 
     # --- pages -----------------------------------------------------------------------
 
@@ -515,7 +519,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         ids = group_ids(s, fp)
         with queries.connection(s.engine) as conn:
             preview = masked(
-                dead_letters_sql.list_letters(conn, s.schema, queries.Filters(fingerprint=fp), limit=20, offset=0)
+                dead_letters_sql.list_letters(
+                    conn, s.schema, dead_letters_sql.Filters(fingerprint=fp), limit=20, offset=0
+                )
             )
         return render(
             request,

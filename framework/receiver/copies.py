@@ -3,7 +3,7 @@
 A broker under a memory or disk alarm blocks every connection that publishes
 (``connection.blocked``) and keeps delivering on connections that only consume. So the
 receiver consumes on one connection and publishes its copies on a
-:class:`~framework.publisher.channel.ConfirmChannel` of their own, on the same loop:
+:class:`~framework.confirms.channel.ConfirmChannel` of their own, on the same loop:
 while publishing is blocked, the deliveries whose copy waits for its confirm stay
 unacked, and every other delivery is stored and acked as usual (docs/explanation/receive.md,
 "Publishing blocked by the broker"). Everything here runs on the loop's thread, confirms
@@ -21,8 +21,8 @@ from typing import Any
 import pika
 from pika.adapters.select_connection import IOLoop
 
+from framework.confirms.channel import ConfirmChannel, Outgoing
 from framework.errors import PublishError
-from framework.publisher.channel import ConfirmChannel, Outgoing
 from framework.reasons import Reason
 from framework.receiver.consumer import Consumer
 from framework.receiver.intake import Delivery

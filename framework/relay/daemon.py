@@ -36,11 +36,11 @@ from psycopg import sql
 from framework import amqp, db, expiry, metrics, names, topology
 from framework import retention as retention_
 from framework.backoff import backoff_seconds
+from framework.confirms.channel import ConfirmChannel, Outgoing
 from framework.connections import ConnectionSlot
 from framework.daemon import RABBITMQ, Daemon
 from framework.errors import BrokerUnavailable, DatabaseUnavailable, PublishError
 from framework.outcomes import RelayOutcome
-from framework.publisher.channel import ConfirmChannel, Outgoing
 from framework.reasons import Reason
 from framework.relay import claims
 from framework.relay.claims import Claims

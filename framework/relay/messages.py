@@ -13,10 +13,10 @@ from typing import Any
 import pika
 
 from framework import expiry, names, tracing
+from framework.confirms.channel import Outgoing
 from framework.envelope import CONTENT_TYPE
 from framework.errors import PublishError
 from framework.outbox import default_segment
-from framework.publisher.channel import Outgoing
 from framework.reasons import Reason
 from framework.redaction import clip
 from framework.signing import Signer

@@ -28,10 +28,10 @@ import psycopg
 
 from framework import names
 from framework.backoff import backoff_seconds
+from framework.confirms.channel import TIMEOUT, Outgoing
 from framework.dead_letters import DeadLetter
 from framework.errors import PublishError
 from framework.outcomes import RelayOutcome
-from framework.publisher.channel import TIMEOUT, Outgoing
 from framework.reasons import Reason
 from framework.relay.config import RelayConfig
 from framework.relay.messages import envelope_body

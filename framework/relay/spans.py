@@ -5,7 +5,7 @@ from __future__ import annotations
 from opentelemetry import trace
 
 from framework import tracing
-from framework.publisher.channel import Outgoing
+from framework.confirms.channel import Outgoing
 
 
 class PublishSpans:

@@ -4,9 +4,9 @@
 the one INSERT, used by the receiver, the worker, the relay and the collector alike;
 ``ON CONFLICT`` on the collector's ``delivery_key`` makes a broker delivery stored twice
 (a crash before its ack) one row, and is never hit by the other writers, whose key is
-NULL. The statements of replay and discard (framework/dlq/replay.py) follow, then the
-read side of ``txbox dlq`` and the dashboard (list, count, groups, one letter, the open
-letters' numbers). Every filter value is a bound parameter; only the schema (a validated
+NULL. The statements of replay and discard (framework/dead_letters/replay.py) follow, then the
+read side of ``txbox dlq`` and the dashboard (the filters of a list, list, count, groups,
+one letter, the open letters' numbers). Every filter value is a bound parameter; only the schema (a validated
 identifier) is composed into the text. The list pages order by ``died_at DESC, id DESC``
 so the ``dead_letters_died_at_idx`` / ``dead_letters_open_idx`` indexes answer them
 without sorting 100,000 rows.
@@ -15,7 +15,9 @@ without sorting 100,000 rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields, replace
+from datetime import datetime
+from typing import Any, Literal
 
 import psycopg
 from psycopg import sql
@@ -23,9 +25,6 @@ from psycopg import sql
 from framework import names, redaction
 from framework.dead_letters import DeadLetter
 from framework.sql.inbox import same_content
-
-if TYPE_CHECKING:
-    from framework.dlq.queries import Filters
 
 # The columns a writer sets (DeadLetter.row()'s keys); the others have their defaults.
 COLUMNS = (
@@ -62,7 +61,7 @@ def insert_letters(cur: psycopg.Cursor[Any], schema: str, letters: Sequence[Dead
         cur.executemany(insert_sql(schema), [letter.row() for letter in letters])
 
 
-# --- replay and discard (framework/dlq/replay.py) ------------------------------------
+# --- replay and discard (framework/dead_letters/replay.py) ------------------------------------
 
 
 def _letters(schema: str) -> sql.Identifier:
@@ -141,10 +140,13 @@ def resolve_forgotten(schema: str) -> sql.Composed:
     )
 
 
-# --- reads: txbox dlq and the dashboard (framework/dlq/queries.py) ----------------------
+# --- reads: txbox dlq and the dashboard (framework/dead_letters/queries.py) ----------------------
+
+Status = Literal["open", "replayed", "resolved", "discarded", "all"]
+STATUSES: tuple[Status, ...] = ("open", "replayed", "resolved", "discarded", "all")
 
 # The status of a row, as SQL over its own columns (the partial indexes use the same text).
-STATUS_SQL = {
+STATUS_SQL: dict[Status, str] = {
     "open": "replayed_at IS NULL AND discarded_at IS NULL",
     "replayed": "replayed_at IS NOT NULL AND resolved_at IS NULL AND discarded_at IS NULL",
     "resolved": "resolved_at IS NOT NULL",
@@ -164,6 +166,39 @@ LIST_COLUMNS = (
     "routing_key, "
     f"died_at, replayed_at, replay_count, resolved_at, discarded_at, {STATUS_CASE} AS status"
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Filters:
+    """What the list shows. Empty strings count as 'not given' (as HTML forms send them)."""
+
+    status: Status = "open"
+    source: str | None = None
+    message_type: str | None = None
+    reason: str | None = None
+    fingerprint: str | None = None
+    message_id: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) == "":
+                object.__setattr__(self, f.name, None)
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {self.status!r}")
+
+    def as_query(self) -> dict[str, str]:
+        """The filters as URL query parameters (given ones only)."""
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not (f.name == "status" and value == "open"):
+                out[f.name] = value.isoformat() if isinstance(value, datetime) else str(value)
+        return out
+
+    def with_(self, **changes: Any) -> Filters:
+        return replace(self, **changes)
 
 
 def where_clause(filters: Filters) -> tuple[sql.Composable, dict[str, Any]]:

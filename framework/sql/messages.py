@@ -1,6 +1,6 @@
 """Statements over the columns the outbox and the inbox share, for either table.
 
-The dead-letter replay (framework/dlq/replay.py) puts a message back where it was
+The dead-letter replay (framework/dead_letters/replay.py) puts a message back where it was
 abandoned, the inbox or the outbox, with the same statements; what differs between the
 two tables is decided here, next to the SQL. The dashboard's numbers of both tables
 (their health, and the timeline that also counts dead letters) follow.
@@ -58,7 +58,7 @@ def take_back(schema: str, table: str) -> sql.Composed:
     ).format(t=sql.Identifier(schema, table), where=sql.SQL(where))
 
 
-# --- the dashboard's numbers (framework/dlq/queries.py) -------------------------------
+# --- the dashboard's numbers (framework/dead_letters/queries.py) -------------------------------
 
 
 def health(conn: psycopg.Connection[Any], schema: str, table: str) -> dict[str, Any]:

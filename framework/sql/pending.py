@@ -1,6 +1,6 @@
 """The read statements of what is pending: unfinished outbox and inbox rows, one builder
-for both tables (they share their columns and states; framework/pending.py names the
-states and holds the filters).
+for both tables (they share their columns and states), and the filters they take;
+framework/pending.py says what each state means and runs them.
 
 Bounded reads on the partial pending indexes, never over the processed history: the
 list walks ``*_due_idx`` in its order (priority first, then oldest first: the order the
@@ -12,15 +12,19 @@ Filter values are bound parameters; only the schema is composed, as an identifie
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 from psycopg import sql
 
 from framework import names
 from framework.tables import PENDING, pending_in_segment
 
-if TYPE_CHECKING:
-    from framework.pending import Filters
+State = Literal["leased", "failing", "parked", "scheduled", "due"]
+STATES: tuple[State, ...] = ("leased", "failing", "parked", "scheduled", "due")
+TABLES = (names.OUTBOX, names.INBOX)
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 1000
 
 # Of last_error: enough to recognise the failure; the full text is in the row. SQL reads
 # one more for framework.redaction.clip to see a cut (framework/pending.py cuts).
@@ -54,6 +58,39 @@ _PARKED_SEGMENTS = """parked AS MATERIALIZED (
 def parks(table: str, *, park: bool) -> bool:
     """Whether the parked state applies: only the worker parks, so only in the inbox."""
     return park and table == names.INBOX
+
+
+@dataclass(frozen=True, kw_only=True)
+class Filters:
+    """Which pending rows to show. Empty strings count as 'not given' (as HTML forms send them).
+
+    ``park``: the worker parks segments behind open dead letters (its segment policy).
+    """
+
+    table: str = names.INBOX
+    state: str | None = None
+    message_type: str | None = None
+    segment: str | None = None
+    older_than: float | None = None  # seconds
+    limit: int = DEFAULT_LIMIT
+    park: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) == "":
+                object.__setattr__(self, f.name, None)
+        if self.table not in TABLES:
+            raise ValueError(f"table must be one of {', '.join(TABLES)}, not {self.table!r}")
+        if self.state is not None and self.state not in STATES:
+            raise ValueError(f"state must be one of {', '.join(STATES)}, not {self.state!r}")
+        if self.older_than is not None and self.older_than < 0:
+            raise ValueError(f"the age must not be negative: {self.older_than!r}")
+        if not 1 <= self.limit <= MAX_LIMIT:
+            raise ValueError(f"limit must be from 1 to {MAX_LIMIT}, not {self.limit}")
+
+    @property
+    def parks(self) -> bool:
+        return parks(self.table, park=self.park)
 
 
 def _state_sql(parks: bool) -> sql.SQL:

@@ -4,7 +4,7 @@
   dead letter with ``ON CONFLICT DO NOTHING`` before it acks, so a redelivered delivery
   (collector crashed between commit and ack) never becomes a second row.
 - ``dead_letters_unresolved_idx``: replayed letters not yet resolved, the only rows the
-  resolve sweep (framework.dlq.replay.resolve_replayed) ever looks at.
+  resolve sweep (framework.dead_letters.replay.resolve_replayed) ever looks at.
 - ``dead_letters_open_fingerprint_idx``: the group view of open letters (the default
   view of the dashboard and ``txbox dlq list --groups``) as an index-only scan in
   fingerprint order, instead of a scan of the wide rows (100k letters: ~250 ms → ~30 ms).

@@ -25,7 +25,7 @@ from framework.dashboard.server import free_port
 from framework.db import conninfo
 from tests import support
 from tests.acceptance.test_dashboard_browser import CHROMIUM_ARGS, SHOTS, TOKEN, Processes, _env
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 from tests.integration.pending.conftest import SECRET_PAYLOAD, SECRETS, put
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

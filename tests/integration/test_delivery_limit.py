@@ -16,7 +16,7 @@ import pika
 import pytest
 
 from framework import delivery_limit, names, topology
-from framework.dlq.collector import Collector, CollectorConfig
+from framework.dead_letters.collector import Collector, CollectorConfig
 from framework.receiver import Receiver, ReceiverConfig
 from framework.service import Service
 from tests import support

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from framework import AsyncPublisher, CommandHandler, Message, Outbox, Publisher, expiry, names, topology
 from framework.db import conninfo
-from framework.dlq import replay
+from framework.dead_letters import replay
 from framework.receiver import Receiver, ReceiverConfig
 from framework.relay import RelayConfig
 from framework.service import Service

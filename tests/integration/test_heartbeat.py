@@ -17,7 +17,7 @@ from framework.liveness import Heartbeat, LivenessConfig
 from framework.service import Service
 from framework.settings import Settings
 from tests.conftest import CONTRACTS
-from tests.integration.dlq.test_dashboard import http
+from tests.integration.dead_letters.test_dashboard import http
 
 CONFIG = LivenessConfig(heartbeat_interval=1.0, stuck_after=30.0)  # type: ignore[arg-type]
 

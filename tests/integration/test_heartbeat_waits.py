@@ -30,7 +30,7 @@ from framework.service import Service
 from tests import support
 from tests.apps.helpers import running
 from tests.conftest import CONTRACTS
-from tests.integration.dlq.test_dashboard import http
+from tests.integration.dead_letters.test_dashboard import http
 
 QUEUE = names.inbox_queue("order-service")
 CONFIG = LivenessConfig(heartbeat_interval=1.0, stuck_after=30.0)  # type: ignore[arg-type]

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import pika
 
 from framework import names
-from framework.dlq.collector import letter_from_delivery
-from framework.dlq.present import masked
+from framework.dead_letters.collector import letter_from_delivery
+from framework.dead_letters.present import masked
 
 
 def _death(count: int, queue: str = "order-service:inbox", reason: bytes = b"expired") -> dict[str, object]:

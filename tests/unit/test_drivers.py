@@ -29,8 +29,8 @@ def _run(code: str) -> None:
 
 def test_importing_framework_and_its_daemons_changes_neither_pika_nor_psycopg() -> None:
     _run(
-        "import framework, framework.amqp, framework.db, framework.outbox, framework.publisher, framework.relay,"
-        " framework.receiver, framework.worker, framework.dlq.collector, framework.cli.run\n"
+        "import framework, framework.amqp, framework.db, framework.outbox, framework.confirms, framework.relay,"
+        " framework.receiver, framework.worker, framework.dead_letters.collector, framework.cli.run\n"
         "assert driver_globals() == before, (driver_globals(), before)\n"
     )
 
@@ -38,7 +38,7 @@ def test_importing_framework_and_its_daemons_changes_neither_pika_nor_psycopg() 
 def test_a_daemon_tunes_the_drivers_when_it_is_built_and_tuning_again_changes_nothing() -> None:
     _run(
         "from framework import Service, drivers\n"
-        "from framework.dlq.collector import Collector\n"
+        "from framework.dead_letters.collector import Collector\n"
         "from tests.apps.counter import CONTRACTS\n"
         "service = Service(name='counter-service', database_url='postgresql://x@127.0.0.1/x',"
         " amqp_url='amqp://guest:guest@127.0.0.1:5672/%2F', contracts_dir=CONTRACTS)\n"

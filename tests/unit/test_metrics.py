@@ -22,7 +22,7 @@ def test_every_txbox_series_is_named_daemon_what_unit_and_labelled_with_its_serv
 
 
 def test_no_txbox_series_lives_outside_the_metrics_module() -> None:
-    import framework.dlq.collector
+    import framework.dead_letters.collector
     import framework.receiver
     import framework.relay
     import framework.worker  # noqa: F401 - their import registers whatever they define

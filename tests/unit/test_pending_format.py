@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from framework import pending
 from framework.cli.pending import age, duration, limit, until
+from framework.sql import pending as pending_sql
 
 
 @pytest.mark.parametrize(
@@ -36,6 +36,6 @@ def test_filter_arguments() -> None:
 
 
 def test_empty_form_fields_mean_not_given() -> None:
-    f = pending.Filters(table="outbox", state="", message_type="", segment="")
+    f = pending_sql.Filters(table="outbox", state="", message_type="", segment="")
     assert (f.state, f.message_type, f.segment) == (None, None, None)
-    assert not pending.Filters(table="outbox", park=True).parks and pending.Filters(park=True).parks
+    assert not pending_sql.Filters(table="outbox", park=True).parks and pending_sql.Filters(park=True).parks

@@ -13,11 +13,11 @@ from pika.adapters.select_connection import IOLoop
 
 from framework import names
 from framework.cli import publisher as cli
+from framework.confirms import Outgoing, Publisher
+from framework.confirms.channel import _COALESCED_CHUNK, _PENDING, ConfirmChannel
+from framework.confirms.channel import coalesce_writes as _coalesce_writes
 from framework.envelope import parse_message
 from framework.errors import ConfigurationError, PublishError
-from framework.publisher import Outgoing, Publisher
-from framework.publisher.channel import _COALESCED_CHUNK, _PENDING, ConfirmChannel
-from framework.publisher.channel import coalesce_writes as _coalesce_writes
 from framework.relay import RelayConfig
 from framework.relay.messages import envelope_body, outgoing
 from framework.settings import load

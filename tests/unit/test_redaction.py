@@ -10,7 +10,7 @@ import pytest
 
 from framework import redaction
 from framework.dead_letters import DeadLetter, decode_body
-from framework.dlq.present import printable
+from framework.dead_letters.present import printable
 from framework.errors import ConfigurationError
 from framework.redaction import REDACTED, masked, redact_bytes, redact_text
 from framework.settings import RedactionSettings, load

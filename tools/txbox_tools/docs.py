@@ -43,7 +43,7 @@ _EXTRAS = {"pyspark", "pyarrow", "starlette", "uvicorn", "jinja2", "multipart", 
 _TITLES = {
     "Settings": "Every command: which service, where its database and broker are",
     "RelayConfig": "`txbox publisher`",
-    "PublisherConfig": "Direct sends (`Publisher.publish`)",
+    "DirectSendConfig": "Direct sends (`Publisher.publish`)",
     "ReceiverConfig": "`txbox receiver`",
     "WorkerConfig": "`txbox worker`",
     "CollectorConfig": "`txbox collector`",
@@ -52,6 +52,7 @@ _TITLES = {
     "RetentionSettings": "Retention: `txbox publisher` prunes the outbox, `txbox worker` the inbox",
     "SigningConfig": "Event signing: `txbox publisher` signs events, `txbox receiver` verifies them",
     "JwtSettings": "The permission guard: tokens of messages whose handler declares `permissions`",
+    "TenantSettings": "Tenants: the registry `txbox migrate`, `txbox check` and `txbox tenants` read",
 }
 _HELP_WIDTH = "100"
 

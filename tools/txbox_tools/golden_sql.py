@@ -22,7 +22,6 @@ from pathlib import Path
 from psycopg import sql
 
 from framework import db, names
-from framework.pending import Filters as PendingFilters
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import heartbeats as heartbeats_sql
 from framework.sql import inbox as inbox_sql
@@ -55,7 +54,7 @@ def _text(statement: Statement) -> str:
 
 
 def _inbox_same_content() -> sql.Composed:
-    """The content comparison the dead-letter replay passes to ``messages.current`` (framework/dlq/replay.py)."""
+    """The content comparison replay passes to ``messages.current`` (framework/dead_letters/replay.py)."""
     text = {
         k: sql.SQL("{}::text").format(sql.Placeholder(k)) for k in ("message_type", "aggregate_type", "aggregate_id")
     }
@@ -113,7 +112,7 @@ def statements() -> list[tuple[str, Statement]]:
         ("framework.worker.guard.truncate()", guard.truncate()),
         ("framework.worker.guard.arm()", guard.arm()),
         ("framework.worker.guard.disarm()", guard.disarm()),
-        # Dead letters: the writers, then replay and discard (framework/dlq/replay.py).
+        # Dead letters: the writers, then replay and discard (framework/dead_letters/replay.py).
         (f"framework.sql.dead_letters.insert_sql({s})", dead_letters_sql.insert_sql(s)),
         (f"framework.sql.dead_letters.lock({s})", dead_letters_sql.lock(s)),
         (f"framework.sql.dead_letters.mark_resolved({s})", dead_letters_sql.mark_resolved(s)),
@@ -159,7 +158,7 @@ def statements() -> list[tuple[str, Statement]]:
     # Pending rows (`txbox pending`, the dashboard): the unfiltered list and the counts.
     for table in (names.INBOX, names.OUTBOX):
         for park in (False, True):
-            query, _ = pending_sql.list_query(s, PendingFilters(table=table, park=park))
+            query, _ = pending_sql.list_query(s, pending_sql.Filters(table=table, park=park))
             out.append((f"framework.sql.pending.list_query({s}, Filters(table={table}, park={park}))", query))
     for table in (names.INBOX, names.OUTBOX):
         for park in (False, True):

@@ -10,7 +10,7 @@ import pytest
 from framework import names
 from framework.cli import main
 from tests.conftest import CONTRACTS
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 from tests.integration.pending.conftest import SECRET_PAYLOAD, SECRETS, TOKEN, put
 
 

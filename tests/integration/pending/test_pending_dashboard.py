@@ -13,9 +13,9 @@ from framework.dashboard.app import DashboardSettings, create_app
 from framework.dashboard.security import SECURITY_HEADERS
 from framework.dashboard.server import serving
 from framework.errors import ConfigurationError
-from tests.integration.dlq import seed
-from tests.integration.dlq.test_dashboard import TOKEN, XSS, _login, _source, http
-from tests.integration.dlq.test_dashboard_security import BEARER, raw_request
+from tests.integration.dead_letters import seed
+from tests.integration.dead_letters.test_dashboard import TOKEN, XSS, _login, _source, http
+from tests.integration.dead_letters.test_dashboard_security import BEARER, raw_request
 from tests.integration.pending.conftest import SECRET_PAYLOAD, SECRETS, put
 
 PAGE = "/pending/order-service"

@@ -10,12 +10,12 @@ from psycopg import sql
 
 from framework import names, pending
 from framework.sql import pending as pending_sql
-from tests.integration.dlq import seed
+from tests.integration.dead_letters import seed
 from tests.integration.pending.conftest import put
 
 
 def _states(conn: Any, **filters: Any) -> dict[uuid.UUID, str]:
-    return {r["id"]: r["state"] for r in pending.list_pending(conn, "txbox", pending.Filters(**filters))}
+    return {r["id"]: r["state"] for r in pending.list_pending(conn, "txbox", pending_sql.Filters(**filters))}
 
 
 @pytest.mark.parametrize("table", [names.OUTBOX, names.INBOX])
@@ -66,18 +66,18 @@ def test_filters_and_order(conn: Any) -> None:
     urgent = put(conn, age=10, priority=5)
     other_type = put(conn, age=7200, message_type="CancelOrder")
 
-    listed = [r["id"] for r in pending.list_pending(conn, "txbox", pending.Filters())]
+    listed = [r["id"] for r in pending.list_pending(conn, "txbox", pending_sql.Filters())]
     assert listed == [urgent, other_type, old, new]  # highest priority, then oldest first
-    assert [r["id"] for r in pending.list_pending(conn, "txbox", pending.Filters(message_type="CancelOrder"))] == [
+    assert [r["id"] for r in pending.list_pending(conn, "txbox", pending_sql.Filters(message_type="CancelOrder"))] == [
         other_type
     ]
-    assert [r["id"] for r in pending.list_pending(conn, "txbox", pending.Filters(segment="s-1"))] == [old, new]
-    assert [r["id"] for r in pending.list_pending(conn, "txbox", pending.Filters(older_than=1800))] == [
+    assert [r["id"] for r in pending.list_pending(conn, "txbox", pending_sql.Filters(segment="s-1"))] == [old, new]
+    assert [r["id"] for r in pending.list_pending(conn, "txbox", pending_sql.Filters(older_than=1800))] == [
         other_type,
         old,
     ]
-    assert [r["id"] for r in pending.list_pending(conn, "txbox", pending.Filters(limit=2))] == [urgent, other_type]
-    assert pending.list_pending(conn, "txbox", pending.Filters(table=names.OUTBOX)) == []
+    assert [r["id"] for r in pending.list_pending(conn, "txbox", pending_sql.Filters(limit=2))] == [urgent, other_type]
+    assert pending.list_pending(conn, "txbox", pending_sql.Filters(table=names.OUTBOX)) == []
 
 
 @pytest.mark.parametrize(
@@ -92,10 +92,10 @@ def test_filters_and_order(conn: Any) -> None:
 )
 def test_bad_filters_say_what_is_wrong(given: dict[str, Any], complaint: str) -> None:
     with pytest.raises(ValueError, match=complaint):
-        pending.Filters(**given)
+        pending_sql.Filters(**given)
 
 
-def _plan(conn: Any, filters: pending.Filters) -> str:
+def _plan(conn: Any, filters: pending_sql.Filters) -> str:
     query, params = pending_sql.list_query("txbox", filters)
     rows = conn.execute(sql.SQL("EXPLAIN ") + query, params).fetchall()
     return "\n".join(r["QUERY PLAN"] for r in rows)
@@ -121,12 +121,12 @@ def test_listing_reads_the_pending_indexes_not_the_history(conn: Any, table: str
     )
     conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier("txbox", table)))
     for filters, index in (
-        (pending.Filters(table=table, park=True), f"{table}_due_idx"),
+        (pending_sql.Filters(table=table, park=True), f"{table}_due_idx"),
         (
-            pending.Filters(table=table, state="failing", message_type="T1", older_than=60, park=True),
+            pending_sql.Filters(table=table, state="failing", message_type="T1", older_than=60, park=True),
             f"{table}_due_idx",
         ),
-        (pending.Filters(table=table, segment="order:7"), f"{table}_segment_idx"),
+        (pending_sql.Filters(table=table, segment="order:7"), f"{table}_segment_idx"),
     ):
         plan = _plan(conn, filters)
         assert f"Index Scan using {index}" in plan, plan
@@ -135,5 +135,5 @@ def test_listing_reads_the_pending_indexes_not_the_history(conn: Any, table: str
         r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + pending_sql.counts_query("txbox", table, park=True))
     )
     assert f"Seq Scan on {table}" not in counting and "created_at_idx" not in counting, counting
-    assert len(pending.list_pending(conn, "txbox", pending.Filters(table=table))) == 50
+    assert len(pending.list_pending(conn, "txbox", pending_sql.Filters(table=table))) == 50
     assert pending.counts(conn, "txbox", table)["pending"] == 1000

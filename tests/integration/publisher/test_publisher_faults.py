@@ -10,8 +10,8 @@ import pika
 import psycopg
 
 from framework import names, topology
+from framework.confirms.client import NACK_STREAK
 from framework.db import conninfo
-from framework.publisher.confirms import NACK_STREAK
 from framework.relay import RelayConfig
 from framework.service import Service
 from framework.settings import Seconds, Settings

@@ -1,0 +1,215 @@
+"""Replay and discard semantics against the real database (framework.dead_letters.replay docstring)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from framework.contracts import Registry
+from framework.dead_letters import replay
+from framework.sql import dead_letters as dead_letters_sql
+from tests.integration.dead_letters import seed
+
+S = seed.SCHEMA
+SERVICE = "order-service"
+
+
+def _one(conn: psycopg.Connection[Any], query: str, *params: Any) -> dict[str, Any]:
+    row = conn.execute(query, params).fetchone()
+    assert row is not None
+    return row
+
+
+def _letter(conn: psycopg.Connection[Any], lid: int) -> dict[str, Any]:
+    return _one(conn, "SELECT * FROM txbox.dead_letters WHERE id = %s", lid)
+
+
+def test_inbox_letter_replay_resets_the_row_and_keeps_the_history(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.abandoned(conn, "inbox", m, error="KeyError: 'price'", attempts=5)
+
+    [outcome] = replay.replay(conn, S, registry, SERVICE, [lid])
+
+    assert (outcome.action, outcome.ok) == ("inbox-reset", True)
+    row = _one(conn, "SELECT *, locked_until <= clock_timestamp() AS due FROM txbox.inbox WHERE id = %s", m.message_id)
+    assert row["abandoned_at"] is None and row["processed_at"] is None and row["last_error"] is None
+    assert (row["started_attempts"], row["finished_attempts"], row["due"]) == (0, 0, True)
+    letter = _letter(conn, lid)
+    assert letter["replay_count"] == 1 and letter["replayed_at"] is not None and letter["resolved_at"] is None
+    [history] = letter["attempts"]["history"]
+    assert history["started_attempts"] == 5 and history["last_error"] == "KeyError: 'price'"
+    assert history["abandoned_at"] and history["replayed_at"]
+    assert letter["attempts"]["started"] == 5  # what the worker wrote stays
+
+
+def test_replaying_twice_never_applies_the_effect_twice(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.abandoned(conn, "inbox", m)
+    replay.replay(conn, S, registry, SERVICE, [lid])
+
+    [again] = replay.replay(conn, S, registry, SERVICE, [lid])  # still pending: nothing to reset
+    assert again.action == "inbox-pending"
+    assert _letter(conn, lid)["replay_count"] == 2
+
+    conn.execute("UPDATE txbox.inbox SET processed_at = now(), finished_attempts = 1 WHERE id = %s", (m.message_id,))
+    assert replay.resolve_replayed(conn, S) == 1
+    assert _letter(conn, lid)["resolved_at"] is not None
+
+    [third] = replay.replay(conn, S, registry, SERVICE, [lid])
+    assert (third.action, third.ok) == ("skipped", False)
+    row = _one(conn, "SELECT processed_at, finished_attempts FROM txbox.inbox WHERE id = %s", m.message_id)
+    assert row["processed_at"] is not None and row["finished_attempts"] == 1  # not reset again
+
+
+def test_a_letter_whose_message_was_processed_meanwhile_is_resolved_not_reset(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.abandoned(conn, "inbox", m)
+    conn.execute("UPDATE txbox.inbox SET abandoned_at = NULL, processed_at = now() WHERE id = %s", (m.message_id,))
+    [outcome] = replay.replay(conn, S, registry, SERVICE, [lid])
+    assert outcome.action == "already-processed"
+    letter = _letter(conn, lid)
+    assert letter["resolved_at"] is not None and letter["replay_count"] == 0
+
+
+def test_broker_letter_is_sent_again_through_the_outbox_once(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.rejected(conn, m)
+
+    [first] = replay.replay(conn, S, registry, SERVICE, [lid])
+    [second] = replay.replay(conn, S, registry, SERVICE, [lid])
+
+    assert (first.action, second.action) == ("outbox-insert", "outbox-pending")
+    rows = conn.execute("SELECT * FROM txbox.outbox WHERE id = %s", (m.message_id,)).fetchall()
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["payload"] == m.payload and row["message_context"] == m.message_context
+    assert "auth_token" not in row["metadata"]  # dropped when the letter was stored: never at rest
+    assert (row["kind"], row["routing_key"], row["segment"]) == (
+        "command",
+        "order-service.order.place",
+        f"order:{m.aggregate_id}",
+    )
+    assert _letter(conn, lid)["replay_count"] == 2  # marked in the same transaction, each time
+    # The relay publishes it, the receiver stores it, the worker processes it: resolved.
+    conn.execute("UPDATE txbox.outbox SET processed_at = now() WHERE id = %s", (m.message_id,))
+    replay.resolve_replayed(conn, S)
+    assert _letter(conn, lid)["resolved_at"] is None, "published is not processed"
+    conn.execute(
+        """INSERT INTO txbox.inbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload,
+               segment, message_timestamp, queue, processed_at)
+           SELECT id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload, segment, created_at,
+               'order-service:inbox', now() FROM txbox.outbox WHERE id = %s""",
+        (m.message_id,),
+    )
+    replay.resolve_replayed(conn, S)
+    assert _letter(conn, lid)["resolved_at"] is not None
+
+
+def test_broker_letter_of_a_message_the_inbox_has_follows_the_inbox(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.rejected(conn, m)
+    conn.execute(
+        """INSERT INTO txbox.inbox (id, message_type, aggregate_type, aggregate_id, kind, routing_key, payload,
+               segment, message_timestamp, queue, processed_at)
+           VALUES (%s, 'PlaceOrder', 'order', %s, 'command', 'order-service.order.place', %s, 'x', now(),
+               'order-service:inbox', now())""",
+        (m.message_id, m.aggregate_id, Jsonb(m.payload)),
+    )
+    [outcome] = replay.replay(conn, S, registry, SERVICE, [lid])
+    assert outcome.action == "already-processed"
+    assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
+
+
+def test_broker_letters_that_cannot_be_replayed_are_refused_and_left_open(conn: Any, registry: Registry) -> None:
+    raw = seed.rejected(conn, None, raw=b"\x00\xffnot json")
+    bad = seed.envelope(quantity=0)  # violates the schema (minimum 1)
+    invalid = seed.rejected(conn, bad)
+    other = seed.envelope()
+    unknown = seed.rejected(conn, other)
+    conn.execute(
+        "UPDATE txbox.dead_letters SET message = jsonb_set(message, '{message_type}', '\"Nope\"') WHERE id = %s",
+        (unknown,),
+    )
+
+    outcomes = {o.id: o for o in replay.replay(conn, S, registry, SERVICE, [raw, invalid, unknown, 999_999])}
+
+    assert all(not o.ok for o in outcomes.values())
+    assert "message_id" in outcomes[raw].detail
+    assert "quantity" in outcomes[invalid].detail or "invalid" in outcomes[invalid].detail
+    assert "Nope" in outcomes[unknown].detail
+    assert outcomes[999_999].action == "missing"
+    assert conn.execute("SELECT count(*) AS n FROM txbox.inbox").fetchone()["n"] == 0
+    assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
+    assert (
+        conn.execute("SELECT count(*) AS n FROM txbox.dead_letters WHERE replayed_at IS NOT NULL").fetchone()["n"] == 0
+    )
+
+
+def test_outbox_letter_replay_resets_or_rewrites_the_outbox_row(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.abandoned(conn, "outbox", m, error="unroutable: no queue bound")
+    [reset] = replay.replay(conn, S, registry, SERVICE, [lid])
+    assert reset.action == "outbox-reset"
+    row = _one(conn, "SELECT * FROM txbox.outbox WHERE id = %s", m.message_id)
+    assert row["abandoned_at"] is None and row["started_attempts"] == 0
+
+    gone = seed.envelope()
+    lid2 = seed.abandoned(conn, "outbox", gone)
+    conn.execute("DELETE FROM txbox.outbox WHERE id = %s", (gone.message_id,))  # archived meanwhile
+    [rewritten] = replay.replay(conn, S, registry, SERVICE, [lid2])
+    assert rewritten.action == "outbox-insert"
+    row = _one(conn, "SELECT * FROM txbox.outbox WHERE id = %s", gone.message_id)
+    assert row["routing_key"] == "order-service.order.place" and "auth_token" not in row["metadata"]
+
+    conn.execute("UPDATE txbox.outbox SET processed_at = now()")
+    assert replay.resolve_replayed(conn, S) == 2
+
+
+def test_dry_run_reports_and_changes_nothing(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.abandoned(conn, "inbox", m)
+    broker = seed.rejected(conn, seed.envelope())
+    outcomes = replay.replay(conn, S, registry, SERVICE, [lid, broker], dry_run=True)
+    assert [o.action for o in outcomes] == ["inbox-reset", "outbox-insert"]
+    assert _one(conn, "SELECT abandoned_at FROM txbox.inbox WHERE id = %s", m.message_id)["abandoned_at"] is not None
+    assert conn.execute("SELECT count(*) AS n FROM txbox.inbox").fetchone()["n"] == 1
+    assert conn.execute("SELECT count(*) AS n FROM txbox.outbox").fetchone()["n"] == 0
+    assert _letter(conn, lid)["replay_count"] == 0
+    assert [o.action for o in replay.discard(conn, S, [lid], dry_run=True)] == ["discarded"]
+    assert _letter(conn, lid)["discarded_at"] is None
+
+
+def test_discarded_letters_leave_the_open_list_and_cannot_be_replayed(conn: Any, registry: Registry) -> None:
+    lid = seed.abandoned(conn, "inbox", seed.envelope())
+    keep = seed.abandoned(conn, "inbox", seed.envelope())
+    assert [o.action for o in replay.discard(conn, S, [lid, lid + 1000])] == ["discarded", "skipped"]
+    assert [r["id"] for r in dead_letters_sql.list_letters(conn, S, dead_letters_sql.Filters())] == [keep]
+    assert [r["id"] for r in dead_letters_sql.list_letters(conn, S, dead_letters_sql.Filters(status="discarded"))] == [
+        lid
+    ]
+    [o] = replay.replay(conn, S, registry, SERVICE, [lid])
+    assert (o.action, o.detail) == ("skipped", "discarded")
+
+
+def test_worker_hook_resolves_in_the_callers_transaction(conn: Any, registry: Registry) -> None:
+    m = seed.envelope()
+    lid = seed.abandoned(conn, "inbox", m)
+    replay.replay(conn, S, registry, SERVICE, [lid])
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute("UPDATE txbox.inbox SET processed_at = now() WHERE id = %s", (m.message_id,))
+        assert replay.resolve_processed(cur, S, [m.message_id, uuid.uuid4()]) == 1
+    assert _letter(conn, lid)["resolved_at"] is not None
+
+
+def test_a_whole_group_is_selected_by_fingerprint(conn: Any, registry: Registry) -> None:
+    same = [seed.abandoned(conn, "inbox", seed.envelope(), error=f"KeyError: 'sku-{i}'") for i in range(3)]
+    seed.abandoned(conn, "inbox", seed.envelope(), error="TimeoutError: handler took 31s")
+    [group, _other] = dead_letters_sql.groups(conn, S, dead_letters_sql.Filters())
+    assert group["count"] == 3
+    ids = dead_letters_sql.ids_matching(conn, S, dead_letters_sql.Filters(fingerprint=group["fingerprint"]))
+    assert ids == same
+    assert all(o.ok for o in replay.replay(conn, S, registry, SERVICE, ids))
+    assert dead_letters_sql.count_letters(conn, S, dead_letters_sql.Filters()) == 1
