@@ -11,8 +11,9 @@
 On the hot paths:
 
 Every received body and every claimed inbox row (payload, context, metadata) is parsed
-once, and the inbox and outbox JSON written once per message. orjson does both 3-5x
-faster (the receiver spends 8 % less CPU per message with it), but differs from
+once, and the inbox and outbox JSON written once per message. orjson does both at a
+fraction of the standard library's CPU (benchmarks/code-choices.md, "JSON on the hot
+paths"), but differs from
 :mod:`json` on a few inputs, so it only gets the input when it returns exactly what
 :func:`json.loads` would:
 
@@ -47,8 +48,9 @@ from typing import Any
 
 import orjson
 
-# Digits → "0", so a run of 19 digits is one substring search (C speed; a regex scan
-# cost twice as much as orjson's whole parse).
+# Digits → "0", so a run of 19 digits is one substring search at C speed, where a regex
+# scan costs more than orjson's whole parse (benchmarks/code-choices.md, "JSON on the
+# hot paths").
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _NINETEEN_DIGITS = b"0" * 19
 

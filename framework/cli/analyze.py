@@ -2,7 +2,8 @@
 
 Sources: ``--source service=url`` (repeatable), ``--sources-file FILE``, else the
 service of ``TXBOX_SERVICE`` / ``TXBOX_DATABASE_URL``. Everything is validated before
-the JVM starts, so a typo costs a second, not ten.
+the JVM starts, so a typo fails without waiting for it (benchmarks/code-choices.md,
+"Spark: the JVM's start and an action").
 """
 
 from __future__ import annotations

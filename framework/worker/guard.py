@@ -201,8 +201,9 @@ def misuse(
 
 # Batches between two TRUNCATEs of the guard's table on one connection: the DELETE before
 # each COMMIT leaves two dead rows and their index entries, which a temporary table's
-# owner alone can clear (autovacuum never visits it). 32 to 128 cost the same per batch
-# in a loop of 20,000 guarded transactions; with none the cost grew with every batch.
+# owner alone can clear (autovacuum never visits it). With none the cost grew with every
+# batch; any interval in a wide range around this one cost the same per batch
+# (benchmarks/cpu-per-message.md, "The commit guard's table without `ON COMMIT DELETE ROWS`").
 TRUNCATE_EVERY = 100
 
 
@@ -210,8 +211,9 @@ def create_guard() -> sql.Composed:
     """The commit guard's table, once per connection (temporary: it vanishes with the session).
 
     Not ``ON COMMIT DELETE ROWS``: PostgreSQL then truncates the table and rebuilds its
-    index at every COMMIT that touched it, about 0.3 ms of the server's CPU per batch,
-    more than the rest of a small batch's guard and presumption together. The worker
+    index at every COMMIT that touched it, which cost the server more CPU per batch than
+    the rest of a small batch's guard and presumption together (benchmarks/cpu-per-message.md,
+    "The commit guard's table without `ON COMMIT DELETE ROWS`"). The worker
     empties it every :data:`TRUNCATE_EVERY` batches and after a failed pass instead
     (:func:`truncate`; docs/architecture.md, "Worker: handlers that misbehave"). The
     test kit's connections run too few deliveries for their dead keys to matter.

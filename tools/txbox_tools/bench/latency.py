@@ -79,8 +79,8 @@ def add_writers_option(parser: argparse.ArgumentParser) -> None:
 
 def writers(args: argparse.Namespace) -> int:
     """``--writers``, or enough of them for ``--rate``: each writer waits for its commit's
-    fsync, so four of them offered at most about 600 msg/s here and a ``--rate 2000`` run
-    measured the writers instead of the pipeline."""
+    fsync, so a fixed few of them cap the offered load, and a high ``--rate`` would
+    measure the writers instead of the pipeline (benchmarks/README.md, "Latency")."""
     return int(args.writers or max(MIN_WRITERS, math.ceil(args.rate / WRITER_RATE)))
 
 
@@ -271,8 +271,8 @@ def _offer(service: Service, group: ProcessGroup, args: argparse.Namespace) -> t
 
     Each writer keeps one raw psycopg connection and an INSERT compiled once from the
     outbox table, the row built and validated by ``Outbox.build``: what a lean front end
-    does. (A SQLAlchemy Session per request costs this 2-core machine so much CPU that
-    the writers, not txbox, would cap the offered load well below 500/s.)
+    does. (A SQLAlchemy Session per request costs so much CPU that the writers, not
+    txbox, would cap the offered load: benchmarks/README.md, "Figures (e2e, latency, demo)".)
     """
     from framework.outbox import Outbox
     from framework.sql import outbox as outbox_sql
