@@ -36,10 +36,10 @@ _WORDS = r"(?:two|three|four|five|six|seven|eight|nine|ten|a few|several|hundred
 _FIGURE = re.compile(
     rf"{_NUMBER}\s?(?:{_UNIT}|%)"
     r"|(?<![\w.])\d(?:[\d,.]{0,20}\d)?\s?(?:\u00d7|x(?!\w))"  # a ratio, not a version ("3.x")
-    rf"|\b{_WORDS} (?:micro|milli|nano)?seconds\b"
+    rf"|\b{_WORDS} (?:micro|milli|nano)?seconds\b|\b(?:about|some|under|over) a (?:micro|milli|nano)second\b"
     rf"|(?<!\w)(?:\d{{1,6}}|{_WORDS}) times (?:faster|slower|cheaper|dearer|more|less|fewer|as)\b"
     r"|\b(?:twice|half|a third|a quarter) as (?:much|many|fast|long|slow)\b"
-    r"|\b(?:a third|a quarter|half) of (?:the|a|its) [\w' -]{0,40}?(?:time|CPU)\b",
+    r"|\b(?:a third|a quarter|half) of (?:the|a|its) [\w' -]{0,40}?(?:time|CPU|run|work)\b",
     re.IGNORECASE,
 )
 _INLINE_CODE = re.compile(r"``[^`\n]{0,200}``|`[^`\n]{0,200}`")
@@ -165,6 +165,8 @@ def test_the_rewritten_files_exist() -> None:
         "the JVM's start (about 10 seconds)",
         "the JVM's start (about ten seconds)",
         "a regex scan cost twice as much as orjson's whole parse",
+        "the no-op span cost a third of a small handler's run",
+        "the SDK checks each one, about a microsecond each",
     ],
 )
 def test_a_measurement_is_found(text: str) -> None:
