@@ -182,19 +182,25 @@ def misuse(
         raw.pgconn.parameter_status(b"application_name") != _BATCH_MARK or not transaction.is_active
     ):
         return f"the handler ended the worker's transaction (a COMMIT or ROLLBACK): {FIX}", True
+    why = _left_behind(session, conn, savepoint, aborted=aborted)
+    return None if why is None else (why, False)
+
+
+def _left_behind(
+    session: HandlerSession, conn: Connection, savepoint: NestedTransaction | None, *, aborted: bool
+) -> str | None:
+    """What the handler left in a batch transaction that is still there (see :func:`misuse`)."""
     if session.txbox_refused:
-        return session.txbox_refused, False
+        return session.txbox_refused
     if aborted:
         return (
             "the handler left the transaction aborted (a statement failed and the handler went on); "
-            "let the error propagate, or run the statement inside `with session.begin_nested():`",
-            False,
+            "let the error propagate, or run the statement inside `with session.begin_nested():`"
         )
     if session.in_nested_transaction() or conn.get_nested_transaction() is not savepoint:
         return (
             "the handler left a savepoint open (session.begin_nested() not committed or rolled back); "
-            "use `with session.begin_nested():` so it always ends",
-            False,
+            "use `with session.begin_nested():` so it always ends"
         )
     return None
 
