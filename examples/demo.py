@@ -40,6 +40,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -594,23 +595,7 @@ def run(options: DemoOptions, out: TextIO = sys.stdout) -> Summary:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per step is enough here
     unwind_on_sigterm()  # its HTTP clients' threads make lost interrupts frequent
     say(f"txbox demo: {options.orders:,} orders through order-service ⇄ inventory-service")
-    urls = {
-        "orders": database_url(options.pg_url, options.orders_db),
-        "inventory": database_url(options.pg_url, options.inventory_db),
-    }
-    for short, db in (("orders", options.orders_db), ("inventory", options.inventory_db)):
-        recreate_database(options.pg_url, db)
-        migrate.upgrade(short, urls[short])
-    say(f"  databases {options.orders_db}, {options.inventory_db}: created, framework + business migrations applied")
-    amqp_url = recreate_vhost(options)
-    orders = load_app(ORDERS_APP, urls["orders"], amqp_url)
-    inventory = load_app(INVENTORY_APP, urls["inventory"], amqp_url)
-    from framework import topology
-
-    for service in (orders, inventory):
-        service.check()
-        topology.declare(service.settings, service.registry)
-    say(f"  RabbitMQ vhost {options.vhost}: exchanges, inbox and dead-letter queues declared")
+    urls, amqp_url, orders, inventory = _prepare(options, say)
 
     if options.log_dir.exists():
         shutil.rmtree(options.log_dir)
@@ -640,21 +625,49 @@ def run(options: DemoOptions, out: TextIO = sys.stdout) -> Summary:
     sources = [f"order-service={urls['orders']}", f"inventory-service={urls['inventory']}"]
     source_args = [arg for source in sources for arg in ("--source", source)]
     if options.analyze and available("analyze"):
-        say("\n  running `txbox analyze` (Spark) over both services' message tables …")
-        log_path = options.log_dir / "analyze.log"
-        with log_path.open("wb") as log:  # Spark's JVM chatter goes to the log, the report to the screen
-            analyze = subprocess.run(
-                [*txbox_command(), "analyze", *source_args, "--contracts-dir", str(orders.settings.contracts_dir)],
-                cwd=REPO,
-                stdin=subprocess.DEVNULL,
-                stderr=log,
-                check=False,
-            )
-        outcome = "done" if analyze.returncode == 0 else f"exited with {analyze.returncode}; see {log_path}"
-        say(f"  txbox analyze: {outcome}")
+        _analyze(options, source_args, orders, say)
     if options.dashboard and available("dashboard"):
         show_dashboard(group, source_args, orders, out)
     return summary
+
+
+def _prepare(options: DemoOptions, say: Callable[[str], None]) -> tuple[dict[str, str], str, Service, Service]:
+    """Fresh databases (migrated) and vhost (declared) for both services: their URLs, the
+    AMQP URL, and the two services, checked."""
+    urls = {
+        "orders": database_url(options.pg_url, options.orders_db),
+        "inventory": database_url(options.pg_url, options.inventory_db),
+    }
+    for short, db in (("orders", options.orders_db), ("inventory", options.inventory_db)):
+        recreate_database(options.pg_url, db)
+        migrate.upgrade(short, urls[short])
+    say(f"  databases {options.orders_db}, {options.inventory_db}: created, framework + business migrations applied")
+    amqp_url = recreate_vhost(options)
+    orders = load_app(ORDERS_APP, urls["orders"], amqp_url)
+    inventory = load_app(INVENTORY_APP, urls["inventory"], amqp_url)
+    from framework import topology
+
+    for service in (orders, inventory):
+        service.check()
+        topology.declare(service.settings, service.registry)
+    say(f"  RabbitMQ vhost {options.vhost}: exchanges, inbox and dead-letter queues declared")
+    return urls, amqp_url, orders, inventory
+
+
+def _analyze(options: DemoOptions, source_args: list[str], orders: Service, say: Callable[[str], None]) -> None:
+    """`txbox analyze` over both services' tables, Spark's output in the log."""
+    say("\n  running `txbox analyze` (Spark) over both services' message tables …")
+    log_path = options.log_dir / "analyze.log"
+    with log_path.open("wb") as log:  # Spark's JVM chatter goes to the log, the report to the screen
+        analyze = subprocess.run(
+            [*txbox_command(), "analyze", *source_args, "--contracts-dir", str(orders.settings.contracts_dir)],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stderr=log,
+            check=False,
+        )
+    outcome = "done" if analyze.returncode == 0 else f"exited with {analyze.returncode}; see {log_path}"
+    say(f"  txbox analyze: {outcome}")
 
 
 def show_dashboard(group: ProcessGroup, source_args: list[str], orders: Service, out: TextIO) -> None:

@@ -29,10 +29,10 @@ _depth = threading.local()
 def _bounded(decode_value: Callable[[bytes, int], tuple[object, int]]) -> Callable[[bytes, int], tuple[object, int]]:
     """pika's field decoder with a depth limit.
 
-    pika decodes header tables recursively: a table nested a few hundred levels deep
-    (a 128 KiB frame holds thousands) raises RecursionError inside pika, which drops the
-    connection; the broker redelivers the same message and every consumer fails on it
-    forever. Past the limit a table (``F``) or array (``A``) is skipped by its length
+    pika decodes header tables recursively: a table nested a few hundred levels deep (a
+    frame of RabbitMQ's default size holds thousands) raises RecursionError inside pika,
+    which drops the connection; the broker redelivers the same message and every consumer
+    fails on it forever. Past the limit a table (``F``) or array (``A``) is skipped by its length
     prefix and decoded as a marker string, so the delivery arrives and can be judged.
     """
 

@@ -183,13 +183,24 @@ def _annotation(module: _Module, wanted: str, schema: Any, scope: _Scope, depth:
     if not isinstance(schema, dict) or depth > _MAX_DEPTH:
         return _any(module)
     if "$ref" in schema:
-        found = scope.resolve(schema["$ref"])
-        if found is None:
-            return _any(module)
-        absolute, target_scope, target = found
-        if absolute not in module.refs:  # a $ref cycle ends at _MAX_DEPTH, as Any
-            module.refs[absolute] = _annotation(module, wanted, target, target_scope, depth + 1)
-        return module.refs[absolute]
+        return _ref(module, wanted, schema["$ref"], scope, depth)
+    choice = _choice(module, wanted, schema, scope, depth)
+    return choice if choice is not None else _of_type(module, wanted, schema, scope, depth)
+
+
+def _ref(module: _Module, wanted: str, ref: Any, scope: _Scope, depth: int) -> str:
+    """The annotation of the schema ``ref`` points to, made once per absolute reference."""
+    found = scope.resolve(ref)
+    if found is None:
+        return _any(module)
+    absolute, target_scope, target = found
+    if absolute not in module.refs:  # a $ref cycle ends at _MAX_DEPTH, as Any
+        module.refs[absolute] = _annotation(module, wanted, target, target_scope, depth + 1)
+    return module.refs[absolute]
+
+
+def _choice(module: _Module, wanted: str, schema: dict[str, Any], scope: _Scope, depth: int) -> str | None:
+    """A Literal or a union, for a schema that lists its values or its options; else None."""
     if "const" in schema:
         return _literal(module, [schema["const"]])
     if isinstance(schema.get("enum"), list):
@@ -201,18 +212,24 @@ def _annotation(module: _Module, wanted: str, schema: Any, scope: _Scope, depth:
     kinds = schema.get("type")
     if isinstance(kinds, list):
         return _union(module, [_annotation(module, wanted, {**schema, "type": k}, scope, depth + 1) for k in kinds])
+    return None
+
+
+def _of_type(module: _Module, wanted: str, schema: dict[str, Any], scope: _Scope, depth: int) -> str:
+    """The annotation of a schema of one ``type`` (or none, with ``properties``)."""
+    kinds = schema.get("type")
     if kinds in _SCALARS:
         return _SCALARS[kinds]
     if kinds == "array":
         return f"list[{_annotation(module, wanted + 'Item', schema.get('items'), scope, depth + 1)}]"
-    if kinds == "object" or "properties" in schema:
-        if isinstance(schema.get("properties"), dict) and schema["properties"]:
-            doc = str(schema.get("description") or "").strip()
-            return _typed_dict(module, module.name(wanted), schema, scope, doc, depth)
-        extra = schema.get("additionalProperties")
-        value = _annotation(module, wanted + "Value", extra, scope, depth + 1) if isinstance(extra, dict) else None
-        return f"dict[str, {value or _any(module)}]"
-    return _any(module)
+    if kinds != "object" and "properties" not in schema:
+        return _any(module)
+    if isinstance(schema.get("properties"), dict) and schema["properties"]:
+        doc = str(schema.get("description") or "").strip()
+        return _typed_dict(module, module.name(wanted), schema, scope, doc, depth)
+    extra = schema.get("additionalProperties")
+    value = _annotation(module, wanted + "Value", extra, scope, depth + 1) if isinstance(extra, dict) else None
+    return f"dict[str, {value or _any(module)}]"
 
 
 def _literal(module: _Module, values: list[Any]) -> str:

@@ -409,44 +409,60 @@ class _Loader:
             self.problem("channels", "must map each channel name to its operations")
             channels = {}
         for channel, item in channels.items():
-            channel = str(channel)
-            where = f"channels.{channel[:100]!r}" if not _CHANNEL.fullmatch(channel[:300]) else f"channels.{channel}"
-            if not isinstance(item, dict):
-                self.problem(where, "a channel must be a mapping")
-                continue
-            if len(channel) > 300 or not _CHANNEL.fullmatch(channel):
-                self.problem(
-                    where,
-                    "a channel name is the `entity.action` part of a routing key: words of letters, digits, "
-                    "'_' or '-' separated by '.', after `*.*.` for a multi-tenant message",
-                )
-                continue
-            if len(names.wire_routing_key(service, channel).encode()) > _MAX_ROUTING_KEY_BYTES:
-                self.problem(where, f"`<service id>.<channel>` is longer than AMQP's {_MAX_ROUTING_KEY_BYTES} bytes")
-                continue
-            # Only the whole id, in front of a whole `entity.action`: `channel.published` of
-            # `channel`, or Mosaic's own `image_service.enable` of an `image-service`, are
-            # channels that merely begin with a word like the id.
-            words = channel.split(".")
-            if words[0] == service and len(words) >= 3:
-                self.problem(
-                    where,
-                    f"channel names are `entity.action`: the service id goes in front on the wire, so this "
-                    f"one travels as {names.wire_routing_key(service, channel)!r}; drop the leading {service!r}",
-                    "warning",
-                )
-            queue = self._queue(item, where, service, "command" if "publish" in item else "event")
-            if queue is None:
-                continue
-            operations: tuple[tuple[str, Kind], ...] = (("publish", "command"), ("subscribe", "event"))
-            for op, kind in operations:
-                if op in item:
-                    for spec in self._messages(doc, components, item[op], f"{where}.{op}", channel, kind, service):
-                        spec = replace(
-                            spec, queue=queue, previous={v: replace(p, queue=queue) for v, p in spec.previous.items()}
-                        )
-                        (contract.commands if kind == "command" else contract.events).append(spec)
-                        self._register(spec)
+            self._channel(doc, components, contract, str(channel), item)
+        self._subscribes(doc, contract)
+
+    def _channel(
+        self, doc: dict[str, Any], components: dict[str, Any], contract: ServiceContract, channel: str, item: Any
+    ) -> None:
+        """Register the messages of one channel of ``contract``'s document (nothing on a problem)."""
+        service = contract.service
+        where = f"channels.{channel[:100]!r}" if not _CHANNEL.fullmatch(channel[:300]) else f"channels.{channel}"
+        if not self._channel_ok(channel, item, where, service):
+            return
+        queue = self._queue(item, where, service, "command" if "publish" in item else "event")
+        if queue is None:
+            return
+        operations: tuple[tuple[str, Kind], ...] = (("publish", "command"), ("subscribe", "event"))
+        for op, kind in operations:
+            if op in item:
+                for spec in self._messages(doc, components, item[op], f"{where}.{op}", channel, kind, service):
+                    spec = replace(
+                        spec, queue=queue, previous={v: replace(p, queue=queue) for v, p in spec.previous.items()}
+                    )
+                    (contract.commands if kind == "command" else contract.events).append(spec)
+                    self._register(spec)
+
+    def _channel_ok(self, channel: str, item: Any, where: str, service: str) -> bool:
+        """Whether ``item`` is a channel txbox can route (a problem says why not)."""
+        if not isinstance(item, dict):
+            self.problem(where, "a channel must be a mapping")
+            return False
+        if len(channel) > 300 or not _CHANNEL.fullmatch(channel):
+            self.problem(
+                where,
+                "a channel name is the `entity.action` part of a routing key: words of letters, digits, "
+                "'_' or '-' separated by '.', after `*.*.` for a multi-tenant message",
+            )
+            return False
+        if len(names.wire_routing_key(service, channel).encode()) > _MAX_ROUTING_KEY_BYTES:
+            self.problem(where, f"`<service id>.<channel>` is longer than AMQP's {_MAX_ROUTING_KEY_BYTES} bytes")
+            return False
+        # Only the whole id, in front of a whole `entity.action`: `channel.published` of
+        # `channel`, or Mosaic's own `image_service.enable` of an `image-service`, are
+        # channels that merely begin with a word like the id.
+        words = channel.split(".")
+        if words[0] == service and len(words) >= 3:
+            self.problem(
+                where,
+                f"channel names are `entity.action`: the service id goes in front on the wire, so this "
+                f"one travels as {names.wire_routing_key(service, channel)!r}; drop the leading {service!r}",
+                "warning",
+            )
+        return True
+
+    def _subscribes(self, doc: dict[str, Any], contract: ServiceContract) -> None:
+        """The document's `x-subscribes`: the routing keys and patterns its service binds."""
         subscribes = doc.get("x-subscribes") or []
         if not isinstance(subscribes, list):
             self.problem("x-subscribes", "must be a list of event routing keys")
@@ -528,30 +544,8 @@ class _Loader:
     def _spec(
         self, msg: dict[str, Any], key: str | None, where: str, channel: str, kind: Kind, service: str
     ) -> MessageSpec | None:
-        aggregate = None
-        tags = msg.get("tags") or []
-        for tag in tags if isinstance(tags, list) else []:
-            name = str(tag.get("name", "")) if isinstance(tag, dict) else ""
-            if name.startswith("aggregate-type:"):
-                aggregate = name.split(":", 1)[1].strip()
-        if not aggregate:
-            # Contracts from before Mosaic required the tag have none: the channel's
-            # `entity` word is the aggregate Mosaic's naming puts first.
-            entity = channel.removeprefix(f"{names.TENANT_PLACEHOLDER}.{names.TENANT_PLACEHOLDER}.").split(".")[0]
-            if names.aggregate_type_problem(entity) is not None:
-                self.problem(where, "needs a tag `aggregate-type:<name>`")
-                return None
-            aggregate = entity
-            self.problem(
-                where,
-                f"no tag `aggregate-type:<name>` (contracts from before Mosaic required it have none): the aggregate "
-                f"type is the channel's entity word, {entity!r}; add `tags: [{{name: 'aggregate-type:{entity}'}}]` "
-                "to choose it",
-                "warning",
-            )
-        why = names.aggregate_type_problem(aggregate)
-        if why is not None:
-            self.problem(f"{where}.tags", why)
+        aggregate = self._aggregate(msg, where, channel)
+        if aggregate is None:
             return None
         content_type = msg.get("contentType", "application/json")
         if content_type != "application/json":
@@ -560,35 +554,9 @@ class _Loader:
         if schema is None:
             return None
         schema_doc, validator, checker, schema_uri, documents = schema
-        title = schema_doc.get("title")
-        # Bounded before a regex sees them: a longer name is refused below anyway.
-        generated = names.mosaic_message_type(title[: names.MAX_NAME * 2]) if isinstance(title, str) else ""
-        from_key = names.pascal_case(key[: names.MAX_NAME * 2]) if key else ""
-        explicit = msg.get("name")
-        if explicit is not None and not (isinstance(explicit, str) and explicit):
-            self.problem(
-                f"{where}.name", f"{repr(explicit)[:60]} is not a message type: give a PascalCase name or none"
-            )
+        message_type = self._message_type(msg, key, where, schema_doc, kind)
+        if message_type is None:
             return None
-        message_type = explicit or generated or from_key
-        if not message_type:
-            self.problem(where, "an inline message needs a `name` or a payload schema with a `title`")
-            return None
-        why = names.message_type_problem(message_type)
-        if why is not None:
-            origin = "name" if explicit else "payload.title" if generated else "(its component key)"
-            self.problem(f"{where}.{origin}" if origin != "(its component key)" else where, why)
-            return None
-        # An alias that is not a valid message type is not offered: nothing can be sent under it.
-        aliases = {a for a in (generated, from_key) if a and names.message_type_problem(a) is None}
-        for alias in aliases - {message_type}:
-            self.registry.alias_claims.setdefault(alias, []).append(message_type)
-        if kind == "event" and not _reads_as_event(message_type):
-            self.problem(
-                where, f"event {message_type!r} should be named in the past tense (e.g. OrderPlaced)", "warning"
-            )
-        if kind == "command" and _is_past_tense(message_type):
-            self.problem(where, f"command {message_type!r} should be named imperatively (e.g. PlaceOrder)", "warning")
         versions = self._versions(msg, where)
         if versions is None:
             return None
@@ -623,6 +591,72 @@ class _Loader:
         }
         return replace(spec, previous=previous)
 
+    def _aggregate(self, msg: dict[str, Any], where: str, channel: str) -> str | None:
+        """The message's aggregate type: its `aggregate-type:` tag, else the channel's entity
+        word (with a warning); None on a problem."""
+        aggregate = None
+        tags = msg.get("tags") or []
+        for tag in tags if isinstance(tags, list) else []:
+            name = str(tag.get("name", "")) if isinstance(tag, dict) else ""
+            if name.startswith("aggregate-type:"):
+                aggregate = name.split(":", 1)[1].strip()
+        if not aggregate:
+            # Contracts from before Mosaic required the tag have none: the channel's
+            # `entity` word is the aggregate Mosaic's naming puts first.
+            entity = channel.removeprefix(f"{names.TENANT_PLACEHOLDER}.{names.TENANT_PLACEHOLDER}.").split(".")[0]
+            if names.aggregate_type_problem(entity) is not None:
+                self.problem(where, "needs a tag `aggregate-type:<name>`")
+                return None
+            aggregate = entity
+            self.problem(
+                where,
+                f"no tag `aggregate-type:<name>` (contracts from before Mosaic required it have none): the aggregate "
+                f"type is the channel's entity word, {entity!r}; add `tags: [{{name: 'aggregate-type:{entity}'}}]` "
+                "to choose it",
+                "warning",
+            )
+        why = names.aggregate_type_problem(aggregate)
+        if why is not None:
+            self.problem(f"{where}.tags", why)
+            return None
+        return aggregate
+
+    def _message_type(
+        self, msg: dict[str, Any], key: str | None, where: str, schema_doc: dict[str, Any], kind: Kind
+    ) -> str | None:
+        """The message's type: its `name`, else its payload's `title`, else its component key;
+        None on a problem. The other two, when valid, are claimed as its aliases."""
+        title = schema_doc.get("title")
+        # Bounded before a regex sees them: a longer name is refused below anyway.
+        generated = names.mosaic_message_type(title[: names.MAX_NAME * 2]) if isinstance(title, str) else ""
+        from_key = names.pascal_case(key[: names.MAX_NAME * 2]) if key else ""
+        explicit = msg.get("name")
+        if explicit is not None and not (isinstance(explicit, str) and explicit):
+            self.problem(
+                f"{where}.name", f"{repr(explicit)[:60]} is not a message type: give a PascalCase name or none"
+            )
+            return None
+        message_type: str = explicit or generated or from_key
+        if not message_type:
+            self.problem(where, "an inline message needs a `name` or a payload schema with a `title`")
+            return None
+        why = names.message_type_problem(message_type)
+        if why is not None:
+            origin = "name" if explicit else "payload.title" if generated else "(its component key)"
+            self.problem(f"{where}.{origin}" if origin != "(its component key)" else where, why)
+            return None
+        # An alias that is not a valid message type is not offered: nothing can be sent under it.
+        aliases = {a for a in (generated, from_key) if a and names.message_type_problem(a) is None}
+        for alias in aliases - {message_type}:
+            self.registry.alias_claims.setdefault(alias, []).append(message_type)
+        if kind == "event" and not _reads_as_event(message_type):
+            self.problem(
+                where, f"event {message_type!r} should be named in the past tense (e.g. OrderPlaced)", "warning"
+            )
+        if kind == "command" and _is_past_tense(message_type):
+            self.problem(where, f"command {message_type!r} should be named imperatively (e.g. PlaceOrder)", "warning")
+        return message_type
+
     def _versions(self, msg: dict[str, Any], where: str) -> tuple[str | None, dict[str, _Compiled]] | None:
         """(`x-message-version`, older version → its compiled schema), or None on a problem."""
         version, previous = msg.get("x-message-version"), msg.get("x-previous-versions")
@@ -646,8 +680,11 @@ class _Loader:
         if why is not None:
             self.problem(f"{where}.x-message-version", why)
             return None
-        if previous is None:
-            previous = {}
+        older = self._older(previous if previous is not None else {}, version, where)
+        return None if older is None else (version, older)
+
+    def _older(self, previous: Any, version: str, where: str) -> dict[str, _Compiled] | None:
+        """`x-previous-versions` compiled: older version → its schema; None on a problem."""
         if not isinstance(previous, dict):
             self.problem(f"{where}.x-previous-versions", "must map each older version to its payload schema")
             return None
@@ -669,47 +706,79 @@ class _Loader:
             if schema is None:
                 return None
             older[old] = schema
-        return version, older
+        return older
 
     def _schema(self, payload: Any, where: str) -> _Compiled | None:
         if not isinstance(payload, dict):
             self.problem(where, "needs a payload schema (`$ref` to a JSON Schema file or inline)")
             return None
         files = contract_files.SchemaFiles(self.root)
-        if "$ref" in payload and len(payload) == 1:
-            ref = str(payload["$ref"])
-            file_part, _, fragment = ref.partition("#")
-            try:  # docs/explanation/receive.md, "Contracts are outside input": only files inside the folder
-                target = contract_files.ref_target(self.root, self.path.parent, file_part)
-                schema = files.load(target, f"$ref {ref[:200]!r}")
-            except ContractError as exc:
-                self.problem(f"{where}.$ref", str(exc))
-                return None
-            if fragment:
-                schema = _pointer(schema, fragment)
-                if schema is None:
-                    self.problem(f"{where}.$ref", f"{ref[:200]!r}: fragment does not resolve")
-                    return None
-            uri = target.as_uri()
-        else:
-            schema = payload
-            uri = self.path.resolve().as_uri()
+        found = self._payload(payload, where, files)
+        if found is None:
+            return None
+        schema, uri = found
         label = f"{where} ({uri.removeprefix('file://')})"
+        if not self._valid_schema(schema, where, label):
+            return None
+        registry = self._resolved(schema, uri, files, label)
+        if registry is None:
+            return None
+        # An `$id` makes relative `$ref`s inside the schema resolve against its own file.
+        full = {"$id": uri, **schema}
+        try:
+            checker = compile_checker(full, files)
+        except ContractError as exc:
+            self.problem(label, str(exc))
+            return None
+        # The root's URI stands for the schema itself (an inline payload, or a file's fragment),
+        # as for both validators above.
+        return schema, Draft7Validator(full, registry=registry), checker, uri, {**files.documents, uri: schema}
+
+    def _payload(
+        self, payload: dict[str, Any], where: str, files: contract_files.SchemaFiles
+    ) -> tuple[Any, str] | None:
+        """The payload schema (inline, or the file and fragment its lone `$ref` names) and its
+        URI; None on a problem."""
+        if "$ref" not in payload or len(payload) != 1:
+            return payload, self.path.resolve().as_uri()
+        ref = str(payload["$ref"])
+        file_part, _, fragment = ref.partition("#")
+        try:  # docs/explanation/receive.md, "Contracts are outside input": only files inside the folder
+            target = contract_files.ref_target(self.root, self.path.parent, file_part)
+            schema = files.load(target, f"$ref {ref[:200]!r}")
+        except ContractError as exc:
+            self.problem(f"{where}.$ref", str(exc))
+            return None
+        if fragment:
+            schema = _pointer(schema, fragment)
+            if schema is None:
+                self.problem(f"{where}.$ref", f"{ref[:200]!r}: fragment does not resolve")
+                return None
+        return schema, target.as_uri()
+
+    def _valid_schema(self, schema: Any, where: str, label: str) -> bool:
+        """Whether ``schema`` is a draft-07 schema of an object with valid property names
+        (a problem says why not; a schema of another type is only a warning)."""
         if not isinstance(schema, dict):
             self.problem(label, "a payload schema must be a JSON object")
-            return None
+            return False
         for path, why in _schema_names(schema):
             self.problem(f"{where}.payload{path}" if not where.endswith("payload") else f"{where}{path}", why)
-            return None
+            return False
         try:
             Draft7Validator.check_schema(schema)
         except SchemaError as exc:
             path = "/".join(map(str, exc.absolute_path)) or "(root)"
             self.problem(label, f"not a valid draft-07 schema at {path}: {exc.message[:300]}")
-            return None
+            return False
         if schema.get("type") not in (None, "object"):
             self.problem(label, "a payload schema must describe an object")
+        return True
 
+    def _resolved(
+        self, schema: dict[str, Any], uri: str, files: contract_files.SchemaFiles, label: str
+    ) -> RefRegistry | None:
+        """A registry in which every `$ref` of ``schema`` resolves; None on a problem."""
         refused: list[ContractError] = []  # why a retrieval failed: referencing words it as the bare URI
 
         def retrieve(uri: str) -> Resource[Any]:
@@ -730,16 +799,7 @@ class _Loader:
                 cause = refused[-1] if refused else exc
                 self.problem(label, f"$ref {ref[:200]!r} inside the schema does not resolve: {str(cause)[:800]}")
                 return None
-        # An `$id` makes relative `$ref`s inside the schema resolve against its own file.
-        full = {"$id": uri, **schema}
-        try:
-            checker = compile_checker(full, files)
-        except ContractError as exc:
-            self.problem(label, str(exc))
-            return None
-        # The root's URI stands for the schema itself (an inline payload, or a file's fragment),
-        # as for both validators above.
-        return schema, Draft7Validator(full, registry=registry), checker, uri, {**files.documents, uri: schema}
+        return registry
 
     def _register(self, spec: MessageSpec) -> None:
         existing = self.registry.messages.get(spec.message_type)

@@ -220,8 +220,8 @@ class Reconnect:
 
     The cap is short on purpose: a daemon holds one or two connections, so trying every
     second costs the server nothing, while a long cap keeps a daemon away for up to
-    that long after the server is back. With a 30 s cap, after a 10 s RabbitMQ or a 4 s
-    PostgreSQL restart the daemons came back 3 to 6 s after the server did.
+    that long after the server is back (benchmarks/README.md, "2026-11-24: fewer claims
+    per message at a trickle; a worker hang and slow reconnects fixed").
     """
 
     def __init__(self, daemon: Daemon, *, base: float = 0.5, cap: float = 1.0) -> None:

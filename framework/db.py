@@ -1,8 +1,8 @@
 """Database adapter: engines, raw connections for the hot paths, error conversion.
 
 SQLAlchemy serves the public API (the caller's Session or Connection); the daemons' hot
-paths use raw psycopg connections with named SQL, which is several times cheaper per
-row. Both come from one URL.
+paths use raw psycopg connections with named SQL, which cost less per row than ORM
+objects and their unit of work. Both come from one URL.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ def widen_statement_cache() -> None:
     statements under 4 KB with at most 50 parameters, to keep ORMs' one-off INSERTs with a
     varying number of rows out of its cache. The worker's batches are not one-off: every
     full batch flushes the same multi-row INSERT (500 rows, 2,000 parameters), and parsing
-    it again each time cost 8 ms per batch, about 7 % of the worker's time. The cache stays
-    bounded (128 statements, each at most 1 MB here); the limits are module attributes of
-    psycopg since 3.0, set only if they are still there. Called by
+    it again at every batch was a measurable share of the worker's time
+    (benchmarks/code-choices.md, "The worker's batch INSERT and psycopg's parse cache").
+    The cache stays bounded (128 statements, each at most 1 MB here); the limits are
+    module attributes of psycopg since 3.0, set only if they are still there. Called by
     :func:`framework.drivers.tune_drivers` when a daemon starts, never at import.
     """
     if hasattr(psycopg._queries, "MAX_CACHED_STATEMENT_PARAMS"):
@@ -136,7 +137,8 @@ def create_engine(database_url: str, **kwargs: Any) -> Engine:
     engine = sa.create_engine(url, **kwargs)
     # Plain INSERTs of many ORM rows (a batch of handlers' writes, flushed together) go out
     # as multi-row INSERT ... VALUES statements, as SQLAlchemy does for psycopg2, instead of
-    # one pipelined statement per row: several times less work for PostgreSQL and psycopg.
+    # one pipelined statement per row: one statement per batch for PostgreSQL to parse and
+    # psycopg to send, instead of one per row.
     engine.dialect.use_insertmanyvalues_wo_returning = True
     sa.event.listen(engine, "handle_error", _read_only_is_a_disconnect)
     return engine
@@ -223,9 +225,9 @@ def database_errors(what: str) -> Iterator[None]:
 
 
 # The columns the daemons' claims filter, join and order on: the only statistics their
-# plans need. Leaving out the JSON columns halves the cost of an ANALYZE (measured on
-# 55,000 outbox rows: 77-81 ms against 117-165 ms), so the daemons can afford one
-# whenever a burst made the statistics wrong.
+# plans need. Leaving out the JSON columns, the widest, makes an ANALYZE cheap enough
+# for the daemons to run one whenever a burst made the statistics wrong
+# (benchmarks/code-choices.md, "Planner statistics: ANALYZE and the slow-claim bar").
 PLANNING_COLUMNS = (
     "id",
     "segment",
@@ -268,9 +270,10 @@ class Statistics:
     Statistics taken while every row was processed say "no pending rows", and statistics
     taken while the table was small misjudge it once it has grown. Each plan we saw go
     wrong that way is now written so it cannot (the ``ctid`` matches and the spellings of
-    "pending" in framework/tables.py); the worst had cost 620 ms for a 200-row inbox
-    claim that a fresh plan makes in a few ms. This refresh stays as the second line for
-    plans not seen yet: :meth:`refresh` is called on a timer (the gauges) and,
+    "pending" in framework/tables.py); the worst made an inbox claim probe every pending
+    row for each head of a segment (benchmarks/code-choices.md, "Planner statistics:
+    ANALYZE and the slow-claim bar"). This refresh stays as the second line for plans
+    not seen yet: :meth:`refresh` is called on a timer (the gauges) and,
     ``urgent``, right after a slow claim, so a bad plan lasts one claim rather than until
     the next timer tick.
     """
@@ -286,11 +289,11 @@ class Statistics:
 
     @staticmethod
     def slow(seconds: float, rows: int) -> bool:
-        """A claim far slower than a fresh plan makes it.
+        """A claim far slower than a fresh plan makes it: over 50 ms plus 0.5 ms per row.
 
-        Fresh plans measured 15-55 ms for 200-1,000 rows, and up to 60-180 ms for 200 on
-        a machine kept busy by the daemons; misplanned ones 620 ms for 200 and 1,322 ms
-        for 1,000. The bar sits between, so a busy moment does not cost an ANALYZE.
+        The bar sits above what fresh plans took on a machine kept busy by the daemons and
+        below what misplanned ones took, so a busy moment does not cost an ANALYZE
+        (benchmarks/code-choices.md, "Planner statistics: ANALYZE and the slow-claim bar").
         """
         return seconds > 0.05 + 0.0005 * rows
 
@@ -317,7 +320,8 @@ class Statistics:
                     conn.rollback()
 
     def refresh(self, cur: psycopg.Cursor[Any], now: float, *, urgent: bool = False) -> bool:
-        """ANALYZE if stale, at most once per ``min_interval`` (``urgent``: per 2 s). True if it ran."""
+        """ANALYZE if stale, at most once per ``min_interval`` (``urgent``: once per
+        :attr:`URGENT_INTERVAL`). True if it ran."""
         if now - self._last < (self.URGENT_INTERVAL if urgent else self._min_interval):
             return False
         row = cur.execute(self._needs).fetchone()

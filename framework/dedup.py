@@ -11,7 +11,7 @@ receiver's insert would need a second unique probe per row (its hot path) and wo
 with the archive moving an id from one table to the other between the probe and the
 insert. A tombstone is the same row under the same primary key, so the existing
 ``ON CONFLICT`` dedups it with no change and no race; stripped of payload, context,
-metadata and error it costs about a hundred bytes per id.
+metadata and error it keeps little more than its key (docs/explanation/guarantees.md, "Dedup memory").
 
 A tombstone keeps type and aggregate, and the SHA-256 of its payload's canonical jsonb
 text in ``metadata ->> 'payload_sha256'``: ``framework.sql.inbox.same_content`` tells a

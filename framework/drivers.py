@@ -41,7 +41,7 @@ def _freeze_heap() -> None:
 
     A daemon allocates per message (rows, messages, spans waiting for export) and the
     collector's full passes walked the hundreds of thousands of objects the imports left,
-    every time: ``gc.freeze()`` took 14 % of the worker's CPU per message off
+    every time: ``gc.freeze()`` takes that walk off every message's CPU
     (docs/explanation/daemons.md, "What txbox changes in a process"). What is frozen is never
     freed, so this runs once, before the daemon's first message.
     """
@@ -62,10 +62,9 @@ def _space_young_collections() -> None:
     A daemon holds a batch's rows, messages, ORM objects and spans (those the span
     processor keeps until it exports 512 of them) for longer than 700 allocations: each
     young collection found them alive, walked them and moved them up, and the older
-    collections walked them again. In ``txbox bench worker`` that was 11 % of a worker's
-    CPU; at 20,000 it is 4-5 % (docs/explanation/daemons.md, "What txbox changes in a
-    process"). Garbage in reference cycles waits longer: 20,000 objects at most, a few
-    megabytes.
+    collections walked them again; spaced out, they cost a worker far less of its CPU
+    (docs/explanation/daemons.md, "What txbox changes in a process"). Garbage in reference cycles
+    waits longer: :data:`YOUNG_THRESHOLD` objects at most.
     """
     young, older, oldest = gc.get_threshold()
     if young == _DEFAULT_YOUNG:

@@ -203,12 +203,10 @@ def message_from_dict(data: Any) -> Message:
     if not isinstance(data, dict):
         raise EnvelopeError(Reason.NOT_OBJECT, f"the envelope must be a JSON object, not {_json_type(data)}")
     # Every received body passes here: one lookup per field (``get`` with a marker for
-    # absence), no helper call.
+    # absence), one test per field, and no helper call unless the field is wrong.
     raw_id = data.get("message_id", _ABSENT)
-    if raw_id is _ABSENT:
-        raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", "message_id")
     if not isinstance(raw_id, str):
-        raise EnvelopeError(Reason.INVALID_FIELD, f"must be a UUID string, not {_json_type(raw_id)}", "message_id")
+        raise _wrong(raw_id, "message_id", "a UUID string")
     try:
         message_id = uuid.UUID(raw_id)
     except ValueError:
@@ -217,27 +215,20 @@ def message_from_dict(data: Any) -> Message:
     strings: list[str] = []
     for name in _REQUIRED_STR:
         value = data.get(name, _ABSENT)
-        if type(value) is not str:
-            if value is _ABSENT:
-                raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", name)
-            if not isinstance(value, str):
-                raise EnvelopeError(Reason.INVALID_FIELD, f"must be a string, not {_json_type(value)}", name)
+        if type(value) is not str and not isinstance(value, str):
+            raise _wrong(value, name, "a string")
         if value == "" and name != "message_version":
             raise EnvelopeError(Reason.INVALID_FIELD, "must not be empty", name)
         strings.append(value)
     message_type, aggregate_id, aggregate_type, message_version = strings
 
     payload = data.get("payload", _ABSENT)
-    if payload is _ABSENT:
-        raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", "payload")
     if not isinstance(payload, dict):
-        raise EnvelopeError(Reason.INVALID_FIELD, f"must be a JSON object, not {_json_type(payload)}", "payload")
+        raise _wrong(payload, "payload", "a JSON object")
 
     raw_ts = data.get("timestamp", _ABSENT)
-    if raw_ts is _ABSENT:
-        raise EnvelopeError(Reason.MISSING_FIELD, "required field is missing", "timestamp")
     if not isinstance(raw_ts, str):
-        raise EnvelopeError(Reason.INVALID_FIELD, f"must be an ISO 8601 string, not {_json_type(raw_ts)}", "timestamp")
+        raise _wrong(raw_ts, "timestamp", "an ISO 8601 string")
     try:
         timestamp = parse_timestamp(raw_ts)
     except (ValueError, OverflowError):  # OverflowError: year 1 or 9999 shifted out of range by its zone
@@ -246,12 +237,8 @@ def message_from_dict(data: Any) -> Message:
         ) from None
 
     context = data.get("message_context")
-    if context is None:
-        context = {}
-    elif not isinstance(context, dict):
-        raise EnvelopeError(
-            Reason.INVALID_FIELD, f"must be a JSON object, not {_json_type(context)}", "message_context"
-        )
+    if not isinstance(context, dict):
+        context = _no_context(context)
 
     token = data.get("auth_token")
     if token is not None and not isinstance(token, str):
@@ -273,6 +260,21 @@ def message_from_dict(data: Any) -> Message:
         auth_token=token,
     )
     return message
+
+
+def _no_context(context: Any) -> dict[str, Any]:
+    """An envelope's ``message_context`` that is not an object: none (``null``, absent) is
+    an empty one; anything else is refused."""
+    if context is None:
+        return {}
+    raise EnvelopeError(Reason.INVALID_FIELD, f"must be a JSON object, not {_json_type(context)}", "message_context")
+
+
+def _wrong(value: Any, field: str, wanted: str) -> EnvelopeError:
+    """The error of a required envelope field that is missing (``_ABSENT``) or not ``wanted``."""
+    if value is _ABSENT:
+        return EnvelopeError(Reason.MISSING_FIELD, "required field is missing", field)
+    return EnvelopeError(Reason.INVALID_FIELD, f"must be {wanted}, not {_json_type(value)}", field)
 
 
 def _json_type(value: Any) -> str:
@@ -319,71 +321,82 @@ def peek_top_level(body: bytes, key: str, limit: int = PEEK_BYTES) -> str | None
     head = bytes(body[:limit])
     size = len(head)
     found: str | None = None
-
-    def skip_space(pos: int) -> int:
-        while pos < size and head[pos] in _WHITESPACE:
-            pos += 1
-        return pos
-
-    def string_end(pos: int) -> int:
-        """Index after the string whose opening quote is at ``pos - 1``; -1 when cut off."""
-        while (stop := _STRING_STOP.search(head, pos)) is not None:
-            if stop.group() == b'"':
-                return stop.end()
-            pos = stop.end() + 1  # an escape: the next byte is part of the string
-        return -1
-
-    def decoded(start: int, end: int) -> str | None:
-        if end - start > _MAX_PEEKED_CHARS * 6 + 2:  # six bytes per escaped character at most
-            return None
-        try:
-            text = json.loads(head[start:end])
-        except ValueError:  # invalid UTF-8 or escapes, control characters
-            return None
-        return text if isinstance(text, str) and len(text) <= _MAX_PEEKED_CHARS else None
-
-    def value_end(pos: int) -> int:
-        """Index after the value starting at ``pos``; -1 when cut off or malformed."""
-        if pos >= size:
-            return -1
-        first = head[pos : pos + 1]
-        if first == b'"':
-            return string_end(pos + 1)
-        if first not in (b"{", b"["):
-            stop = _SCALAR_STOP.search(head, pos)
-            return -1 if stop is None or stop.start() == pos else stop.start()
-        depth, pos = 1, pos + 1
-        while depth and (stop := _NESTING_STOP.search(head, pos)) is not None:
-            pos = stop.end()
-            char = stop.group()
-            if char == b'"':
-                pos = string_end(pos)
-                if pos < 0:
-                    return -1
-            else:
-                depth += 1 if char in (b"{", b"[") else -1
-        return pos if depth == 0 else -1
-
-    pos = skip_space(0)
+    pos = _skip_space(head, 0)
     if head[pos : pos + 1] != b"{":
         return None
-    pos = skip_space(pos + 1)
+    pos = _skip_space(head, pos + 1)
     while pos < size and head[pos : pos + 1] == b'"':
-        key_end = string_end(pos + 1)
+        key_end = _string_end(head, pos + 1)
         if key_end < 0:
             return found
-        name = decoded(pos, key_end)
-        pos = skip_space(key_end)
+        name = _decoded(head, pos, key_end)
+        pos = _skip_space(head, key_end)
         if head[pos : pos + 1] != b":":
             return found
-        pos = skip_space(pos + 1)
-        end = value_end(pos)
+        pos = _skip_space(head, pos + 1)
+        end = _value_end(head, pos)
         if end < 0:
             return found
         if name == key and head[pos : pos + 1] == b'"':
-            found = decoded(pos, end)
-        pos = skip_space(end)
+            found = _decoded(head, pos, end)
+        pos = _skip_space(head, end)
         if head[pos : pos + 1] != b",":
             return found
-        pos = skip_space(pos + 1)
+        pos = _skip_space(head, pos + 1)
     return found
+
+
+def _skip_space(head: bytes, pos: int) -> int:
+    size = len(head)
+    while pos < size and head[pos] in _WHITESPACE:
+        pos += 1
+    return pos
+
+
+def _string_end(head: bytes, pos: int) -> int:
+    """Index after the string whose opening quote is at ``pos - 1``; -1 when cut off."""
+    while (stop := _STRING_STOP.search(head, pos)) is not None:
+        if stop.group() == b'"':
+            return stop.end()
+        pos = stop.end() + 1  # an escape: the next byte is part of the string
+    return -1
+
+
+def _decoded(head: bytes, start: int, end: int) -> str | None:
+    """The JSON string ``head[start:end]``, or None when it is not one or is too long."""
+    if end - start > _MAX_PEEKED_CHARS * 6 + 2:  # six bytes per escaped character at most
+        return None
+    try:
+        text = json.loads(head[start:end])
+    except ValueError:  # invalid UTF-8 or escapes, control characters
+        return None
+    return text if isinstance(text, str) and len(text) <= _MAX_PEEKED_CHARS else None
+
+
+def _value_end(head: bytes, pos: int) -> int:
+    """Index after the value starting at ``pos``; -1 when cut off or malformed."""
+    if pos >= len(head):
+        return -1
+    first = head[pos : pos + 1]
+    if first == b'"':
+        return _string_end(head, pos + 1)
+    if first not in (b"{", b"["):
+        stop = _SCALAR_STOP.search(head, pos)
+        return -1 if stop is None or stop.start() == pos else stop.start()
+    return _nested_end(head, pos + 1)
+
+
+def _nested_end(head: bytes, pos: int) -> int:
+    """Index after the object or array opened at ``pos - 1``, its brackets counted and its
+    strings skipped; -1 when cut off or malformed."""
+    depth = 1
+    while depth and (stop := _NESTING_STOP.search(head, pos)) is not None:
+        pos = stop.end()
+        char = stop.group()
+        if char == b'"':
+            pos = _string_end(head, pos)
+            if pos < 0:
+                return -1
+        else:
+            depth += 1 if char in (b"{", b"[") else -1
+    return pos if depth == 0 else -1

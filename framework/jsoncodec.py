@@ -11,8 +11,9 @@
 On the hot paths:
 
 Every received body and every claimed inbox row (payload, context, metadata) is parsed
-once, and the inbox and outbox JSON written once per message. orjson does both 3-5x
-faster (the receiver spends 8 % less CPU per message with it), but differs from
+once, and the inbox and outbox JSON written once per message. orjson does both at a
+fraction of the standard library's CPU (benchmarks/code-choices.md, "JSON on the hot
+paths"), but differs from
 :mod:`json` on a few inputs, so it only gets the input when it returns exactly what
 :func:`json.loads` would:
 
@@ -47,8 +48,9 @@ from typing import Any
 
 import orjson
 
-# Digits → "0", so a run of 19 digits is one substring search (C speed; a regex scan
-# cost twice as much as orjson's whole parse).
+# Digits → "0", so a run of 19 digits is one substring search at C speed, where a regex
+# scan costs more than orjson's whole parse (benchmarks/code-choices.md, "JSON on the
+# hot paths").
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _NINETEEN_DIGITS = b"0" * 19
 
@@ -108,6 +110,8 @@ def to_storable(value: Any) -> Any:
 
 
 def _storable(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, dict | list | tuple):
+        return _storable_container(value, depth)
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -116,12 +120,19 @@ def _storable(value: Any, depth: int = 0) -> Any:
         return value if value.bit_length() <= _BIG_INT_BITS else f"<integer of {value.bit_length()} bits>"
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict | list | tuple) and depth >= JSON_DEPTH_LIMIT:
+    return _storable_other(value)
+
+
+def _storable_container(value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> Any:
+    if depth >= JSON_DEPTH_LIMIT:
         return TOO_DEEP
     if isinstance(value, dict):
         return {_key(k): _storable(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_storable(v, depth + 1) for v in value]
+    return [_storable(v, depth + 1) for v in value]
+
+
+def _storable_other(value: Any) -> Any:
+    """What JSON has no type for: bytes as text, dates in ISO 8601, decimals, else ``str()``."""
     if isinstance(value, bytes | bytearray | memoryview):
         return clean_string(bytes(value).decode("utf-8", "replace"))
     if isinstance(value, datetime | date):

@@ -2,8 +2,9 @@
 
 A one-row business transaction is a few round trips: BEGIN, its statement and COMMIT.
 An outbox INSERT of its own would be one more, and parsing and planning a wide INSERT
-costs PostgreSQL about as much again as executing it. So a row written at the top level
-of a transaction waits here and goes out with the COMMIT in one libpq pipeline:
+is a large part of what it costs PostgreSQL (benchmarks/README.md, "2026-11-24,
+morning", the outbox write). So a row written at the top level of a transaction waits
+here and goes out with the COMMIT in one libpq pipeline:
 ``[Close, Parse,] Bind/Execute ... COMMIT, Sync``, one round trip, executing a statement
 prepared once per connection. It is still the caller's transaction: the rows commit
 exactly when the business data does, and a failing INSERT aborts the pipeline, so the

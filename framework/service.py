@@ -194,42 +194,7 @@ class Service:
             return problems
         accepted = {spec.message_type: spec for spec in registry.accepted_types(self.name)}
         for message_type, claimants in self._claims.items():
-            where = ", ".join(h.name for h in claimants)
-            if not message_type:
-                problems.append(Problem("error", where, "handler does not set `message_type`"))
-                continue
-            if len(claimants) > 1:
-                problems.append(
-                    Problem("error", where, f"{len(claimants)} handlers claim message type {message_type!r}; keep one")
-                )
-            handler = claimants[0]
-            spec = registry.messages.get(message_type)
-            if spec is None:
-                one_type = registry.aliases.get(message_type)
-                problems.append(
-                    Problem(
-                        "error",
-                        handler.name,
-                        f"handles {message_type!r}, an alias of {one_type!r} (messages are stored and handled under "
-                        f"that type): set message_type = {one_type!r}"
-                        if one_type
-                        else f"handles unknown message type {message_type!r}: no contract declares it",
-                    )
-                )
-                continue
-            if handler.kind and handler.kind != spec.kind:
-                what, base = ("a command", "CommandHandler") if spec.kind == "command" else ("an event", "EventHandler")
-                problems.append(Problem("error", handler.name, f"{message_type} is {what}: subclass {base}"))
-            if message_type not in accepted:
-                how = (
-                    f"it is a command of {spec.service}"
-                    if spec.kind == "command"
-                    else f"add {spec.routing_key!r} to `x-subscribes` in {registry.services[self.name].path}"
-                )
-                problems.append(Problem("error", handler.name, f"{self.name} does not receive {message_type} ({how})"))
-                continue
-            problems += _version_problems(self.name, handler, spec)
-            problems += _permission_problems(handler)
+            problems += self._claim_problems(registry, accepted, message_type, claimants)
         try:
             self.middleware  # noqa: B018 -- builds the permission guard if needed: bad settings fail at start
         except ConfigurationError as exc:
@@ -241,6 +206,46 @@ class Service:
                     Problem("error", self.name, f"{what} {message_type} but no handler is registered for it")
                 )
         return problems
+
+    def _claim_problems(
+        self, registry: Registry, accepted: dict[str, MessageSpec], message_type: str, claimants: list[Handler]
+    ) -> list[Problem]:
+        """What does not fit in the handlers that claim ``message_type``."""
+        where = ", ".join(h.name for h in claimants)
+        if not message_type:
+            return [Problem("error", where, "handler does not set `message_type`")]
+        problems = []
+        if len(claimants) > 1:
+            problems.append(
+                Problem("error", where, f"{len(claimants)} handlers claim message type {message_type!r}; keep one")
+            )
+        handler = claimants[0]
+        spec = registry.messages.get(message_type)
+        if spec is None:
+            one_type = registry.aliases.get(message_type)
+            problems.append(
+                Problem(
+                    "error",
+                    handler.name,
+                    f"handles {message_type!r}, an alias of {one_type!r} (messages are stored and handled under "
+                    f"that type): set message_type = {one_type!r}"
+                    if one_type
+                    else f"handles unknown message type {message_type!r}: no contract declares it",
+                )
+            )
+            return problems
+        if handler.kind and handler.kind != spec.kind:
+            what, base = ("a command", "CommandHandler") if spec.kind == "command" else ("an event", "EventHandler")
+            problems.append(Problem("error", handler.name, f"{message_type} is {what}: subclass {base}"))
+        if message_type not in accepted:
+            how = (
+                f"it is a command of {spec.service}"
+                if spec.kind == "command"
+                else f"add {spec.routing_key!r} to `x-subscribes` in {registry.services[self.name].path}"
+            )
+            problems.append(Problem("error", handler.name, f"{self.name} does not receive {message_type} ({how})"))
+            return problems
+        return [*problems, *_version_problems(self.name, handler, spec), *_permission_problems(handler)]
 
     def check(self, *, runs_handlers: bool = True) -> list[Problem]:
         """Assembly validation: raise AssemblyError naming every misfit.

@@ -13,7 +13,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar, get_args, get_origin
@@ -64,30 +64,33 @@ def _convert(raw: str, annotation: Any) -> Any:
     origin = get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in get_args(annotation) if a is not type(None)]
-        if raw.strip() == "":
-            return None
-        return _convert(raw, inner[0])
+        return None if raw.strip() == "" else _convert(raw, inner[0])
     if origin is Literal:
         allowed = get_args(annotation)
         if raw not in allowed:
             raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
         return raw
-    if annotation is bool:
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError("must be true or false")
-    if annotation is int:
-        return int(raw)
-    if annotation is Seconds:
-        return Seconds(parse_duration(raw))
-    if annotation is float:
-        return float(raw)
-    if annotation is Path:
-        return Path(raw)
-    return raw
+    convert = _CONVERTERS.get(annotation)
+    return raw if convert is None else convert(raw)
+
+
+def _boolean(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be true or false")
+
+
+# The field types read from text besides optionals and Literals; any other stays the text.
+_CONVERTERS: dict[Any, Callable[[str], Any]] = {
+    bool: _boolean,
+    int: int,
+    Seconds: lambda raw: Seconds(parse_duration(raw)),
+    float: float,
+    Path: Path,
+}
 
 
 def load(cls: type[T], environ: Mapping[str, str] | None = None, **overrides: Any) -> T:

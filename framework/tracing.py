@@ -251,10 +251,10 @@ def batch_spans(
 
     One span per :data:`MAX_LINKS` contexts (at least one), so no link is built that the
     SDK would drop. Each is given its links at start, as the OpenTelemetry specification
-    prefers (the sampler sees them; adding them one by one afterwards cost the SDK twice
-    as much per link). An empty list when nothing records: with no SDK not one carrier is
-    looked at; when the sampler says no to the first span, they were read only as far
-    as that span's links.
+    prefers (the sampler sees them; adding them one by one afterwards costs the SDK more
+    per link: docs/explanation/operations.md, "Tracing"). An empty list when nothing records: with
+    no SDK not one carrier is looked at; when the sampler says no to the first span, they
+    were read only as far as that span's links.
     """
     active = _batch_tracer()
     if active is None:

@@ -24,10 +24,10 @@ import threading
 import time
 
 WINDOW_FROM = 0.005  # seconds: NOTIFYs at least this far apart get no window
-# Seconds: the longest window, for NOTIFYs 2.5 ms apart or closer. At 500 msg/s a 5 ms
-# window took the pipeline from 1.42-1.45 to 1.18-1.21 cores and its p50 from 15-16 to
-# 13-14 ms (the CPU it saved was time spent queueing for a core); 3 ms saved less, 10 ms
-# more CPU but cost latency (docs/explanation/daemons.md, "Wake-ups").
+# Seconds: the longest window, for NOTIFYs 2.5 ms apart or closer. Under load this length
+# saved CPU and lowered the p50 at once (the CPU it saved was time spent queueing for a
+# core); shorter windows saved less, longer ones cost latency (docs/explanation/daemons.md,
+# "Wake-ups"; benchmarks/cpu-per-message.md, "A longer window").
 WINDOW_MAX = 0.005
 HOLD_FIRST = 0.005  # seconds a replica holds NOTIFYs back after its first empty claim
 HOLD_MAX = 0.1  # seconds: the longest hold, bounded by the poll interval too
@@ -56,8 +56,8 @@ class Pace:
     def window(self) -> float:
         """Seconds a NOTIFY-woken loop waits for more before it claims: twice the mean gap's
         distance below :data:`WINDOW_FROM`, at most :data:`WINDOW_MAX`; 0 at a trickle, and
-        0 when that is shorter than the mean gap (at 200 msg/s a 1 ms window added
-        2.7 ms to the p50 and saved no CPU)."""
+        0 when that is shorter than the mean gap: such a window gathers no NOTIFY more, it
+        only adds its length to the latency (benchmarks/cpu-per-message.md, "A longer window")."""
         gap = self._gap
         wait = min(WINDOW_MAX, 2 * (WINDOW_FROM - gap))
         return wait if wait >= gap else 0.0

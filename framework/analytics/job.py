@@ -127,7 +127,9 @@ def run_once(
     judgement = rc.Judgement(as_of=started, since=since, grace_seconds=settings.grace, sla_seconds=settings.sla)
     rec = rc.reconcile(spark, frames, registry, services, judgement)
     findings = rec.findings.persist()
-    # Counts and the first ids of every kind in one pass (each Spark action costs ~1 s).
+    # Counts and the first ids of every kind in one pass: each Spark action is a job of its
+    # own, scheduled and run across the executors (benchmarks/code-choices.md, "Spark: the
+    # JVM's start and an action").
     by_kind = Window.partitionBy("kind")
     head = (
         findings.withColumn("_n", F.count(F.lit(1)).over(by_kind))

@@ -7,10 +7,10 @@ daemons' claims. So the job never opens one long transaction:
 - each table is read in ``ceil(rows / partition_rows)`` partitions split on ``created_at``
   at its quantiles (one quick ``count`` and one ``percentile_disc``), each partition being
   one statement on its own connection, streamed with a fetch size — its snapshot lives
-  only as long as that slice (~100k rows, about a second). Quantiles, not equal strides
-  between min and max: traffic comes in bursts and one old pending row stretches the
-  range, and equal strides would then put nearly every row in one partition, read by one
-  executor while the others wait (docs/explanation/analytics.md, "The Spark job on a cluster");
+  only as long as that slice (``partition_rows`` rows) takes to stream. Quantiles, not
+  equal strides between min and max: traffic comes in bursts and one old pending row
+  stretches the range, and equal strides would then put nearly every row in one
+  partition, read by one executor while the others wait (docs/explanation/analytics.md, "The Spark job on a cluster");
 - only a bounded window is read (``created_at >= now - window``, plus rows still
   pending, which sit on the small partial index), so the cost does not grow with history;
 - sessions are read-only and carry a statement timeout, so a stuck read cannot pin a

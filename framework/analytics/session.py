@@ -8,9 +8,10 @@ network reach, not a Python environment (docs/explanation/analytics.md, "The Spa
 cluster"). UTC everywhere (session and JVM) so minute/hour buckets and the timestamp
 literals of the partitioned reads mean the same thing on every executor.
 
-Before the JVM starts (about ten seconds) the master is checked: a malformed URL or an
-unreachable ``spark://`` master fails in a second with one line, where Spark itself
-retries for a minute and prints a few hundred lines of stack traces.
+Before the JVM starts (the slowest part of a run's start: benchmarks/code-choices.md,
+"Spark: the JVM's start and an action") the master is checked: a malformed URL or an
+unreachable ``spark://`` master fails at once with one line, where Spark itself retries
+and prints pages of stack traces (docs/explanation/analytics.md, "The Spark job on a cluster").
 """
 
 from __future__ import annotations

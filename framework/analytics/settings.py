@@ -1,7 +1,8 @@
 """Tuning of `txbox analyze` and `txbox archive`: ``TXBOX_ANALYZE_*`` / ``TXBOX_ARCHIVE_*``.
 
 Kept free of pyspark imports so the CLI can parse and validate configuration (and fail
-naming the fix) before paying the ~10 s JVM start.
+naming the fix) before paying the JVM's start (benchmarks/code-choices.md, "Spark: the
+JVM's start and an action").
 """
 
 from __future__ import annotations

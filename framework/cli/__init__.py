@@ -158,25 +158,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
-    name = args[0]
+    found = _command(args[0])
+    if isinstance(found, int):
+        return found
+    module, description = found
+    return _run(args[0], module, description, args[1:])
+
+
+def _command(name: str) -> tuple[ModuleType, str] | int:
+    """The module and description of command ``name``, or the exit status after saying why
+    there is none."""
     if name in COMMANDS:
-        module, description = importlib.import_module(COMMANDS[name][0]), COMMANDS[name][1]
-    elif entry := _added().get(name):
+        return importlib.import_module(COMMANDS[name][0]), COMMANDS[name][1]
+    if entry := _added().get(name):
         loaded = _load(entry)
         if isinstance(loaded, Exception):
             print(f"txbox {name}: error: {_describe(loaded)}; reinstall the distribution that adds it", file=sys.stderr)
             return 2
-        module, description = loaded, _describe(loaded)
-    elif name in TOOL_COMMANDS:
+        return loaded, _describe(loaded)
+    if name in TOOL_COMMANDS:
         print(f"txbox: {name} {_NO_TOOLS}", file=sys.stderr)
-        return 2
     else:
         print(f"txbox: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+    return 2
+
+
+def _run(name: str, module: ModuleType, description: str, args: list[str]) -> int:
+    """Parse ``args`` for command ``name`` and run it: its exit status."""
     parser = _Parser(prog=f"txbox {name}", description=description)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     module.configure(parser, name)
-    ns = parser.parse_args(args[1:])
+    ns = parser.parse_args(args)
     ns.command = name
     try:
         redaction.sensitive_keys()  # a bad TXBOX_SENSITIVE_KEYS fails at start, not at the first dead letter

@@ -2,18 +2,22 @@
 
 Sources: ``--source service=url`` (repeatable), ``--sources-file FILE``, else the
 service of ``TXBOX_SERVICE`` / ``TXBOX_DATABASE_URL``. Everything is validated before
-the JVM starts, so a typo costs a second, not ten.
+the JVM starts, so a typo fails without waiting for it (benchmarks/code-choices.md,
+"Spark: the JVM's start and an action").
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from framework.analytics.locations import location
 from framework.analytics.session import parse_master, spark_conf
@@ -22,6 +26,9 @@ from framework.analytics.sources import Source, check_unique, load_sources_file,
 from framework.cli.common import add_spark_options
 from framework.errors import ConfigurationError
 from framework.settings import load, parse_duration
+
+if TYPE_CHECKING:
+    from framework.analytics.job import RunResult
 
 log = logging.getLogger("txbox.analyze")
 
@@ -70,7 +77,6 @@ def sources_of(args: argparse.Namespace) -> tuple[list[Source], str | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from framework import names
     from framework.analytics.report import check_report_database
     from framework.contracts import load_registry
 
@@ -86,9 +92,7 @@ def run(args: argparse.Namespace) -> int:
         report_url=args.report_url,
     )
     sources, file_report = sources_of(args)
-    schema = args.schema or os.environ.get("TXBOX_SCHEMA") or "txbox"
-    if not names.valid_schema(schema):
-        raise ConfigurationError(f"--schema {schema!r} is not a valid schema name (example: txbox)")
+    schema = _schema(args)
     registry = load_registry(args.contracts_dir or os.environ.get("TXBOX_CONTRACTS_DIR") or "contracts")
     report_url = None if args.no_report else (settings.report_url or file_report or sources[0].url)
     if report_url is not None:
@@ -100,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if master is not None and not master.on_loopback:
         for url in [s.url for s in sources] + ([report_url] if report_url else []):
             warn_if_loopback(url)
-    every = parse_duration(args.every) if args.every else None
-    if every is not None and every <= 0:
-        raise ConfigurationError(f"--every {args.every!r} must be a positive duration (example: --every 5m)")
+    every = _every(args)
 
     from framework.analytics.job import run_once
     from framework.analytics.session import job_session
@@ -110,35 +112,64 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("py4j").setLevel(logging.WARNING)  # py4j narrates every gateway connection
     stop = threading.Event()
     if every is not None:
-
-        def _stop(signum: int, frame: FrameType | None) -> None:
-            stop.set()
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
-    status = 0
+        _stop_on_signals(stop)
     with job_session(settings, "txbox-analyze", conf) as spark:
-        while True:
-            try:
-                result = run_once(
-                    spark,
-                    sources=sources,
-                    registry=registry,
-                    settings=settings,
-                    schema=schema,
-                    report_url=report_url,
-                    parquet=parquet,
-                    history=history,
-                )
-            except Exception as exc:
-                if every is None:
-                    raise
-                # A repeating job outlives a source that is down for one period: say so, go on.
-                log.error("analyze run failed, next try in %s s: %s", every, str(exc).splitlines()[0][:500])
-                status = 2
-            else:
-                print(result.summary(), flush=True)
-                status = 1 if (args.fail_on_lost and result.lost) else 0
-            if every is None or stop.wait(every):
-                break
-    return status
+        once = functools.partial(
+            run_once,
+            spark,
+            sources=sources,
+            registry=registry,
+            settings=settings,
+            schema=schema,
+            report_url=report_url,
+            parquet=parquet,
+            history=history,
+        )
+        return _repeat(once, every, stop, fail_on_lost=args.fail_on_lost)
+
+
+def _schema(args: argparse.Namespace) -> str:
+    from framework import names
+
+    schema: str = args.schema or os.environ.get("TXBOX_SCHEMA") or "txbox"
+    if not names.valid_schema(schema):
+        raise ConfigurationError(f"--schema {schema!r} is not a valid schema name (example: txbox)")
+    return schema
+
+
+def _every(args: argparse.Namespace) -> float | None:
+    """``--every`` in seconds (None: run once)."""
+    every = parse_duration(args.every) if args.every else None
+    if every is not None and every <= 0:
+        raise ConfigurationError(f"--every {args.every!r} must be a positive duration (example: --every 5m)")
+    return every
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+
+
+def _repeat(once: Callable[[], RunResult], every: float | None, stop: threading.Event, *, fail_on_lost: bool) -> int:
+    """Run ``once``, then every ``every`` seconds until ``stop``; the last run's status.
+
+    Run once (``every`` None), a failure raises; repeating, a failed run is logged and the
+    next one comes at its time: a repeating job outlives a source that is down for one period.
+    """
+    status = 0
+    while True:
+        try:
+            result = once()
+        except Exception as exc:
+            if every is None:
+                raise
+            log.error("analyze run failed, next try in %s s: %s", every, str(exc).splitlines()[0][:500])
+            status = 2
+        else:
+            print(result.summary(), flush=True)
+            status = 1 if (fail_on_lost and result.lost) else 0
+        if every is None or stop.wait(every):
+            return status

@@ -1,8 +1,9 @@
 """The direct-send client for application code: many sends in flight from any thread.
 
 Why a loop thread of its own: pika's ``BlockingConnection`` gives one blocking round
-trip per confirmed publish (~1,700 msg/s here), while publisher confirms streamed over
-an asynchronous connection reach ~18,000 msg/s. The loop thread runs a
+trip per confirmed publish, while publisher confirms streamed over an asynchronous
+connection keep many in flight and reach a far higher rate (benchmarks/code-choices.md,
+"Publisher confirms: blocking against streamed"). The loop thread runs a
 :class:`~framework.confirms.channel.ConfirmChannel` (which owns the connection and the
 channel); callers hand messages over through a queue and one
 ``ioloop.add_callback_threadsafe`` wake-up per burst (not per message), because that
@@ -78,7 +79,7 @@ class Publisher:
 
     ``max_unconfirmed``, ``overflow`` and ``overflow_timeout`` default to
     ``TXBOX_PUBLISHER_MAX_UNCONFIRMED`` (1000), ``TXBOX_PUBLISHER_OVERFLOW`` (``block``)
-    and ``TXBOX_PUBLISHER_OVERFLOW_TIMEOUT`` (30s).
+    and ``TXBOX_PUBLISHER_OVERFLOW_TIMEOUT`` (``30s``).
 
     ``on_blocked`` is called on the I/O thread with the broker's reason when RabbitMQ
     blocks the connection (a memory or disk alarm), and with None when it unblocks it or
@@ -436,7 +437,7 @@ def _check_encodable(properties: pika.BasicProperties) -> None:
     Found on the I/O thread instead, the encoder's exception looked like a dying channel:
     every send in flight failed as ``connection_lost`` and the connection was renewed, for
     one caller's bad header (say an int past 64 bits, or a value of a type AMQP has no
-    field for). Encoding here costs a few microseconds per send (docs/explanation/write.md,
+    field for). Encoding here is small next to the send itself (docs/explanation/write.md,
     "Direct sends").
     """
     try:

@@ -224,49 +224,69 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
     if not sources:
         raise ConfigurationError("the dashboard needs at least one source (TXBOX_* environment or --source name=url)")
     settings = settings or DashboardSettings()
-    by_name = {s.name: s for s in sources}
-    auth = Auth(
-        settings.token,
-        settings.views_need_token,
-        session_ttl=float(settings.session_ttl),
-        secure_cookies=settings.secure_cookies,
-    )
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(HERE / "templates"),
-        autoescape=True,
-        finalize=shown,
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    env.filters.update(
-        time=_time, age=_age, pretty=jsoncodec.pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket, ms=_ms
-    )
-    env.globals.update(
-        sources=[s.name for s in sources], statuses=dead_letters_sql.STATUSES, windows=list(queries.WINDOWS)
+    dashboard = _Dashboard(sources, settings)
+    return Starlette(
+        routes=dashboard.routes(),
+        middleware=[
+            Middleware(Shield, allowed_hosts=settings.hosts, max_body_bytes=settings.max_body_bytes),
+            Middleware(ViewGuard, auth=dashboard.auth),
+        ],
+        exception_handlers={
+            HttpError: dashboard.on_http_error,
+            TxboxError: dashboard.on_txbox_error,
+            Exception: dashboard.on_crash,
+        },
     )
 
-    # --- helpers -------------------------------------------------------------------
 
-    def source(name: str | None) -> Source:
+class _Dashboard:
+    """The pages, the JSON API and their helpers over ``sources``; one per app."""
+
+    def __init__(self, sources: Sequence[Source], settings: DashboardSettings) -> None:
+        self.sources = sources
+        self.settings = settings
+        self.by_name = {s.name: s for s in sources}
+        self.auth = Auth(
+            settings.token,
+            settings.views_need_token,
+            session_ttl=float(settings.session_ttl),
+            secure_cookies=settings.secure_cookies,
+        )
+        self.env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(HERE / "templates"),
+            autoescape=True,
+            finalize=shown,
+            undefined=jinja2.StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        self.env.filters.update(
+            time=_time, age=_age, pretty=jsoncodec.pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket, ms=_ms
+        )
+        self.env.globals.update(
+            sources=[s.name for s in sources], statuses=dead_letters_sql.STATUSES, windows=list(queries.WINDOWS)
+        )
+        self.choice_cache: dict[tuple[str, str], tuple[float, list[str]]] = {}
+
+    def source(self, name: str | None) -> Source:
         if name is None or name == "":
-            return sources[0]
-        if name not in by_name:
+            return self.sources[0]
+        if name not in self.by_name:
             raise HttpError(404, f"no source named {name!r}")
-        return by_name[name]
+        return self.by_name[name]
 
-    def render(request: Request, template: str, code: int = 200, **context: Any) -> HTMLResponse:
-        html = env.get_template(template).render(
+    def render(self, request: Request, template: str, code: int = 200, **context: Any) -> HTMLResponse:
+        html = self.env.get_template(template).render(
             request=request,
             path=request.url.path,
-            auth_enabled=auth.enabled,
-            logged_in=auth.authenticated(request),
-            csrf=auth.csrf_token(request),
+            auth_enabled=self.auth.enabled,
+            logged_in=self.auth.authenticated(request),
+            csrf=self.auth.csrf_token(request),
             **context,
         )
         return HTMLResponse(html, status_code=code)
 
-    def filters_from(request: Request) -> dead_letters_sql.Filters:
+    def filters_from(self, request: Request) -> dead_letters_sql.Filters:
         q = request.query_params
         try:
             return dead_letters_sql.Filters(
@@ -282,38 +302,38 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         except ValueError as exc:
             raise HttpError(400, f"bad filter: {exc}") from None
 
-    def page_of(request: Request) -> int:
+    def page_of(self, request: Request) -> int:
         try:
             return max(1, min(int(request.query_params.get("page", "1")), 100_000))
         except ValueError:
             raise HttpError(400, "page must be a number") from None
 
-    def window_of(request: Request) -> str:
+    def window_of(self, request: Request) -> str:
         window = request.query_params.get("window", "1h")
         if window not in queries.WINDOWS:
             raise HttpError(400, f"window must be one of {', '.join(queries.WINDOWS)}")
         return window
 
-    def require_change_rights(request: Request, form_csrf: str | None) -> None:
+    def require_change_rights(self, request: Request, form_csrf: str | None) -> None:
         """Pages' forms: session cookie + CSRF token (``form_csrf``); the JSON API: Bearer only.
 
         The API takes no cookie: a page of another origin (another port of 127.0.0.1 is
         one, and SameSite does not see ports) could otherwise POST with the browser's.
         """
-        if not auth.enabled:
+        if not self.auth.enabled:
             raise HttpError(403, "replay and discard are disabled: start the dashboard with TXBOX_DASHBOARD_TOKEN set")
-        if not auth.authenticated(request):
+        if not self.auth.authenticated(request):
             raise HttpError(401, "log in with the dashboard token (or send Authorization: Bearer <token>)")
-        if form_csrf is None and not auth.bearer(request):
+        if form_csrf is None and not self.auth.bearer(request):
             raise HttpError(403, "the JSON API needs the header Authorization: Bearer <token> (cookies are for pages)")
-        if form_csrf is not None and not auth.csrf_ok(request, form_csrf):
+        if form_csrf is not None and not self.auth.csrf_ok(request, form_csrf):
             raise HttpError(403, "the form's CSRF token is missing or stale: reload the page and try again")
 
     # --- data ------------------------------------------------------------------------
 
-    def overview_data(window: str) -> list[dict[str, Any]]:
+    def overview_data(self, window: str) -> list[dict[str, Any]]:
         cards = []
-        for s in sources:
+        for s in self.sources:
             try:
                 with queries.connection(s.engine) as conn:
                     cards.append(
@@ -324,7 +344,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                             "groups": masked(
                                 dead_letters_sql.groups(conn, s.schema, dead_letters_sql.Filters(), limit=5)
                             ),
-                            "analytics": analytics_of(s, conn),
+                            "analytics": self.analytics_of(s, conn),
                             "daemons": [b.view() for b in heartbeats_sql.read(conn, s.schema, s.name)],
                             "error": None,
                         }
@@ -333,11 +353,11 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                 cards.append({"name": s.name, "error": str(exc)})
         return cards
 
-    def analytics_of(s: Source, conn: Any) -> dict[str, Any] | None:
+    def analytics_of(self, s: Source, conn: Any) -> dict[str, Any] | None:
         """The last ``txbox analyze`` run covering ``s``: in its own database, else in another
         source's (the job writes one report, by default into its first source's database)."""
         found = reports_sql.analytics(conn, s.schema, s.name)
-        for other in sources:
+        for other in self.sources:
             if found is not None:
                 break
             if other is not s:
@@ -348,9 +368,9 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             found["latency"] = latency.per_stage(found["latency"])
         return found
 
-    def groups_data(request: Request) -> list[dict[str, Any]]:
-        filters = filters_from(request)
-        wanted = [source(request.query_params["service"])] if request.query_params.get("service") else sources
+    def groups_data(self, request: Request) -> list[dict[str, Any]]:
+        filters = self.filters_from(request)
+        wanted = [self.source(request.query_params["service"])] if request.query_params.get("service") else self.sources
         out = []
         for s in wanted:
             with queries.connection(s.engine) as conn:
@@ -361,16 +381,16 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         out.sort(key=lambda g: (-g["count"], g["service"]))
         return out
 
-    def letters_data(request: Request) -> dict[str, Any]:
-        s = source(request.query_params.get("service"))
-        filters = filters_from(request)
-        page = page_of(request)
+    def letters_data(self, request: Request) -> dict[str, Any]:
+        s = self.source(request.query_params.get("service"))
+        filters = self.filters_from(request)
+        page = self.page_of(request)
         with queries.connection(s.engine) as conn:
             total = dead_letters_sql.count_letters(conn, s.schema, filters)
             rows = dead_letters_sql.list_letters(
                 conn, s.schema, filters, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
             )
-            choices = {c: cached_choices(conn, s, c) for c in ("message_type", "reason")}
+            choices = {c: self.cached_choices(conn, s, c) for c in ("message_type", "reason")}
         return {
             "service": s.name,
             "filters": filters,
@@ -381,20 +401,18 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             "choices": choices,
         }
 
-    choice_cache: dict[tuple[str, str], tuple[float, list[str]]] = {}
-
-    def cached_choices(conn: Any, s: Source, column: str) -> list[str]:
+    def cached_choices(self, conn: Any, s: Source, column: str) -> list[str]:
         """Drop-down values, cached a minute: they scan the table and rarely change."""
         key = (s.name, column)
-        hit = choice_cache.get(key)
+        hit = self.choice_cache.get(key)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
         values = dead_letters_sql.distinct_values(conn, s.schema, column)
-        choice_cache[key] = (time.monotonic() + CHOICES_TTL, values)
+        self.choice_cache[key] = (time.monotonic() + CHOICES_TTL, values)
         return values
 
-    def letter_data(name: str, letter_id: int) -> tuple[Source, dict[str, Any]]:
-        s = source(name)
+    def letter_data(self, name: str, letter_id: int) -> tuple[Source, dict[str, Any]]:
+        s = self.source(name)
         with queries.connection(s.engine) as conn:
             row = dead_letters_sql.get_letter(conn, s.schema, letter_id)
         if row is None:
@@ -402,7 +420,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         return s, masked(row)
 
     def act(
-        s: Source, action: str, ids: list[int], *, dry_run: bool, auth_token: str | None = None
+        self, s: Source, action: str, ids: list[int], *, dry_run: bool, auth_token: str | None = None
     ) -> list[replay.Outcome]:
         """Replay or discard ``ids``; ``auth_token``: the operator's, for the replayed messages only."""
         if action not in ACTIONS:
@@ -412,15 +430,15 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
                 return replay.replay(conn, s.schema, s.registry, s.name, ids, dry_run=dry_run, auth_token=auth_token)
             return replay.discard(conn, s.schema, ids, dry_run=dry_run)
 
-    def group_ids(s: Source, fingerprint: str) -> list[int]:
+    def group_ids(self, s: Source, fingerprint: str) -> list[int]:
         with queries.connection(s.engine) as conn:
             return dead_letters_sql.ids_matching(conn, s.schema, dead_letters_sql.Filters(fingerprint=fingerprint))
 
     # --- pages -----------------------------------------------------------------------
 
-    def overview_page(request: Request) -> Response:
-        window = window_of(request)
-        cards = overview_data(window)
+    def overview_page(self, request: Request) -> Response:
+        window = self.window_of(request)
+        cards = self.overview_data(window)
         for card in cards:
             if card.get("error"):
                 continue
@@ -441,28 +459,28 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             if card["analytics"] and card["analytics"]["latency"]:
                 card["latency_chart"] = charts.latency_chart(card["analytics"]["latency"])
                 card["latency_legend"] = charts.legend(charts.LATENCY_LEGEND)
-        return render(request, "overview.html", cards=cards, window=window, title="Overview")
+        return self.render(request, "overview.html", cards=cards, window=window, title="Overview")
 
-    def groups_page(request: Request) -> Response:
-        filters = filters_from(request)
-        return render(
+    def groups_page(self, request: Request) -> Response:
+        filters = self.filters_from(request)
+        return self.render(
             request,
             "groups.html",
-            groups=groups_data(request),
+            groups=self.groups_data(request),
             filters=filters,
             title="Failure groups",
             service=request.query_params.get("service", ""),
         )
 
-    def letters_page(request: Request) -> Response:
-        data = letters_data(request)
+    def letters_page(self, request: Request) -> Response:
+        data = self.letters_data(request)
         base = {k: v for k, v in request.query_params.items() if k != "page"}
         link = lambda p: "/letters?" + urlencode({**base, "page": p})  # noqa: E731
-        return render(request, "letters.html", title="Dead letters", link=link, **data)
+        return self.render(request, "letters.html", title="Dead letters", link=link, **data)
 
-    def letter_page(request: Request) -> Response:
-        s, row = letter_data(request.path_params["service"], request.path_params["id"])
-        return render(
+    def letter_page(self, request: Request) -> Response:
+        s, row = self.letter_data(request.path_params["service"], request.path_params["id"])
+        return self.render(
             request,
             "letter.html",
             title=f"Dead letter {row['id']}",
@@ -472,7 +490,7 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
         )
 
     async def confirm_or_act(
-        request: Request, what: str, page: Callable[..., Response], post: Callable[..., Response]
+        self, request: Request, what: str, page: Callable[..., Response], post: Callable[..., Response]
     ) -> Response:
         """GET: the page confirming ``action`` on a letter or group; POST: do it (rights and CSRF checked first)."""
         name, key, action = (request.path_params[p] for p in ("service", what, "action"))
@@ -484,16 +502,16 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             raise HttpError(404, f"unknown action {action!r}")
         return await _in_thread(lambda: page(request, name, key, action))
 
-    async def confirm_letter(request: Request) -> Response:
-        return await confirm_or_act(request, "id", _confirm_letter_page, _post_letter)
+    async def confirm_letter(self, request: Request) -> Response:
+        return await self.confirm_or_act(request, "id", self._confirm_letter_page, self._post_letter)
 
-    async def confirm_group(request: Request) -> Response:
-        return await confirm_or_act(request, "fingerprint", _confirm_group_page, _post_group)
+    async def confirm_group(self, request: Request) -> Response:
+        return await self.confirm_or_act(request, "fingerprint", self._confirm_group_page, self._post_group)
 
-    def _confirm_letter_page(request: Request, name: str, letter_id: int, action: str) -> Response:
-        s, row = letter_data(name, letter_id)
+    def _confirm_letter_page(self, request: Request, name: str, letter_id: int, action: str) -> Response:
+        s, row = self.letter_data(name, letter_id)
         preview = [row]
-        return render(
+        return self.render(
             request,
             "confirm.html",
             title=f"{action.title()} dead letter {letter_id}",
@@ -505,25 +523,27 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             count=1,
         )
 
-    def _post_letter(request: Request, name: str, letter_id: int, action: str, csrf: str, form_token: Any) -> Response:
-        require_change_rights(request, csrf)
+    def _post_letter(
+        self, request: Request, name: str, letter_id: int, action: str, csrf: str, form_token: Any
+    ) -> Response:
+        self.require_change_rights(request, csrf)
         token = operator_token(form_token, f"the form's {REPLAY_TOKEN_FIELD} field")
-        s = source(name)
-        [outcome] = act(s, action, [letter_id], dry_run=False, auth_token=token)
+        s = self.source(name)
+        [outcome] = self.act(s, action, [letter_id], dry_run=False, auth_token=token)
         return RedirectResponse(
             f"/letters/{s.name}/{letter_id}?" + urlencode({"done": f"{outcome.action}: {outcome.detail}"}), 303
         )
 
-    def _confirm_group_page(request: Request, name: str, fp: str, action: str) -> Response:
-        s = source(name)
-        ids = group_ids(s, fp)
+    def _confirm_group_page(self, request: Request, name: str, fp: str, action: str) -> Response:
+        s = self.source(name)
+        ids = self.group_ids(s, fp)
         with queries.connection(s.engine) as conn:
             preview = masked(
                 dead_letters_sql.list_letters(
                     conn, s.schema, dead_letters_sql.Filters(fingerprint=fp), limit=20, offset=0
                 )
             )
-        return render(
+        return self.render(
             request,
             "confirm.html",
             title=f"{action.title()} group {fp}",
@@ -535,11 +555,11 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             count=len(ids),
         )
 
-    def _post_group(request: Request, name: str, fp: str, action: str, csrf: str, form_token: Any) -> Response:
-        require_change_rights(request, csrf)
+    def _post_group(self, request: Request, name: str, fp: str, action: str, csrf: str, form_token: Any) -> Response:
+        self.require_change_rights(request, csrf)
         token = operator_token(form_token, f"the form's {REPLAY_TOKEN_FIELD} field")
-        s = source(name)
-        outcomes = act(s, action, group_ids(s, fp), dry_run=False, auth_token=token)
+        s = self.source(name)
+        outcomes = self.act(s, action, self.group_ids(s, fp), dry_run=False, auth_token=token)
         ok = sum(o.ok for o in outcomes)
         return RedirectResponse(
             "/letters?"
@@ -549,162 +569,163 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
             303,
         )
 
-    def login_page(request: Request, code: int = 200, *, error: str = "", nxt: str = "/") -> Response:
+    def login_page(self, request: Request, code: int = 200, *, error: str = "", nxt: str = "/") -> Response:
         """The form, with a double-submit CSRF token: the same random value in a cookie and a field."""
         token = request.cookies.get(LOGIN_COOKIE, "")
         if len(token) != len(secrets.token_urlsafe(32)):  # keep a browser's (other tabs' forms stay valid)
             token = secrets.token_urlsafe(32)
-        response = render(request, "login.html", code, title="Log in", error=error, next=nxt, login_csrf=token)
-        response.set_cookie(LOGIN_COOKIE, token, max_age=3600, **auth.cookie_options(request))
+        response = self.render(request, "login.html", code, title="Log in", error=error, next=nxt, login_csrf=token)
+        response.set_cookie(LOGIN_COOKIE, token, max_age=3600, **self.auth.cookie_options(request))
         return response
 
-    async def login(request: Request) -> Response:
+    async def login(self, request: Request) -> Response:
         if request.method == "GET":
-            return await _in_thread(lambda: login_page(request, nxt=_local(request.query_params.get("next", "/"))))
+            return await _in_thread(lambda: self.login_page(request, nxt=_local(request.query_params.get("next", "/"))))
         form = await request.form()
         nxt = _local(str(form.get("next", "/")))
         client = client_of(request)
-        wait = auth.throttle.retry_after(client)
+        wait = self.auth.throttle.retry_after(client)
         if wait > 0:
-            response = login_page(
+            response = self.login_page(
                 request, 429, error=f"too many failed logins: try again in {math.ceil(wait)} s", nxt=nxt
             )
             response.headers["Retry-After"] = str(math.ceil(wait))
             return response
         expected = request.cookies.get(LOGIN_COOKIE, "")
         if not expected or not hmac.compare_digest(str(form.get("csrf", "")).encode(), expected.encode()):
-            return login_page(request, 403, error="the form is stale: log in again", nxt=nxt)
-        if not auth.enabled:
-            return login_page(request, 403, error="no TXBOX_DASHBOARD_TOKEN is configured", nxt=nxt)
-        if not auth.check_token(str(form.get("token", ""))):
-            auth.throttle.failed(client)
-            return login_page(request, 401, error="wrong token", nxt=nxt)
-        auth.throttle.succeeded(client)
-        auth.sessions.revoke(request.cookies.get(COOKIE, ""))
+            return self.login_page(request, 403, error="the form is stale: log in again", nxt=nxt)
+        if not self.auth.enabled:
+            return self.login_page(request, 403, error="no TXBOX_DASHBOARD_TOKEN is configured", nxt=nxt)
+        if not self.auth.check_token(str(form.get("token", ""))):
+            self.auth.throttle.failed(client)
+            return self.login_page(request, 401, error="wrong token", nxt=nxt)
+        self.auth.throttle.succeeded(client)
+        self.auth.sessions.revoke(request.cookies.get(COOKIE, ""))
         response = RedirectResponse(nxt, 303)
         response.set_cookie(
-            COOKIE, auth.sessions.create(), max_age=int(settings.session_ttl), **auth.cookie_options(request)
+            COOKIE,
+            self.auth.sessions.create(),
+            max_age=int(self.settings.session_ttl),
+            **self.auth.cookie_options(request),
         )
         response.delete_cookie(LOGIN_COOKIE, path="/")
         return response
 
-    async def logout(request: Request) -> Response:
+    async def logout(self, request: Request) -> Response:
         form = await request.form()
-        if not auth.csrf_ok(request, str(form.get("csrf", ""))):
+        if not self.auth.csrf_ok(request, str(form.get("csrf", ""))):
             raise HttpError(403, "the logout form's CSRF token is missing or stale: reload the page and try again")
-        auth.sessions.revoke(request.cookies.get(COOKIE, ""))
+        self.auth.sessions.revoke(request.cookies.get(COOKIE, ""))
         response = RedirectResponse("/", 303)
         response.delete_cookie(COOKIE, path="/")
         return response
 
     # --- JSON API --------------------------------------------------------------------
 
-    def api_overview(request: Request) -> Response:
+    def api_overview(self, request: Request) -> Response:
         return MaskedJSON(
-            jsoncodec.plain({"window": window_of(request), "services": overview_data(window_of(request))})
+            jsoncodec.plain(
+                {"window": self.window_of(request), "services": self.overview_data(self.window_of(request))}
+            )
         )
 
-    def api_groups(request: Request) -> Response:
-        return MaskedJSON(jsoncodec.plain({"groups": groups_data(request)}))
+    def api_groups(self, request: Request) -> Response:
+        return MaskedJSON(jsoncodec.plain({"groups": self.groups_data(request)}))
 
-    def api_letters(request: Request) -> Response:
-        data = letters_data(request)
+    def api_letters(self, request: Request) -> Response:
+        data = self.letters_data(request)
         data["filters"] = data["filters"].as_query()
         data.pop("choices")
         return MaskedJSON(jsoncodec.plain(data))
 
-    def api_letter(request: Request) -> Response:
-        s, row = letter_data(request.path_params["service"], request.path_params["id"])
+    def api_letter(self, request: Request) -> Response:
+        s, row = self.letter_data(request.path_params["service"], request.path_params["id"])
         return MaskedJSON(jsoncodec.plain({"service": s.name, "letter": row}))
 
-    def api_act_letter(request: Request) -> Response:
-        require_change_rights(request, None)
-        s = source(request.path_params["service"])
+    def api_act_letter(self, request: Request) -> Response:
+        self.require_change_rights(request, None)
+        s = self.source(request.path_params["service"])
         dry = request.query_params.get("dry_run") in ("1", "true")
         token = operator_token(request.headers.get(REPLAY_TOKEN_HEADER), f"the {REPLAY_TOKEN_HEADER} header")
-        outcomes = act(s, request.path_params["action"], [request.path_params["id"]], dry_run=dry, auth_token=token)
+        outcomes = self.act(
+            s, request.path_params["action"], [request.path_params["id"]], dry_run=dry, auth_token=token
+        )
         return MaskedJSON({"dry_run": dry, "outcomes": [o.as_dict() for o in outcomes]})
 
-    def api_act_group(request: Request) -> Response:
-        require_change_rights(request, None)
-        s = source(request.path_params["service"])
+    def api_act_group(self, request: Request) -> Response:
+        self.require_change_rights(request, None)
+        s = self.source(request.path_params["service"])
         dry = request.query_params.get("dry_run") in ("1", "true")
         token = operator_token(request.headers.get(REPLAY_TOKEN_HEADER), f"the {REPLAY_TOKEN_HEADER} header")
-        ids = group_ids(s, request.path_params["fingerprint"])
-        outcomes = act(s, request.path_params["action"], ids, dry_run=dry, auth_token=token)
+        ids = self.group_ids(s, request.path_params["fingerprint"])
+        outcomes = self.act(s, request.path_params["action"], ids, dry_run=dry, auth_token=token)
         return MaskedJSON({"dry_run": dry, "outcomes": [o.as_dict() for o in outcomes]})
 
-    def healthz(request: Request) -> Response:
-        return MaskedJSON({"ok": True, "sources": [s.name for s in sources]})
+    def healthz(self, request: Request) -> Response:
+        return MaskedJSON({"ok": True, "sources": [s.name for s in self.sources]})
 
     # --- plumbing --------------------------------------------------------------------
 
-    def error_response(request: Request, status: int, message: str) -> Response:
+    def error_response(self, request: Request, status: int, message: str) -> Response:
         if request.url.path.startswith("/api/"):
             return MaskedJSON({"error": message}, status_code=status)
-        return render(request, "error.html", status, title=f"Error {status}", status=status, message=message)
+        return self.render(request, "error.html", status, title=f"Error {status}", status=status, message=message)
 
-    class ViewGuard:
-        """Viewing needs the token (when so configured): pages redirect to the login, the API says 401."""
-
-        def __init__(self, app: ASGIApp) -> None:
-            self.app = app
-
-        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-            path = scope.get("path", "")
-            open_path = path in ("/login", "/healthz") or path.startswith("/static/")
-            if scope["type"] == "http" and not open_path and not auth.may_view(Request(scope)):
-                response: Response
-                if path.startswith("/api/"):
-                    response = MaskedJSON({"error": "send Authorization: Bearer <token>"}, status_code=401)
-                else:
-                    response = RedirectResponse("/login?" + urlencode({"next": path}), 303)
-                await response(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
-
-    from framework.dashboard import pending_view  # it imports this module: here, once this one is loaded
-
-    routes = [
-        Route("/", overview_page),
-        Route("/groups", groups_page),
-        Route("/letters", letters_page),
-        Route("/letters/{service}/{id:int}", letter_page),
-        Route("/letters/{service}/{id:int}/{action}", confirm_letter, methods=["GET", "POST"]),
-        Route("/groups/{service}/{fingerprint}/{action}", confirm_group, methods=["GET", "POST"]),
-        Route("/login", login, methods=["GET", "POST"]),
-        Route("/logout", logout, methods=["POST"]),
-        Route("/healthz", healthz),
-        *pending_view.routes(source, render),
-        Route("/api/overview", api_overview),
-        Route("/api/groups", api_groups),
-        Route("/api/letters", api_letters),
-        Route("/api/letters/{service}/{id:int}", api_letter),
-        Route("/api/letters/{service}/{id:int}/{action}", api_act_letter, methods=["POST"]),
-        Route("/api/groups/{service}/{fingerprint}/{action}", api_act_group, methods=["POST"]),
-        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
-    ]
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
+    async def on_http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HttpError)
-        return await _in_thread(lambda: error_response(request, exc.status, exc.message))
+        return await _in_thread(lambda: self.error_response(request, exc.status, exc.message))
 
-    async def on_txbox_error(request: Request, exc: Exception) -> Response:
-        return await _in_thread(lambda: error_response(request, 503, redact_text(str(exc))))
+    async def on_txbox_error(self, request: Request, exc: Exception) -> Response:
+        return await _in_thread(lambda: self.error_response(request, 503, redact_text(str(exc))))
 
-    async def on_crash(request: Request, exc: Exception) -> Response:
+    async def on_crash(self, request: Request, exc: Exception) -> Response:
         """A bug: no detail (it could quote data), the security headers all the same (this
         response is made outside the middleware, by Starlette's outermost layer)."""
         return PlainTextResponse("internal error: see the dashboard's log", 500, headers=dict(SECURITY_HEADERS))
 
-    return Starlette(
-        routes=routes,
-        middleware=[
-            Middleware(Shield, allowed_hosts=settings.hosts, max_body_bytes=settings.max_body_bytes),
-            Middleware(ViewGuard),
-        ],
-        exception_handlers={HttpError: on_http_error, TxboxError: on_txbox_error, Exception: on_crash},
-    )
+    def routes(self) -> list[Route | Mount]:
+        from framework.dashboard import pending_view  # it imports this module: here, once this one is loaded
+
+        return [
+            Route("/", self.overview_page),
+            Route("/groups", self.groups_page),
+            Route("/letters", self.letters_page),
+            Route("/letters/{service}/{id:int}", self.letter_page),
+            Route("/letters/{service}/{id:int}/{action}", self.confirm_letter, methods=["GET", "POST"]),
+            Route("/groups/{service}/{fingerprint}/{action}", self.confirm_group, methods=["GET", "POST"]),
+            Route("/login", self.login, methods=["GET", "POST"]),
+            Route("/logout", self.logout, methods=["POST"]),
+            Route("/healthz", self.healthz),
+            *pending_view.routes(self.source, self.render),
+            Route("/api/overview", self.api_overview),
+            Route("/api/groups", self.api_groups),
+            Route("/api/letters", self.api_letters),
+            Route("/api/letters/{service}/{id:int}", self.api_letter),
+            Route("/api/letters/{service}/{id:int}/{action}", self.api_act_letter, methods=["POST"]),
+            Route("/api/groups/{service}/{fingerprint}/{action}", self.api_act_group, methods=["POST"]),
+            Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+        ]
+
+
+class ViewGuard:
+    """Viewing needs the token (when so configured): pages redirect to the login, the API says 401."""
+
+    def __init__(self, app: ASGIApp, auth: Auth) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        open_path = path in ("/login", "/healthz") or path.startswith("/static/")
+        if scope["type"] == "http" and not open_path and not self.auth.may_view(Request(scope)):
+            response: Response
+            if path.startswith("/api/"):
+                response = MaskedJSON({"error": "send Authorization: Bearer <token>"}, status_code=401)
+            else:
+                response = RedirectResponse("/login?" + urlencode({"next": path}), 303)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 async def _in_thread(fn: Callable[[], Response]) -> Response:

@@ -216,37 +216,16 @@ class Shield:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-
-        async def send_secured(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.decode().lower() not in SECURITY_HEADERS]
-                headers += [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
-                if not any(k.lower() == b"cache-control" for k, _ in headers):
-                    headers.append((b"cache-control", b"no-store"))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), "")
-        if not self.any_host and host_of(host) not in self.allowed:
-            await _plain(send_secured, 400, "unknown Host header: add the name to TXBOX_DASHBOARD_ALLOWED_HOSTS")
+        send_secured = _secured(send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await _plain(send_secured, *refusal)
             return
-        length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            await _plain(send_secured, 413, f"request body over {self.max_body_bytes} bytes")
-            return
-        body = b""
+        body: bytes | None = b""
         if scope.get("method") not in ("GET", "HEAD"):
-            # Read (bounded) before the app parses anything: a chunked body has no length.
-            more = True
-            while more:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                body += message.get("body", b"")
-                more = message.get("more_body", False)
-                if len(body) > self.max_body_bytes:
-                    await _plain(send_secured, 413, f"request body over {self.max_body_bytes} bytes")
-                    return
+            body = await self._body(receive, send_secured)
+            if body is None:
+                return
         delivered = False
 
         async def replay() -> Message:
@@ -257,6 +236,50 @@ class Shield:
             return await receive()
 
         await self.app(scope, replay, send_secured)
+
+    def _refusal(self, scope: Scope) -> tuple[int, str] | None:
+        """(status, text) for a request refused by its headers alone: an unknown Host, a body
+        declared too large; None to go on."""
+        host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), "")
+        if not self.any_host and host_of(host) not in self.allowed:
+            return 400, "unknown Host header: add the name to TXBOX_DASHBOARD_ALLOWED_HOSTS"
+        length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return 413, f"request body over {self.max_body_bytes} bytes"
+        return None
+
+    async def _body(self, receive: Receive, send: Send) -> bytes | None:
+        """The whole request body, read (bounded) before the app parses anything: a chunked
+        body has no length. None when the client left, or the body passed the limit (then
+        answered 413 through ``send``)."""
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                await _plain(send, 413, f"request body over {self.max_body_bytes} bytes")
+                return None
+        return body
+
+
+def _secured(send: Send) -> Send:
+    """``send`` with the security headers (and ``no-store`` unless the app chose caching)
+    on every response."""
+
+    async def send_secured(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.decode().lower() not in SECURITY_HEADERS]
+            headers += [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+            if not any(k.lower() == b"cache-control" for k, _ in headers):
+                headers.append((b"cache-control", b"no-store"))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return send_secured
 
 
 async def _plain(send: Send, status: int, text: str) -> None:

@@ -65,7 +65,7 @@ def normalize_error(text: str) -> str:
     PostgreSQL key values, tokens mixing letters and digits, and every remaining number
     (also inside words: ``order_42``); keeps PostgreSQL object names (``constraint
     "orders_pkey"``) because two constraints are two bugs. Only the first 4096
-    characters are judged, so a 1 MiB error costs what a 4 KiB one does.
+    characters are judged, so a long error costs what a short one does.
     """
     text = str(text)[:_SCAN_LIMIT].replace("\x00", "\ufffd")
     text = _UUID.sub("<uuid>", text)

@@ -219,7 +219,7 @@ class Consumer:
         registration (``_nbio.remove_reader``) and shadows the transport's read callback,
         which pika's TLS transport also schedules by itself. With a pika that lacks these,
         nothing is paused, and the prefetch is the only bound. Bytes pika read already
-        (up to about 100 KB per turn) are still delivered.
+        (at most one read's worth per turn) are still delivered.
         """
         if self._paused is not None or self.state != "open":
             return

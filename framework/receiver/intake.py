@@ -17,7 +17,7 @@ from typing import Any
 from framework import dead_letters as dl
 from framework import expiry, jsoncodec, names
 from framework.contracts import MessageSpec, Registry
-from framework.envelope import CONTENT_TYPE, decode_json, message_from_dict, peek_top_level
+from framework.envelope import CONTENT_TYPE, Message, decode_json, message_from_dict, peek_top_level
 from framework.errors import EnvelopeError, PayloadValidationError, UnknownMessageType
 from framework.outbox import default_segment
 from framework.reasons import Reason
@@ -305,6 +305,26 @@ class Intake:
         )
 
     def _admit(self, delivery: Delivery) -> InboxRow | dl.DeadLetter | Filtered:
+        refused = self._refused_bytes(delivery)
+        if refused is not None:
+            return refused
+        data: Any = None
+        try:
+            data = decode_json(delivery.body)
+            message = message_from_dict(data)
+        except EnvelopeError as exc:
+            return self.reject(delivery, exc.reason, str(exc), data=data)
+        spec = self._spec(delivery, message, data)
+        if isinstance(spec, dl.DeadLetter):
+            return spec
+        refused = self._refused_content(delivery, message, data, spec)
+        if refused is not None:
+            return refused
+        return self._row(delivery, message, data, spec)
+
+    def _refused_bytes(self, delivery: Delivery) -> dl.DeadLetter | None:
+        """The dead letter of a body refused before it is parsed: too large, not JSON by its
+        content type."""
         size = len(delivery.body)
         if size > self.max_body_bytes:
             return self.reject(
@@ -319,12 +339,11 @@ class Intake:
             return self.reject(
                 delivery, Reason.WRONG_CONTENT_TYPE, f"content type {content_type!r} is not {CONTENT_TYPE}"
             )
-        data: Any = None
-        try:
-            data = decode_json(delivery.body)
-            message = message_from_dict(data)
-        except EnvelopeError as exc:
-            return self.reject(delivery, exc.reason, str(exc), data=data)
+        return None
+
+    def _spec(self, delivery: Delivery, message: Message, data: Any) -> MessageSpec | dl.DeadLetter:
+        """The contract of ``message``'s type, when this service receives it by the route it
+        came; else its dead letter."""
         try:
             spec = self.registry.get(message.message_type)
         except UnknownMessageType as exc:
@@ -339,6 +358,13 @@ class Intake:
         route_error = self.wrong_route(delivery, spec) if delivery.wire else None
         if route_error is not None:
             return self.reject(delivery, Reason.WRONG_ROUTE, route_error, data=data)
+        return spec
+
+    def _refused_content(
+        self, delivery: Delivery, message: Message, data: Any, spec: MessageSpec
+    ) -> dl.DeadLetter | None:
+        """The dead letter of a message its contract refuses: a bad signature, a payload its
+        schema does not take."""
         if self.verifier is not None and spec.kind == "event" and delivery.wire:
             try:
                 self.verifier.verify(spec.service, delivery.headers, delivery.body)
@@ -348,6 +374,12 @@ class Intake:
             spec.validate(message.payload, message.message_version)
         except PayloadValidationError as exc:
             return self.reject(delivery, Reason.SCHEMA_INVALID, str(exc), data=data)
+        return None
+
+    def _row(
+        self, delivery: Delivery, message: Message, data: Any, spec: MessageSpec
+    ) -> InboxRow | dl.DeadLetter | Filtered:
+        """The inbox row of an admitted message, unless its filter drops it or it expired."""
         # docs/explanation/receive.md, "Expiry and filters": one lookup each when neither is used.
         selector = self.selectors.get(spec.message_type)
         if selector is not None and not selector.matches(

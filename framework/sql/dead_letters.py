@@ -301,8 +301,9 @@ def ids_matching(conn: psycopg.Connection[Any], schema: str, filters: Filters, *
 
 
 def distinct_values(conn: psycopg.Connection[Any], schema: str, column: str, *, limit: int = 200) -> list[str]:
-    """Values of a low-cardinality column for the filter drop-downs. Scans the table (~100 ms
-    at 100k letters): the dashboard caches the answer for a minute."""
+    """Values of a low-cardinality column for the filter drop-downs. Scans the table, so the
+    dashboard caches the answer for a minute (benchmarks/code-choices.md, "The dashboard's
+    filter values")."""
     if column not in ("message_type", "reason", "source"):
         raise ValueError(column)
     query = sql.SQL("SELECT {c} AS v FROM {t} WHERE {c} IS NOT NULL GROUP BY {c} ORDER BY {c} LIMIT {limit}").format(

@@ -16,8 +16,8 @@ Claimed rows are tuples of :data:`CLAIM_COLUMNS`, in that order (:func:`fetch_cl
 
 The claim's UPDATE finds the locked rows by ``ctid`` (stable while ``due`` holds their
 row locks): a TID scan whatever the statistics say. Matched by ``id``, a planner that had
-last analyzed a small inbox scanned the whole table for every claim (3-8 ms per claim
-at 500 msg/s, growing with the table until the next ANALYZE).
+last analyzed a small inbox scanned the whole table for every claim, a cost growing with
+the table until the next ANALYZE (benchmarks/README.md, "2026-11-24, morning").
 """
 
 from __future__ import annotations
@@ -179,8 +179,8 @@ def batch_json(rows: Sequence[InboxRow]) -> str:
     """``rows`` as the one parameter of :func:`insert_sql`: a JSON array of value arrays.
 
     One C-speed ``orjson.dumps`` for the batch instead of sixteen arrays that psycopg
-    adapts element by element in Python: the receiver's GIL-bound thread spends about half
-    as much per row, its backend a little more (docs/explanation/daemons.md, "Tables and their SQL").
+    adapts element by element in Python: the receiver's GIL-bound thread spends less per
+    row, its backend a little more (docs/explanation/daemons.md, "Tables and their SQL").
     UUIDs, the timestamp (RFC 3339, with its zone) and booleans are written in a form
     their PostgreSQL types read back unchanged. A string no UTF-8 encoder takes (a lone
     surrogate) raises here, as psycopg's adaptation did: the receiver then stores the
@@ -456,8 +456,8 @@ def _claim_order(row: tuple[Any, ...]) -> tuple[Any, Any]:
 # key by a scalar subquery, then updated by ``ctid`` (a TID scan). Both spell "pending"
 # so that it matches no partial index's predicate (framework/tables.py): with statistics
 # taken while the inbox was small, the planner picked one of them and scanned every
-# pending row per id (0.8 s per batch); a plain join to the unnest hashed the whole inbox
-# per batch instead.
+# pending row per id; a plain join to the unnest hashed the whole inbox per batch instead
+# (benchmarks/README.md, "2026-11-23: every stage on a quiet machine").
 #
 # The arrays reach ``unnest`` through scalar subqueries: the planner counts the elements of
 # a given array but guesses 10 for a parameter's, so for the small batches of a moderate

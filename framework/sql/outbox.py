@@ -25,10 +25,10 @@ a failure (nack, return, lost connection) of an earlier row can never let a late
 overtake it, whichever publisher holds which row.
 
 Planner note: the head-of-lane probe is one descent of ``outbox_segment_idx (segment,
-created_at)`` per candidate (~50 ms per 2,000-row claim over 50k rows). On a table
-bulk-filled since its last ANALYZE the planner misjudged the partial indexes and walked
-``outbox_due_idx`` over every earlier row instead (4 s per claim; 1-2.7 s per claim in
-``txbox bench e2e``). Since migration 0006 the probe spells "pending" as the segment
+created_at)`` per candidate. On a table bulk-filled since its last ANALYZE the planner
+misjudged the partial indexes and walked ``outbox_due_idx`` over every earlier row
+instead, per candidate (benchmarks/code-choices.md, "The relay's head-of-lane probe").
+Since migration 0006 the probe spells "pending" as the segment
 index's predicate, which ``outbox_due_idx`` cannot serve (framework/tables.py), and the
 statements that find rows by id spell it so that neither partial index can. The relay
 still analyzes the outbox itself when the statistics are stale (framework/relay/daemon.py): row counts
@@ -156,9 +156,10 @@ def _claimed(cursor: psycopg.Cursor[Any]) -> RowMaker[Claimed]:
     once per row (``class_row`` builds a keyword dict per row, on the relay's hot path).
 
     The names are compared as the result's bytes: ``cursor.description`` would build a
-    ``Column`` and look its type up for each column of every claim (17-20 µs against 2.6;
-    benchmarks/cpu-per-message.md, "The relay's column names"). A non-ASCII name is never
-    equal to a field's, whatever the encoding, since its bytes start at 0x80 or above."""
+    ``Column`` and look its type up for each column of every claim, where comparing bytes
+    builds nothing (benchmarks/cpu-per-message.md, "The relay's column names"). A
+    non-ASCII name is never equal to a field's, whatever the encoding, since its bytes
+    start at 0x80 or above."""
     result = cursor.pgresult
     index = {} if result is None else {result.fname(i): i for i in range(result.nfields)}
     missing = [name for name in _FIELD_NAMES if name not in index]
@@ -287,17 +288,18 @@ def claim_window(schema: str) -> sql.Composed:
     Looks only at the ``window`` oldest due rows, and probes only the first row of each
     lane among them (a later row of a lane in the window is never its head). With deep
     segments most due rows wait behind their head: probing every one of them made a
-    claim cost O(pending rows) (20,000 probes for 20 heads); this costs O(window) and
-    one probe per lane. Rows beyond the window are younger and get their turn as the
-    window drains; when the window holds no claimable row at all the relay falls back
-    to :func:`claim` (at most once per poll interval), so a lane blocked by a long
-    backoff cannot starve the others. The relay uses this claim only while claims come
-    back short (few lanes); with many lanes the plain claim stops at its limit sooner.
+    claim cost O(pending rows) however few the lanes (benchmarks/code-choices.md, "The
+    relay's head-of-lane probe"); this costs O(window) and one probe per lane. Rows beyond
+    the window are younger and get their turn as the window drains; when the window
+    holds no claimable row at all the relay falls back to :func:`claim` (at most once per
+    poll interval), so a lane blocked by a long backoff cannot starve the others. The
+    relay uses this claim only while claims come back short (few lanes); with many lanes
+    the plain claim stops at its limit sooner.
 
     The heads are found again by ``ctid`` (a TID scan; the lock re-checks a row another
     publisher changed meanwhile), not joined by ``id``: with statistics from a smaller
     outbox the planner made that join a nested loop that re-ran the window per row,
-    5 ms for 18 rows at 500 msg/s and quadratic in the window.
+    quadratic in the window (benchmarks/README.md, "2026-11-24, morning").
     """
     return sql.SQL(
         _MARK
@@ -353,8 +355,8 @@ def mark_published(schema: str) -> sql.Composed:
     rows are still pending, so it skips the marked row itself (one lane never has two
     rows in flight). It runs once per marked row, as a subquery of RETURNING: as a join
     against the marked rows, statistics from a smaller outbox made it a nested loop
-    over every pending row per marked row (9 s for a mark of 1,101 rows, seen in
-    ``txbox bench e2e``); hence also the cap (:data:`PROBE_AT_MOST`). The UPDATE spells
+    over every pending row per marked row (benchmarks/README.md, "2026-11-24, morning");
+    hence also the cap (:data:`PROBE_AT_MOST`). The UPDATE spells
     "pending" so that it finds its rows through the primary key: a spelling that matched
     a partial index's predicate let the same stale statistics walk every pending row of
     that index for the ids.

@@ -60,9 +60,10 @@ class LenientJsonLoader(Loader):
             return _undecodable(data, exc)
 
 
-# The driver's own loader: psycopg's C one when its binary build is installed, ten times
-# faster than the pure-Python class (which a subclass would get: C loaders cannot be
-# subclassed), and two timestamps per claimed row made that a quarter of the worker's CPU.
+# The driver's own loader: psycopg's C one when its binary build is installed, much cheaper
+# than the pure-Python class (which a subclass would get: C loaders cannot be subclassed),
+# and the worker reads two timestamps per claimed row (benchmarks/code-choices.md,
+# "Claimed timestamps: psycopg's C loader").
 _TIMESTAMPTZ = psycopg.adapters.get_loader(psycopg.adapters.types["timestamptz"].oid, Format.TEXT)
 
 

@@ -182,27 +182,34 @@ def misuse(
         raw.pgconn.parameter_status(b"application_name") != _BATCH_MARK or not transaction.is_active
     ):
         return f"the handler ended the worker's transaction (a COMMIT or ROLLBACK): {FIX}", True
+    why = _left_behind(session, conn, savepoint, aborted=aborted)
+    return None if why is None else (why, False)
+
+
+def _left_behind(
+    session: HandlerSession, conn: Connection, savepoint: NestedTransaction | None, *, aborted: bool
+) -> str | None:
+    """What the handler left in a batch transaction that is still there (see :func:`misuse`)."""
     if session.txbox_refused:
-        return session.txbox_refused, False
+        return session.txbox_refused
     if aborted:
         return (
             "the handler left the transaction aborted (a statement failed and the handler went on); "
-            "let the error propagate, or run the statement inside `with session.begin_nested():`",
-            False,
+            "let the error propagate, or run the statement inside `with session.begin_nested():`"
         )
     if session.in_nested_transaction() or conn.get_nested_transaction() is not savepoint:
         return (
             "the handler left a savepoint open (session.begin_nested() not committed or rolled back); "
-            "use `with session.begin_nested():` so it always ends",
-            False,
+            "use `with session.begin_nested():` so it always ends"
         )
     return None
 
 
 # Batches between two TRUNCATEs of the guard's table on one connection: the DELETE before
 # each COMMIT leaves two dead rows and their index entries, which a temporary table's
-# owner alone can clear (autovacuum never visits it). 32 to 128 cost the same per batch
-# in a loop of 20,000 guarded transactions; with none the cost grew with every batch.
+# owner alone can clear (autovacuum never visits it). With none the cost grew with every
+# batch; any interval in a wide range around this one cost the same per batch
+# (benchmarks/cpu-per-message.md, "The commit guard's table without `ON COMMIT DELETE ROWS`").
 TRUNCATE_EVERY = 100
 
 
@@ -210,8 +217,9 @@ def create_guard() -> sql.Composed:
     """The commit guard's table, once per connection (temporary: it vanishes with the session).
 
     Not ``ON COMMIT DELETE ROWS``: PostgreSQL then truncates the table and rebuilds its
-    index at every COMMIT that touched it, about 0.3 ms of the server's CPU per batch,
-    more than the rest of a small batch's guard and presumption together. The worker
+    index at every COMMIT that touched it, which cost the server more CPU per batch than
+    the rest of a small batch's guard and presumption together (benchmarks/cpu-per-message.md,
+    "The commit guard's table without `ON COMMIT DELETE ROWS`"). The worker
     empties it every :data:`TRUNCATE_EVERY` batches and after a failed pass instead
     (:func:`truncate`; docs/explanation/handle.md, "Worker: handlers that misbehave"). The
     test kit's connections run too few deliveries for their dead keys to matter.

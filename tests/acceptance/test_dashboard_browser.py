@@ -130,7 +130,7 @@ def _inbox(
 def test_replay_a_dead_letter_from_the_browser(
     database_url: str, amqp_url: str, processes: Processes, tmp_path: Path
 ) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import sync_playwright
 
     from examples import migrate as example_migrate
 
@@ -139,104 +139,15 @@ def test_replay_a_dead_letter_from_the_browser(
     conn = psycopg.connect(conninfo(database_url), autocommit=True, row_factory=dict_row)
     SHOTS.mkdir(parents=True, exist_ok=True)
     try:
-        processes.start("worker", ["worker", "--app", APP], env)
-        processes.start("collector", ["collector", "--app", APP], env)
-        reserved = {"order_id": "o-1", "sku": "SKU-1", "quantity": 1}
-        early = _inbox(conn, "StockReserved", "inventory-service.stock.reserved", ("stock", "o-1"), reserved)
-        letter = support.wait_until(
-            lambda: conn.execute("SELECT id FROM txbox.dead_letters WHERE message_id = %s", (early,)).fetchone(),
-            timeout=60,
-            message="the worker to abandon StockReserved for an unknown order:\n" + processes.output(),
-        )
-        lid = letter["id"]
-        _inbox(
-            conn,
-            "PlaceOrder",
-            "order-service.order.place",
-            ("order", "o-1"),
-            {"customer": "ada", "sku": "SKU-1", "quantity": 1},
-        )
-        support.wait_until(
-            lambda: conn.execute("SELECT status FROM orders WHERE id = 'o-1'").fetchone(),
-            timeout=60,
-            message="PlaceOrder o-1 processed",
-        )
-
-        port = free_port()
-        processes.start("dashboard", ["dashboard", "--app", APP, "--port", str(port)], env)
-        base = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(base + "/healthz", timeout=2) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-
-        support.wait_until(healthy, timeout=60, message="the dashboard to answer:\n" + processes.output())
-
+        lid = _a_dead_letter(conn, processes, env)
+        base = _serve_dashboard(processes, env)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 900})
                 page.set_default_timeout(20_000)
-
-                page.goto(base + "/")
-                expect(page.locator("h1")).to_have_text("Log in")  # viewing needs the token
-                assert "/login?next=" in page.url
-                page.fill("input[name=token]", "not-the-token-0123456789")
-                page.click("button:has-text('Log in')")
-                expect(page.locator("p.error")).to_have_text("wrong token")
-                page.fill("input[name=token]", TOKEN)
-                page.click("button:has-text('Log in')")
-                expect(page.locator("h2", has_text="order-service")).to_be_visible()
-                expect(page.locator(".stat.bad .n")).to_have_text("1")
-                assert page.locator("svg.chart").count() == 2
-                page.screenshot(path=SHOTS / "1-overview.png", full_page=True)
-
-                page.click("text=Failure groups")
-                expect(page.locator("table.groups")).to_contain_text("StockReserved for unknown order o-1")
-                page.screenshot(path=SHOTS / "2-groups.png", full_page=True)
-
-                page.click("nav >> text=Dead letters")
-                page.select_option("select[name=message_type]", "StockReserved")
-                page.click("button:has-text('Filter')")
-                expect(page.locator("p.count")).to_have_text("1 open dead letter")
-                assert "message_type=StockReserved" in page.url
-                page.screenshot(path=SHOTS / "3-list-filtered.png", full_page=True)
-
-                page.click(f"table.letters >> text={lid}")
-                expect(page.locator("h1")).to_contain_text(f"Dead letter {lid}")
-                expect(page.locator("pre.error-text")).to_contain_text("unknown order o-1")
-                body = page.content()
-                assert "c2VjcmV0LXVzZXI" not in body and "auth_token" not in body
-                page.screenshot(path=SHOTS / "4-detail-open.png", full_page=True)
-
-                page.click("text=Replay…")
-                expect(page.locator(".preview")).to_contain_text("StockReserved")
-                expect(page.locator("h1")).to_contain_text(f"Replay dead letter {lid}?")
-                page.screenshot(path=SHOTS / "5-confirm-replay.png", full_page=True)
-
-                page.click("button:has-text('Confirm replay')")
-                expect(page.locator("p.flash")).to_contain_text("inbox-reset")
-
-                def resolved() -> bool:
-                    page.reload()
-                    return page.locator("h1 .status").inner_text() == "resolved"
-
-                support.wait_until(resolved, timeout=60, interval=0.5, message="the replayed letter to be resolved")
-                page.screenshot(path=SHOTS / "6-detail-resolved.png", full_page=True)
-                expect(page.locator("text=Replay…")).to_have_count(0)
-                expect(page.locator("table.history")).to_contain_text("inbox-reset")
-
-                page.goto(base + "/")
-                expect(page.locator(".stat.bad")).to_have_count(0)
-                page.screenshot(path=SHOTS / "7-overview-after.png", full_page=True)
-
-                page.click("button:has-text('log out')")
-                expect(page.locator("h1")).to_have_text("Log in")
-                page.goto(base + f"/letters/order-service/{lid}")
-                expect(page.locator("h1")).to_have_text("Log in")  # the session is gone
+                _log_in_and_find(page, base, lid)
+                _replay(page, base, lid)
             finally:
                 browser.close()
 
@@ -255,3 +166,116 @@ def test_replay_a_dead_letter_from_the_browser(
         )
     finally:
         conn.close()
+
+
+def _a_dead_letter(conn: psycopg.Connection[Any], processes: Processes, env: dict[str, str]) -> int:
+    """The worker abandons StockReserved for an order it does not know yet, then the order
+    comes: the letter's id, whose replay now succeeds."""
+    processes.start("worker", ["worker", "--app", APP], env)
+    processes.start("collector", ["collector", "--app", APP], env)
+    reserved = {"order_id": "o-1", "sku": "SKU-1", "quantity": 1}
+    early = _inbox(conn, "StockReserved", "inventory-service.stock.reserved", ("stock", "o-1"), reserved)
+    letter = support.wait_until(
+        lambda: conn.execute("SELECT id FROM txbox.dead_letters WHERE message_id = %s", (early,)).fetchone(),
+        timeout=60,
+        message="the worker to abandon StockReserved for an unknown order:\n" + processes.output(),
+    )
+    _inbox(
+        conn,
+        "PlaceOrder",
+        "order-service.order.place",
+        ("order", "o-1"),
+        {"customer": "ada", "sku": "SKU-1", "quantity": 1},
+    )
+    support.wait_until(
+        lambda: conn.execute("SELECT status FROM orders WHERE id = 'o-1'").fetchone(),
+        timeout=60,
+        message="PlaceOrder o-1 processed",
+    )
+    lid: int = letter["id"]
+    return lid
+
+
+def _serve_dashboard(processes: Processes, env: dict[str, str]) -> str:
+    """`txbox dashboard` as a process, once it answers: its address."""
+    port = free_port()
+    processes.start("dashboard", ["dashboard", "--app", APP, "--port", str(port)], env)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(base + "/healthz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    support.wait_until(healthy, timeout=60, message="the dashboard to answer:\n" + processes.output())
+    return base
+
+
+def _log_in_and_find(page: Any, base: str, lid: int) -> None:
+    """Log in (a wrong token first), then from the overview to the letter through its group
+    and the filtered list; the letter's page shows no credential."""
+    from playwright.sync_api import expect
+
+    page.goto(base + "/")
+    expect(page.locator("h1")).to_have_text("Log in")  # viewing needs the token
+    assert "/login?next=" in page.url
+    page.fill("input[name=token]", "not-the-token-0123456789")
+    page.click("button:has-text('Log in')")
+    expect(page.locator("p.error")).to_have_text("wrong token")
+    page.fill("input[name=token]", TOKEN)
+    page.click("button:has-text('Log in')")
+    expect(page.locator("h2", has_text="order-service")).to_be_visible()
+    expect(page.locator(".stat.bad .n")).to_have_text("1")
+    assert page.locator("svg.chart").count() == 2
+    page.screenshot(path=SHOTS / "1-overview.png", full_page=True)
+
+    page.click("text=Failure groups")
+    expect(page.locator("table.groups")).to_contain_text("StockReserved for unknown order o-1")
+    page.screenshot(path=SHOTS / "2-groups.png", full_page=True)
+
+    page.click("nav >> text=Dead letters")
+    page.select_option("select[name=message_type]", "StockReserved")
+    page.click("button:has-text('Filter')")
+    expect(page.locator("p.count")).to_have_text("1 open dead letter")
+    assert "message_type=StockReserved" in page.url
+    page.screenshot(path=SHOTS / "3-list-filtered.png", full_page=True)
+
+    page.click(f"table.letters >> text={lid}")
+    expect(page.locator("h1")).to_contain_text(f"Dead letter {lid}")
+    expect(page.locator("pre.error-text")).to_contain_text("unknown order o-1")
+    body = page.content()
+    assert "c2VjcmV0LXVzZXI" not in body and "auth_token" not in body
+    page.screenshot(path=SHOTS / "4-detail-open.png", full_page=True)
+
+
+def _replay(page: Any, base: str, lid: int) -> None:
+    """From the letter's page: confirm the replay, see it resolved, log out."""
+    from playwright.sync_api import expect
+
+    page.click("text=Replay…")
+    expect(page.locator(".preview")).to_contain_text("StockReserved")
+    expect(page.locator("h1")).to_contain_text(f"Replay dead letter {lid}?")
+    page.screenshot(path=SHOTS / "5-confirm-replay.png", full_page=True)
+
+    page.click("button:has-text('Confirm replay')")
+    expect(page.locator("p.flash")).to_contain_text("inbox-reset")
+
+    def resolved() -> bool:
+        page.reload()
+        return bool(page.locator("h1 .status").inner_text() == "resolved")
+
+    support.wait_until(resolved, timeout=60, interval=0.5, message="the replayed letter to be resolved")
+    page.screenshot(path=SHOTS / "6-detail-resolved.png", full_page=True)
+    expect(page.locator("text=Replay…")).to_have_count(0)
+    expect(page.locator("table.history")).to_contain_text("inbox-reset")
+
+    page.goto(base + "/")
+    expect(page.locator(".stat.bad")).to_have_count(0)
+    page.screenshot(path=SHOTS / "7-overview-after.png", full_page=True)
+
+    page.click("button:has-text('log out')")
+    expect(page.locator("h1")).to_have_text("Log in")
+    page.goto(base + f"/letters/order-service/{lid}")
+    expect(page.locator("h1")).to_have_text("Log in")  # the session is gone

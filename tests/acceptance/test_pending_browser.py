@@ -90,35 +90,8 @@ def test_what_is_pending_from_the_browser(dashboard: str, conn: Any) -> None:
 
             page.goto(dashboard + "/")
             page.click(".stat >> text=pending >> nth=0")
-            expect(page.locator("h1")).to_contain_text("Pending · order-service")
-            inbox = page.locator(".pending-counts[data-table=inbox]")
-            expect(inbox.locator(".stat >> nth=0 >> .n")).to_have_text("3")
-            for state, n in (("failing", "1"), ("parked", "1"), ("due", "1"), ("leased", "0")):
-                expect(inbox.locator(f"[data-state={state}] .n")).to_have_text(n)
-            expect(page.locator("p.count")).to_contain_text("3 pending inbox rows")
-            first = page.locator("table.pending tbody tr >> nth=0")
-            expect(first.locator(".pill")).to_have_text("failing")
-            expect(first).to_contain_text("TimeoutError: stock service did not answer (token=[redacted])")
-            expect(first.locator("td >> nth=0")).to_have_text("1.5 h")
-            page.screenshot(path=SHOTS / "pending-1-inbox.png", full_page=True)
-
-            first.locator(f"summary:has-text('{failing}')").click()
-            details = first.locator("pre.json")
-            expect(details).to_be_visible()
-            expect(details).to_contain_text('"customer": "ada"')
-            expect(details).to_contain_text('"auth_token": "•••• (masked')
-            expect(details).to_contain_text('"password": "•••• (masked')
-            content = page.content()
-            assert not [s for s in SECRETS if s in content]
-            page.screenshot(path=SHOTS / "pending-2-details.png", full_page=True)
-
-            page.select_option("select[name=state]", "parked")
-            page.click("button:has-text('Filter')")
-            expect(page.locator("table.pending tbody tr")).to_have_count(1)
-            expect(page.locator("table.pending")).to_contain_text(str(parked))
-            assert "state=parked" in page.url
-            page.screenshot(path=SHOTS / "pending-3-parked.png", full_page=True)
-
+            _the_inbox_list(page, failing)
+            _parked_only(page, parked)
             page.click(".pending-counts[data-table=outbox] .stat >> nth=0")
             expect(page.locator("table.pending tbody tr")).to_have_count(1)
             expect(page.locator("table.pending .pill")).to_have_text("scheduled")
@@ -126,3 +99,42 @@ def test_what_is_pending_from_the_browser(dashboard: str, conn: Any) -> None:
             page.screenshot(path=SHOTS / "pending-4-outbox.png", full_page=True)
         finally:
             browser.close()
+
+
+def _the_inbox_list(page: Any, failing: Any) -> None:
+    """The inbox's counts by state and its list, the failing row first, its details masked."""
+    from playwright.sync_api import expect
+
+    expect(page.locator("h1")).to_contain_text("Pending · order-service")
+    inbox = page.locator(".pending-counts[data-table=inbox]")
+    expect(inbox.locator(".stat >> nth=0 >> .n")).to_have_text("3")
+    for state, n in (("failing", "1"), ("parked", "1"), ("due", "1"), ("leased", "0")):
+        expect(inbox.locator(f"[data-state={state}] .n")).to_have_text(n)
+    expect(page.locator("p.count")).to_contain_text("3 pending inbox rows")
+    first = page.locator("table.pending tbody tr >> nth=0")
+    expect(first.locator(".pill")).to_have_text("failing")
+    expect(first).to_contain_text("TimeoutError: stock service did not answer (token=[redacted])")
+    expect(first.locator("td >> nth=0")).to_have_text("1.5 h")
+    page.screenshot(path=SHOTS / "pending-1-inbox.png", full_page=True)
+
+    first.locator(f"summary:has-text('{failing}')").click()
+    details = first.locator("pre.json")
+    expect(details).to_be_visible()
+    expect(details).to_contain_text('"customer": "ada"')
+    expect(details).to_contain_text('"auth_token": "•••• (masked')
+    expect(details).to_contain_text('"password": "•••• (masked')
+    content = page.content()
+    assert not [s for s in SECRETS if s in content]
+    page.screenshot(path=SHOTS / "pending-2-details.png", full_page=True)
+
+
+def _parked_only(page: Any, parked: Any) -> None:
+    """The state filter: parked rows only, in the page's address too."""
+    from playwright.sync_api import expect
+
+    page.select_option("select[name=state]", "parked")
+    page.click("button:has-text('Filter')")
+    expect(page.locator("table.pending tbody tr")).to_have_count(1)
+    expect(page.locator("table.pending")).to_contain_text(str(parked))
+    assert "state=parked" in page.url
+    page.screenshot(path=SHOTS / "pending-3-parked.png", full_page=True)

@@ -331,130 +331,16 @@ def test_the_canary_token_is_in_no_output_and_no_table(
             timeout=90,
             message="txbox run to be ready",
         )
-
-        # --- every path --------------------------------------------------------------------
-        accepted = _send_from_outbox(service, "PlaceOrder", "o-1", {"customer": "ada", "sku": "SKU-1", "quantity": 1})
-        _send_from_outbox(service, "RestockItem", "SKU-1", {"sku": "SKU-1", "quantity": 5})  # unroutable
-        sent = _publish_raw(canary_amqp_url, service)
-        expected_letters = 10  # 8 from the receiver/worker, 1 broker, 1 relay
-
-        def settled() -> bool:
-            letters = _one(conn, "SELECT count(*) FROM txbox.dead_letters")
-            pending = _one(
-                conn,
-                "SELECT (SELECT count(*) FROM txbox.outbox WHERE processed_at IS NULL AND abandoned_at IS NULL)"
-                " + (SELECT count(*) FROM txbox.inbox WHERE processed_at IS NULL AND abandoned_at IS NULL)",
-            )
-            return letters >= expected_letters and pending == 0
-
-        support.wait_until(settled, timeout=120, interval=0.2, message="every message to settle:\n" + _logs(daemons))
-        assert _one(conn, "SELECT processed_at IS NOT NULL FROM txbox.inbox WHERE id = %s", uuid.UUID(accepted))
-        reasons = {r["reason"] for r in conn.execute("SELECT reason FROM txbox.dead_letters")}
-        assert {"not_json", "unknown_message_type", "schema_invalid", "wrong_content_type", "too_large"} <= reasons
-        assert {"permanent_error", "retries_exhausted", "unroutable"} <= reasons | {"max_attempts"}
-
-        # Replayed: the order the early StockReserved waited for arrives; the letter is replayed.
-        _send_from_outbox(service, "PlaceOrder", "o-404", {"customer": "bob", "sku": "SKU-1", "quantity": 1})
-        support.wait_until(
-            lambda: _one(conn, "SELECT count(*) FROM orders WHERE id = 'o-404'") == 1, timeout=60, message="o-404"
-        )
-        early = _one(conn, "SELECT id FROM txbox.dead_letters WHERE message_id = %s", uuid.UUID(sent["worker_rejects"]))
-        assert "inbox-reset" in _txbox(outputs, env, "dlq", "replay", str(early))
-        support.wait_until(
-            lambda: _one(conn, "SELECT resolved_at IS NOT NULL FROM txbox.dead_letters WHERE id = %s", early),
-            timeout=60,
-            message="the replayed letter to be resolved",
-        )
-        support.wait_until(settled, timeout=60, interval=0.2, message="the replay's follow-ups to settle")
-
-        # --- outputs -----------------------------------------------------------------------
+        accepted = _every_path(conn, service, canary_amqp_url, outputs, env, daemons)
         ids = [r["id"] for r in conn.execute("SELECT id FROM txbox.dead_letters ORDER BY id")]
-        fingerprints = [r["fingerprint"] for r in conn.execute("SELECT DISTINCT fingerprint FROM txbox.dead_letters")]
-        # Two dozen commands that only read: run side by side (each is mostly its interpreter's start).
-        commands = [
-            ["dlq", *args, "--status", "all"]
-            for args in (["list"], ["list", "--json"], ["list", "--groups"], ["list", "--groups", "--json"])
-        ]
-        commands += [["dlq", "show", str(lid), *json_flag] for lid in ids for json_flag in ([], ["--json"])]
-        commands += [["check", "--app", APP], ["inbox", "list"], ["outbox", "list", "--json"]]
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            shown = dict(
-                zip(map(tuple, commands), pool.map(lambda a: _txbox(outputs, read_env, *a), commands), strict=True)
-            )
-        for lid in ids:
-            assert f"{lid}" in shown[("dlq", "show", str(lid))]
-        # Failing on a URL or DSN: the error quotes it, masked.
-        dsn = f"host=127.0.0.1 user=postgres password={CANARY} dbname=orders"
-        failing = [
-            ({**env, "TXBOX_DATABASE_URL": dsn}, ["dlq", "list"]),
-            (env, ["dlq", "list", "--limit", f"postgresql://postgres:{CANARY}@127.0.0.1/x"]),
-            (env, ["dashboard", "--port", str(free_port()), "--source", f"order-service={dsn}"]),
-        ]
-        for failing_env, args in failing:
-            assert "***" in _txbox(outputs, failing_env, *args, codes=(2,)), args
-
-        dashboard_port = free_port()
-        _start(daemons, tmp_path, "dashboard", ["dashboard", "--app", APP, "--port", str(dashboard_port)], env)
-        base = f"http://127.0.0.1:{dashboard_port}"
-        support.wait_until(lambda: _get_quiet(base + "/healthz") == 200, timeout=60, message="the dashboard")
-        paths = [
-            "/",
-            "/?window=24h",
-            "/groups?status=all",
-            "/letters?status=all",
-            "/api/overview?window=24h",
-            "/api/groups?status=all",
-            "/api/letters?status=all",
-        ]
-        for lid in ids:
-            paths += [f"/letters/order-service/{lid}", f"/letters/order-service/{lid}/replay"]
-            paths += [f"/api/letters/order-service/{lid}"]
-        paths += [f"/groups/order-service/{fp}/discard" for fp in fingerprints]
-        bearer = {"Authorization": f"Bearer {DASHBOARD_TOKEN}"}
-        for path in paths:
-            status, body = _get(base + path, bearer)
-            assert status == 200, (path, body[:300])
-            outputs.add(f"dashboard {path} (token)", body)
-            status, body = _get(base + path)
-            assert status in (200, 401), path  # redirects to the login are followed: the login page
-            outputs.add(f"dashboard {path} (no credentials)", body)
-        # A dashboard without a token shows everything to anyone on the host: masked all the same.
-        source = Source("order-service", _with_password(database_url), schema="txbox", contracts_dir=CONTRACTS)
-        with serving(create_app([source], DashboardSettings())) as open_base:
-            for path in paths:
-                status, body = _get(open_base + path)
-                assert status == 200, (path, body[:300])
-                outputs.add(f"open dashboard {path}", body)
-        source.engine.dispose()
+        _the_commands(ids, outputs, env, read_env)
+        _the_dashboard(conn, ids, outputs, env, daemons, tmp_path, database_url)
         metrics = outputs.add("/metrics", _get(f"http://127.0.0.1:{metrics_port}/metrics")[1])
         assert "txbox" in metrics
 
         # Before the archive moves them away: processed and abandoned rows hold no token.
         table_leaks = _table_leaks(conn)
-
-        # --- archived and analyzed ------------------------------------------------------------
-        archive, report = tmp_path / "archive", tmp_path / "report"
-        # `txbox archive` then `txbox analyze`, as the commands parse and run them, in one process
-        # on one Spark session (each JVM start costs tens of seconds on a busy machine).
-        commands = [
-            ["archive", "--older-than", "0s", "--to", str(archive)],
-            [
-                "analyze",
-                "--source",
-                f"order-service={_with_password(database_url)}",
-                "--contracts-dir",
-                str(CONTRACTS),
-                "--history",
-                str(archive),
-                "--parquet",
-                str(report),
-            ],
-        ]
-        _spark_commands(outputs, env, commands, timeout=600)
-        # Archived: within the dedup window the row stays as a tombstone, emptied (framework.dedup).
-        tombstone = "SELECT count(*) FROM txbox.inbox WHERE id = %s AND archived_at IS NOT NULL AND payload = '{}'"
-        assert _one(conn, tombstone, uuid.UUID(accepted)) == 1
-        assert _one(conn, "SELECT count(*) FROM txbox.analytics_runs") >= 1
+        _archived_and_analyzed(conn, outputs, env, tmp_path, database_url, accepted)
     finally:
         for proc, _ in daemons:
             if proc.poll() is None:
@@ -478,6 +364,157 @@ def test_the_canary_token_is_in_no_output_and_no_table(
     assert len(outputs.seen) > 50
     leaks = table_leaks + parquet_leaks + outputs.leaks()
     assert not leaks, "the canary token leaked into:\n" + "\n".join(leaks)
+
+
+def _every_path(
+    conn: psycopg.Connection[Any],
+    service: Service,
+    canary_amqp_url: str,
+    outputs: Outputs,
+    env: dict[str, str],
+    daemons: list[Any],
+) -> str:
+    """Every path a message takes, the token in each: accepted, dead-lettered for every reason,
+    a letter replayed. The accepted message's id."""
+    accepted = _send_from_outbox(service, "PlaceOrder", "o-1", {"customer": "ada", "sku": "SKU-1", "quantity": 1})
+    _send_from_outbox(service, "RestockItem", "SKU-1", {"sku": "SKU-1", "quantity": 5})  # unroutable
+    sent = _publish_raw(canary_amqp_url, service)
+    expected_letters = 10  # 8 from the receiver/worker, 1 broker, 1 relay
+
+    def settled() -> bool:
+        letters = _one(conn, "SELECT count(*) FROM txbox.dead_letters")
+        pending = _one(
+            conn,
+            "SELECT (SELECT count(*) FROM txbox.outbox WHERE processed_at IS NULL AND abandoned_at IS NULL)"
+            " + (SELECT count(*) FROM txbox.inbox WHERE processed_at IS NULL AND abandoned_at IS NULL)",
+        )
+        return letters >= expected_letters and pending == 0
+
+    support.wait_until(settled, timeout=120, interval=0.2, message="every message to settle:\n" + _logs(daemons))
+    assert _one(conn, "SELECT processed_at IS NOT NULL FROM txbox.inbox WHERE id = %s", uuid.UUID(accepted))
+    reasons = {r["reason"] for r in conn.execute("SELECT reason FROM txbox.dead_letters")}
+    assert {"not_json", "unknown_message_type", "schema_invalid", "wrong_content_type", "too_large"} <= reasons
+    assert {"permanent_error", "retries_exhausted", "unroutable"} <= reasons | {"max_attempts"}
+
+    # Replayed: the order the early StockReserved waited for arrives; the letter is replayed.
+    _send_from_outbox(service, "PlaceOrder", "o-404", {"customer": "bob", "sku": "SKU-1", "quantity": 1})
+    support.wait_until(
+        lambda: _one(conn, "SELECT count(*) FROM orders WHERE id = 'o-404'") == 1, timeout=60, message="o-404"
+    )
+    early = _one(conn, "SELECT id FROM txbox.dead_letters WHERE message_id = %s", uuid.UUID(sent["worker_rejects"]))
+    assert "inbox-reset" in _txbox(outputs, env, "dlq", "replay", str(early))
+    support.wait_until(
+        lambda: _one(conn, "SELECT resolved_at IS NOT NULL FROM txbox.dead_letters WHERE id = %s", early),
+        timeout=60,
+        message="the replayed letter to be resolved",
+    )
+    support.wait_until(settled, timeout=60, interval=0.2, message="the replay's follow-ups to settle")
+    return accepted
+
+
+def _the_commands(ids: list[Any], outputs: Outputs, env: dict[str, str], read_env: dict[str, str]) -> None:
+    """What the commands print, reading and failing on a URL or DSN that quotes the token."""
+    # Two dozen commands that only read: run side by side (each is mostly its interpreter's start).
+    commands = [
+        ["dlq", *args, "--status", "all"]
+        for args in (["list"], ["list", "--json"], ["list", "--groups"], ["list", "--groups", "--json"])
+    ]
+    commands += [["dlq", "show", str(lid), *json_flag] for lid in ids for json_flag in ([], ["--json"])]
+    commands += [["check", "--app", APP], ["inbox", "list"], ["outbox", "list", "--json"]]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        shown = dict(
+            zip(map(tuple, commands), pool.map(lambda a: _txbox(outputs, read_env, *a), commands), strict=True)
+        )
+    for lid in ids:
+        assert f"{lid}" in shown[("dlq", "show", str(lid))]
+    # Failing on a URL or DSN: the error quotes it, masked.
+    dsn = f"host=127.0.0.1 user=postgres password={CANARY} dbname=orders"
+    failing = [
+        ({**env, "TXBOX_DATABASE_URL": dsn}, ["dlq", "list"]),
+        (env, ["dlq", "list", "--limit", f"postgresql://postgres:{CANARY}@127.0.0.1/x"]),
+        (env, ["dashboard", "--port", str(free_port()), "--source", f"order-service={dsn}"]),
+    ]
+    for failing_env, args in failing:
+        assert "***" in _txbox(outputs, failing_env, *args, codes=(2,)), args
+
+
+def _the_dashboard(
+    conn: psycopg.Connection[Any],
+    ids: list[Any],
+    outputs: Outputs,
+    env: dict[str, str],
+    daemons: list[Any],
+    tmp_path: Path,
+    database_url: str,
+) -> None:
+    """Every page and API answer of the dashboard, with its token, without, and of one that has none."""
+    fingerprints = [r["fingerprint"] for r in conn.execute("SELECT DISTINCT fingerprint FROM txbox.dead_letters")]
+    dashboard_port = free_port()
+    _start(daemons, tmp_path, "dashboard", ["dashboard", "--app", APP, "--port", str(dashboard_port)], env)
+    base = f"http://127.0.0.1:{dashboard_port}"
+    support.wait_until(lambda: _get_quiet(base + "/healthz") == 200, timeout=60, message="the dashboard")
+    paths = [
+        "/",
+        "/?window=24h",
+        "/groups?status=all",
+        "/letters?status=all",
+        "/api/overview?window=24h",
+        "/api/groups?status=all",
+        "/api/letters?status=all",
+    ]
+    for lid in ids:
+        paths += [f"/letters/order-service/{lid}", f"/letters/order-service/{lid}/replay"]
+        paths += [f"/api/letters/order-service/{lid}"]
+    paths += [f"/groups/order-service/{fp}/discard" for fp in fingerprints]
+    bearer = {"Authorization": f"Bearer {DASHBOARD_TOKEN}"}
+    for path in paths:
+        status, body = _get(base + path, bearer)
+        assert status == 200, (path, body[:300])
+        outputs.add(f"dashboard {path} (token)", body)
+        status, body = _get(base + path)
+        assert status in (200, 401), path  # redirects to the login are followed: the login page
+        outputs.add(f"dashboard {path} (no credentials)", body)
+    # A dashboard without a token shows everything to anyone on the host: masked all the same.
+    source = Source("order-service", _with_password(database_url), schema="txbox", contracts_dir=CONTRACTS)
+    with serving(create_app([source], DashboardSettings())) as open_base:
+        for path in paths:
+            status, body = _get(open_base + path)
+            assert status == 200, (path, body[:300])
+            outputs.add(f"open dashboard {path}", body)
+    source.engine.dispose()
+
+
+def _archived_and_analyzed(
+    conn: psycopg.Connection[Any],
+    outputs: Outputs,
+    env: dict[str, str],
+    tmp_path: Path,
+    database_url: str,
+    accepted: str,
+) -> None:
+    """`txbox archive` then `txbox analyze`: their Parquet files are searched afterwards."""
+    archive, report = tmp_path / "archive", tmp_path / "report"
+    # `txbox archive` then `txbox analyze`, as the commands parse and run them, in one process
+    # on one Spark session (each JVM start costs tens of seconds on a busy machine).
+    commands = [
+        ["archive", "--older-than", "0s", "--to", str(archive)],
+        [
+            "analyze",
+            "--source",
+            f"order-service={_with_password(database_url)}",
+            "--contracts-dir",
+            str(CONTRACTS),
+            "--history",
+            str(archive),
+            "--parquet",
+            str(report),
+        ],
+    ]
+    _spark_commands(outputs, env, commands, timeout=600)
+    # Archived: within the dedup window the row stays as a tombstone, emptied (framework.dedup).
+    tombstone = "SELECT count(*) FROM txbox.inbox WHERE id = %s AND archived_at IS NOT NULL AND payload = '{}'"
+    assert _one(conn, tombstone, uuid.UUID(accepted)) == 1
+    assert _one(conn, "SELECT count(*) FROM txbox.analytics_runs") >= 1
 
 
 def _get_quiet(url: str) -> int:

@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import reprlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -268,55 +269,71 @@ FIELDS = ("payload", "message_context", "message_id", "timestamp", "message_type
           "aggregate_type", "message_version", "auth_token")  # fmt: skip
 
 
+Hostile = tuple[bytes, str, str]
+
+
 @st.composite
-def hostile_bodies(draw: st.DrawFn) -> tuple[bytes, str, str]:
+def hostile_bodies(draw: st.DrawFn) -> Hostile:
     """(body, what, expectation) of a body the receiver must dead-letter (or, for depth, may store)."""
-    kind = draw(
-        st.sampled_from(
-            ("bytes", "json", "wrong_type", "missing", "nul", "deep_payload", "deep_context", "deep_body",
-             "oversized", "truncated", "surrogate", "nan", "unknown_type", "not_accepted", "bad_schema", "empty",
-             "encoding")
-        )
-    )  # fmt: skip
-    message_id = uuid.uuid4()
-    data = envelope(message_id)
-    if kind == "bytes":
-        return draw(st.binary(max_size=200)), "random bytes", "hostile"
-    if kind == "encoding":  # the right envelope in another encoding, or behind a byte order mark
-        text = json.dumps(data, ensure_ascii=False)
-        codec = draw(st.sampled_from(("utf-16", "utf-32", "utf-8-sig")))
-        return text.encode(codec), f"envelope in {codec}", "hostile"
-    if kind == "empty":
-        return draw(st.sampled_from((b"", b" ", b"\n\t"))), "empty body", "hostile"
-    if kind == "json":
-        return dumps(draw(json_values.filter(lambda v: not isinstance(v, dict)))), "JSON, not an object", "hostile"
-    if kind == "wrong_type":
-        name = draw(st.sampled_from(FIELDS))
-        bad = draw(json_values.filter(lambda v: not isinstance(v, str) or name in ("payload", "message_context")))
-        if name in ("payload", "message_context") and isinstance(bad, dict):
-            bad = [bad]
-        if name == "auth_token" and bad is None:
-            bad = 0
-        data[name] = bad
-        return dumps(data), f"{name} of a wrong type", "hostile"
-    if kind == "missing":
-        name = draw(st.sampled_from([f for f in FIELDS if f not in ("message_context", "auth_token")]))
-        data.pop(name)
-        return dumps(data), f"{name} missing", "hostile"
-    if kind == "nul":
-        where = draw(st.sampled_from(("customer", "context", "aggregate_id", "message_type")))
-        text = "a\x00b"
-        if where == "customer":
-            data["payload"]["customer"] = text
-        elif where == "context":
-            data["message_context"] = {"k\x00": text}
-        else:
-            data[where] = text
-        return dumps(data), f"NUL in {where}", "hostile"
-    if kind in ("deep_payload", "deep_context"):
+    kind = draw(st.sampled_from(HOSTILE_KINDS))
+    data = envelope(uuid.uuid4())
+    return _HOSTILE[kind](draw, data)
+
+
+def _random_bytes(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    return draw(st.binary(max_size=200)), "random bytes", "hostile"
+
+
+def _encoding(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    """The right envelope in another encoding, or behind a byte order mark."""
+    text = json.dumps(data, ensure_ascii=False)
+    codec = draw(st.sampled_from(("utf-16", "utf-32", "utf-8-sig")))
+    return text.encode(codec), f"envelope in {codec}", "hostile"
+
+
+def _empty(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    return draw(st.sampled_from((b"", b" ", b"\n\t"))), "empty body", "hostile"
+
+
+def _not_an_object(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    return dumps(draw(json_values.filter(lambda v: not isinstance(v, dict)))), "JSON, not an object", "hostile"
+
+
+def _wrong_type(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    name = draw(st.sampled_from(FIELDS))
+    bad = draw(json_values.filter(lambda v: not isinstance(v, str) or name in ("payload", "message_context")))
+    if name in ("payload", "message_context") and isinstance(bad, dict):
+        bad = [bad]
+    if name == "auth_token" and bad is None:
+        bad = 0
+    data[name] = bad
+    return dumps(data), f"{name} of a wrong type", "hostile"
+
+
+def _missing(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    name = draw(st.sampled_from([f for f in FIELDS if f not in ("message_context", "auth_token")]))
+    data.pop(name)
+    return dumps(data), f"{name} missing", "hostile"
+
+
+def _nul(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    where = draw(st.sampled_from(("customer", "context", "aggregate_id", "message_type")))
+    text = "a\x00b"
+    if where == "customer":
+        data["payload"]["customer"] = text
+    elif where == "context":
+        data["message_context"] = {"k\x00": text}
+    else:
+        data[where] = text
+    return dumps(data), f"NUL in {where}", "hostile"
+
+
+def _deep(name: str) -> Callable[[st.DrawFn, dict[str, Any]], Hostile]:
+    """A ``payload`` or ``message_context`` nested deep."""
+
+    def deep(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
         depth = draw(st.sampled_from((50, 200, 500, 900, 1000, 1100, 3000, 20_000)))
         shape = draw(st.sampled_from(("object", "array", "mixed")))
-        name = "payload" if kind == "deep_payload" else "message_context"
         if name == "payload":  # the schema allows no extra field: deep payload is schema-invalid
             raw = '{"customer":"ada","sku":"S","quantity":1,"extra":' + deep_json(depth, shape) + "}"
             expect = "hostile"
@@ -324,38 +341,80 @@ def hostile_bodies(draw: st.DrawFn) -> tuple[bytes, str, str]:
             raw = '{"deep":' + deep_json(depth, shape) + "}"
             expect = "either"  # a valid context: stored, or rejected as too deep; never lost or doubled
         return with_raw(data, name, raw), f"{name} nested {depth} deep ({shape})", expect
-    if kind == "deep_body":
-        depth = draw(st.sampled_from((1000, 5000, 100_000)))
-        return (
-            deep_json(depth, draw(st.sampled_from(("object", "array", "mixed")))).encode(),
-            f"body nested {depth}",
-            "hostile",
-        )
-    if kind == "oversized":
-        size = draw(st.sampled_from((MAX_BODY_BYTES + 1, 2 * MAX_BODY_BYTES, 600_000)))
-        data["message_context"] = {"pad": "o" * size}
-        return dumps(data), f"{size}+ bytes", "hostile"
-    if kind == "truncated":
-        text = dumps(data)
-        return text[: draw(st.integers(1, len(text) - 1))], "truncated envelope", "hostile"
-    if kind == "surrogate":
-        data["payload"]["customer"] = "lone \ud800"
-        return dumps(data), "lone surrogate escape", "hostile"
-    if kind == "nan":
-        data["message_context"] = {"n": draw(st.sampled_from((float("nan"), float("inf"), float("-inf"))))}
-        return dumps(data), "NaN/Infinity in the context", "hostile"
-    if kind == "unknown_type":
-        data["message_type"] = draw(st.sampled_from(("RestockItem", "PlaceOrder\x00", "placeorder")))
-        return dumps(data), "unknown message type", "hostile"
-    if kind == "not_accepted":
-        data["message_type"] = "OrderPlaced"
-        return dumps(data), "a type the service does not accept", "hostile"
+
+    return deep
+
+
+def _deep_body(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    depth = draw(st.sampled_from((1000, 5000, 100_000)))
+    return (
+        deep_json(depth, draw(st.sampled_from(("object", "array", "mixed")))).encode(),
+        f"body nested {depth}",
+        "hostile",
+    )
+
+
+def _oversized(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    size = draw(st.sampled_from((MAX_BODY_BYTES + 1, 2 * MAX_BODY_BYTES, 600_000)))
+    data["message_context"] = {"pad": "o" * size}
+    return dumps(data), f"{size}+ bytes", "hostile"
+
+
+def _truncated(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    text = dumps(data)
+    return text[: draw(st.integers(1, len(text) - 1))], "truncated envelope", "hostile"
+
+
+def _surrogate(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    data["payload"]["customer"] = "lone \ud800"
+    return dumps(data), "lone surrogate escape", "hostile"
+
+
+def _nan(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    data["message_context"] = {"n": draw(st.sampled_from((float("nan"), float("inf"), float("-inf"))))}
+    return dumps(data), "NaN/Infinity in the context", "hostile"
+
+
+def _unknown_type(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    data["message_type"] = draw(st.sampled_from(("RestockItem", "PlaceOrder\x00", "placeorder")))
+    return dumps(data), "unknown message type", "hostile"
+
+
+def _not_accepted(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
+    data["message_type"] = "OrderPlaced"
+    return dumps(data), "a type the service does not accept", "hostile"
+
+
+def _bad_schema(draw: st.DrawFn, data: dict[str, Any]) -> Hostile:
     data["payload"] = draw(
         st.sampled_from(
             ({}, {"customer": "", "sku": "x", "quantity": 0}, {"customer": "a", "sku": "S", "quantity": 10**30})
         )
     )
     return dumps(data), "payload against the schema", "hostile"
+
+
+# In the order the draw picks them from (a seed's examples depend on it).
+_HOSTILE: dict[str, Callable[[st.DrawFn, dict[str, Any]], Hostile]] = {
+    "bytes": _random_bytes,
+    "json": _not_an_object,
+    "wrong_type": _wrong_type,
+    "missing": _missing,
+    "nul": _nul,
+    "deep_payload": _deep("payload"),
+    "deep_context": _deep("message_context"),
+    "deep_body": _deep_body,
+    "oversized": _oversized,
+    "truncated": _truncated,
+    "surrogate": _surrogate,
+    "nan": _nan,
+    "unknown_type": _unknown_type,
+    "not_accepted": _not_accepted,
+    "bad_schema": _bad_schema,
+    "empty": _empty,
+    "encoding": _encoding,
+}
+HOSTILE_KINDS = tuple(_HOSTILE)
 
 
 @st.composite

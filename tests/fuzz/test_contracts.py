@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,65 +173,127 @@ def mutations(draw: st.DrawFn) -> tuple[list[str], dict[str, Any], bool]:
         payload = _payload(doc) if isinstance(message.get("payload"), dict) else None
         if payload is not None and not isinstance(payload.get("properties"), dict):
             payload = None  # replaced by a `$ref`: nothing of it to bend
-        if kind == "name":
-            message["name"] = draw(hostile_strings | st.sampled_from([None, 1, [], {}]))
-        elif kind == "service":
-            doc["x-service-id"] = draw(hostile_strings)
-        elif kind == "channel":
-            doc["channels"] = {draw(hostile_strings): doc["channels"]["thing.place"]}
-            break  # the message lives under another key now
-        elif kind == "title":
-            message.pop("name", None)
+        if kind in _OF_PAYLOAD:
             if payload is not None:
-                payload["title"] = draw(hostile_strings)
-        elif kind == "aggregate":
-            message["tags"] = [{"name": "aggregate-type:" + draw(hostile_strings)}]
-        elif kind == "property" and payload is not None:
-            payload["properties"][draw(hostile_strings)] = {"type": "string", "description": draw(hostile_strings)}
-            if draw(st.booleans()):
-                payload["required"] = [draw(hostile_strings)]
-        elif kind == "string" and payload is not None:
-            payload["description"] = draw(hostile_strings)
-            payload["properties"]["kind"] = {"enum": draw(st.lists(hostile_strings, min_size=1, max_size=4))}
-            payload["properties"]["size"]["default"] = draw(hostile_strings)
-        elif kind == "ref":
-            target = draw(st.sampled_from(REFS))
-            if draw(st.booleans()):
-                message["payload"] = {"$ref": target}
-            elif payload is not None:
-                payload["properties"]["linked"] = {"$ref": target}
-        elif kind == "pattern" and payload is not None:
-            pattern = draw(st.sampled_from(PATTERNS) | st.text(max_size=12))
-            where = draw(st.sampled_from(("pattern", "patternProperties", "format")))
-            if where == "pattern":
-                payload["properties"]["sku"]["pattern"] = pattern
-            elif where == "patternProperties":
-                payload["patternProperties"] = {pattern: {"type": "string"}}
-            else:
-                payload["properties"]["sku"]["format"] = "regex"
-        elif kind == "deep" and payload is not None:
-            node: dict[str, Any] = {"type": "string"}
-            for _ in range(draw(st.integers(10, 120))):
-                node = {"type": "object", "properties": {"n": node}}
-            payload["properties"]["deep"] = node
-        elif kind == "number" and payload is not None:
-            keyword = draw(st.sampled_from(("minimum", "maximum", "maxLength", "multipleOf", "const", "enum")))
-            value: Any = draw(st.sampled_from(NUMBERS))
-            payload["properties"]["size"][keyword] = [value] if keyword == "enum" else value
-        elif kind == "version":
-            message["x-message-version"] = draw(hostile_strings | st.sampled_from([2, None]))
-            message["x-previous-versions"] = {draw(hostile_strings): {"type": "object"}}
-        elif kind == "shape":
-            spot = draw(st.sampled_from(("channels", "components", "tags", "message", "payload", "x-subscribes")))
-            junk = draw(st.sampled_from([None, 1, "x", [], [1, "a"], {"a": 1}]))
-            if spot in ("channels", "components", "x-subscribes"):
-                doc[spot] = junk
-                break
-            if spot == "message":
-                doc["channels"]["thing.place"]["publish"]["message"] = junk
-                break
-            message[spot] = junk
+                _OF_PAYLOAD[kind](draw, payload)
+        elif _OF_DOCUMENT[kind](draw, doc, message, payload):
+            break  # the message is no longer where the next mutation would look
     return applied, doc, draw(st.booleans())
+
+
+Payload = dict[str, Any]
+
+
+def _name(draw: st.DrawFn, doc: dict[str, Any], message: dict[str, Any], payload: Payload | None) -> bool:
+    message["name"] = draw(hostile_strings | st.sampled_from([None, 1, [], {}]))
+    return False
+
+
+def _service(draw: st.DrawFn, doc: dict[str, Any], message: dict[str, Any], payload: Payload | None) -> bool:
+    doc["x-service-id"] = draw(hostile_strings)
+    return False
+
+
+def _channel(draw: st.DrawFn, doc: dict[str, Any], message: dict[str, Any], payload: Payload | None) -> bool:
+    doc["channels"] = {draw(hostile_strings): doc["channels"]["thing.place"]}
+    return True  # the message lives under another key now
+
+
+def _title(draw: st.DrawFn, doc: dict[str, Any], message: dict[str, Any], payload: Payload | None) -> bool:
+    message.pop("name", None)
+    if payload is not None:
+        payload["title"] = draw(hostile_strings)
+    return False
+
+
+def _aggregate(draw: st.DrawFn, doc: dict[str, Any], message: dict[str, Any], payload: Payload | None) -> bool:
+    message["tags"] = [{"name": "aggregate-type:" + draw(hostile_strings)}]
+    return False
+
+
+def _ref(draw: st.DrawFn, doc: dict[str, Any], message: dict[str, Any], payload: Payload | None) -> bool:
+    target = draw(st.sampled_from(REFS))
+    if draw(st.booleans()):
+        message["payload"] = {"$ref": target}
+    elif payload is not None:
+        payload["properties"]["linked"] = {"$ref": target}
+    return False
+
+
+def _version(draw: st.DrawFn, doc: dict[str, Any], message: dict[str, Any], payload: Payload | None) -> bool:
+    message["x-message-version"] = draw(hostile_strings | st.sampled_from([2, None]))
+    message["x-previous-versions"] = {draw(hostile_strings): {"type": "object"}}
+    return False
+
+
+def _shape(draw: st.DrawFn, doc: dict[str, Any], message: dict[str, Any], payload: Payload | None) -> bool:
+    spot = draw(st.sampled_from(("channels", "components", "tags", "message", "payload", "x-subscribes")))
+    junk = draw(st.sampled_from([None, 1, "x", [], [1, "a"], {"a": 1}]))
+    if spot in ("channels", "components", "x-subscribes"):
+        doc[spot] = junk
+        return True
+    if spot == "message":
+        doc["channels"]["thing.place"]["publish"]["message"] = junk
+        return True
+    message[spot] = junk
+    return False
+
+
+def _property(draw: st.DrawFn, payload: Payload) -> None:
+    payload["properties"][draw(hostile_strings)] = {"type": "string", "description": draw(hostile_strings)}
+    if draw(st.booleans()):
+        payload["required"] = [draw(hostile_strings)]
+
+
+def _string(draw: st.DrawFn, payload: Payload) -> None:
+    payload["description"] = draw(hostile_strings)
+    payload["properties"]["kind"] = {"enum": draw(st.lists(hostile_strings, min_size=1, max_size=4))}
+    payload["properties"]["size"]["default"] = draw(hostile_strings)
+
+
+def _pattern(draw: st.DrawFn, payload: Payload) -> None:
+    pattern = draw(st.sampled_from(PATTERNS) | st.text(max_size=12))
+    where = draw(st.sampled_from(("pattern", "patternProperties", "format")))
+    if where == "pattern":
+        payload["properties"]["sku"]["pattern"] = pattern
+    elif where == "patternProperties":
+        payload["patternProperties"] = {pattern: {"type": "string"}}
+    else:
+        payload["properties"]["sku"]["format"] = "regex"
+
+
+def _deep(draw: st.DrawFn, payload: Payload) -> None:
+    node: dict[str, Any] = {"type": "string"}
+    for _ in range(draw(st.integers(10, 120))):
+        node = {"type": "object", "properties": {"n": node}}
+    payload["properties"]["deep"] = node
+
+
+def _number(draw: st.DrawFn, payload: Payload) -> None:
+    keyword = draw(st.sampled_from(("minimum", "maximum", "maxLength", "multipleOf", "const", "enum")))
+    value: Any = draw(st.sampled_from(NUMBERS))
+    payload["properties"]["size"][keyword] = [value] if keyword == "enum" else value
+
+
+# Each class of mutation: of the document (True: stop, the message moved), or of the
+# payload's schema (nothing when the payload is a `$ref` or gone).
+_OF_DOCUMENT: dict[str, Callable[[st.DrawFn, dict[str, Any], dict[str, Any], Payload | None], bool]] = {
+    "name": _name,
+    "service": _service,
+    "channel": _channel,
+    "title": _title,
+    "aggregate": _aggregate,
+    "ref": _ref,
+    "version": _version,
+    "shape": _shape,
+}
+_OF_PAYLOAD: dict[str, Callable[[st.DrawFn, Payload], None]] = {
+    "property": _property,
+    "string": _string,
+    "pattern": _pattern,
+    "deep": _deep,
+    "number": _number,
+}
 
 
 def folder_with(root: Path) -> Path:

@@ -246,15 +246,12 @@ def test_a_mosaic_service_and_txbox_exchange_commands_and_events_exactly_once(
                 "CreateGadget", aggregate_id="gadget-1", payload={"name": "g1"}, message_context={"ticket": "t-1"}
             )
 
-        def effects(url: str, query: str) -> int:
-            return int(rows(url, query)[0][0])
-
         def all_done() -> bool:
             return (
-                effects(txbox_db, "SELECT count(*) FROM interop_effects WHERE message_type = 'CreateWidget'") >= 1
-                and effects(txbox_db, "SELECT count(*) FROM interop_effects WHERE message_type = 'GadgetCreated'") >= 1
-                and effects(peer_database, "SELECT count(*) FROM gadgets") >= 1
-                and effects(peer_database, "SELECT count(*) FROM widget_events") >= 1
+                _count(txbox_db, "SELECT count(*) FROM interop_effects WHERE message_type = 'CreateWidget'") >= 1
+                and _count(txbox_db, "SELECT count(*) FROM interop_effects WHERE message_type = 'GadgetCreated'") >= 1
+                and _count(peer_database, "SELECT count(*) FROM gadgets") >= 1
+                and _count(peer_database, "SELECT count(*) FROM widget_events") >= 1
             )
 
         support.wait_until(
@@ -265,67 +262,10 @@ def test_a_mosaic_service_and_txbox_exchange_commands_and_events_exactly_once(
         assert peer.alive, peer.log()[-3000:]
         assert txbox.alive, txbox.log_tail(40)
 
-        # What crossed, with Mosaic's routing keys and message types, once each.
-        assert sorted(rows(txbox_db, "SELECT message_type, aggregate_id, name FROM interop_effects")) == [
-            ("CreateWidget", "widget-w1", "w1"),
-            ("GadgetCreated", "gadget-1", "g1"),
-        ]
-        assert rows(peer_database, "SELECT gadget_id, name FROM gadgets") == [("gadget-1", "g1")]
-        assert rows(peer_database, "SELECT widget_id, name FROM widget_events") == [("widget-w1", "w1")]
-        inbox = {
-            r[0]: r[1:] for r in rows(txbox_db, "SELECT message_type, routing_key, kind, metadata FROM txbox.inbox")
-        }
-        assert inbox["CreateWidget"][:2] == (f"{widget_app.SERVICE}.widget.create", "command")
-        assert inbox["GadgetCreated"][:2] == (f"{PEER_ID}.gadget.created", "event")
-        peer_inbox = dict(rows(peer_database, "SELECT message_type, metadata FROM app_private.inbox"))
-        assert set(peer_inbox) == {"CreateGadget", "WidgetCreated"}
-        assert peer_inbox["WidgetCreated"]["fields"]["routingKey"] == f"{widget_app.SERVICE}.widget.created"
-        assert peer_inbox["WidgetCreated"]["fields"]["exchange"] == names.EVENT_EXCHANGE
-
-        # The delay/retry path, once on each side, each through its own delay queue.
-        widget_headers = inbox["CreateWidget"][2]["properties"]["headers"]
-        assert widget_headers[names.HEADER_ATTEMPT] == 2
-        assert widget_headers["x-death"][0]["queue"] == names.delay_queue(10)  # at-least-once
-        assert metric(port, "txbox_receiver_delayed_total") == 1
-        gadget_headers = peer_inbox["CreateGadget"]["properties"]["headers"]
-        assert gadget_headers["x-death"][0]["queue"] == names.mosaic_delay_queue(10)
-        assert gadget_headers["rascal"]["recovery"][f"{PEER_ID}:inbox"]["forwarded"] == 1
+        _what_crossed(txbox_db, peer_database, port)
 
         # 5. A duplicate of each command, same message_id, as plain bytes: one effect each.
-        gadget = rows(
-            txbox_db,
-            "SELECT id, message_type, aggregate_type, aggregate_id, message_version, payload, message_context "
-            "FROM txbox.outbox WHERE message_type = 'CreateGadget'",
-        )
-        widget = rows(
-            txbox_db,
-            "SELECT id, message_type, aggregate_type, aggregate_id, message_version, payload, message_context "
-            "FROM txbox.inbox WHERE message_type = 'CreateWidget'",
-        )
-        publish_duplicate(amqp_url, names.COMMAND_EXCHANGE, f"{PEER_ID}.gadget.create", envelope_of(gadget[0]))
-        publish_duplicate(
-            amqp_url, names.COMMAND_EXCHANGE, f"{widget_app.SERVICE}.widget.create", envelope_of(widget[0])
-        )
-        support.wait_until(
-            lambda: metric(port, "txbox_receiver_duplicates_total") >= 1, DEADLINE, message="txbox to see the duplicate"
-        )
-        support.wait_until(
-            lambda: f"The message with id {gadget[0][0]} already existed" in peer.log(),
-            DEADLINE,
-            message="the Mosaic inbox to see the duplicate",
-        )
-        unprocessed = "SELECT count(*) FROM {} WHERE processed_at IS NULL AND abandoned_at IS NULL"
-        support.wait_until(
-            lambda: (
-                effects(txbox_db, unprocessed.format("txbox.inbox")) == 0
-                and effects(peer_database, unprocessed.format("app_private.inbox")) == 0
-            ),
-            DEADLINE,
-            message="both inboxes processed",
-        )
-        assert effects(txbox_db, "SELECT count(*) FROM interop_effects") == 2
-        assert effects(peer_database, "SELECT count(*) FROM gadgets") == 1
-        assert effects(peer_database, "SELECT count(*) FROM widget_events") == 1
+        _duplicates_have_one_effect(txbox_db, peer_database, amqp_url, port, peer)
 
         assert peer.alive and txbox.alive, txbox.log_tail(40)
         queues = {q["name"]: q for q in support.mgmt("GET", f"/queues/{support.vhost_path(vhost)}")}
@@ -341,6 +281,73 @@ def test_a_mosaic_service_and_txbox_exchange_commands_and_events_exactly_once(
         print(peer.log()[-4000:])
         for daemon in group.daemons:
             print(daemon.log_tail(60))
+
+
+def _count(url: str, query: str) -> int:
+    return int(rows(url, query)[0][0])
+
+
+def _what_crossed(txbox_db: str, peer_database: str, port: int) -> None:
+    """What crossed, with Mosaic's routing keys and message types, once each, and the
+    delay/retry path once on each side."""
+    assert sorted(rows(txbox_db, "SELECT message_type, aggregate_id, name FROM interop_effects")) == [
+        ("CreateWidget", "widget-w1", "w1"),
+        ("GadgetCreated", "gadget-1", "g1"),
+    ]
+    assert rows(peer_database, "SELECT gadget_id, name FROM gadgets") == [("gadget-1", "g1")]
+    assert rows(peer_database, "SELECT widget_id, name FROM widget_events") == [("widget-w1", "w1")]
+    inbox = {r[0]: r[1:] for r in rows(txbox_db, "SELECT message_type, routing_key, kind, metadata FROM txbox.inbox")}
+    assert inbox["CreateWidget"][:2] == (f"{widget_app.SERVICE}.widget.create", "command")
+    assert inbox["GadgetCreated"][:2] == (f"{PEER_ID}.gadget.created", "event")
+    peer_inbox = dict(rows(peer_database, "SELECT message_type, metadata FROM app_private.inbox"))
+    assert set(peer_inbox) == {"CreateGadget", "WidgetCreated"}
+    assert peer_inbox["WidgetCreated"]["fields"]["routingKey"] == f"{widget_app.SERVICE}.widget.created"
+    assert peer_inbox["WidgetCreated"]["fields"]["exchange"] == names.EVENT_EXCHANGE
+
+    # The delay/retry path, once on each side, each through its own delay queue.
+    widget_headers = inbox["CreateWidget"][2]["properties"]["headers"]
+    assert widget_headers[names.HEADER_ATTEMPT] == 2
+    assert widget_headers["x-death"][0]["queue"] == names.delay_queue(10)  # at-least-once
+    assert metric(port, "txbox_receiver_delayed_total") == 1
+    gadget_headers = peer_inbox["CreateGadget"]["properties"]["headers"]
+    assert gadget_headers["x-death"][0]["queue"] == names.mosaic_delay_queue(10)
+    assert gadget_headers["rascal"]["recovery"][f"{PEER_ID}:inbox"]["forwarded"] == 1
+
+
+def _duplicates_have_one_effect(txbox_db: str, peer_database: str, amqp_url: str, port: int, peer: NodePeer) -> None:
+    """A duplicate of each command, same message_id, as plain bytes: one effect each."""
+    gadget = rows(
+        txbox_db,
+        "SELECT id, message_type, aggregate_type, aggregate_id, message_version, payload, message_context "
+        "FROM txbox.outbox WHERE message_type = 'CreateGadget'",
+    )
+    widget = rows(
+        txbox_db,
+        "SELECT id, message_type, aggregate_type, aggregate_id, message_version, payload, message_context "
+        "FROM txbox.inbox WHERE message_type = 'CreateWidget'",
+    )
+    publish_duplicate(amqp_url, names.COMMAND_EXCHANGE, f"{PEER_ID}.gadget.create", envelope_of(gadget[0]))
+    publish_duplicate(amqp_url, names.COMMAND_EXCHANGE, f"{widget_app.SERVICE}.widget.create", envelope_of(widget[0]))
+    support.wait_until(
+        lambda: metric(port, "txbox_receiver_duplicates_total") >= 1, DEADLINE, message="txbox to see the duplicate"
+    )
+    support.wait_until(
+        lambda: f"The message with id {gadget[0][0]} already existed" in peer.log(),
+        DEADLINE,
+        message="the Mosaic inbox to see the duplicate",
+    )
+    unprocessed = "SELECT count(*) FROM {} WHERE processed_at IS NULL AND abandoned_at IS NULL"
+    support.wait_until(
+        lambda: (
+            _count(txbox_db, unprocessed.format("txbox.inbox")) == 0
+            and _count(peer_database, unprocessed.format("app_private.inbox")) == 0
+        ),
+        DEADLINE,
+        message="both inboxes processed",
+    )
+    assert _count(txbox_db, "SELECT count(*) FROM interop_effects") == 2
+    assert _count(peer_database, "SELECT count(*) FROM gadgets") == 1
+    assert _count(peer_database, "SELECT count(*) FROM widget_events") == 1
 
 
 def test_the_peer_fails_clearly_without_its_packages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

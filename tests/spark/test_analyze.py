@@ -46,85 +46,100 @@ def seed(order_url: str, inventory_url: str, registry: Registry) -> World:
     order, inv = Seeder(order_url, registry, ORDER), Seeder(inventory_url, registry, INVENTORY)
     hour = at(now, -3600)
     try:
-        # Delivered and processed: created → published 1 s, → received 2 s, → processed 3 s.
-        for i in range(3):
-            t = at(hour, i)
-            mid = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
-            inv.inbox("OrderPlaced", mid, t, at(t, 3), processed_at=at(t, 6))
-            w.add("delivered", mid)
-        # Lost: published an hour ago, in neither the inbox nor the dead letters of inventory.
-        for i in range(2):
-            w.add("lost", order.outbox("OrderPlaced", at(hour, 10 + i), processed_at=at(hour, 11 + i)))
-        # In flight: published 10 s ago, not received yet (within the 5 min grace).
-        w.add("in_flight", order.outbox("OrderPlaced", at(now, -12), processed_at=at(now, -10)))
-        # Late but delivered: received 30 min after publishing; not lost.
-        t = at(hour, 20)
-        late = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
-        inv.inbox("OrderPlaced", late, t, at(t, 1801), processed_at=at(t, 1802))
-        w.add("late", late)
-        # Duplicate delivery: stored once (inbox dedup), counted three times by the receiver.
-        t = at(hour, 30)
-        dup = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
-        inv.inbox("OrderPlaced", dup, t, at(t, 3), processed_at=at(t, 6), redelivered=True)
-        inv.redelivery(dup, 3, at(t, 3))
-        w.add("redelivered", dup)
-        # Rejected by the receiver of inventory: a dead letter there, not lost.
-        t = at(hour, 40)
-        rejected = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
-        inv.dead_letter(rejected, "OrderPlaced", at(t, 2), source="inbox", reason="schema_invalid", error="bad 'x'")
-        w.add("abandoned", rejected)
-        # Abandoned by inventory's worker after 3 attempts.
-        t = at(hour, 50)
-        poisoned = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
-        inv.inbox(
-            "OrderPlaced", poisoned, t, at(t, 2), abandoned_at=at(t, 60), started=3, finished=3, last_error="boom"
-        )
-        w.ids["fp_max_attempts"] = {inv.dead_letter(poisoned, "OrderPlaced", at(t, 60))}
-        w.add("abandoned", poisoned)
-        w.add("poisoned", poisoned)
-        # A dead letter already discarded: counted in fingerprints, not a finding.
-        t = at(hour, 55)
-        discarded = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
-        inv.inbox("OrderPlaced", discarded, t, at(t, 2), abandoned_at=at(t, 9), started=1, finished=1)
-        inv.dead_letter(discarded, "OrderPlaced", at(t, 9), discarded=True)
-        w.add("discarded", discarded)
-        # Stuck: never published (publisher down), and one leased long ago by a live lease.
-        w.add("stuck", order.outbox("OrderPlaced", at(hour, 60)))
-        w.add(
-            "stuck",
-            order.outbox("OrderPlaced", at(hour, 61), started=1, finished=0, locked_until=at(now, 30)),
-        )
-        # Not stuck: scheduled for tomorrow, and one created a minute ago.
-        order.outbox("OrderPlaced", at(hour, 62), locked_until=at(now, 86400))
-        order.outbox("OrderPlaced", at(now, -60))
-        # Stuck in inventory's inbox: received, worker crashed holding the lease.
-        t = at(hour, 70)
-        held = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
-        inv.inbox("OrderPlaced", held, t, at(t, 2), started=1, finished=0, locked_until=at(t, 32))
-        w.add("stuck", held)
-        # OrderCompleted: nobody subscribes — never lost.
-        order.outbox("OrderCompleted", at(hour, 80), processed_at=at(hour, 81))
-        # inventory → order: StockReserved delivered, StockRejected lost.
-        t = at(hour, 90)
-        reserved = inv.outbox("StockReserved", t, processed_at=at(t, 1))
-        order.inbox("StockReserved", reserved, t, at(t, 2), processed_at=at(t, 3))
-        w.add("lost", inv.outbox("StockRejected", at(hour, 95), processed_at=at(hour, 96)))
-        # Unexpected in inventory's inbox: an OrderPlaced no source published, an unknown type,
-        # and in order's inbox a PlaceOrder command from outside (no outbox has it).
-        for kind, mtype, seeder in (
-            ("not_in_publisher_outbox", "OrderPlaced", inv),
-            ("unknown_message_type", "SomethingForeign", inv),
-            ("no_source_outbox_has_it", "PlaceOrder", order),
-        ):
-            mid = uuid.uuid4()
-            t = at(hour, 100)
-            seeder.inbox(mtype, mid, t, at(t, 1), processed_at=at(t, 2))
-            w.add("unexpected", mid)
-            w.add(kind, mid)
+        _seed_deliveries(w, order, inv, hour)
+        _seed_failures(w, order, inv, hour)
+        _seed_the_rest(w, order, inv, hour)
     finally:
         order.close()
         inv.close()
     return w
+
+
+def _seed_deliveries(w: World, order: Seeder, inv: Seeder, hour: datetime) -> None:
+    """order → inventory: delivered, lost, in flight, late, redelivered."""
+    now = w.now
+    # Delivered and processed: created → published 1 s, → received 2 s, → processed 3 s.
+    for i in range(3):
+        t = at(hour, i)
+        mid = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
+        inv.inbox("OrderPlaced", mid, t, at(t, 3), processed_at=at(t, 6))
+        w.add("delivered", mid)
+    # Lost: published an hour ago, in neither the inbox nor the dead letters of inventory.
+    for i in range(2):
+        w.add("lost", order.outbox("OrderPlaced", at(hour, 10 + i), processed_at=at(hour, 11 + i)))
+    # In flight: published 10 s ago, not received yet (within the 5 min grace).
+    w.add("in_flight", order.outbox("OrderPlaced", at(now, -12), processed_at=at(now, -10)))
+    # Late but delivered: received 30 min after publishing; not lost.
+    t = at(hour, 20)
+    late = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
+    inv.inbox("OrderPlaced", late, t, at(t, 1801), processed_at=at(t, 1802))
+    w.add("late", late)
+    # Duplicate delivery: stored once (inbox dedup), counted three times by the receiver.
+    t = at(hour, 30)
+    dup = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
+    inv.inbox("OrderPlaced", dup, t, at(t, 3), processed_at=at(t, 6), redelivered=True)
+    inv.redelivery(dup, 3, at(t, 3))
+    w.add("redelivered", dup)
+
+
+def _seed_failures(w: World, order: Seeder, inv: Seeder, hour: datetime) -> None:
+    """Rejected, abandoned, discarded and stuck messages."""
+    now = w.now
+    # Rejected by the receiver of inventory: a dead letter there, not lost.
+    t = at(hour, 40)
+    rejected = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
+    inv.dead_letter(rejected, "OrderPlaced", at(t, 2), source="inbox", reason="schema_invalid", error="bad 'x'")
+    w.add("abandoned", rejected)
+    # Abandoned by inventory's worker after 3 attempts.
+    t = at(hour, 50)
+    poisoned = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
+    inv.inbox("OrderPlaced", poisoned, t, at(t, 2), abandoned_at=at(t, 60), started=3, finished=3, last_error="boom")
+    w.ids["fp_max_attempts"] = {inv.dead_letter(poisoned, "OrderPlaced", at(t, 60))}
+    w.add("abandoned", poisoned)
+    w.add("poisoned", poisoned)
+    # A dead letter already discarded: counted in fingerprints, not a finding.
+    t = at(hour, 55)
+    discarded = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
+    inv.inbox("OrderPlaced", discarded, t, at(t, 2), abandoned_at=at(t, 9), started=1, finished=1)
+    inv.dead_letter(discarded, "OrderPlaced", at(t, 9), discarded=True)
+    w.add("discarded", discarded)
+    # Stuck: never published (publisher down), and one leased long ago by a live lease.
+    w.add("stuck", order.outbox("OrderPlaced", at(hour, 60)))
+    w.add(
+        "stuck",
+        order.outbox("OrderPlaced", at(hour, 61), started=1, finished=0, locked_until=at(now, 30)),
+    )
+    # Not stuck: scheduled for tomorrow, and one created a minute ago.
+    order.outbox("OrderPlaced", at(hour, 62), locked_until=at(now, 86400))
+    order.outbox("OrderPlaced", at(now, -60))
+    # Stuck in inventory's inbox: received, worker crashed holding the lease.
+    t = at(hour, 70)
+    held = order.outbox("OrderPlaced", t, processed_at=at(t, 1))
+    inv.inbox("OrderPlaced", held, t, at(t, 2), started=1, finished=0, locked_until=at(t, 32))
+    w.add("stuck", held)
+
+
+def _seed_the_rest(w: World, order: Seeder, inv: Seeder, hour: datetime) -> None:
+    """A type nobody subscribes to, inventory → order, and unexpected inbox rows."""
+    # OrderCompleted: nobody subscribes — never lost.
+    order.outbox("OrderCompleted", at(hour, 80), processed_at=at(hour, 81))
+    # inventory → order: StockReserved delivered, StockRejected lost.
+    t = at(hour, 90)
+    reserved = inv.outbox("StockReserved", t, processed_at=at(t, 1))
+    order.inbox("StockReserved", reserved, t, at(t, 2), processed_at=at(t, 3))
+    w.add("lost", inv.outbox("StockRejected", at(hour, 95), processed_at=at(hour, 96)))
+    # Unexpected in inventory's inbox: an OrderPlaced no source published, an unknown type,
+    # and in order's inbox a PlaceOrder command from outside (no outbox has it).
+    for kind, mtype, seeder in (
+        ("not_in_publisher_outbox", "OrderPlaced", inv),
+        ("unknown_message_type", "SomethingForeign", inv),
+        ("no_source_outbox_has_it", "PlaceOrder", order),
+    ):
+        mid = uuid.uuid4()
+        t = at(hour, 100)
+        seeder.inbox(mtype, mid, t, at(t, 1), processed_at=at(t, 2))
+        w.add("unexpected", mid)
+        w.add(kind, mid)
 
 
 @pytest.fixture(scope="module")

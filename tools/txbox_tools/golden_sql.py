@@ -66,8 +66,22 @@ def _inbox_same_content() -> sql.Composed:
 def statements() -> list[tuple[str, Statement]]:
     """(header, statement) for every entry, in the file's order: module by module, as built."""
     s = SCHEMA
-    out: list[tuple[str, Statement]] = [
-        # The outbox: writers, then the relay.
+    return [
+        *_outbox(s),
+        *_inbox(s),
+        *_guard(),
+        *_dead_letters(s),
+        *_messages(s),
+        *_pending(s),
+        *_retention(s),
+        *_heartbeats(s),
+        *_statistics(s),
+    ]
+
+
+def _outbox(s: str) -> list[tuple[str, Statement]]:
+    """The outbox: writers, then the relay."""
+    return [
         (f"framework.sql.outbox.insert({s})", outbox_sql.insert(s)),
         (f"framework.sql.outbox.insert_text({s})", outbox_sql.insert_text(s)),
         (f"framework.sql.outbox.insert_pyformat({s})", outbox_sql.insert_pyformat(s)),
@@ -78,7 +92,12 @@ def statements() -> list[tuple[str, Statement]]:
         (f"framework.sql.outbox.abandon({s})", outbox_sql.abandon(s)),
         (f"framework.sql.outbox.release({s})", outbox_sql.release(s)),
         (f"framework.sql.outbox.backlog({s})", outbox_sql.backlog(s)),
-        # The inbox: the receiver, then the worker.
+    ]
+
+
+def _inbox(s: str) -> list[tuple[str, Statement]]:
+    """The inbox: the receiver, then the worker."""
+    out: list[tuple[str, Statement]] = [
         (f"framework.sql.inbox.insert_sql({s})", inbox_sql.insert_sql(s)),
         (f"framework.sql.inbox.insert_all_new_sql({s})", inbox_sql.insert_all_new_sql(s)),
         (f"framework.sql.inbox._conflicts_sql({s})", inbox_sql._conflicts_sql(s)),
@@ -94,7 +113,8 @@ def statements() -> list[tuple[str, Statement]]:
     for park in (False, True):
         out.append((f"framework.sql.inbox.claim_ids({s}, park={park})", inbox_sql.claim_ids(s, park=park)))
     presume = inbox_sql.presume_processed(s)
-    out += [
+    return [
+        *out,
         (f"framework.sql.inbox.presume_processed({s})", presume),
         (f"framework.worker.guard.armed(framework.sql.inbox.presume_processed({s}))", guard.armed(presume)),
         (f"framework.sql.inbox.mark_failed({s})", inbox_sql.mark_failed(s)),
@@ -107,12 +127,22 @@ def statements() -> list[tuple[str, Statement]]:
         (f"framework.sql.inbox.forget_expired({s})", inbox_sql.forget_expired(s)),
         (f"framework.sql.inbox.expired_tombstones({s})", inbox_sql.expired_tombstones(s)),
         (f"framework.sql.inbox.restore_tombstone({s})", inbox_sql.restore_tombstone(s)),
-        # The worker's commit guard (framework/worker/guard.py).
+    ]
+
+
+def _guard() -> list[tuple[str, Statement]]:
+    """The worker's commit guard (framework/worker/guard.py)."""
+    return [
         ("framework.worker.guard.create_guard()", guard.create_guard()),
         ("framework.worker.guard.truncate()", guard.truncate()),
         ("framework.worker.guard.arm()", guard.arm()),
         ("framework.worker.guard.disarm()", guard.disarm()),
-        # Dead letters: the writers, then replay and discard (framework/dead_letters/replay.py).
+    ]
+
+
+def _dead_letters(s: str) -> list[tuple[str, Statement]]:
+    """Dead letters: the writers, then replay and discard (framework/dead_letters/replay.py)."""
+    out: list[tuple[str, Statement]] = [
         (f"framework.sql.dead_letters.insert_sql({s})", dead_letters_sql.insert_sql(s)),
         (f"framework.sql.dead_letters.lock({s})", dead_letters_sql.lock(s)),
         (f"framework.sql.dead_letters.mark_resolved({s})", dead_letters_sql.mark_resolved(s)),
@@ -133,11 +163,16 @@ def statements() -> list[tuple[str, Statement]]:
                 dead_letters_sql.resolve_replayed(s, table),
             )
         )
-    out += [
+    return [
+        *out,
         (f"framework.sql.dead_letters.resolve_processed({s})", dead_letters_sql.resolve_processed(s)),
         (f"framework.sql.dead_letters.resolve_forgotten({s})", dead_letters_sql.resolve_forgotten(s)),
     ]
-    # Both tables' messages (the replay).
+
+
+def _messages(s: str) -> list[tuple[str, Statement]]:
+    """Both tables' messages (the replay)."""
+    out: list[tuple[str, Statement]] = []
     for table in (names.OUTBOX, names.INBOX):
         out.append(
             (
@@ -155,7 +190,12 @@ def statements() -> list[tuple[str, Statement]]:
         out.append((f"framework.sql.messages.reset({s}, {table})", messages_sql.reset(s, table)))
     for table in (names.OUTBOX, names.INBOX):
         out.append((f"framework.sql.messages.take_back({s}, {table})", messages_sql.take_back(s, table)))
-    # Pending rows (`txbox pending`, the dashboard): the unfiltered list and the counts.
+    return out
+
+
+def _pending(s: str) -> list[tuple[str, Statement]]:
+    """Pending rows (`txbox pending`, the dashboard): the unfiltered list and the counts."""
+    out: list[tuple[str, Statement]] = []
     for table in (names.INBOX, names.OUTBOX):
         for park in (False, True):
             query, _ = pending_sql.list_query(s, pending_sql.Filters(table=table, park=park))
@@ -168,8 +208,12 @@ def statements() -> list[tuple[str, Statement]]:
                     pending_sql.counts_query(s, table, park=park),
                 )
             )
-    # Retention (framework/retention.py): the outbox's rows are deleted, the inbox's selected.
-    out += [
+    return out
+
+
+def _retention(s: str) -> list[tuple[str, Statement]]:
+    """Retention (framework/retention.py): the outbox's rows are deleted, the inbox's selected."""
+    out: list[tuple[str, Statement]] = [
         (f"framework.sql.retention.delete_page({s}, {names.OUTBOX})", retention_sql.delete_page(s, names.OUTBOX)),
         (f"framework.sql.retention.select_page({s}, {names.INBOX})", retention_sql.select_page(s, names.INBOX)),
     ]
@@ -178,18 +222,29 @@ def statements() -> list[tuple[str, Statement]]:
             (f"framework.sql.retention.table_costs({s}, {table})", retention_sql.table_costs(s, table)),
             (f"framework.sql.retention.vacuum({s}, {table})", retention_sql.vacuum(s, table)),
         ]
-    out += [
+    return [
+        *out,
         ("framework.sql.retention.try_lock()", retention_sql.try_lock()),
         ("framework.sql.retention.unlock()", retention_sql.unlock()),
     ]
-    # Liveness (framework/liveness.py): with and without migration 0010's columns.
-    for waits in (True, False):
-        out.append((f"framework.sql.heartbeats.upsert({s}, waits={waits})", heartbeats_sql.upsert(s, waits=waits)))
-    out += [
+
+
+def _heartbeats(s: str) -> list[tuple[str, Statement]]:
+    """Liveness (framework/liveness.py): with and without migration 0010's columns."""
+    out: list[tuple[str, Statement]] = [
+        (f"framework.sql.heartbeats.upsert({s}, waits={waits})", heartbeats_sql.upsert(s, waits=waits))
+        for waits in (True, False)
+    ]
+    return [
+        *out,
         (f"framework.sql.heartbeats.prune({s})", heartbeats_sql.prune(s)),
         (f"framework.sql.heartbeats.remove({s})", heartbeats_sql.remove(s)),
     ]
-    # The daemons' statistics (framework/db.py).
+
+
+def _statistics(s: str) -> list[tuple[str, Statement]]:
+    """The daemons' statistics (framework/db.py)."""
+    out: list[tuple[str, Statement]] = []
     for table in (names.OUTBOX, names.INBOX):
         out += [
             (f"framework.db.needs_analyze({s}, {table})", db.needs_analyze(s, table)),

@@ -19,8 +19,10 @@ import argparse
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, LiteralString
 
 import psycopg
 from psycopg import sql
@@ -29,6 +31,12 @@ from framework import migrate
 from framework.db import conninfo
 from txbox_tools import repository
 from txbox_tools.bench.result import Result
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from framework.analytics.settings import AnalyzeSettings
+    from framework.analytics.sources import Source
 
 ADMIN_URL = os.environ.get("TXBOX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 SPAN = timedelta(hours=6)
@@ -108,7 +116,6 @@ def run(args: argparse.Namespace) -> Result:
 
     from framework.analytics import reconcile as rc
     from framework.analytics.job import run_once
-    from framework.analytics.read import Reader
     from framework.analytics.session import spark_session
     from framework.analytics.settings import AnalyzeSettings
     from framework.analytics.sources import Source
@@ -121,9 +128,7 @@ def run(args: argparse.Namespace) -> Result:
     admin = conninfo(args.admin_url.replace("postgresql://", "postgresql+psycopg://", 1))
     names_ = {s: f"txbox_bench_an_{s.split('-')[0]}_{uuid.uuid4().hex[:6]}" for s in ("order-service", "inventory")}
     urls = {k: _db_url(args.admin_url, v) for k, v in names_.items()}
-    with psycopg.connect(admin, autocommit=True) as conn:
-        for name in names_.values():
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    _databases(admin, "CREATE DATABASE {}", names_.values())
     settings = load(AnalyzeSettings, None, master=args.master)
     owned = SparkSession.getActiveSession() is None
     spark = None
@@ -143,18 +148,7 @@ def run(args: argparse.Namespace) -> Result:
         sources = [Source("order-service", urls["order-service"]), Source("inventory-service", urls["inventory"])]
         since = datetime.now(UTC) - timedelta(seconds=settings.window)
 
-        # Raw limit: the same partitioned reads, cached and counted, nothing else.
-        # Done twice, the first pass only warming up the JVM (class loading, JIT), so that
-        # neither the raw read nor the job pays for it.
-        reader = Reader(spark, settings, "txbox")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            raw_rows = 0
-            for source, table in ((sources[0], "outbox"), (sources[1], "inbox")):
-                df = reader.messages(source, table, since).persist()
-                raw_rows += df.count()
-                df.unpersist()
-            raw_seconds = time.perf_counter() - t0
+        raw_rows, raw_seconds = _raw_read(spark, settings, sources, since)
 
         t0 = time.perf_counter()
         result = run_once(
@@ -192,6 +186,32 @@ def run(args: argparse.Namespace) -> Result:
         if args.keep:
             print(f"kept scratch databases: {', '.join(names_.values())}")
         else:
-            with psycopg.connect(admin, autocommit=True) as conn:
-                for name in names_.values():
-                    conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            _databases(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", names_.values())
+
+
+def _databases(admin: str, statement: LiteralString, names: Iterable[str]) -> None:
+    """``statement`` (``CREATE DATABASE {}`` or a DROP) for each of ``names``."""
+    with psycopg.connect(admin, autocommit=True) as conn:
+        for name in names:
+            conn.execute(sql.SQL(statement).format(sql.Identifier(name)))
+
+
+def _raw_read(
+    spark: SparkSession, settings: AnalyzeSettings, sources: list[Source], since: datetime
+) -> tuple[int, float]:
+    """The raw limit: the same partitioned reads as the job's, cached and counted, nothing
+    else (rows, seconds). Done twice, the first pass only warming up the JVM (class loading,
+    JIT), so that neither the raw read nor the job pays for it."""
+    from framework.analytics.read import Reader
+
+    reader = Reader(spark, settings, "txbox")
+    raw_rows, raw_seconds = 0, 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        raw_rows = 0
+        for source, table in ((sources[0], "outbox"), (sources[1], "inbox")):
+            df = reader.messages(source, table, since).persist()
+            raw_rows += df.count()
+            df.unpersist()
+        raw_seconds = time.perf_counter() - t0
+    return raw_rows, raw_seconds

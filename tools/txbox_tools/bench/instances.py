@@ -88,24 +88,14 @@ def timed(
     for proc in procs:
         proc.start()
     try:
-        start_by = time.monotonic() + _START_TIMEOUT
-        for ready, proc in zip(readies, procs, strict=True):
-            while not ready.wait(0.1):
-                if not proc.is_alive() or time.monotonic() > start_by:
-                    raise TxboxError(f"{proc.name} failed to start (exit code {proc.exitcode})")
+        _wait_ready(readies, procs)
         if cpu is not None:
             cpu.start([proc.pid for proc in procs if proc.pid is not None])
         started = time.perf_counter()
         go.set()
         if on_start is not None:
             on_start()
-        deadline = time.monotonic() + timeout
-        while sum(c.value for c in counts) < target:
-            dead = [p for p in procs if not p.is_alive()]
-            if dead or time.monotonic() > deadline:
-                why = f"{dead[0].name} exited ({dead[0].exitcode})" if dead else f"not done after {timeout:g}s"
-                raise TxboxError(f"bench stopped early: {why}; counted {sum(c.value for c in counts)} of {target}")
-            time.sleep(0.002)
+        _wait_counted(counts, procs, target, timeout)
         seconds = time.perf_counter() - started
         if cpu is not None:
             cpu.stop()
@@ -114,13 +104,39 @@ def timed(
         stop.set()
         go.set()
         if report is not None and daemon_counts is not None:
-            for _ in procs:
-                try:
-                    for key, value in report.get(timeout=60).items():
-                        daemon_counts[key] = daemon_counts.get(key, 0) + value
-                except queue.Empty:
-                    break
+            _add_reports(report, len(procs), daemon_counts)
         for proc in procs:
             proc.join(60)
             if proc.is_alive():
                 proc.kill()
+
+
+def _wait_ready(readies: list[Any], procs: list[Any]) -> None:
+    """Until every instance says it is built; raises for one that died or took too long."""
+    start_by = time.monotonic() + _START_TIMEOUT
+    for ready, proc in zip(readies, procs, strict=True):
+        while not ready.wait(0.1):
+            if not proc.is_alive() or time.monotonic() > start_by:
+                raise TxboxError(f"{proc.name} failed to start (exit code {proc.exitcode})")
+
+
+def _wait_counted(counts: list[Any], procs: list[Any], target: int, timeout: float) -> None:
+    """Until the instances have counted ``target`` between them; raises when one exits first
+    or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while sum(c.value for c in counts) < target:
+        dead = [p for p in procs if not p.is_alive()]
+        if dead or time.monotonic() > deadline:
+            why = f"{dead[0].name} exited ({dead[0].exitcode})" if dead else f"not done after {timeout:g}s"
+            raise TxboxError(f"bench stopped early: {why}; counted {sum(c.value for c in counts)} of {target}")
+        time.sleep(0.002)
+
+
+def _add_reports(report: Any, instances: int, daemon_counts: dict[str, int]) -> None:
+    """The daemons' own counts, one report per instance, summed into ``daemon_counts``."""
+    for _ in range(instances):
+        try:
+            for key, value in report.get(timeout=60).items():
+                daemon_counts[key] = daemon_counts.get(key, 0) + value
+        except queue.Empty:
+            break

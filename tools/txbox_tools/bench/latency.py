@@ -86,8 +86,8 @@ def add_writers_option(parser: argparse.ArgumentParser) -> None:
 
 def writers(args: argparse.Namespace) -> int:
     """``--writers``, or enough of them for ``--rate``: each writer waits for its commit's
-    fsync, so four of them offered at most about 600 msg/s here and a ``--rate 2000`` run
-    measured the writers instead of the pipeline."""
+    fsync, so a fixed few of them cap the offered load, and a high ``--rate`` would
+    measure the writers instead of the pipeline (benchmarks/README.md, "Latency")."""
     return int(args.writers or max(MIN_WRITERS, math.ceil(args.rate / WRITER_RATE)))
 
 
@@ -287,8 +287,8 @@ def _offer(service: Service, group: ProcessGroup, args: argparse.Namespace) -> t
 
     Each writer keeps one raw psycopg connection and an INSERT compiled once from the
     outbox table, the row built and validated by ``Outbox.build``: what a lean front end
-    does. (A SQLAlchemy Session per request costs this 2-core machine so much CPU that
-    the writers, not txbox, would cap the offered load well below 500/s.)
+    does. (A SQLAlchemy Session per request costs so much CPU that the writers, not
+    txbox, would cap the offered load: benchmarks/README.md, "Figures (e2e, latency, demo)".)
     """
     from framework.outbox import Outbox
     from framework.sql import outbox as outbox_sql
@@ -374,79 +374,91 @@ def _raw(scratch: Scratch, args: argparse.Namespace) -> tuple[float, tuple[float
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE bench_raw (id uuid PRIMARY KEY, sent_at timestamptz, got_at timestamptz)")
     total = max(1, int(args.rate * args.raw_seconds))
-    ready = threading.Event()
-    errors: list[BaseException] = []
-    # Read by the consumer itself after its last message, while its connections (and so
-    # their server processes) still exist.
-    meter = cpu.Meter(
-        {
-            "postgres": partial(cpu.database_servers, scratch.database_url, cpu.RAW_CONSUMER_APPLICATION),
-            "rabbitmq": cpu.broker,
-        }
-    )
-    spent: dict[str, float] = {}
-    ended: list[float] = []
-
-    def consume() -> None:
-        try:
-            conn = pika.BlockingConnection(pika.URLParameters(scratch.amqp_url))
-            db = psycopg.connect(dsn, autocommit=True, application_name=cpu.RAW_CONSUMER_APPLICATION)
-            channel = conn.channel()
-            channel.queue_declare(queue, durable=True)
-            channel.basic_qos(prefetch_count=100)
-            own = time.thread_time()
-            ready.set()
-            for got, (method, _, body) in enumerate(channel.consume(queue, inactivity_timeout=30), start=1):
-                if method is None:
-                    break
-                db.execute("UPDATE bench_raw SET got_at = clock_timestamp() WHERE id = %s", (body.decode(),))
-                channel.basic_ack(method.delivery_tag)
-                if got >= total:
-                    break
-            spent.update(meter.stop(), consumer=time.thread_time() - own)
-            ended.append(time.perf_counter())
-            channel.cancel()
-            conn.close()
-            db.close()
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-            ready.set()
-
-    consumer = threading.Thread(target=consume, name="raw consumer")
-    consumer.start()
-    ready.wait(30)
-    props = pika.BasicProperties(delivery_mode=2, content_type="text/plain")
-
-    @contextmanager
-    def sender() -> Iterator[Sender]:
-        connection = pika.BlockingConnection(pika.URLParameters(scratch.amqp_url))
-        channel = connection.channel()
-        channel.confirm_delivery()
-        db = psycopg.connect(dsn, autocommit=True, application_name=cpu.LOAD_APPLICATION)
-
-        def send(i: int) -> None:
-            message_id = str(uuid.uuid4())
-            db.execute("INSERT INTO bench_raw (id, sent_at) VALUES (%s, clock_timestamp())", (message_id,))
-            channel.basic_publish("", queue, message_id.encode(), props)
-
-        try:
-            yield send
-        finally:
-            connection.close()
-            db.close()
-
-    meter.start()
+    consumer = _RawConsumer(scratch, dsn, queue, total)
+    thread = threading.Thread(target=consumer.run, name="raw consumer")
+    thread.start()
+    consumer.ready.wait(30)
+    consumer.meter.start()
     began = time.perf_counter()
-    seconds = paced(total, args.rate, args.writers, sender)
-    consumer.join(120)
-    if errors:
-        raise TxboxError(f"raw measurement failed: {errors[0]!r}")
+    seconds = paced(total, args.rate, args.writers, partial(_raw_sender, scratch.amqp_url, dsn, queue))
+    thread.join(120)
+    if consumer.errors:
+        raise TxboxError(f"raw measurement failed: {consumer.errors[0]!r}")
     with psycopg.connect(dsn) as db:
         row: Any = db.execute(
             f"SELECT {PERCENTILES} FROM (SELECT extract(epoch FROM got_at - sent_at) * 1000 AS ms "
             "FROM bench_raw WHERE got_at IS NOT NULL) l"
         ).fetchone()
     p50, p95, p99 = (round(float(v), 2) for v in row[0])
-    if not ended:
+    if not consumer.ended:
         raise TxboxError("raw measurement: the consumer did not finish")
-    return total / seconds, (p50, p95, p99), cpu.summary(spent, ended[0] - began, total, prefix="raw_")
+    return (
+        total / seconds,
+        (p50, p95, p99),
+        cpu.summary(consumer.spent, consumer.ended[0] - began, total, prefix="raw_"),
+    )
+
+
+class _RawConsumer:
+    """The raw path's consumer: plain pika, one committed UPDATE per message, then its CPU."""
+
+    def __init__(self, scratch: Scratch, dsn: str, queue: str, total: int) -> None:
+        self.amqp_url, self.dsn, self.queue, self.total = scratch.amqp_url, dsn, queue, total
+        self.ready = threading.Event()
+        self.errors: list[BaseException] = []
+        # Read by the consumer itself after its last message, while its connections (and so
+        # their server processes) still exist.
+        self.meter = cpu.Meter(
+            {
+                "postgres": partial(cpu.database_servers, scratch.database_url, cpu.RAW_CONSUMER_APPLICATION),
+                "rabbitmq": cpu.broker,
+            }
+        )
+        self.spent: dict[str, float] = {}
+        self.ended: list[float] = []
+
+    def run(self) -> None:
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(self.amqp_url))
+            db = psycopg.connect(self.dsn, autocommit=True, application_name=cpu.RAW_CONSUMER_APPLICATION)
+            channel = conn.channel()
+            channel.queue_declare(self.queue, durable=True)
+            channel.basic_qos(prefetch_count=100)
+            own = time.thread_time()
+            self.ready.set()
+            for got, (method, _, body) in enumerate(channel.consume(self.queue, inactivity_timeout=30), start=1):
+                if method is None:
+                    break
+                db.execute("UPDATE bench_raw SET got_at = clock_timestamp() WHERE id = %s", (body.decode(),))
+                channel.basic_ack(method.delivery_tag)
+                if got >= self.total:
+                    break
+            self.spent.update(self.meter.stop(), consumer=time.thread_time() - own)
+            self.ended.append(time.perf_counter())
+            channel.cancel()
+            conn.close()
+            db.close()
+        except BaseException as exc:  # reported by the main thread
+            self.errors.append(exc)
+            self.ready.set()
+
+
+@contextmanager
+def _raw_sender(amqp_url: str, dsn: str, queue: str) -> Iterator[Sender]:
+    """One raw writer's connections: a committed INSERT, then a publish with a blocking confirm."""
+    props = pika.BasicProperties(delivery_mode=2, content_type="text/plain")
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    channel = connection.channel()
+    channel.confirm_delivery()
+    db = psycopg.connect(dsn, autocommit=True, application_name=cpu.LOAD_APPLICATION)
+
+    def send(i: int) -> None:
+        message_id = str(uuid.uuid4())
+        db.execute("INSERT INTO bench_raw (id, sent_at) VALUES (%s, clock_timestamp())", (message_id,))
+        channel.basic_publish("", queue, message_id.encode(), props)
+
+    try:
+        yield send
+    finally:
+        connection.close()
+        db.close()

@@ -283,24 +283,8 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
         print(text, file=out, flush=True)
 
     wall_start = time.monotonic()
-    daemons = [d for d in (*DAEMON_KINDS, "collector") if _available(d)]
-    missing = [d for d in DAEMON_KINDS if d not in daemons]
-    if missing:
-        raise ChaosFailed(f"this checkout lacks the txbox daemon command(s) {', '.join(missing)}: nothing to test")
+    daemons, schedule = _planned(options)
     cluster = options.rabbit_nodes > 1
-    if cluster and options.queue_type != "quorum":
-        raise ChaosFailed("a run on a RabbitMQ cluster needs quorum inbox queues (--queue-type quorum)")
-    schedule = plan(
-        options.seed,
-        options.faults,
-        poison=options.poison,
-        daemons=tuple(daemons),
-        cluster=cluster,
-        replicas=options.replicas,
-        lose_node=options.lose_node,
-    )
-    if options.deployment == "run":
-        schedule = in_one_process(schedule)
     say(f"txbox chaos: {options.messages:,} orders, seed {options.seed}, schedule: {describe(schedule)}")
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="txbox-chaos-logs-"))
 
@@ -312,30 +296,8 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
         say(f"  private PostgreSQL on :{pg.port} (fsync on), {rabbit.description}")
         urls = {short: pg.create_database(f"chaos_{short}") for short in apps.APPS}
         dsns = {short: conninfo(url) for short, url in urls.items()}
-        services: dict[str, Service] = {}
-        for short, (_, example) in apps.APPS.items():
-            apps.prepare(example, urls[short])
-            base = apps.orders if short == "orders" else apps.inventory
-            services[short] = apps.with_urls(base, urls[short], rabbit.amqp_url())
-            services[short].settings = _with_queue_type(services[short], options.queue_type)
-            services[short].check()
-            topology.declare(services[short].settings, services[short].registry)
-        specs: dict[str, Spec] = {}
-        for short, (app, _) in apps.APPS.items():
-            env = {
-                **DAEMON_ENV,
-                "TXBOX_DATABASE_URL": urls[short],
-                "TXBOX_AMQP_URL": rabbit.amqp_url(),
-                "TXBOX_QUEUE_TYPE": options.queue_type,
-            }
-            if options.deployment == "run":
-                for n in range(1, options.replicas + 1):
-                    specs[replica_name(f"{short}-run", n)] = Spec(["run", "--app", app], env)
-                continue
-            for daemon in daemons:
-                copies = max(options.replicas, options.workers if daemon == "worker" else 1)
-                for n in range(1, copies + 1):
-                    specs[replica_name(f"{short}-{daemon}", n)] = Spec([daemon, "--app", app], env)
+        services = _services(options, urls, rabbit.amqp_url())
+        specs = _specs(options, daemons, urls, rabbit.amqp_url())
         supervisor = Supervisor(ProcessGroup(log_dir), specs)
         feeder: Feeder | None = None
         try:
@@ -373,14 +335,7 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
             stock_units=sum(stock.values()),
             poison_id=poison_id,
         )
-        analyze_exit: int | None = None
-        notes: list[str] = []
-        if options.analyze:
-            if _available("analyze"):
-                say("  txbox analyze --fail-on-lost …")
-                analyze_exit = _analyze(urls, log_dir)
-            else:
-                notes.append("txbox analyze has not landed in this checkout: reconciliation skipped")
+        analyze_exit, notes = _analysis(options, urls, log_dir, say)
         last_fault_end = max((e.ended for e in events), default=drained_at)
         report = Report(
             options=options,
@@ -401,22 +356,97 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
             log_dir=log_dir,
             notes=notes,
         )
-    for event in events:
-        say(f"  fault {event.fault}: {event.detail} ({event.ended - event.started:.1f}s)")
-    for check in verdict.checks:
-        say(
-            f"  {'✔' if check.ok else '✘'} {check.name}"
-            + ("" if check.ok or not check.detail else f" — {check.detail}")
-        )
-    for line in analyze_summary(log_dir) if analyze_exit is not None else []:
-        say(f"  | {line}")
-    for note in notes:
-        say(f"  note: {note}")
+    _tell(report, say)
     if report.ok and not options.keep_logs and options.log_dir is None:
         shutil.rmtree(log_dir, ignore_errors=True)
     elif not report.ok:
         say(f"  daemon logs kept in {log_dir}")
     return report
+
+
+def _planned(options: ChaosOptions) -> tuple[list[str], list[Fault]]:
+    """The daemon kinds this checkout has, and the seeded schedule of faults over them."""
+    daemons = [d for d in (*DAEMON_KINDS, "collector") if _available(d)]
+    missing = [d for d in DAEMON_KINDS if d not in daemons]
+    if missing:
+        raise ChaosFailed(f"this checkout lacks the txbox daemon command(s) {', '.join(missing)}: nothing to test")
+    cluster = options.rabbit_nodes > 1
+    if cluster and options.queue_type != "quorum":
+        raise ChaosFailed("a run on a RabbitMQ cluster needs quorum inbox queues (--queue-type quorum)")
+    schedule = plan(
+        options.seed,
+        options.faults,
+        poison=options.poison,
+        daemons=tuple(daemons),
+        cluster=cluster,
+        replicas=options.replicas,
+        lose_node=options.lose_node,
+    )
+    if options.deployment == "run":
+        schedule = in_one_process(schedule)
+    return daemons, schedule
+
+
+def _services(options: ChaosOptions, urls: dict[str, str], amqp_url: str) -> dict[str, Service]:
+    """The two example services on the private servers: migrated, checked, their topology declared."""
+    services: dict[str, Service] = {}
+    for short, (_, example) in apps.APPS.items():
+        apps.prepare(example, urls[short])
+        base = apps.orders if short == "orders" else apps.inventory
+        services[short] = apps.with_urls(base, urls[short], amqp_url)
+        services[short].settings = _with_queue_type(services[short], options.queue_type)
+        services[short].check()
+        topology.declare(services[short].settings, services[short].registry)
+    return services
+
+
+def _specs(options: ChaosOptions, daemons: list[str], urls: dict[str, str], amqp_url: str) -> dict[str, Spec]:
+    """Every daemon process to supervise, by name: each kind per service, in its replicas
+    (or, ``--deployment run``, one `txbox run` per service and replica)."""
+    specs: dict[str, Spec] = {}
+    for short, (app, _) in apps.APPS.items():
+        env = {
+            **DAEMON_ENV,
+            "TXBOX_DATABASE_URL": urls[short],
+            "TXBOX_AMQP_URL": amqp_url,
+            "TXBOX_QUEUE_TYPE": options.queue_type,
+        }
+        if options.deployment == "run":
+            for n in range(1, options.replicas + 1):
+                specs[replica_name(f"{short}-run", n)] = Spec(["run", "--app", app], env)
+            continue
+        for daemon in daemons:
+            copies = max(options.replicas, options.workers if daemon == "worker" else 1)
+            for n in range(1, copies + 1):
+                specs[replica_name(f"{short}-{daemon}", n)] = Spec([daemon, "--app", app], env)
+    return specs
+
+
+def _analysis(
+    options: ChaosOptions, urls: dict[str, str], log_dir: Path, say: Callable[[str], None]
+) -> tuple[int | None, list[str]]:
+    """``txbox analyze --fail-on-lost`` over the run when asked: its exit code, and notes."""
+    if not options.analyze:
+        return None, []
+    if not _available("analyze"):
+        return None, ["txbox analyze has not landed in this checkout: reconciliation skipped"]
+    say("  txbox analyze --fail-on-lost …")
+    return _analyze(urls, log_dir), []
+
+
+def _tell(report: Report, say: Callable[[str], None]) -> None:
+    """The run's faults, checks, reconciliation and notes, a line each."""
+    for event in report.events:
+        say(f"  fault {event.fault}: {event.detail} ({event.ended - event.started:.1f}s)")
+    for check in report.verdict.checks:
+        say(
+            f"  {'✔' if check.ok else '✘'} {check.name}"
+            + ("" if check.ok or not check.detail else f" — {check.detail}")
+        )
+    for line in analyze_summary(report.log_dir) if report.analyze_exit is not None else []:
+        say(f"  | {line}")
+    for note in report.notes:
+        say(f"  note: {note}")
 
 
 def _with_queue_type(service: Service, queue_type: str) -> Any:
@@ -585,46 +615,57 @@ def _inject(
     inboxes: list[str],
     feeder: Feeder,
 ) -> tuple[str, uuid.UUID | None]:
+    """Make ``fault`` happen: what was done, and the poison message's id for that fault."""
+    if fault.kind in _BROKER_FAULTS:
+        return _inject_broker(fault, rabbit, inboxes), None
     if fault.kind is Kind.KILL:
         supervisor.kill(fault.target, fault.down_seconds)
         return f"kill -9, restart after {fault.down_seconds:.1f}s", None
-    if fault.kind is Kind.RABBITMQ_RESTART:
-        rabbit.restart()
-        if isinstance(rabbit, PrivateRabbitCluster):
-            nodes, what = rabbit.nodes, "RabbitMQ nodes stopped and started one after the other"
-        else:
-            nodes, what = [rabbit], "RabbitMQ node stopped and started"
-        failures = [failure for node in nodes for failure in node.boot_failures]
-        for node in nodes:
-            node.boot_failures.clear()
-        if failures:  # PrivateRabbit.restart started a node a second time
-            what += f"; a node died while booting and was started again: {failures[0]}"
-        return what, None
-    if fault.kind is Kind.RABBITMQ_NODE_KILL:
-        if not isinstance(rabbit, PrivateRabbitCluster):
-            raise ChaosFailed("the rabbitmq_node_kill fault needs a RabbitMQ cluster (--rabbit-nodes 3)")
-        node = rabbit.kill_leader(inboxes)
-        # The daemons fail over to the other nodes meanwhile: the load goes on.
-        time.sleep(fault.down_seconds)
-        rabbit.bring_back(node)
-        return f"kill -9 of {node.node} (leading the inbox queues), back after {fault.down_seconds:.1f}s", None
-    if fault.kind is Kind.RABBITMQ_NODE_LOST:
-        if not isinstance(rabbit, PrivateRabbitCluster):
-            raise ChaosFailed("the rabbitmq_node_lost fault needs a RabbitMQ cluster (--rabbit-nodes 3)")
-        node = rabbit.lose_leader(inboxes)
-        return f"kill -9 of {node.node} (leading the inbox queues), never started again", None
     if fault.kind is Kind.POSTGRES_RESTART:
         pg.restart(mode="immediate")
         return "PostgreSQL immediate shutdown (crash) and WAL recovery", None
     if fault.kind is Kind.PG_TERMINATE:
         return f"pg_terminate_backend on {pg.terminate_backends()} connections", None
-    if fault.kind is Kind.AMQP_CLOSE:
-        return f"management API closed {rabbit.close_connections()} connections", None
     if fault.kind is Kind.POISON:
         rows = feeder.build(0, 1, customer=apps.POISON_CUSTOMER)
         feeder.write(rows)
         return f"poison PlaceOrder {rows[0]['id']} written", uuid.UUID(str(rows[0]["id"]))
     raise AssertionError(fault.kind)
+
+
+_BROKER_FAULTS = (Kind.RABBITMQ_RESTART, Kind.RABBITMQ_NODE_KILL, Kind.RABBITMQ_NODE_LOST, Kind.AMQP_CLOSE)
+
+
+def _inject_broker(fault: Fault, rabbit: PrivateRabbit | PrivateRabbitCluster, inboxes: list[str]) -> str:
+    """A fault of the broker (:data:`_BROKER_FAULTS`): what was done."""
+    if fault.kind is Kind.AMQP_CLOSE:
+        return f"management API closed {rabbit.close_connections()} connections"
+    if fault.kind is Kind.RABBITMQ_RESTART:
+        return _restart_rabbit(rabbit)
+    if not isinstance(rabbit, PrivateRabbitCluster):
+        raise ChaosFailed(f"the {fault.kind.value} fault needs a RabbitMQ cluster (--rabbit-nodes 3)")
+    if fault.kind is Kind.RABBITMQ_NODE_LOST:
+        node = rabbit.lose_leader(inboxes)
+        return f"kill -9 of {node.node} (leading the inbox queues), never started again"
+    node = rabbit.kill_leader(inboxes)
+    # The daemons fail over to the other nodes meanwhile: the load goes on.
+    time.sleep(fault.down_seconds)
+    rabbit.bring_back(node)
+    return f"kill -9 of {node.node} (leading the inbox queues), back after {fault.down_seconds:.1f}s"
+
+
+def _restart_rabbit(rabbit: PrivateRabbit | PrivateRabbitCluster) -> str:
+    rabbit.restart()
+    if isinstance(rabbit, PrivateRabbitCluster):
+        nodes, what = rabbit.nodes, "RabbitMQ nodes stopped and started one after the other"
+    else:
+        nodes, what = [rabbit], "RabbitMQ node stopped and started"
+    failures = [failure for node in nodes for failure in node.boot_failures]
+    for node in nodes:
+        node.boot_failures.clear()
+    if failures:  # PrivateRabbit.restart started a node a second time
+        what += f"; a node died while booting and was started again: {failures[0]}"
+    return what
 
 
 def _resumed_after(dsns: dict[str, str], events: list[Event]) -> float | None:
