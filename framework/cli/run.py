@@ -96,6 +96,7 @@ class Supervisor:
         self._loop = IOLoop()
         self._running: set[Daemon] = set()
         self._deadline: float | None = None  # monotonic: give up on the stragglers then
+        self._stop_timeout = 30.0  # seconds after a stop request (run's argument)
 
     def run(self, stop_timeout: float = 30.0) -> None:
         """Start every daemon on the loop and run it until all of them have ended, or until
