@@ -80,8 +80,9 @@ def test_bench_latency_smoke() -> None:
     result = bench("latency", "--rate", "50", "--seconds", "3", "--raw-seconds", "1", "--warmup", "0")
     assert result["stage"] == "latency"
     assert result["messages"] == 150
-    for key in ("p50_ms", "p99_ms", "raw_p50_ms", "raw_limit_rate", "ratio"):
+    for key in ("p50_ms", "p99_ms", "raw_p50_ms", "raw_limit_rate", "ratio", "cpu_ratio", "p50_ratio", "p99_ratio"):
         assert isinstance(result[key], float | int), key
+    assert result["handler"] == "statement"  # one INSERT per message, as the raw path's consumer
     assert float(result["p50_ms"]) <= float(result["p99_ms"])  # type: ignore[arg-type]
     # CPU: every component of the pipeline spent some (a process missed, or read after it
     # exited, would show 0); the raw path's second is too short for a clock tick in each.

@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import pika
 import psycopg
 from psycopg import sql
-from sqlalchemy import DateTime, Text, func
+from sqlalchemy import DateTime, Text, func, insert
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -116,11 +116,12 @@ class _Base(DeclarativeBase):
 
 
 class Handled(_Base):
-    """The business row of both handlers. Added through the ORM, as the worker
+    """The business row of both handlers. Added through the ORM by default, as the worker
     bench does: the worker flushes a batch's rows together (one multi-row INSERT), where
-    a handler's own ``session.execute(INSERT ...)`` would pay a round trip per message.
-    ``handled_at`` is the server's ``clock_timestamp()`` at that flush, just before the
-    batch commits (what ``txbox bench latency`` reads as the handler's commit time)."""
+    a handler's own ``session.execute(INSERT ...)`` pays a round trip per message (the
+    ``statement`` way of :data:`HANDLER_ENV`). ``handled_at`` is the server's
+    ``clock_timestamp()`` at that INSERT, just before the batch commits (what ``txbox bench
+    latency`` reads as the handler's commit time)."""
 
     __tablename__ = "bench_handled"
 
@@ -129,8 +130,24 @@ class Handled(_Base):
     handled_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.clock_timestamp())
 
 
-def _record(session: Session, message: Message) -> None:
+# How the handlers write their business row: "orm" (the default, above) or "statement",
+# one INSERT executed at once, as the raw path's consumer writes its row (``txbox bench
+# latency --handler``; benchmarks/one-thread.md, "The handler's row").
+HANDLER_ENV = "TXBOX_BENCH_HANDLER"
+HANDLERS = ("orm", "statement")
+_INSERT_HANDLED = insert(Handled)
+
+
+def _added(session: Session, message: Message) -> None:
     session.add(Handled(message_id=message.message_id, message_type=message.message_type))
+
+
+def _inserted(session: Session, message: Message) -> None:
+    session.execute(_INSERT_HANDLED, {"message_id": message.message_id, "message_type": message.message_type})
+
+
+# Read once: the daemons get the setting in their environment at start.
+_record = _inserted if os.environ.get(HANDLER_ENV) == "statement" else _added
 
 
 class Ping(CommandHandler):
