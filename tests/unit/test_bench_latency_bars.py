@@ -25,9 +25,9 @@ def figures(**overrides: Any) -> dict[str, Any]:
 
 
 def result(**overrides: Any) -> Result:
-    return Result(
-        stage="latency", messages=100, seconds=1.0, raw_limit_rate=100.0, raw_limit="raw", extra=figures(**overrides)
-    ).with_extra(ratios)
+    extra = figures(**overrides)
+    extra.update(ratios(extra))
+    return Result(stage="latency", messages=100, seconds=1.0, raw_limit_rate=100.0, raw_limit="raw", extra=extra)
 
 
 def test_ratios_are_to_the_raw_path_of_the_run() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +31,6 @@ class Result:
             "raw_limit": self.raw_limit,
             **self.extra,
         }
-
-    def with_extra(self, derive: Callable[[dict[str, Any]], dict[str, Any]]) -> Result:
-        """This result with what ``derive`` computes from its figures added to them."""
-        self.extra.update(derive(self.extra))
-        return self
 
     def report(self, as_json: bool) -> str:
         data = self.as_dict()
