@@ -524,13 +524,27 @@ class Receiver(Storing, Daemon):
         if self._leaving is not None:
             self._leave_step()
             return
-        if self._session_careful and self._careful <= 0 and consumer.is_open and self._our_turn():
-            # The deliveries held when the connection was lost are settled: full speed.
-            self._session_careful = False
-            consumer.cancel(lambda: consumer.qos(self.config.prefetch, then=self._full_speed))
+        self._end_careful(consumer)
         if not self._buffer:
             consumer.resume()
             return
+        self._take_buffer()
+        if self._inflight is not None and not self._inflight.done and self._full():
+            consumer.pause()
+        else:
+            consumer.resume()
+
+    def _end_careful(self, consumer: Consumer) -> None:
+        """A careful session (:meth:`_advance`) whose deliveries held when the connection was lost
+        are settled, and whose turn holds: consume again with the full prefetch."""
+        if self._session_careful and self._careful <= 0 and consumer.is_open and self._our_turn():
+            self._session_careful = False
+            consumer.cancel(lambda: consumer.qos(self.config.prefetch, then=self._full_speed))
+
+    def _take_buffer(self) -> None:
+        """The deliveries gathered, as the next batch: sent (:meth:`_send`, its write now the
+        one in flight), or, if any was redelivered or admitting the batch failed, settled one
+        by one at once."""
         self._cancel("batch wait")
         batch, self._buffer = self._buffer, []
         batch_bytes, self._buffered = self._buffered, 0
@@ -543,22 +557,18 @@ class Receiver(Storing, Daemon):
             for delivery in batch:
                 self._settle_group([delivery])
             self._writing = 0
-        else:
-            try:
-                prepared = self._admit(batch, {})
-            except Exception:  # last resort: a bug of ours; each delivery alone, in order
-                self.log.exception("admitting a batch of %d failed: settling them one by one", len(batch))
-                for delivery in batch:
-                    self._settle_group([delivery])
-            else:
-                self._writing = batch_bytes
-                self._inflight = self._send(batch, prepared)
-                if self._inflight.done:
-                    self._step_soon()
-        if self._inflight is not None and not self._inflight.done and self._full():
-            consumer.pause()
-        else:
-            consumer.resume()
+            return
+        try:
+            prepared = self._admit(batch, {})
+        except Exception:  # last resort: a bug of ours; each delivery alone, in order
+            self.log.exception("admitting a batch of %d failed: settling them one by one", len(batch))
+            for delivery in batch:
+                self._settle_group([delivery])
+            return
+        self._writing = batch_bytes
+        self._inflight = self._send(batch, prepared)
+        if self._inflight.done:
+            self._step_soon()
 
     def _hold(self, consumer: Consumer) -> None:
         """A write is in flight: gather, or, the batch full or its ``batch_wait`` over, stop reading

@@ -206,52 +206,19 @@ def _text(entry: Entry, name: str, problems: list[str], limit: int) -> str | Non
 
 
 def _tenant(entry: Entry, default_url: str | None, default_schema: str, problems: list[str]) -> Tenant | None:
+    """The tenant ``entry`` lists, or None with what is wrong with it appended to ``problems``
+    (every problem of the entry, in the order of the checks below, not only the first)."""
     before = len(problems)
-    where = entry.where
-    key = entry.key
-    if not isinstance(key, str) or not names.valid_tenant_key(key):
-        shown = redaction.mask_credentials(str(key))[:80]
-        problems.append(
-            f"{where}: tenant key {shown!r} is not valid: 1 to {names.MAX_TENANT_KEY_CHARS} lower-case letters, "
-            "digits, '_' or '-', starting with a letter or digit (example: acme, tenant-042)"
-        )
-    for name in entry.values:
-        if name not in FIELDS:
-            close = difflib.get_close_matches(str(name)[:80], FIELDS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append(
-                f"{where}: unknown field {redaction.mask_credentials(str(name))[:80]!r}{hint}; "
-                f"an entry may say {', '.join(FIELDS)}"
-            )
+    _check_key(entry, problems)
+    _check_fields(entry, problems)
     url = _text(entry, "database_url", problems, MAX_URL_CHARS)
     schema = _text(entry, "schema", problems, names.MAX_SCHEMA_CHARS)
     tenant_id = _text(entry, "mosaic_tenant_id", problems, names.MAX_TENANT_ID_CHARS)
     environment_id = _text(entry, "mosaic_environment_id", problems, names.MAX_TENANT_ID_CHARS)
-    if url is None and "database_url" not in entry.values:
-        if default_url is None:
-            problems.append(
-                f"{where}: no database_url, and TXBOX_DATABASE_URL is not set to stand in for it: give the "
-                "tenant's database (database per tenant), or set TXBOX_DATABASE_URL (schema per tenant)"
-            )
-        url = default_url
-    elif url is not None:
-        problem = url_problem(url)
-        if problem:
-            problems.append(f"{where}: database_url {redaction.mask_credentials(url)[:200]!r} {problem}")
-    if schema is None and "schema" not in entry.values:
-        schema = default_schema
-    elif schema is not None and not valid_tenant_schema(schema):
-        problems.append(
-            f"{where}: schema {schema!r} is not a valid schema name: a lower-case identifier of at most "
-            f"{names.MAX_SCHEMA_CHARS} characters, not starting with pg_ (example: tenant_acme)"
-        )
-    for name, value in (("mosaic_tenant_id", tenant_id), ("mosaic_environment_id", environment_id)):
-        if value is not None and not names.valid_mosaic_id(value):
-            problems.append(
-                f"{where}: {name} {value!r} is not one routing-key word (letters, digits, '_' or '-'; a UUID is one)"
-            )
-    if environment_id is not None and tenant_id is None:
-        problems.append(f"{where}: mosaic_environment_id needs mosaic_tenant_id (the environment of which tenant?)")
+    url = _database_url(entry, url, default_url, problems)
+    schema = _schema(entry, schema, default_schema, problems)
+    _check_mosaic_ids(entry.where, tenant_id, environment_id, problems)
+    key = entry.key
     if len(problems) > before or url is None or schema is None or not isinstance(key, str):
         return None
     return Tenant(
@@ -261,6 +228,71 @@ def _tenant(entry: Entry, default_url: str | None, default_schema: str, problems
         mosaic_tenant_id=tenant_id,
         mosaic_environment_id=environment_id,
     )
+
+
+def _check_key(entry: Entry, problems: list[str]) -> None:
+    """A problem unless the entry's key is a valid tenant key (shown masked and cut short)."""
+    key = entry.key
+    if not isinstance(key, str) or not names.valid_tenant_key(key):
+        shown = redaction.mask_credentials(str(key))[:80]
+        problems.append(
+            f"{entry.where}: tenant key {shown!r} is not valid: 1 to {names.MAX_TENANT_KEY_CHARS} lower-case letters, "
+            "digits, '_' or '-', starting with a letter or digit (example: acme, tenant-042)"
+        )
+
+
+def _check_fields(entry: Entry, problems: list[str]) -> None:
+    """A problem for each field the entry says that is not one of :data:`FIELDS`."""
+    for name in entry.values:
+        if name not in FIELDS:
+            close = difflib.get_close_matches(str(name)[:80], FIELDS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(
+                f"{entry.where}: unknown field {redaction.mask_credentials(str(name))[:80]!r}{hint}; "
+                f"an entry may say {', '.join(FIELDS)}"
+            )
+
+
+def _database_url(entry: Entry, url: str | None, default_url: str | None, problems: list[str]) -> str | None:
+    """The tenant's database URL: ``url`` as the entry gave it (:func:`_text`), checked, or
+    ``default_url`` if the entry says none; a problem if it is unusable or there is none."""
+    if url is None and "database_url" not in entry.values:
+        if default_url is None:
+            problems.append(
+                f"{entry.where}: no database_url, and TXBOX_DATABASE_URL is not set to stand in for it: give the "
+                "tenant's database (database per tenant), or set TXBOX_DATABASE_URL (schema per tenant)"
+            )
+        return default_url
+    if url is not None:
+        problem = url_problem(url)
+        if problem:
+            problems.append(f"{entry.where}: database_url {redaction.mask_credentials(url)[:200]!r} {problem}")
+    return url
+
+
+def _schema(entry: Entry, schema: str | None, default_schema: str, problems: list[str]) -> str | None:
+    """The tenant's schema: ``schema`` as the entry gave it (:func:`_text`), checked, or
+    ``default_schema`` if the entry says none."""
+    if schema is None and "schema" not in entry.values:
+        return default_schema
+    if schema is not None and not valid_tenant_schema(schema):
+        problems.append(
+            f"{entry.where}: schema {schema!r} is not a valid schema name: a lower-case identifier of at most "
+            f"{names.MAX_SCHEMA_CHARS} characters, not starting with pg_ (example: tenant_acme)"
+        )
+    return schema
+
+
+def _check_mosaic_ids(where: str, tenant_id: str | None, environment_id: str | None, problems: list[str]) -> None:
+    """A problem for a Mosaic id that is not one routing-key word, and for an environment
+    id without its tenant id."""
+    for name, value in (("mosaic_tenant_id", tenant_id), ("mosaic_environment_id", environment_id)):
+        if value is not None and not names.valid_mosaic_id(value):
+            problems.append(
+                f"{where}: {name} {value!r} is not one routing-key word (letters, digits, '_' or '-'; a UUID is one)"
+            )
+    if environment_id is not None and tenant_id is None:
+        problems.append(f"{where}: mosaic_environment_id needs mosaic_tenant_id (the environment of which tenant?)")
 
 
 def url_problem(url: str) -> str | None:
