@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,8 +140,16 @@ def declare(settings: Settings, registry: Registry, channel: Any | None = None) 
     return topology
 
 
-def declare_on(settings: Settings, registry: Registry, channel: pika.channel.Channel, done: Callable[[], None]) -> None:
-    """Declare everything on an open channel of a connection on a loop, without waiting.
+def declare_on(
+    settings: Settings,
+    registry: Registry,
+    channel: pika.channel.Channel,
+    done: Callable[[], None],
+    *,
+    extra: Sequence[QueueSpec] = (),
+) -> None:
+    """Declare everything, and the ``extra`` queues after it, on an open channel of a
+    connection on a loop, without waiting.
 
     The declarations go out in :func:`declare`'s order (pika sends each once RabbitMQ has
     answered the one before); ``done`` runs on the loop once the last was answered. A
@@ -152,7 +160,7 @@ def declare_on(settings: Settings, registry: Registry, channel: pika.channel.Cha
     calls: list[Callable[..., None]] = [
         functools.partial(channel.exchange_declare, e, exchange_type="topic", durable=True) for e in topology.exchanges
     ]
-    for queue in topology.queues:
+    for queue in [*topology.queues, *extra]:
         calls.append(functools.partial(channel.queue_declare, queue.name, durable=True, arguments=queue.arguments))
         calls += [functools.partial(channel.queue_bind, queue.name, e, routing_key=k) for e, k in queue.bindings]
     for call in calls[:-1]:

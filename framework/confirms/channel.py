@@ -76,6 +76,10 @@ class Outgoing:
         return str(self.properties.message_id)
 
 
+#: What a :class:`ConfirmChannel` runs on its new channel before confirm mode.
+Prepare = Callable[[pika.channel.Channel, Callable[[], None]], None]
+
+
 class ConfirmChannel:
     """A connection and a confirm channel on ``ioloop``; all of it runs on the loop's thread.
 
@@ -85,6 +89,9 @@ class ConfirmChannel:
     sends at once; ``on_completed(n)`` runs after each round of completions with their
     count. ``on_blocked`` gets the broker's reason when RabbitMQ blocks the connection (a
     memory or disk alarm) and None when it unblocks it or the connection ends.
+    ``prepare(channel, done)``, if given, runs on the new channel before it enters confirm
+    mode, and calls ``done()`` once what it sent was answered (the relay declares its
+    topology there); a declaration RabbitMQ refuses breaks the channel, ``error`` the reason.
     """
 
     def __init__(
@@ -97,8 +104,10 @@ class ConfirmChannel:
         on_change: Callable[[ConfirmChannel], None],
         on_completed: Callable[[int], None] | None = None,
         on_blocked: Callable[[str | None], None] | None = None,
+        prepare: Prepare | None = None,
     ) -> None:
         self.amqp_url = amqp_url
+        self._prepare = prepare
         self.ioloop = ioloop
         self.name = name
         self.confirm_timeout = confirm_timeout
@@ -194,7 +203,21 @@ class ConfirmChannel:
         self._channel = channel
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_return_callback(self._on_return)
-        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_mode)
+        if self._prepare is None:
+            self._confirm_mode(channel)
+            return
+        try:
+            self._prepare(channel, lambda: self._confirm_mode(channel))
+        except Exception as exc:  # a bug of the caller's: this channel cannot be used
+            log.exception("preparing the channel of %s failed", self.name)
+            self._broken(exc)
+            channel.close()
+
+    def _confirm_mode(self, channel: pika.channel.Channel) -> None:
+        current = self._channel
+        if current is None or current is not channel or not current.is_open:
+            return  # closed meanwhile (its close callback has run)
+        current.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_mode)
 
     def _on_confirm_mode(self, _frame: pika.frame.Method) -> None:
         if self.state != "opening":  # closed while the channel opened

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pika
@@ -21,9 +21,11 @@ import pika.channel
 import pika.frame
 from pika.adapters.select_connection import IOLoop
 
-from framework import amqp
+from framework import amqp, topology
+from framework.contracts import Registry
 from framework.errors import BrokerUnavailable
-from framework.settings import mask_url
+from framework.settings import Settings, mask_url
+from framework.topology import QueueSpec
 
 log = logging.getLogger("txbox.receiver")
 
@@ -51,6 +53,7 @@ class Consumer:
         self.name = name
         self.state = "new"  # new → opening → open → closing → gone
         self.error: BaseException | None = None
+        self.closed_by: BaseException | None = None  # why RabbitMQ closed the open channel, if it did
         self.tag: str | None = None  # the consumer tag while consuming
         self._on_open = on_open
         self._on_gone = on_gone
@@ -123,6 +126,7 @@ class Consumer:
     def _channel_closed(self, _channel: pika.channel.Channel, reason: BaseException) -> None:
         if self.state == "open":
             self.error = BrokerUnavailable(f"receiving: channel closed ({reason!r})")
+            self.closed_by = reason
         self._close_connection()
 
     def _closed(self, _conn: pika.SelectConnection, reason: BaseException) -> None:
@@ -164,6 +168,16 @@ class Consumer:
             self._close_connection()
 
     # ---- the channel -----------------------------------------------------------------
+
+    def declare(
+        self, settings: Settings, registry: Registry, extra: Sequence[QueueSpec], then: Callable[[], None]
+    ) -> None:
+        """Declare the service's topology and the ``extra`` queues on this channel
+        (:func:`framework.topology.declare_on`); ``then()`` once RabbitMQ answered the last.
+        A declaration it refuses closes the channel: ``on_gone`` follows, and
+        :attr:`closed_by` says why (:func:`framework.topology.mismatch` explains it)."""
+        assert self._channel is not None
+        topology.declare_on(settings, registry, self._channel, lambda: self._call(then), extra=extra)
 
     def qos(self, prefetch: int, then: Callable[[], None]) -> None:
         """Set the prefetch; ``then()`` once the broker took it."""

@@ -216,18 +216,14 @@ class Receiver(Storing, Daemon):
         self._declare()
 
     def _declare(self) -> None:
-        """Declare the topology with one blocking call (the receiver's only one, before its
-        connections open; the delivery-limit policy is applied once per process with it),
-        then open the consuming connection; while RabbitMQ is down, try again after a backoff."""
+        """Open the consuming connection; on its channel the topology is declared first
+        (:meth:`_consumer_open`), without blocking the loop: a RabbitMQ node that takes a
+        connection and never answers holds up this session only, not the other daemons of
+        the loop (docs/explanation/daemons.md, "One loop per process"). While RabbitMQ is
+        down, a new session follows after a backoff."""
         if self._draining:
             return
         self.progress()
-        try:
-            self._declare_topology()
-        except BrokerUnavailable as exc:
-            self._broker_failed(exc)
-            return
-        self._ensure_delivery_limit()
         consumer = self._consumer = Consumer(
             self.settings.amqp_url,
             self._loop,
@@ -237,18 +233,6 @@ class Receiver(Storing, Daemon):
             on_delivery=self._on_delivery,
         )
         consumer.open()
-
-    def _declare_topology(self) -> None:
-        connection = amqp.connect(self.settings.amqp_url, name=f"{self.settings.service} receiver")
-        try:
-            with amqp.broker_errors("declaring the topology"):
-                channel = connection.channel()
-                topology.declare(self.settings, self.service.registry, channel)
-                # Delay queues of a non-standard schedule, shaped exactly like topology's ones.
-                for seconds in self.config.extra_delays:
-                    topology.declare_queue(channel, topology.delay_queue(seconds), self.settings)
-        finally:
-            amqp.close_quietly(connection)
 
     def _ensure_delivery_limit(self) -> None:
         """Once per process: the broker's last net under this receiver (framework.delivery_limit)."""
@@ -279,6 +263,16 @@ class Receiver(Storing, Daemon):
     def _consumer_open(self, consumer: Consumer) -> None:
         if consumer is not self._consumer:
             return
+        # Delay queues of a non-standard schedule, shaped exactly like topology's ones.
+        extra = [topology.delay_queue(seconds) for seconds in self.config.extra_delays]
+        consumer.declare(self.settings, self.service.registry, extra, then=lambda: self._declared(consumer))
+
+    def _declared(self, consumer: Consumer) -> None:
+        if consumer is not self._consumer:
+            return
+        # Once per process, after the first declaration: the broker's last net under this
+        # receiver (framework.delivery_limit).
+        self._ensure_delivery_limit()
         # Copies go on a connection of their own: a broker that blocks publishers (a memory
         # or disk alarm) keeps delivering to this one (docs/explanation/receive.md, "Publishing
         # blocked by the broker").
@@ -299,6 +293,13 @@ class Receiver(Storing, Daemon):
             return
         self._consumer = None
         self._close_session()
+        refusal = topology.mismatch(self.settings, consumer.closed_by) if consumer.closed_by else None
+        if refusal is not None:  # a misconfiguration: trying again would be refused again
+            self.log.error("%s", refusal)
+            self._leaving = None
+            self._draining = True
+            self._finish_stop(refusal)
+            return
         then, self._leaving = self._leaving, None
         if then is not None:
             self._cancel("leave")
@@ -772,8 +773,9 @@ class Receiver(Storing, Daemon):
             self._leaving = self._finish_stop
             consumer.close()
 
-    def _finish_stop(self) -> None:
-        """The receiver's end: nothing is left open, no timer of its runs again."""
+    def _finish_stop(self, exc: BaseException | None = None) -> None:
+        """The receiver's end (with ``exc``, what ended it): nothing is left open, no timer
+        of its runs again."""
         for name in list(self._timers):
             self._cancel(name)
         if self._copies is not None:
@@ -782,7 +784,7 @@ class Receiver(Storing, Daemon):
         if self._turn is not None:
             self._turn.release()
         self.state("stopped")
-        self._end()
+        self._end(exc)
 
     # --- last resort: the settling itself failed ----------------------------------------
 

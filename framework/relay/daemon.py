@@ -26,9 +26,11 @@ import logging
 import threading
 import time
 from collections import Counter as Tally
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pika.channel
 import psycopg
 from pika.adapters.select_connection import IOLoop
 from psycopg import sql
@@ -39,7 +41,7 @@ from framework.backoff import backoff_seconds
 from framework.confirms.channel import ConfirmChannel, Outgoing
 from framework.connections import ConnectionSlot
 from framework.daemon import RABBITMQ, Daemon
-from framework.errors import BrokerUnavailable, DatabaseUnavailable, PublishError
+from framework.errors import DatabaseUnavailable, PublishError
 from framework.outcomes import RelayOutcome
 from framework.reasons import Reason
 from framework.relay import claims
@@ -92,8 +94,10 @@ class Cycle:
 class Relay(Daemon):
     """The relay daemon (`txbox publisher`); ``Relay(service, config).run()`` until ``stop_event``.
 
-    ``txbox run`` embeds it by passing a shared ``stop_event``; ``declare_topology=False``
-    when the caller declared the topology already. Every attribute is the loop thread's,
+    ``txbox run`` embeds it by passing a shared ``stop_event``. The relay declares the
+    topology on its first channel before it publishes; ``declare_topology=False`` when the
+    caller declared it already. A declaration RabbitMQ refuses ends the relay with the
+    :class:`framework.errors.TopologyMismatch` that explains it. Every attribute is the loop thread's,
     but for what :class:`Daemon` shares and :meth:`stop`, which only wakes the loop.
     """
 
@@ -162,6 +166,7 @@ class Relay(Daemon):
         self._draining = False
         self._closing = False  # the drain asked the channel to close
         self._finished_drain = False  # the drain recorded what was left and the relay ended
+        self._ended_by: BaseException | None = None  # what ends the relay when its drain is done
         self._drain_check = False  # a look at the drain is scheduled (_done)
         self._drain_deadline = 0.0
         self._drain_timer: Any = None  # the drain's timeout, until the relay ended
@@ -194,26 +199,13 @@ class Relay(Daemon):
         a stop request drains (:meth:`_begin_drain`)."""
         self.state("starting", f"service {self.settings.service}, schema {self.schema}")
         self.pruner.start()
-        if self.declare_topology:
-            self._declare()
-        else:
-            self._relay()
-
-    def _declare(self, failures: int = 0) -> None:
-        """Declare the topology with one blocking call, the loop's only one, before any
-        channel of the relay is open; on failure try again after a backoff, the other
-        daemons of the loop going on meanwhile."""
-        if self._draining:
-            return
-        self.progress()
-        try:
-            topology.declare(self.settings, self.service.registry)
-        except BrokerUnavailable as exc:
-            delay = _backoff(failures + 1)
-            self.state("RabbitMQ unavailable", f"{exc}; retrying in {delay:.1f}s")
-            self._loop.call_later(delay, lambda: self._declare(failures + 1))
-            return
         self._relay()
+
+    def _declare_on(self, channel: pika.channel.Channel, done: Callable[[], None]) -> None:
+        """The topology, declared on the relay's first channel before it publishes, without
+        blocking the loop: a RabbitMQ node that takes the connection and never answers holds
+        up the relay's channel only (docs/explanation/daemons.md, "One loop per process")."""
+        topology.declare_on(self.settings, self.service.registry, channel, done)
 
     def _relay(self) -> None:
         if self._draining:
@@ -643,6 +635,7 @@ class Relay(Daemon):
             name=f"{self.settings.service} publisher",
             confirm_timeout=float(self.config.confirm_timeout),
             on_change=self._channel_changed,
+            prepare=self._declare_on if self.declare_topology else None,
         )
         self._channel.open()
         return None
@@ -652,12 +645,19 @@ class Relay(Daemon):
             return
         if channel.is_open:
             self._broker_failures = 0
-            self.set_ready(RABBITMQ, True)  # the topology was declared before the first connect (run)
+            self.declare_topology = False  # declared (durable): the next channels need not
+            self.set_ready(RABBITMQ, True)
             self.state("running")
             self._hint = True
             self._step_soon()
             return
         self.set_ready(RABBITMQ, False)
+        refusal = topology.mismatch(self.settings, channel.error) if channel.error is not None else None
+        if refusal is not None and not self._draining:  # a misconfiguration: a retry is refused again
+            log.error("%s", refusal)
+            self._ended_by = refusal
+            self._begin_drain()
+            return
         if self._draining:
             self._drained()
             return
@@ -719,7 +719,7 @@ class Relay(Daemon):
                 log.warning("could not record outcomes on shutdown (%s); leases will expire instead", exc)
                 time.sleep(0.2)
         self._shut()
-        self._end()
+        self._end(self._ended_by)
 
     def _shut(self) -> None:
         """The relay's end: nothing is left open, no timer of its runs again."""
