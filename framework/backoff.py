@@ -17,3 +17,15 @@ def backoff_seconds(
     spread = delay * jitter
     jittered: float = delay + (rng or random).uniform(-spread, spread)
     return max(0.0, jittered)
+
+
+def reconnect_seconds(failures: int) -> float:
+    """Delay before a daemon's next try after ``failures`` lost connections in a row: half
+    a second, then a second, ±20 %.
+
+    The cap is short on purpose: a daemon holds one or two connections, so trying every
+    second costs the server nothing, while a long cap keeps a daemon away for up to
+    that long after the server is back (benchmarks/README.md, "2026-11-24: fewer claims
+    per message at a trickle; a worker hang and slow reconnects fixed").
+    """
+    return backoff_seconds(failures, base=0.5, cap=1.0, jitter=0.2)

@@ -1,8 +1,8 @@
 """The daemons' connection lifecycle: one PostgreSQL connection opened on demand and closed quietly.
 
-Reconnecting is the daemon loop's business (:class:`framework.daemon.Reconnect` waits
-with capped backoff between tries, or the loop schedules the next try; the next
-:meth:`ConnectionSlot.get` connects again). Each daemon's loop LISTENs on a connection it
+Reconnecting is the daemon loop's business: it schedules the next try on a timer
+(:func:`framework.backoff.reconnect_seconds`), and the next :meth:`ConnectionSlot.get`
+connects again. Each daemon's loop LISTENs on a connection it
 owns (docs/explanation/daemons.md, "One thread per daemon").
 """
 

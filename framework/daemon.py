@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 from pika.adapters.select_connection import IOLoop
 
 from framework import logs, tracing
-from framework.backoff import backoff_seconds
 from framework.drivers import tune_drivers
 
 if TYPE_CHECKING:
@@ -213,29 +212,3 @@ class Daemon:
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
-
-
-class Reconnect:
-    """Capped exponential backoff between reconnect attempts, reset after a success.
-
-    The cap is short on purpose: a daemon holds one or two connections, so trying every
-    second costs the server nothing, while a long cap keeps a daemon away for up to
-    that long after the server is back (benchmarks/README.md, "2026-11-24: fewer claims
-    per message at a trickle; a worker hang and slow reconnects fixed").
-    """
-
-    def __init__(self, daemon: Daemon, *, base: float = 0.5, cap: float = 1.0) -> None:
-        self.daemon = daemon
-        self.base = base
-        self.cap = cap
-        self.failures = 0
-
-    def failed(self, what: str, exc: BaseException) -> bool:
-        """Record a failure and wait before the next try; True if the daemon is stopping."""
-        self.failures += 1
-        delay = backoff_seconds(self.failures, base=self.base, cap=self.cap, jitter=0.2)
-        self.daemon.state(f"{what} unavailable", f"{exc}; retrying in {delay:.1f}s")
-        return self.daemon.wait(delay)
-
-    def succeeded(self) -> None:
-        self.failures = 0

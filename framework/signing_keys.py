@@ -19,8 +19,8 @@ A fetch is outside input from end to end: it runs on a thread of its own for at 
 not load is skipped and named in the log. A fetch that fails in any way changes nothing:
 the keys fetched before stay.
 
-:class:`RemoteKeys` is owned by the thread that verifies (the receiver's consuming
-thread, after the first fetch at start): it fetches when a producer's version is unknown
+:class:`RemoteKeys` is owned by the thread that verifies (the receiver's loop thread,
+after the first fetch at start): it fetches when a producer's version is unknown
 or its keys are older than ``max_age``, at most once per ``refresh`` seconds per
 document, and so blocks that thread for at most ``timeout`` that often.
 """

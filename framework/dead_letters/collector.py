@@ -32,7 +32,7 @@ import psycopg
 from pika.adapters.select_connection import IOLoop
 
 from framework import amqp, jsoncodec, metrics, names, reasons, topology
-from framework.backoff import backoff_seconds
+from framework.backoff import reconnect_seconds
 from framework.connections import ConnectionSlot
 from framework.daemon import RABBITMQ, Daemon
 from framework.dead_letters import (
@@ -600,12 +600,12 @@ class Collector(Daemon):
         self._retry(*ended_by)
 
     def _retry(self, what: str, exc: BaseException) -> None:
-        """A new session after a backoff, as :class:`framework.daemon.Reconnect` waits."""
+        """A new session after a backoff (:func:`framework.backoff.reconnect_seconds`)."""
         self._db.close()
         if self._leaving:
             self._finish()
             return
         self._failures += 1
-        delay = backoff_seconds(self._failures, base=0.5, cap=1.0, jitter=0.2)
+        delay = reconnect_seconds(self._failures)
         self.state(f"{what} unavailable", f"{exc}; retrying in {delay:.1f}s")
         self._retry_timer = self._loop.call_later(delay, lambda: self._guarded(self._connect))

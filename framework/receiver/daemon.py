@@ -38,7 +38,7 @@ from pika.adapters.select_connection import IOLoop
 from prometheus_client import Counter
 
 from framework import amqp, db, delivery_limit, metrics, names, topology
-from framework.backoff import backoff_seconds
+from framework.backoff import reconnect_seconds
 from framework.connections import ConnectionSlot
 from framework.daemon import RABBITMQ, Daemon
 from framework.errors import BrokerUnavailable
@@ -62,11 +62,6 @@ __all__ = ["InboxWrite", "Receiver"]
 _IDLE_WAIT = 0.2  # seconds between a consuming receiver's looks at its turn, its copies and its progress
 _INSERT_NAME = b"txbox_receiver_insert"  # the batch INSERT, prepared once per connection (InboxWrite)
 _DRAIN_SECONDS = 5.0  # at most this long, on the way out, for the write in flight, then for copies' confirms
-
-
-def _backoff(failures: int) -> float:
-    """Seconds before the next reconnect, as :class:`framework.daemon.Reconnect` waits."""
-    return backoff_seconds(failures, base=0.5, cap=1.0, jitter=0.2)
 
 
 @dataclass(eq=False)
@@ -256,7 +251,7 @@ class Receiver(Storing, Daemon):
         if self._draining:
             return
         self._broker_failures += 1
-        delay = _backoff(self._broker_failures)
+        delay = reconnect_seconds(self._broker_failures)
         self.state("RabbitMQ unavailable", f"{exc}; retrying in {delay:.1f}s")
         self._after("session", delay, self._declare)
 

@@ -54,7 +54,7 @@ class Delivery:
 
     @classmethod
     def from_pika(cls, method: Any, props: Any, body: bytes, trusted_users: frozenset[str] = frozenset()) -> Delivery:
-        # One pass over the properties: this runs for every delivery, on the consuming thread.
+        # One pass over the properties: this runs for every delivery, on the receiver's loop thread.
         properties = {
             name: value for name in names.BASIC_PROPERTIES if (value := getattr(props, name, None)) is not None
         }

@@ -1,8 +1,9 @@
 """The outbox relay: claim due outbox rows, publish them with streamed confirms, record outcomes.
 
-One thread owns the relay (docs/explanation/daemons.md, "One thread per daemon"): its loop
-waits on the database socket (``NOTIFY``) and the broker's (confirms, returns) at once,
-with timers for the poll fallback, marks that wait and reconnects. One database
+The relay is a guest of the loop it is given (docs/explanation/daemons.md, "One loop per
+process"), whose one thread owns it: the loop waits on the database socket (``NOTIFY``)
+and the broker's (confirms, returns) at once, with timers for the poll fallback, marks
+that wait and reconnects. One database
 connection claims, records and listens; one :class:`ConfirmChannel` publishes. The loop
 keeps up to ``max_in_flight`` messages unconfirmed and claims the next batch while
 earlier ones wait for their confirms. A row is marked ``processed_at`` only after its
@@ -37,7 +38,7 @@ from psycopg import sql
 
 from framework import amqp, db, expiry, metrics, names, topology
 from framework import retention as retention_
-from framework.backoff import backoff_seconds
+from framework.backoff import reconnect_seconds
 from framework.confirms.channel import ConfirmChannel, Outgoing
 from framework.connections import ConnectionSlot
 from framework.daemon import RABBITMQ, Daemon
@@ -67,11 +68,6 @@ FOLD_AT_MOST = outbox_sql.HAS_NEXT_AT_MOST
 MARK_DELAY = 0.05  # seconds
 CLAIM_TIMEOUT = 30.0  # seconds a claim may go unanswered before its connection is given up
 CONNECTION_NAME = "txbox-publisher"  # its one connection's application_name (pg_stat_activity)
-
-
-def _backoff(failures: int) -> float:
-    """Seconds before the next reconnect, as :class:`framework.daemon.Reconnect` waits."""
-    return backoff_seconds(failures, base=0.5, cap=1.0, jitter=0.2)
 
 
 _CLAIM = "txbox_relay_claim"
@@ -613,7 +609,7 @@ class Relay(Daemon):
         self._unwatch()
         self._db.close()
         self._db_failures += 1
-        delay = _backoff(self._db_failures)
+        delay = reconnect_seconds(self._db_failures)
         self.state("PostgreSQL unavailable", f"{exc}; retrying in {delay:.1f}s")
         if not self._draining:
             self._step_in(delay)
@@ -664,7 +660,7 @@ class Relay(Daemon):
         # Its incomplete sends have failed as connection_lost (their releases are written
         # at the next step); a new channel after a backoff.
         self._broker_failures += 1
-        delay = _backoff(self._broker_failures)
+        delay = reconnect_seconds(self._broker_failures)
         self._broker_after = time.monotonic() + delay
         self.state("RabbitMQ unavailable", f"{channel.error}; retrying in {delay:.1f}s")
         self._step_in(delay)

@@ -10,7 +10,7 @@ with a synchronous driver just calls them: the statement runs on the worker's
 connection, in the batch transaction, and the handler's refusals (commit, rollback,
 close) hold unchanged.
 
-Each worker thread keeps one event loop (an ``asyncio.Runner``) for its life: a loop
+Each worker keeps one event loop (an ``asyncio.Runner``) for its life: a loop
 per message would cost more than a small handler's work. The coroutine runs as a task
 of that loop, in a copy of the caller's context (the handler's span and log fields).
 The task's first step gets one pass of the loop, which is all a handler whose awaits

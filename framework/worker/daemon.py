@@ -44,7 +44,7 @@ from pika.adapters.select_connection import IOLoop
 from sqlalchemy import Connection
 
 from framework import db, metrics, names
-from framework.backoff import backoff_seconds
+from framework.backoff import reconnect_seconds
 from framework.daemon import POSTGRESQL, Daemon
 from framework.outcomes import WorkerOutcome
 from framework.retention import inbox_pruner
@@ -70,11 +70,6 @@ HANDED_LEASE_LEFT = 0.5
 
 def _claim_order(row: Sequence[Any]) -> tuple[Any, Any]:
     return -row[-2], row[-1]  # priority, created_at (the last two of CLAIM_COLUMNS)
-
-
-def _backoff(failures: int) -> float:
-    """Seconds before the next try after a lost database, as :class:`framework.daemon.Reconnect` waits."""
-    return backoff_seconds(failures, base=0.5, cap=1.0, jitter=0.2)
 
 
 class Worker(Daemon):
@@ -261,7 +256,7 @@ class Worker(Daemon):
         after a backoff, the loop going on meanwhile."""
         self._drop_connections()
         self._failures += 1
-        delay = _backoff(self._failures)
+        delay = reconnect_seconds(self._failures)
         self.state("PostgreSQL unavailable", f"{exc}; retrying in {delay:.1f}s")
         self._timer = self._loop.call_later(delay, self._retry)
 

@@ -3,7 +3,7 @@
 A handler runs in the worker's own thread (it needs the worker's transaction). When its
 time is up the watchdog (1) cancels the statement running on the worker's connection,
 which interrupts a handler waiting on PostgreSQL, and (2) raises :class:`HandlerTimeout`
-inside the worker thread, which interrupts a handler running Python code (an async
+inside the worker's loop thread, which interrupts a handler running Python code (an async
 handler's task is cancelled instead, framework/worker/coroutines.py). A handler
 stuck in C code that ignores both would outlive its lease; rather than let a second
 worker run the message beside it, the watchdog ends the process at the lease's end
