@@ -21,7 +21,7 @@ def backoff_seconds(
 
 def reconnect_seconds(failures: int) -> float:
     """Delay before a daemon's next try after ``failures`` lost connections in a row: half
-    a second, then a second, ±20 %.
+    a second, then a second, each give or take a fifth.
 
     The cap is short on purpose: a daemon holds one or two connections, so trying every
     second costs the server nothing, while a long cap keeps a daemon away for up to
