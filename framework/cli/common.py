@@ -152,9 +152,10 @@ def tenant_settings(args: argparse.Namespace) -> TenantSettings:
     from framework.settings import TenantSettings
 
     settings = TenantSettings.from_env(tenants_file=args.tenants_file, tenants_jobs=getattr(args, "jobs", None))
-    if getattr(args, "tenant", None) and not settings.configured:
+    flag = next((f"--{n.replace('_', '-')}" for n in ("tenant", "all_tenants") if getattr(args, n, None)), "")
+    if flag and not settings.configured:
         raise ConfigurationError(
-            "--tenant needs a tenant registry: set TXBOX_TENANTS_FILE (or --tenants-file) or "
+            f"{flag} needs a tenant registry: set TXBOX_TENANTS_FILE (or --tenants-file) or "
             "TXBOX_TENANTS_DATABASE_URL. Example: TXBOX_TENANTS_FILE=tenants.toml"
         )
     return settings

@@ -20,6 +20,8 @@ MAX_TENANTS = 10_000
 """Tenants one registry may list: past this, a registry is a mistake (or an attack), not a catalog."""
 MAX_PROBLEMS = 20
 """Problems one error lists; the rest are counted."""
+MAX_LISTED_KEYS = 20
+"""Tenant keys one message lists; the rest are counted."""
 MAX_URL_CHARS = 4096
 FIELDS = ("database_url", "schema", "mosaic_tenant_id", "mosaic_environment_id")
 """What an entry may say besides its key."""
@@ -133,9 +135,15 @@ class Registry:
         if found is None:
             close = difflib.get_close_matches(key[:80], self._by_key, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            listed = ", ".join(self.keys()[:10]) + (", …" if len(self) > 10 else "")
-            raise ConfigurationError(f"no tenant {key[:80]!r} in {self.source}{hint} Its tenants: {listed or 'none'}")
+            raise ConfigurationError(f"no tenant {key[:80]!r} in {self.source}{hint}. Its tenants: {self.listed()}")
         return found
+
+    def listed(self, limit: int = MAX_LISTED_KEYS) -> str:
+        """The keys for a message: the first ``limit``, then how many more (``none`` if empty)."""
+        keys = self.keys()
+        shown = ", ".join(keys[:limit])
+        more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+        return (shown + more) or "none"
 
     def for_mosaic(self, tenant_id: str, environment_id: str) -> Tenant | None:
         """The tenant a Mosaic message of (``tenant_id``, ``environment_id``) belongs to:

@@ -52,7 +52,9 @@ def error_text(exc: BaseException) -> str:
     return redaction.clip(redaction.redact_text(text), MAX_DETAIL_CHARS) or ""
 
 
-def _engine(database_url: str) -> Any:
+def engine_for(database_url: str) -> Any:
+    """An engine of one tenant's database: no pool (a command's few statements), and
+    :data:`CONNECT_TIMEOUT` unless the URL sets its own. The caller disposes of it."""
     from sqlalchemy.pool import NullPool
 
     args = {} if "connect_timeout" in db.connect_params(database_url) else {"connect_timeout": CONNECT_TIMEOUT}
@@ -82,7 +84,7 @@ def migrate_one(database_url: str, schema: str, revision: str, downgrade: bool) 
     from framework import migrate
 
     try:
-        engine = _engine(database_url)
+        engine = engine_for(database_url)
         try:
             with db.database_errors("cannot migrate"), engine.connect() as conn:
                 before = _revision(conn, schema)
@@ -146,7 +148,7 @@ def check_one(tenant: Tenant, head: str | None, known: frozenset[str]) -> Outcom
     """Whether ``tenant``'s database answers and its framework tables are at ``head``."""
     fix = f"run `txbox migrate --tenant {tenant.key}`"
     try:
-        engine = _engine(tenant.database_url)
+        engine = engine_for(tenant.database_url)
         try:
             with db.database_errors("cannot connect"), engine.connect() as conn:
                 revision = _revision(conn, tenant.schema)

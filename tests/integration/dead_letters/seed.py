@@ -37,8 +37,8 @@ def envelope(
     )
 
 
-def insert_letter(conn: psycopg.Connection[Any], letter: dead_letters.DeadLetter) -> int:
-    row = conn.execute(sql.SQL("{} RETURNING id").format(dead_letters_sql.insert_sql(SCHEMA)), letter.row()).fetchone()
+def insert_letter(conn: psycopg.Connection[Any], letter: dead_letters.DeadLetter, *, schema: str = SCHEMA) -> int:
+    row = conn.execute(sql.SQL("{} RETURNING id").format(dead_letters_sql.insert_sql(schema)), letter.row()).fetchone()
     assert row is not None
     return int(row["id"] if isinstance(row, dict) else row[0])
 
@@ -63,7 +63,13 @@ def _message_row(m: Message, table: str) -> dict[str, Any]:
 
 
 def abandoned(
-    conn: psycopg.Connection[Any], table: str, m: Message, *, error: str = "KeyError: 'price'", attempts: int = 5
+    conn: psycopg.Connection[Any],
+    table: str,
+    m: Message,
+    *,
+    error: str = "KeyError: 'price'",
+    attempts: int = 5,
+    schema: str = SCHEMA,
 ) -> int:
     """An inbox (worker) or outbox (publisher) row abandoned after ``attempts`` plus its
     dead letter, in one transaction as the daemons write them."""
@@ -75,7 +81,7 @@ def abandoned(
                 "INSERT INTO {t} ({cols}, started_attempts, finished_attempts, abandoned_at, last_error) "
                 "VALUES ({vals}, %(n)s, %(n)s, clock_timestamp(), %(error)s)"
             ).format(
-                t=sql.Identifier(SCHEMA, table),
+                t=sql.Identifier(schema, table),
                 cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
                 vals=sql.SQL(", ").join(map(sql.Placeholder, cols)),
             ),
@@ -94,6 +100,7 @@ def abandoned(
                 message=m.to_dict(),
                 attempts={"started": attempts, "finished": attempts},
             ),
+            schema=schema,
         )
 
 
