@@ -1,4 +1,4 @@
-"""The event a daemon sleeps on between claims, and the two ways it spends fewer wake-ups.
+"""When a daemon claims after NOTIFYs: the two ways it spends fewer wake-ups.
 
 A wake-up, not a message, is the unit of a daemon's cost: each pays a whole cycle
 (claim, then publish or handle, then commit). So (docs/explanation/daemons.md, "Wake-ups"):
@@ -20,7 +20,6 @@ A wake-up, not a message, is the unit of a daemon's cost: each pays a whole cycl
 
 from __future__ import annotations
 
-import threading
 import time
 
 WINDOW_FROM = 0.005  # seconds: NOTIFYs at least this far apart get no window
@@ -36,9 +35,8 @@ _SMOOTHING = 0.25  # weight of the newest gap between two NOTIFYs in their runni
 
 class Pace:
     """When to claim after NOTIFYs: the window under load and a replica's hold (the module's
-    text). Pure state, for the one thread that owns it: :class:`Wakeup` for a loop that
-    sleeps on an event, and the relay's loop directly (docs/explanation/daemons.md, "One thread
-    per daemon")."""
+    text). Pure state, for the one thread that owns it: the relay's and the worker's loop
+    thread (docs/explanation/daemons.md, "Wake-ups")."""
 
     def __init__(self, *, hold_max: float = HOLD_MAX) -> None:
         self._hold_max = hold_max
@@ -90,71 +88,3 @@ class Pace:
             first = max(HOLD_FIRST, 2 * self._gap)
             self._hold = min(self._hold_max, self._hold * 2 or first)
             self.hold_until = time.monotonic() + self._hold
-
-
-class Wakeup:
-    """Set by NOTIFY (:meth:`notify`, the listener thread) or by anything else the loop
-    must see now (:meth:`set`: a confirm, a stop); cleared before each claim, so a NOTIFY
-    that arrives during the claim wakes the next wait at once."""
-
-    def __init__(self, stop_event: threading.Event, *, hold_max: float = HOLD_MAX) -> None:
-        self._event = threading.Event()
-        self._stop = stop_event
-        self.pace = Pace(hold_max=hold_max)
-        self._notified = False  # a NOTIFY since the last clear()
-        self._kicked = False  # a set() since the last clear()
-        # The last wait slept until a NOTIFY woke it. A NOTIFY that came while the loop
-        # was busy is often for a row its claim already took: an empty claim after it says
-        # nothing about other replicas (see found).
-        self.woken_from_sleep = False
-
-    @property
-    def hold_until(self) -> float:
-        return self.pace.hold_until
-
-    def notify(self) -> None:
-        """A NOTIFY (listener thread): wake the loop, at once or at the end of its hold."""
-        now = time.monotonic()
-        self.pace.notify(now)
-        first = not self._notified
-        self._notified = True
-        # During a hold only the first NOTIFY wakes the loop, to make it sleep until the
-        # hold ends (its wait may have begun before the hold did).
-        if first or now >= self.pace.hold_until:
-            self._event.set()
-
-    def set(self) -> None:
-        """Wake the loop now (no window, no hold)."""
-        self._kicked = True
-        # Set only when clear: setting takes the event's lock; the loop clears before it
-        # reads what it was woken for.
-        if not self._event.is_set():
-            self._event.set()
-
-    def clear(self) -> None:
-        self._notified = False
-        self._kicked = False
-        self._event.clear()
-
-    def window(self) -> float:
-        return self.pace.window()
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep until a NOTIFY (after the hold, then the window), a :meth:`set`, a stop or
-        ``timeout``; False if the timeout ran out."""
-        deadline = time.monotonic() + timeout
-        slept = not self._event.is_set()
-        self.woken_from_sleep = False
-        if not self._event.wait(timeout):
-            return False
-        if self._kicked or self._stop.is_set():
-            return True
-        self.woken_from_sleep = slept
-        now = time.monotonic()
-        delay = self.pace.delay(now, from_sleep=slept)
-        if delay > 0:
-            self._stop.wait(min(delay, max(0.0, deadline - now)))
-        return True
-
-    def found(self, rows: int, *, notified: bool) -> None:
-        self.pace.found(rows, notified=notified)
