@@ -72,6 +72,7 @@ class TenantRouter:
             request,
             "tenants.html",
             title="Tenants",
+            lobby=True,  # its menu: this list only (the other pages need a tenant)
             tenants=list(self.registry),
             keys=self.registry.keys(),
             registry_source=self.registry.source,

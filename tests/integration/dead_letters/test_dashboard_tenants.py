@@ -114,6 +114,7 @@ def test_the_list_of_tenants_links_to_each_ones_letters(base: str) -> None:
     assert status == 200 and "Tenants" in page
     links = _links(page)
     assert "/letters?tenant=acme" in links and "/letters?tenant=globex" in links
+    assert all("tenant=" in u for u in links if u not in ("/", "/login?next=/")), links  # no link to a 400
     # Login, health and static files need no tenant.
     assert http(base + "/login")[0] == 200 and http(base + "/healthz")[0] == 200
     assert http(base + "/static/style.css")[0] == 200
