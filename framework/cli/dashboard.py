@@ -2,6 +2,8 @@
 
 Without TXBOX_DASHBOARD_TOKEN it binds loopback only and says at start that anyone on
 this host can read every message; with one, viewing needs it too (framework.dashboard.security).
+With a tenant registry (TXBOX_TENANTS_FILE or TXBOX_TENANTS_DATABASE_URL, as `txbox dlq`
+reads it), every page takes ``?tenant=KEY`` (docs/how-to/tenants.md, "The dashboard per tenant").
 """
 
 from __future__ import annotations
@@ -13,18 +15,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from framework import names
-from framework.cli.common import add_service_options, load_service
+from framework.cli.common import add_service_options, add_tenant_options, load_service, load_tenants, tenant_settings
 from framework.errors import ConfigurationError
 from framework.settings import load
 
 if TYPE_CHECKING:
     from framework.dashboard.app import DashboardSettings, Source
+    from framework.tenants import Registry
 
 log = logging.getLogger("txbox.dashboard")
 
 
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_service_options(parser)
+    add_tenant_options(parser, pick=False)
     parser.add_argument("--host", help="address to bind (TXBOX_DASHBOARD_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (TXBOX_DASHBOARD_PORT, default 8470)")
     parser.add_argument(
@@ -67,6 +71,25 @@ def sources_of(args: argparse.Namespace) -> list[Source]:
     return out
 
 
+def tenanted(args: argparse.Namespace) -> tuple[list[Source], Registry] | None:
+    """With a tenant registry: the service (its name and contracts; each tenant names its
+    database and schema) and the registry, read once at start. None without one."""
+    from framework.dashboard.app import Source
+
+    settings = tenant_settings(args)
+    if not settings.configured:
+        return None
+    if args.source:
+        raise ConfigurationError(
+            "--source names one database per service; with a tenant registry each tenant names its own: "
+            "drop --source, or unset TXBOX_TENANTS_FILE and TXBOX_TENANTS_DATABASE_URL"
+        )
+    registry = load_tenants(args, settings)
+    service = load_service(args, database=False).settings
+    # No database of its own: every page that reads one names a tenant.
+    return [Source(service.service, "", schema=service.schema, contracts_dir=service.contracts_dir)], registry
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -76,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
     settings = load(
         DashboardSettings, None, host=args.host, port=args.port, view_requires_token=args.view_requires_token
     )
-    app = create_app(sources_of(args), settings)
+    with_tenants = tenanted(args)
+    if with_tenants is None:
+        app = create_app(sources_of(args), settings)
+    else:
+        app = create_app(with_tenants[0], settings, tenants=with_tenants[1])
     for line in warnings(settings):
         log.warning("%s", line)
     print(f"txbox dashboard on http://{settings.host}:{settings.port}/", flush=True)

@@ -55,6 +55,7 @@ from framework.settings import Seconds, setting
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import heartbeats as heartbeats_sql
 from framework.sql import reports as reports_sql
+from framework.tenants.model import Registry as TenantRegistry
 
 HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -220,16 +221,26 @@ def _time(value: datetime | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
 
-def create_app(sources: Sequence[Source], settings: DashboardSettings | None = None) -> Starlette:
+def create_app(
+    sources: Sequence[Source], settings: DashboardSettings | None = None, *, tenants: TenantRegistry | None = None
+) -> Starlette:
+    """The dashboard over ``sources``; with ``tenants``, over each tenant's database and
+    schema instead, the tenant chosen by ``?tenant=KEY`` (framework/dashboard/tenants_view.py)."""
     if not sources:
         raise ConfigurationError("the dashboard needs at least one source (TXBOX_* environment or --source name=url)")
     settings = settings or DashboardSettings()
     dashboard = _Dashboard(sources, settings)
+    from framework.dashboard import tenants_view  # it imports this module: here, once this one is loaded
+
+    routes: list[Route | Mount] = dashboard.routes()
+    if tenants is not None:
+        routes = [Mount("", app=tenants_view.TenantRouter(dashboard, tenants))]
     return Starlette(
-        routes=dashboard.routes(),
+        routes=routes,
         middleware=[
             Middleware(Shield, allowed_hosts=settings.hosts, max_body_bytes=settings.max_body_bytes),
             Middleware(ViewGuard, auth=dashboard.auth),
+            *([Middleware(tenants_view.WithoutRegistry, dashboard=dashboard)] if tenants is None else []),
         ],
         exception_handlers={
             HttpError: dashboard.on_http_error,
@@ -242,11 +253,14 @@ def create_app(sources: Sequence[Source], settings: DashboardSettings | None = N
 class _Dashboard:
     """The pages, the JSON API and their helpers over ``sources``; one per app."""
 
-    def __init__(self, sources: Sequence[Source], settings: DashboardSettings) -> None:
+    def __init__(
+        self, sources: Sequence[Source], settings: DashboardSettings, *, auth: Auth | None = None, tenant: str = ""
+    ) -> None:
         self.sources = sources
         self.settings = settings
+        self.tenant = tenant  # "" without a registry: links and redirects carry no ?tenant=
         self.by_name = {s.name: s for s in sources}
-        self.auth = Auth(
+        self.auth = auth or Auth(
             settings.token,
             settings.views_need_token,
             session_ttl=float(settings.session_ttl),
@@ -264,9 +278,19 @@ class _Dashboard:
             time=_time, age=_age, pretty=jsoncodec.pretty, intcomma=lambda v: f"{int(v or 0):,}", bucket=_bucket, ms=_ms
         )
         self.env.globals.update(
-            sources=[s.name for s in sources], statuses=dead_letters_sql.STATUSES, windows=list(queries.WINDOWS)
+            sources=[s.name for s in sources],
+            statuses=dead_letters_sql.STATUSES,
+            windows=list(queries.WINDOWS),
+            # Every link keeps the tenant: `tq` opens a query string, `ta` adds to one.
+            tenant=tenant,
+            tq="?" + urlencode({"tenant": tenant}) if tenant else "",
+            ta="&" + urlencode({"tenant": tenant}) if tenant else "",
         )
         self.choice_cache: dict[tuple[str, str], tuple[float, list[str]]] = {}
+
+    def kept(self, params: dict[str, Any]) -> str:
+        """``params`` as a query string, with this dashboard's tenant (if any) kept."""
+        return urlencode({**params, "tenant": self.tenant} if self.tenant else params)
 
     def source(self, name: str | None) -> Source:
         if name is None or name == "":
@@ -519,7 +543,7 @@ class _Dashboard:
             action=action,
             what=f"dead letter {letter_id} ({row['message_type'] or 'no type'}, {row['reason']})",
             preview=preview,
-            back=f"/letters/{s.name}/{letter_id}",
+            back=f"/letters/{s.name}/{letter_id}" + (f"?{self.kept({})}" if self.tenant else ""),
             count=1,
         )
 
@@ -531,7 +555,7 @@ class _Dashboard:
         s = self.source(name)
         [outcome] = self.act(s, action, [letter_id], dry_run=False, auth_token=token)
         return RedirectResponse(
-            f"/letters/{s.name}/{letter_id}?" + urlencode({"done": f"{outcome.action}: {outcome.detail}"}), 303
+            f"/letters/{s.name}/{letter_id}?" + self.kept({"done": f"{outcome.action}: {outcome.detail}"}), 303
         )
 
     def _confirm_group_page(self, request: Request, name: str, fp: str, action: str) -> Response:
@@ -551,7 +575,7 @@ class _Dashboard:
             action=action,
             what=f"all {len(ids)} open dead letters of failure group {fp}",
             preview=preview,
-            back="/letters?" + urlencode({"service": s.name, "fingerprint": fp}),
+            back="/letters?" + self.kept({"service": s.name, "fingerprint": fp}),
             count=len(ids),
         )
 
@@ -563,7 +587,7 @@ class _Dashboard:
         ok = sum(o.ok for o in outcomes)
         return RedirectResponse(
             "/letters?"
-            + urlencode(
+            + self.kept(
                 {"service": s.name, "fingerprint": fp, "status": "all", "done": f"{action}: {ok} of {len(outcomes)}"}
             ),
             303,
@@ -722,7 +746,9 @@ class ViewGuard:
             if path.startswith("/api/"):
                 response = MaskedJSON({"error": "send Authorization: Bearer <token>"}, status_code=401)
             else:
-                response = RedirectResponse("/login?" + urlencode({"next": path}), 303)
+                query = scope.get("query_string", b"").decode("latin-1")
+                nxt = f"{path}?{query}" if query else path  # the query keeps the tenant
+                response = RedirectResponse("/login?" + urlencode({"next": nxt}), 303)
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

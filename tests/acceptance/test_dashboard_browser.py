@@ -168,6 +168,54 @@ def test_replay_a_dead_letter_from_the_browser(
         conn.close()
 
 
+def test_a_tenants_letters_in_the_browser(database_url: str, processes: Processes, tmp_path: Path) -> None:
+    """With a tenant registry (two schemas of the test database), the tenants page links to
+    each tenant's letters; the page names the tenant, shows its letter only, and its
+    links keep the tenant (docs/how-to/tenants.md, "The dashboard per tenant")."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from framework import migrate
+    from tests.integration.dead_letters import seed
+
+    migrate.upgrade(database_url, "tenant_globex")
+    conn = psycopg.connect(conninfo(database_url), autocommit=True, row_factory=dict_row)
+    try:
+        seed.abandoned(conn, "inbox", seed.envelope(customer="acme-1"), error="KeyError: 'acme'")
+        seed.abandoned(
+            conn, "inbox", seed.envelope(customer="globex-1"), error="ValueError: globex", schema="tenant_globex"
+        )
+    finally:
+        conn.close()
+    registry = tmp_path / "tenants.toml"
+    registry.write_text('[tenants.acme]\n\n[tenants.globex]\nschema = "tenant_globex"\n')
+    env = {**_env(database_url, "amqp://unused"), "TXBOX_TENANTS_FILE": str(registry)}
+    env.pop("TXBOX_DASHBOARD_TOKEN")  # read-only on loopback: no login needed to look
+    base = _serve_dashboard(processes, env)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(20_000)
+            page.goto(base + "/")
+            expect(page.locator("h1")).to_have_text("Tenants")
+            page.screenshot(path=SHOTS / "tenants-1-list.png", full_page=True)
+            page.click("tr[data-tenant=globex] >> text=globex")
+            expect(page.locator("p.count")).to_have_text("1 open dead letter")
+            expect(page.locator("header [data-tenant=globex]")).to_have_text("tenant globex")
+            expect(page.locator("table.letters")).to_contain_text("ValueError: globex")
+            expect(page.locator("table.letters")).not_to_contain_text("KeyError")
+            page.screenshot(path=SHOTS / "tenants-2-letters.png", full_page=True)
+            page.click("table.letters >> text=ValueError: globex")
+            assert "tenant=globex" in page.url
+            expect(page.locator("pre.error-text")).to_contain_text("ValueError: globex")
+            page.click("nav >> text=Failure groups")
+            assert "tenant=globex" in page.url
+            expect(page.locator("table.groups")).to_contain_text("ValueError: globex")
+        finally:
+            browser.close()
+
+
 def _a_dead_letter(conn: psycopg.Connection[Any], processes: Processes, env: dict[str, str]) -> int:
     """The worker abandons StockReserved for an order it does not know yet, then the order
     comes: the letter's id, whose replay now succeeds."""

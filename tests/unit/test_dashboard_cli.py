@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,21 @@ def test_start_says_who_can_read_without_a_token() -> None:
 def test_limits_must_be_positive(variable: str, value: str) -> None:
     with pytest.raises(ConfigurationError, match=variable):
         load(DashboardSettings, {variable: value})
+
+
+def test_with_a_registry_the_service_has_no_database_and_no_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("TXBOX_TENANTS_FILE", "TXBOX_TENANTS_DATABASE_URL", "TXBOX_APP", "TXBOX_DATABASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli.tenanted(_args()) is None  # no registry: the dashboard as without one
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenants.acme]\ndatabase_url = "postgresql+psycopg://postgres@127.0.0.1/acme"\n')
+    monkeypatch.setenv("TXBOX_TENANTS_FILE", str(path))
+    monkeypatch.setenv("TXBOX_SERVICE", "order-service")
+    found = cli.tenanted(_args())
+    assert found is not None
+    [source], registry = found
+    assert source.name == "order-service" and registry.keys() == ("acme",)
+    with pytest.raises(ConfigurationError, match="drop --source"):
+        cli.tenanted(_args("--source", "order-service=postgresql://postgres@127.0.0.1/orders"))

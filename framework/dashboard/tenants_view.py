@@ -1,0 +1,157 @@
+"""The dashboard over a tenant registry: ``?tenant=KEY`` picks whose dead letters a request reads.
+
+Each tenant is served by a dashboard of its own over the tenant's database and schema
+(an engine each, made once: framework/tenants/runs.py, ``engine_for``), built on its
+first request and kept; the app's guards (login, CSRF, host check, body limit:
+framework/dashboard/security.py) sit in front of every one of them unchanged. Without
+``?tenant=``, ``/`` lists the tenants and the login, logout, health and static paths are
+served as ever; any other path is a 400 asking for a tenant. An unknown key is a 404
+naming the known ones (docs/how-to/tenants.md, "The dashboard per tenant").
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+from sqlalchemy.engine import Engine
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from framework.dashboard.app import HERE, Source, _Dashboard
+from framework.errors import HttpError, TxboxError
+from framework.tenants.model import Registry, Tenant
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+OPEN_PATHS = ("/login", "/logout", "/healthz")
+"""Served without a tenant: they read no tenant's data."""
+
+
+class TenantSource(Source):
+    """A service's framework tables in one tenant's database and schema."""
+
+    @cached_property
+    def engine(self) -> Engine:
+        from framework.tenants.runs import engine_for
+
+        engine: Engine = engine_for(self.database_url)
+        return engine
+
+
+class TenantRouter:
+    """The ASGI app behind the guards: one dashboard per tenant, chosen by ``?tenant=``."""
+
+    def __init__(self, bare: _Dashboard, registry: Registry) -> None:
+        self.bare = bare  # the app's own: its auth, its settings, its service and contracts
+        self.registry = registry
+        self.apps: dict[str, Starlette] = {}  # at most one per tenant of the registry
+        self.lobby = Starlette(
+            routes=[
+                Route("/", self.tenants_page),
+                Route("/login", bare.login, methods=["GET", "POST"]),
+                Route("/logout", bare.logout, methods=["POST"]),
+                Route("/healthz", bare.healthz),
+                Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+            ],
+            exception_handlers=self.handlers(bare),
+        )
+
+    @staticmethod
+    def handlers(d: _Dashboard) -> dict[Any, Callable[[Request, Exception], Awaitable[Response]]]:
+        return {HttpError: d.on_http_error, TxboxError: d.on_txbox_error, Exception: d.on_crash}
+
+    def tenants_page(self, request: Request) -> Response:
+        return self.bare.render(
+            request,
+            "tenants.html",
+            title="Tenants",
+            lobby=True,  # its menu: this list only (the other pages need a tenant)
+            tenants=list(self.registry),
+            keys=self.registry.keys(),
+            registry_source=self.registry.source,
+        )
+
+    def app_of(self, tenant: Tenant) -> Starlette:
+        app = self.apps.get(tenant.key)
+        if app is None:
+            bare = self.bare
+            sources = [
+                TenantSource(s.name, tenant.database_url, schema=tenant.schema, contracts_dir=s.contracts_dir)
+                for s in bare.sources
+            ]
+            d = _Dashboard(sources, bare.settings, auth=bare.auth, tenant=tenant.key)
+            app = self.apps[tenant.key] = Starlette(routes=d.routes(), exception_handlers=self.handlers(d))
+        return app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.lobby(scope, receive, send)
+            return
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        key = query.get("tenant", [None])[0]
+        path = scope.get("path", "")
+        if key is None or key == "":
+            if path == "/" or path in OPEN_PATHS or path.startswith("/static/"):
+                await self.lobby(scope, receive, send)
+                return
+            await self.refuse(
+                scope,
+                receive,
+                send,
+                400,
+                f"{self.registry.source} lists the tenants: name one with ?tenant=KEY "
+                f"(the list: /). Its tenants: {self.registry.listed()}",
+            )
+            return
+        tenant = self.registry.get(key)
+        if tenant is None:
+            await self.refuse(
+                scope,
+                receive,
+                send,
+                404,
+                f"no tenant {key[:80]!r} in {self.registry.source}. Its tenants: {self.registry.listed()}",
+            )
+            return
+        await self.app_of(tenant)(scope, receive, send)
+
+    async def refuse(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+        from starlette.concurrency import run_in_threadpool
+
+        request = Request(scope, receive)
+        response = await run_in_threadpool(lambda: self.bare.error_response(request, status, message))
+        await response(scope, receive, send)
+
+
+NO_REGISTRY = (
+    "?tenant= needs a tenant registry: start the dashboard with TXBOX_TENANTS_FILE (or --tenants-file) or "
+    "TXBOX_TENANTS_DATABASE_URL set. Example: TXBOX_TENANTS_FILE=tenants.toml"
+)
+
+
+class WithoutRegistry:
+    """The dashboard without a registry, as ever; a request naming a tenant is a 400 saying
+    how to configure one (rather than the default database's letters under a tenant's name)."""
+
+    def __init__(self, app: ASGIApp, dashboard: _Dashboard) -> None:
+        self.app = app
+        self.dashboard = dashboard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and "tenant" in parse_qs(
+            scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True
+        ):
+            from starlette.concurrency import run_in_threadpool
+
+            request = Request(scope, receive)
+            response = await run_in_threadpool(lambda: self.dashboard.error_response(request, 400, NO_REGISTRY))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
