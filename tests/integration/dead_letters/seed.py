@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from framework import dead_letters, names
+from framework import dead_letters, migrate, names
 from framework.envelope import Message
 from framework.reasons import Reason
 from framework.sql import dead_letters as dead_letters_sql
@@ -120,3 +121,20 @@ def rejected(conn: psycopg.Connection[Any], m: Message | None, *, raw: bytes | N
                 raw_body=raw,
             ),
         )
+
+
+GLOBEX = "tenant_globex"  # the second tenant's schema in two_tenants
+
+
+def two_tenants(conn: psycopg.Connection[Any], database_url: str, folder: Path) -> tuple[dict[str, list[int]], Path]:
+    """acme (schema txbox) and globex (schema :data:`GLOBEX`, migrated now) in the test
+    database, their dead letters by key; and the registry file listing them, in ``folder``."""
+    migrate.upgrade(database_url, GLOBEX)
+    acme = [
+        abandoned(conn, "inbox", envelope(customer="acme-1"), error="KeyError: 'acme'"),
+        abandoned(conn, "inbox", envelope(customer="acme-2"), error="KeyError: 'acme'"),
+    ]
+    globex = [abandoned(conn, "inbox", envelope(customer="globex-1"), error="ValueError: globex", schema=GLOBEX)]
+    path = folder / "tenants.toml"
+    path.write_text(f'[tenants.acme]\n\n[tenants.globex]\nschema = "{GLOBEX}"\n')
+    return {"acme": acme, "globex": globex}, path

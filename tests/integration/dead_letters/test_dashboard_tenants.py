@@ -14,7 +14,6 @@ from urllib.parse import unquote
 
 import pytest
 
-from framework import migrate
 from framework.dashboard.app import DashboardSettings, Source, create_app
 from framework.dashboard.server import serving
 from framework.settings import TenantSettings
@@ -23,29 +22,21 @@ from tests.conftest import CONTRACTS
 from tests.integration.dead_letters import seed
 from tests.integration.dead_letters.test_dashboard import TOKEN, _csrf, _login, http
 
-GLOBEX = "tenant_globex"
+GLOBEX = seed.GLOBEX
 SETTINGS = DashboardSettings(token=TOKEN, view_requires_token=False)
 
 
 @pytest.fixture
 def tenants(tmp_path: Path, database_url: str, conn: Any) -> dict[str, list[int]]:
     """acme (schema txbox) and globex (schema tenant_globex): their dead letters by key."""
-    migrate.upgrade(database_url, GLOBEX)
-    acme = [
-        seed.abandoned(conn, "inbox", seed.envelope(customer="acme-1"), error="KeyError: 'acme'"),
-        seed.abandoned(conn, "inbox", seed.envelope(customer="acme-2"), error="KeyError: 'acme'"),
-    ]
-    globex = [
-        seed.abandoned(conn, "inbox", seed.envelope(customer="globex-1"), error="ValueError: globex", schema=GLOBEX)
-    ]
-    return {"acme": acme, "globex": globex}
+    letters, _ = seed.two_tenants(conn, database_url, tmp_path)
+    return letters
 
 
 @pytest.fixture
 def base(tmp_path: Path, database_url: str, tenants: dict[str, list[int]]) -> Iterator[str]:
     """The dashboard of order-service over the registry file listing acme and globex."""
-    path = tmp_path / "tenants.toml"
-    path.write_text(f'[tenants.acme]\n\n[tenants.globex]\nschema = "{GLOBEX}"\n')
+    path = tmp_path / "tenants.toml"  # written by the tenants fixture (seed.two_tenants)
     registry = load_registry(
         TenantSettings(tenants_file=path), default_database_url=database_url, default_schema="txbox"
     )

@@ -11,13 +11,12 @@ from typing import Any
 
 import pytest
 
-from framework import migrate
 from framework.cli import main
 from tests import support
 from tests.conftest import CONTRACTS
 from tests.integration.dead_letters import seed
 
-GLOBEX = "tenant_globex"
+GLOBEX = seed.GLOBEX
 
 
 @pytest.fixture
@@ -35,18 +34,9 @@ def env(monkeypatch: pytest.MonkeyPatch, database_url: str) -> pytest.MonkeyPatc
 def tenants(tmp_path: Path, database_url: str, conn: Any, env: pytest.MonkeyPatch) -> dict[str, list[int]]:
     """acme (schema txbox) and globex (schema tenant_globex) in the test database, their
     dead letters by key; the registry file in TXBOX_TENANTS_FILE."""
-    migrate.upgrade(database_url, GLOBEX)
-    acme = [
-        seed.abandoned(conn, "inbox", seed.envelope(customer="acme-1"), error="KeyError: 'acme'"),
-        seed.abandoned(conn, "inbox", seed.envelope(customer="acme-2"), error="KeyError: 'acme'"),
-    ]
-    globex = [
-        seed.abandoned(conn, "inbox", seed.envelope(customer="globex-1"), error="ValueError: globex", schema=GLOBEX)
-    ]
-    path = tmp_path / "tenants.toml"
-    path.write_text(f'[tenants.acme]\n\n[tenants.globex]\nschema = "{GLOBEX}"\n')
+    letters, path = seed.two_tenants(conn, database_url, tmp_path)
     env.setenv("TXBOX_TENANTS_FILE", str(path))
-    return {"acme": acme, "globex": globex}
+    return letters
 
 
 def _json_lines(out: str) -> list[dict[str, Any]]:
