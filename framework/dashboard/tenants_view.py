@@ -23,7 +23,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from framework.dashboard.app import HERE, Source, _Dashboard
+from framework.dashboard.app import HERE, Source, _Dashboard, _in_thread
 from framework.errors import HttpError, TxboxError
 from framework.tenants.model import Registry, Tenant
 
@@ -94,14 +94,14 @@ class TenantRouter:
         if scope["type"] != "http":
             await self.lobby(scope, receive, send)
             return
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-        key = query.get("tenant", [None])[0]
+        key = tenant_param(scope)
         path = scope.get("path", "")
         if key is None or key == "":
             if path == "/" or path in OPEN_PATHS or path.startswith("/static/"):
                 await self.lobby(scope, receive, send)
                 return
-            await self.refuse(
+            await refuse(
+                self.bare,
                 scope,
                 receive,
                 send,
@@ -112,7 +112,8 @@ class TenantRouter:
             return
         tenant = self.registry.get(key)
         if tenant is None:
-            await self.refuse(
+            await refuse(
+                self.bare,
                 scope,
                 receive,
                 send,
@@ -122,12 +123,19 @@ class TenantRouter:
             return
         await self.app_of(tenant)(scope, receive, send)
 
-    async def refuse(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
-        from starlette.concurrency import run_in_threadpool
 
-        request = Request(scope, receive)
-        response = await run_in_threadpool(lambda: self.bare.error_response(request, status, message))
-        await response(scope, receive, send)
+def tenant_param(scope: Scope) -> str | None:
+    """The request's ``?tenant=`` (the first one; "" when given empty), or None."""
+    query_string: bytes = scope.get("query_string", b"")
+    values = parse_qs(query_string.decode("latin-1"), keep_blank_values=True).get("tenant")
+    return values[0] if values else None
+
+
+async def refuse(dashboard: _Dashboard, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+    """Answer with ``dashboard``'s error page (or JSON under /api/) instead of any app."""
+    request = Request(scope, receive)
+    response = await _in_thread(lambda: dashboard.error_response(request, status, message))
+    await response(scope, receive, send)
 
 
 NO_REGISTRY = (
@@ -145,13 +153,7 @@ class WithoutRegistry:
         self.dashboard = dashboard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and "tenant" in parse_qs(
-            scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True
-        ):
-            from starlette.concurrency import run_in_threadpool
-
-            request = Request(scope, receive)
-            response = await run_in_threadpool(lambda: self.dashboard.error_response(request, 400, NO_REGISTRY))
-            await response(scope, receive, send)
+        if scope["type"] == "http" and tenant_param(scope) is not None:
+            await refuse(self.dashboard, scope, receive, send, 400, NO_REGISTRY)
             return
         await self.app(scope, receive, send)

@@ -113,7 +113,7 @@ class Relay(Daemon):
         # Published rows older than TXBOX_OUTBOX_RETENTION go, in a thread of their own with
         # a connection of its own (docs/explanation/operations.md, "Retention").
         self.pruner = retention_.outbox_pruner(self, retention)
-        self.declare_topology = declare_topology
+        self._undeclared = declare_topology  # the topology is still to declare, on the next channel
         self.schema = self.settings.schema
         self._user = amqp.username(self.settings.amqp_url)  # our messages' user_id (lane headers)
         self._signer = SigningConfig.from_env().signer()  # a bad key fails here, at start
@@ -631,7 +631,7 @@ class Relay(Daemon):
             name=f"{self.settings.service} publisher",
             confirm_timeout=float(self.config.confirm_timeout),
             on_change=self._channel_changed,
-            prepare=self._declare_on if self.declare_topology else None,
+            prepare=self._declare_on if self._undeclared else None,
         )
         self._channel.open()
         return None
@@ -641,7 +641,7 @@ class Relay(Daemon):
             return
         if channel.is_open:
             self._broker_failures = 0
-            self.declare_topology = False  # declared (durable): the next channels need not
+            self._undeclared = False  # declared (durable): the next channels need not
             self.set_ready(RABBITMQ, True)
             self.state("running")
             self._hint = True

@@ -174,20 +174,13 @@ def test_a_tenants_letters_in_the_browser(database_url: str, processes: Processe
     links keep the tenant (docs/how-to/tenants.md, "The dashboard per tenant")."""
     from playwright.sync_api import expect, sync_playwright
 
-    from framework import migrate
     from tests.integration.dead_letters import seed
 
-    migrate.upgrade(database_url, "tenant_globex")
     conn = psycopg.connect(conninfo(database_url), autocommit=True, row_factory=dict_row)
     try:
-        seed.abandoned(conn, "inbox", seed.envelope(customer="acme-1"), error="KeyError: 'acme'")
-        seed.abandoned(
-            conn, "inbox", seed.envelope(customer="globex-1"), error="ValueError: globex", schema="tenant_globex"
-        )
+        _, registry = seed.two_tenants(conn, database_url, tmp_path)
     finally:
         conn.close()
-    registry = tmp_path / "tenants.toml"
-    registry.write_text('[tenants.acme]\n\n[tenants.globex]\nschema = "tenant_globex"\n')
     env = {**_env(database_url, "amqp://unused"), "TXBOX_TENANTS_FILE": str(registry)}
     env.pop("TXBOX_DASHBOARD_TOKEN")  # read-only on loopback: no login needed to look
     base = _serve_dashboard(processes, env)

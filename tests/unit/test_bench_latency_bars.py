@@ -19,6 +19,7 @@ def figures(**overrides: Any) -> dict[str, Any]:
         "raw_p99_ms": 4.0,
         "cpu_cores": 0.6,
         "raw_cpu_cores": 0.3,
+        "cpu_cores_by_component": {"run": 0.3, "postgres": 0.2},
         "deployment": "run",
     }
     return {**base, **overrides}
@@ -47,12 +48,16 @@ def test_cpu_over_its_bar_is_outside_the_bars() -> None:
 
 
 def test_medians_take_each_figure_run_by_run_and_keep_the_spread() -> None:
-    runs = [result(cpu_cores=c, p50_ms=p) for c, p in ((0.9, 5.0), (0.5, 8.0), (0.6, 6.0))]
+    runs = [
+        result(cpu_cores=c, p50_ms=p, cpu_cores_by_component={"run": c / 2, "postgres": 0.2})
+        for c, p in ((0.9, 5.0), (0.5, 8.0), (0.6, 6.0))
+    ]
     got = medians(runs).as_dict()
     assert got["runs"] == 3
     assert got["cpu_cores"] == 0.6 and got["cpu_ratio"] == 2.0
     assert got["p50_ms"] == 6.0 and got["p50_ratio"] == 2.4
     assert got["spread"]["cpu_ratio"] == [pytest.approx(1.67), 3.0]
     assert got["spread"]["p50_ms"] == [5.0, 8.0]
+    assert got["cpu_cores_by_component"] == {"run": 0.3, "postgres": 0.2}  # each part's own median
     assert got["deployment"] == "run"
     assert got["within_bars"] is True  # the medians are, though one run was not

@@ -138,3 +138,16 @@ def two_tenants(conn: psycopg.Connection[Any], database_url: str, folder: Path) 
     path = folder / "tenants.toml"
     path.write_text(f'[tenants.acme]\n\n[tenants.globex]\nschema = "{GLOBEX}"\n')
     return {"acme": acme, "globex": globex}, path
+
+
+def tenant_state(conn: psycopg.Connection[Any], schema: str) -> list[tuple[Any, ...]]:
+    """What a replay or discard would change in ``schema``: the letters and the inbox rows."""
+    letters = conn.execute(
+        sql.SQL("SELECT id, replay_count, replayed_at, discarded_at FROM {}.dead_letters ORDER BY id").format(
+            sql.Identifier(schema)
+        )
+    ).fetchall()
+    inbox = conn.execute(
+        sql.SQL("SELECT id, abandoned_at, started_attempts FROM {}.inbox ORDER BY id").format(sql.Identifier(schema))
+    ).fetchall()
+    return [tuple(r.values()) for r in letters + inbox]

@@ -47,15 +47,6 @@ def base(tmp_path: Path, database_url: str, tenants: dict[str, list[int]]) -> It
         yield url
 
 
-def _state(conn: Any, schema: str) -> list[tuple[Any, ...]]:
-    """What a replay or discard would change in ``schema``: the letters and the inbox rows."""
-    letters = conn.execute(
-        f"SELECT id, replay_count, replayed_at, discarded_at FROM {schema}.dead_letters ORDER BY id"
-    ).fetchall()
-    inbox = conn.execute(f"SELECT id, abandoned_at, started_attempts FROM {schema}.inbox ORDER BY id").fetchall()
-    return [tuple(r.values()) for r in letters + inbox]
-
-
 def _links(page: str) -> list[str]:
     """The page's own links (not its stylesheet), unquoted (the login's ``next`` too), and
     the target of each form that is not a GET filter form carrying the tenant in a field."""
@@ -133,14 +124,14 @@ def test_an_unknown_tenant_is_404_and_a_missing_one_400(base: str, tenants: dict
 
 def test_a_replay_on_one_tenant_leaves_the_other_unchanged(base: str, conn: Any, tenants: dict[str, list[int]]) -> None:
     (letter,) = tenants["globex"]
-    acme_before = _state(conn, "txbox")
-    globex_before = _state(conn, GLOBEX)
+    acme_before = seed.tenant_state(conn, "txbox")
+    globex_before = seed.tenant_state(conn, GLOBEX)
 
     # The form: the session and CSRF checks are the dashboard's own, with the tenant in the query.
     cookie = _login(base)
     path = f"/letters/order-service/{letter}/replay?tenant=globex"
     assert http(base + path, data={"csrf": "forged"}, headers=cookie)[0] == 403
-    assert _state(conn, GLOBEX) == globex_before
+    assert seed.tenant_state(conn, GLOBEX) == globex_before
     status, _, page = http(base + path, headers=cookie)
     assert status == 200 and f'action="/letters/order-service/{letter}/replay?tenant=globex"' in page
     assert [u for u in _links(page) if "tenant=globex" not in u] == ["/", "/"]  # Cancel keeps it too
@@ -148,13 +139,13 @@ def test_a_replay_on_one_tenant_leaves_the_other_unchanged(base: str, conn: Any,
     status, headers, _ = http(base + path, data={"csrf": csrf}, headers=cookie)
     assert status == 303 and headers["location"].startswith(f"/letters/order-service/{letter}?done=inbox-reset")
     assert headers["location"].endswith("&tenant=globex")
-    assert _state(conn, "txbox") == acme_before  # tenant acme: nothing changed
-    assert _state(conn, GLOBEX) != globex_before
+    assert seed.tenant_state(conn, "txbox") == acme_before  # tenant acme: nothing changed
+    assert seed.tenant_state(conn, GLOBEX) != globex_before
     replayed = conn.execute(f"SELECT replay_count FROM {GLOBEX}.dead_letters WHERE id = %s", (letter,)).fetchone()
     assert replayed["replay_count"] == 1
 
     # The JSON API: Bearer only, as ever; a discard on acme leaves globex as the replay left it.
-    globex_after = _state(conn, GLOBEX)
+    globex_after = seed.tenant_state(conn, GLOBEX)
     acme_id = tenants["acme"][0]
     assert http(base + f"/api/letters/order-service/{acme_id}/discard?tenant=acme", method="POST")[0] == 401
     bearer = {"Authorization": f"Bearer {TOKEN}"}
@@ -162,8 +153,8 @@ def test_a_replay_on_one_tenant_leaves_the_other_unchanged(base: str, conn: Any,
         base + f"/api/letters/order-service/{acme_id}/discard?tenant=acme", method="POST", headers=bearer
     )
     assert status == 200 and json.loads(body)["outcomes"][0]["action"] == "discarded"
-    assert _state(conn, GLOBEX) == globex_after
-    assert _state(conn, "txbox") != acme_before
+    assert seed.tenant_state(conn, GLOBEX) == globex_after
+    assert seed.tenant_state(conn, "txbox") != acme_before
 
 
 def test_without_a_registry_the_dashboard_is_as_before_and_tenant_is_400(database_url: str, conn: Any) -> None:

@@ -43,15 +43,6 @@ def _json_lines(out: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def _state(conn: Any, schema: str) -> list[tuple[Any, ...]]:
-    """What a replay or discard would change in ``schema``: the letters and the inbox rows."""
-    letters = conn.execute(
-        f"SELECT id, replay_count, replayed_at, discarded_at FROM {schema}.dead_letters ORDER BY id"
-    ).fetchall()
-    inbox = conn.execute(f"SELECT id, abandoned_at, started_attempts FROM {schema}.inbox ORDER BY id").fetchall()
-    return [tuple(r.values()) for r in letters + inbox]
-
-
 def test_one_tenant_is_listed_shown_and_replayed_alone(
     tenants: dict[str, list[int]], conn: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -74,20 +65,20 @@ def test_one_tenant_is_listed_shown_and_replayed_alone(
     assert main(["dlq", "show", str(letter), "--tenant", "globex", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tenant"] == "globex"
 
-    acme_before = _state(conn, "txbox")
-    globex_before = _state(conn, GLOBEX)
+    acme_before = seed.tenant_state(conn, "txbox")
+    globex_before = seed.tenant_state(conn, GLOBEX)
     assert main(["dlq", "replay", str(letter), "--tenant", "globex"]) == 0
     out = capsys.readouterr().out
     assert f"{letter}: inbox-reset" in out and "replayed: 1 of 1 of tenant globex" in out
-    assert _state(conn, "txbox") == acme_before  # tenant acme: nothing changed
-    assert _state(conn, GLOBEX) != globex_before
+    assert seed.tenant_state(conn, "txbox") == acme_before  # tenant acme: nothing changed
+    assert seed.tenant_state(conn, GLOBEX) != globex_before
     replayed = conn.execute(f"SELECT replay_count FROM {GLOBEX}.dead_letters WHERE id = %s", (letter,)).fetchone()
     assert replayed["replay_count"] == 1
 
     assert main(["dlq", "discard", str(tenants["acme"][0]), "--tenant", "acme", "--json"]) == 0
     [outcome] = _json_lines(capsys.readouterr().out)
     assert outcome["tenant"] == "acme" and outcome["ok"]
-    assert _state(conn, GLOBEX) != globex_before  # still only the replay's change
+    assert seed.tenant_state(conn, GLOBEX) != globex_before  # still only the replay's change
     assert (
         conn.execute(f"SELECT count(*) AS n FROM {GLOBEX}.dead_letters WHERE discarded_at IS NOT NULL").fetchone()["n"]
         == 0
@@ -145,13 +136,13 @@ def test_the_errors_say_what_to_give(
         err = capsys.readouterr().err
         assert expected in err and "Its tenants: acme, globex" in err
 
-    before = _state(conn, "txbox"), _state(conn, GLOBEX)
+    before = seed.tenant_state(conn, "txbox"), seed.tenant_state(conn, GLOBEX)
     for action in ("replay", "discard"):
         assert main(["dlq", action, "--all-tenants", "--reason", "max_attempts"]) == 2
         assert "one tenant at a time, never on all of them" in capsys.readouterr().err
     assert main(["dlq", "show", "1", "--all-tenants"]) == 2
     assert "--tenant KEY" in capsys.readouterr().err
-    assert (_state(conn, "txbox"), _state(conn, GLOBEX)) == before
+    assert (seed.tenant_state(conn, "txbox"), seed.tenant_state(conn, GLOBEX)) == before
 
     # --database-url names one database: read as it is, the registry aside.
     assert main(["dlq", "--database-url", database_url, "list", "--json"]) == 0

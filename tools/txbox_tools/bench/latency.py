@@ -311,16 +311,27 @@ def _within(cpu_ratio: float, p50_ratio: float, p99_ratio: float) -> bool:
     return cpu_ratio <= BAR_CPU_RATIO and max(p50_ratio, p99_ratio) <= BAR_LATENCY_RATIO
 
 
+def _numeric(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _median(values: list[float]) -> float:
+    return round(float(statistics.median(values)), 3)
+
+
 def medians(results: list[Result]) -> Result:
     """Several runs as one result: each numeric figure the median of the runs (the ratios
-    too, each taken run by run against that run's raw path), ``spread`` the lowest and
+    too, each taken run by run against that run's raw path; the parts of a figure by
+    component each the median of its own), ``spread`` the lowest and
     highest of the main ones (:data:`SPREAD`), ``within_bars`` whether the medians are."""
     runs = [r.as_dict() for r in results]
     first = results[0]
     extra: dict[str, Any] = {}
     for key, value in first.extra.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            extra[key] = round(statistics.median(r.extra[key] for r in results), 3)
+        if _numeric(value):
+            extra[key] = _median([r.extra[key] for r in results])
+        elif isinstance(value, dict) and all(_numeric(v) for v in value.values()):  # CPU by component, say
+            extra[key] = {k: _median([r.extra[key].get(k, 0) for r in results]) for k in value}
         else:
             extra[key] = value
     extra["within_bars"] = _within(extra["cpu_ratio"], extra["p50_ratio"], extra["p99_ratio"])
