@@ -274,6 +274,7 @@ ANALYTICS_COLUMNS: dict[str, list[tuple[str, Any]]] = {
         ("age_seconds", Double),
         ("count", Integer),
         ("detail", Text),
+        ("tenant", Text),  # migration 0012: added last, as ADD COLUMN puts it
     ],
     "analytics_latency": [
         ("service", Text),

@@ -38,7 +38,8 @@ Report tables (schema ``txbox``; migration 0005; every table has ``run_id text``
 ``analytics_runs`` (written last): readers should pick the latest run from there.
 
 ``analytics_runs`` — one row per run
-    run_id, run_at, finished_at, sources (comma-separated service ids that were judged),
+    run_id, run_at, finished_at, sources (comma-separated service ids that were judged,
+    ``service/tenant`` for each tenant of a service read per tenant),
     window_start (rows created before it were not read, except pending ones),
     grace_seconds, sla_seconds, outbox_rows, inbox_rows (rows read), lost, in_flight,
     stuck, abandoned, unexpected, redelivered (finding counts), notes (newline-separated:
@@ -51,19 +52,25 @@ Report tables (schema ``txbox``; migration 0005; every table has ``run_id text``
     ``abandoned`` (open dead letter: not replayed, discarded or resolved),
     ``unexpected`` (in an inbox, in no source's outbox), ``redelivered`` (row of
     txbox.redeliveries); service (where the row is, or for lost: the subscriber that
-    lacks it); publisher (lost/in_flight: the outbox's service; unexpected: the event's
-    owner from the contracts); message_type; message_id (uuid text; null for a dead
+    lacks it); tenant (migration 0012: the tenant of ``service`` the finding concerns —
+    for lost, the tenant the message was due at, else its publisher's; null for a service
+    read as one database); publisher (lost/in_flight: the outbox's service; unexpected:
+    the event's owner from the contracts, or for ``other_tenant`` the outbox's service);
+    message_type; message_id (uuid text; null for a dead
     letter without a valid id); state (lost: published; stuck: pending | leased |
     lease_expired | backoff; abandoned: dead-letter source broker | inbox | outbox;
     unexpected: processed | abandoned | pending; redelivered: stored | not_stored);
     reason (lost: not_in_subscriber_inbox; stuck: outbox_pending | inbox_pending;
     abandoned: the dead-letter reason; unexpected: unknown_message_type |
-    not_in_publisher_outbox | publisher_not_a_source | no_source_outbox_has_it);
+    not_in_publisher_outbox | publisher_not_a_source | no_source_outbox_has_it |
+    other_tenant, in the inbox of a tenant other than the one whose outbox has it);
     fingerprint (abandoned); since (lost: published at; stuck: created/received at;
     abandoned: died at; unexpected: received at; redelivered: first seen); age_seconds
     (run_at - since); count (stuck: started attempts; redelivered: redeliveries);
     detail (stuck: attempts and last error; abandoned: dead-letter id and error;
-    unexpected/redelivered: queue).
+    unexpected/redelivered: queue; other_tenant: the publishing tenant).
+
+The other tables aggregate per service, over every tenant read of it.
 
 ``analytics_latency`` — per service, publisher, message_type, stage
     stage: created_published | published_received | received_processed | end_to_end

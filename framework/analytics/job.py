@@ -70,7 +70,8 @@ class RunResult:
         for kind in rc.KINDS:
             lines.append(f"  {kind:<12} {self.counts.get(kind, 0)}")
             for s in self.samples.get(kind, []):
-                where = f"{s['publisher']} → {s['service']}" if s.get("publisher") else s["service"]
+                service = f"{s['service']}/{s['tenant']}" if s.get("tenant") else s["service"]
+                where = f"{s['publisher']} → {service}" if s.get("publisher") else service
                 extra = " ".join(str(s[k]) for k in ("state", "reason") if s.get(k))
                 lines.append(f"      {s['message_id'] or '-'}  {s['message_type'] or '?'}  {where}  {extra}")
             more = self.counts.get(kind, 0) - len(self.samples.get(kind, []))
@@ -110,7 +111,8 @@ def run_once(
     run_at = started
     since = started - timedelta(seconds=settings.window)
     run_id = f"{started:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
-    services = [s.service for s in sources]
+    services = list(dict.fromkeys(s.service for s in sources))
+    tenanted = {s.service for s in sources if s.tenant is not None}
     frames = load(spark, sources, settings, schema, since, archive)
     phases: dict[str, float] = {}
     mark = time.perf_counter()
@@ -125,7 +127,7 @@ def run_once(
     inbox_rows = frames.inbox.count()
     phase("read")
     judgement = rc.Judgement(as_of=started, since=since, grace_seconds=settings.grace, sla_seconds=settings.sla)
-    rec = rc.reconcile(spark, frames, registry, services, judgement)
+    rec = rc.reconcile(spark, frames, registry, services, judgement, tenanted)
     findings = rec.findings.persist()
     # Counts and the first ids of every kind in one pass: each Spark action is a job of its
     # own, scheduled and run across the executors (benchmarks/code-choices.md, "Spark: the
@@ -142,7 +144,7 @@ def run_once(
     samples: dict[str, list[dict[str, Any]]] = {}
     for r in sorted(head, key=lambda r: r["_rank"]):
         samples.setdefault(r["kind"], []).append({k: v for k, v in r.asDict().items() if not k.startswith("_")})
-    notes = [f"judged: {', '.join(services)} (only services whose database is a source can be judged)"]
+    notes = [f"judged: {judged(sources)} (only services whose database is a source can be judged)"]
     missing = sorted(set(registry.services) - set(services))
     if missing:
         notes.append(f"contract services that are not sources: {', '.join(missing)}")
@@ -170,7 +172,7 @@ def run_once(
             "run_id": run_id,
             "run_at": run_at,
             "finished_at": finished,
-            "sources": ",".join(services),
+            "sources": ",".join(s.name for s in sources),
             "window_start": since,
             "grace_seconds": float(settings.grace),
             "sla_seconds": float(settings.sla),
@@ -198,6 +200,18 @@ def run_once(
         seconds=(finished - started).total_seconds(),
         extra={"phases": phases},
     )
+
+
+def judged(sources: list[Source]) -> str:
+    """The services read, each with its tenants: ``order-service (tenants acme, globex), inventory-service``."""
+    tenants: dict[str, list[str]] = {}
+    for s in sources:
+        tenants.setdefault(s.service, []).extend([s.tenant] if s.tenant is not None else [])
+    shown = []
+    for service, keys in tenants.items():
+        listed = ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+        shown.append(f"{service} (tenants {listed})" if keys else service)
+    return ", ".join(shown)
 
 
 def main() -> int:

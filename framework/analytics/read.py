@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from framework import names
 from framework.analytics.locations import Storage, join
 from framework.analytics.settings import AnalyzeSettings
-from framework.analytics.sources import Source
+from framework.analytics.sources import Source, check_history
 from framework.db import connect, database_errors
 
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ STATEMENT_TIMEOUT = "10min"
 
 @dataclass
 class Frames:
-    """The rows of every source, each with a ``service`` column naming the database."""
+    """The rows of every source, each with a ``service`` column naming the service and a
+    ``tenant`` column naming its tenant (null for a service without tenants)."""
 
     outbox: DataFrame
     inbox: DataFrame
@@ -111,10 +112,14 @@ class Reader:
             )
         )
 
+    def _table(self, source: Source, table: str) -> str:
+        """``table`` of ``source``'s schema, qualified: a tenant's own, else the job's."""
+        return names.qualified(source.schema or self.schema, table)
+
     def _cuts(self, source: Source, table: str, where: str) -> list[datetime]:
         """The ``created_at`` values that split the rows of ``where`` into equal partitions."""
-        qualified = names.qualified(self.schema, table)
-        with database_errors(f"cannot read {source.service}"), connect(source.url, autocommit=True) as conn:
+        qualified = self._table(source, table)
+        with database_errors(f"cannot read {source.name}"), connect(source.url, autocommit=True) as conn:
             row = conn.execute(f"SELECT count(*) FROM {qualified} WHERE {where}").fetchone()
             parts = partition_count(int(row[0]) if row else 0, self.settings)
             if parts == 1:
@@ -133,7 +138,7 @@ class Reader:
 
     def partitioned(self, source: Source, table: str, columns: str, where: str) -> DataFrame:
         """``SELECT columns FROM table WHERE where``, read in partitions cut at quantiles of ``created_at``."""
-        query = f"SELECT {columns} FROM {names.qualified(self.schema, table)} WHERE {where}"
+        query = f"SELECT {columns} FROM {self._table(source, table)} WHERE {where}"
         reader = self._jdbc(source, query)
         cuts = self._cuts(source, table, where)
         if not cuts:
@@ -146,30 +151,24 @@ class Reader:
 
     def messages(self, source: Source, table: str, since: datetime) -> DataFrame:
         """The outbox or inbox of ``source``: rows of the window plus every pending row."""
-        from pyspark.sql import functions as F
-
         columns = OUTBOX_COLUMNS if table == names.OUTBOX else INBOX_COLUMNS
         where = f"created_at >= {_ts(since)} OR {PENDING}"
-        return self.partitioned(source, table, columns, where).withColumn("service", F.lit(source.service))
+        return whose(self.partitioned(source, table, columns, where), source)
 
     def dead_letters(self, source: Source, since: datetime) -> DataFrame:
-        from pyspark.sql import functions as F
-
         open_ = "replayed_at IS NULL AND discarded_at IS NULL AND resolved_at IS NULL"
         query = (
-            f"SELECT {DEAD_LETTER_COLUMNS} FROM {names.qualified(self.schema, names.DEAD_LETTERS)} "
+            f"SELECT {DEAD_LETTER_COLUMNS} FROM {self._table(source, names.DEAD_LETTERS)} "
             f"WHERE died_at >= {_ts(since)} OR ({open_})"
         )
-        return self._jdbc(source, query).load().withColumn("service", F.lit(source.service))
+        return whose(self._jdbc(source, query).load(), source)
 
     def redeliveries(self, source: Source, since: datetime) -> DataFrame:
-        from pyspark.sql import functions as F
-
         query = (
-            f"SELECT {REDELIVERY_COLUMNS} FROM {names.qualified(self.schema, names.REDELIVERIES)} "
+            f"SELECT {REDELIVERY_COLUMNS} FROM {self._table(source, names.REDELIVERIES)} "
             f"WHERE last_seen >= {_ts(since)}"
         )
-        return self._jdbc(source, query).load().withColumn("service", F.lit(source.service))
+        return whose(self._jdbc(source, query).load(), source)
 
     def history(self, storage: Storage, source: Source, table: str, like: DataFrame) -> DataFrame | None:
         """Archived rows of ``source`` (written by `txbox archive`), shaped like ``like``."""
@@ -180,8 +179,19 @@ class Reader:
             return None
         path = join(storage.uri, relative)
         archived = self.spark.read.option("basePath", path).parquet(path)
-        columns = [F.col(f.name).cast(f.dataType).alias(f.name) for f in like.schema.fields if f.name != "service"]
-        return archived.select(*columns).withColumn("service", F.lit(source.service))
+        columns = [F.col(f.name).cast(f.dataType).alias(f.name) for f in like.schema.fields if f.name not in SOURCE]
+        return whose(archived.select(*columns), source)
+
+
+SOURCE = ("service", "tenant")
+"""The columns :func:`whose` adds: every frame says which source each row came from."""
+
+
+def whose(df: DataFrame, source: Source) -> DataFrame:
+    """``df`` with the :data:`SOURCE` columns of ``source``."""
+    from pyspark.sql import functions as F
+
+    return df.withColumn("service", F.lit(source.service)).withColumn("tenant", F.lit(source.tenant).cast("string"))
 
 
 def load(
@@ -194,6 +204,8 @@ def load(
 ) -> Frames:
     from pyspark import StorageLevel
 
+    if history is not None:
+        check_history(sources)
     reader = Reader(spark, settings, schema)
 
     def union(frames: list[DataFrame]) -> DataFrame:
@@ -210,7 +222,7 @@ def load(
             kept = [a for a in archived if a is not None]
             if kept:
                 # An interrupted archive may leave a row both archived and not yet deleted.
-                parts = [union(parts + kept).dropDuplicates(["service", "id"])]
+                parts = [union(parts + kept).dropDuplicates([*SOURCE, "id"])]
         # Hash-partitioned by id once: the joins on id that follow (lost, unexpected,
         # published → received) then need no further shuffle of the big tables.
         tables[table] = (

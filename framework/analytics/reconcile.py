@@ -7,10 +7,17 @@ counted as "not judged" in the run's notes, never reported as lost.
 
 Every finding is one row per message id, so a person can act on it
 (``txbox dlq show <id>``, or look the row up in the outbox/inbox).
+
+Tenants (docs/how-to/tenants.md, "Analyze every tenant"): a message a tenant of one service
+published is due at the same tenant of each subscriber that is read per tenant (at any
+tenant when its publisher has none, at the one database of a subscriber without tenants);
+one found in another tenant's inbox is ``unexpected``, reason ``other_tenant``, besides
+``lost`` where it was due. A finding's ``tenant`` is the tenant it concerns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -33,6 +40,7 @@ KINDS = (LOST, IN_FLIGHT, STUCK, ABANDONED, UNEXPECTED, REDELIVERED)
 FINDING_COLUMNS = (
     ("kind", "string"),
     ("service", "string"),
+    ("tenant", "string"),
     ("publisher", "string"),
     ("message_type", "string"),
     ("message_id", "string"),
@@ -91,19 +99,33 @@ def contract_frames(spark: SparkSession, registry: Registry) -> tuple[DataFrame,
 
 
 def reconcile(
-    spark: SparkSession, frames: Frames, registry: Registry, services: list[str], judgement: Judgement
+    spark: SparkSession,
+    frames: Frames,
+    registry: Registry,
+    services: list[str],
+    judgement: Judgement,
+    tenanted: Collection[str] = (),
 ) -> Reconciliation:
+    """The findings of ``frames``; ``services`` are those read, ``tenanted`` those of them
+    read per tenant."""
     from pyspark.sql import functions as F
 
     as_of = judgement.as_of
     expected, types = contract_frames(spark, registry)
     notes: list[str] = []
 
-    # --- lost / in flight: published by A, in neither the inbox nor the dead letters of B.
+    # --- lost / in flight: published by A, in neither the inbox nor the dead letters of B
+    # (of B's tenant that is A's, where B is read per tenant).
     published = frames.outbox.where(F.col("processed_at").isNotNull()).select(
-        F.col("service").alias("publisher"), "id", "message_type", "processed_at"
+        F.col("service").alias("publisher"),
+        F.col("tenant").alias("publisher_tenant"),
+        "id",
+        "message_type",
+        "processed_at",
     )
-    due = published.join(F.broadcast(expected), "message_type")
+    due = published.join(F.broadcast(expected), "message_type").withColumn(
+        "due_tenant", F.when(F.col("subscriber").isin(list(tenanted)), F.col("publisher_tenant"))
+    )
     judged = due.where(F.col("subscriber").isin(services))
     # Why some published messages cannot be judged, in one Spark action.
     unjudged = (
@@ -129,13 +151,18 @@ def reconcile(
                 f"not judged: {row['n']} message(s) of type {row['message_type']} from {row['publisher']}: "
                 "no contract declares the type"
             )
-    received = frames.inbox.select(F.col("service").alias("subscriber"), "id")
-    rejected = frames.dead_letters.where(F.col("message_id").isNotNull()).select(
-        F.col("service").alias("subscriber"), F.col("message_id").alias("id")
+    arrived = frames.inbox.select(F.col("service").alias("at"), F.col("tenant").alias("at_tenant"), "id").unionByName(
+        frames.dead_letters.where(F.col("message_id").isNotNull()).select(
+            F.col("service").alias("at"), F.col("tenant").alias("at_tenant"), F.col("message_id").alias("id")
+        )
     )
-    missing = judged.join(received, ["subscriber", "id"], "left_anti").join(
-        F.broadcast(rejected), ["subscriber", "id"], "left_anti"
+    # Where it was due: the subscriber, and the tenant if one is due (else any of its).
+    where_due = (
+        (judged["id"] == arrived["id"])
+        & (judged["subscriber"] == arrived["at"])
+        & (judged["due_tenant"].isNull() | (judged["due_tenant"] == arrived["at_tenant"]))
     )
+    missing = judged.join(arrived, where_due, "left_anti")
     deadline = F.lit(as_of).cast("double") - F.lit(judgement.grace_seconds)
     late = F.col("processed_at").cast("double") >= deadline
     # One pass for both: the anti-joins above are the expensive part.
@@ -144,6 +171,7 @@ def reconcile(
         as_of,
         kind=F.when(late, IN_FLIGHT).otherwise(LOST),
         service=F.col("subscriber"),
+        tenant=F.coalesce(F.col("due_tenant"), F.col("publisher_tenant")),
         publisher=F.col("publisher"),
         message_type=F.col("message_type"),
         message_id=F.col("id"),
@@ -164,12 +192,12 @@ def reconcile(
         .otherwise("pending")
     )
     waiting = frames.outbox.select(
-        "service", "id", "message_type", "last_error", state.alias("state"),
+        "service", "tenant", "id", "message_type", "last_error", state.alias("state"),
         F.lit("outbox").alias("side"), F.col("created_at").alias("waiting_since"), pending.alias("pending"),
         "started_attempts", "finished_attempts",
     ).unionByName(
         frames.inbox.select(
-            "service", "id", "message_type", "last_error", state.alias("state"),
+            "service", "tenant", "id", "message_type", "last_error", state.alias("state"),
             F.lit("inbox").alias("side"), F.col("received_at").alias("waiting_since"), pending.alias("pending"),
             "started_attempts", "finished_attempts",
         )
@@ -180,6 +208,7 @@ def reconcile(
         as_of,
         kind=F.lit(STUCK),
         service=F.col("service"),
+        tenant=F.col("tenant"),
         message_type=F.col("message_type"),
         message_id=F.col("id"),
         state=F.col("state"),
@@ -201,6 +230,7 @@ def reconcile(
         as_of,
         kind=F.lit(ABANDONED),
         service=F.col("service"),
+        tenant=F.col("tenant"),
         message_type=F.col("message_type"),
         message_id=F.col("message_id"),
         state=F.col("source"),
@@ -230,6 +260,7 @@ def reconcile(
         as_of,
         kind=F.lit(UNEXPECTED),
         service=F.col("service"),
+        tenant=F.col("tenant"),
         publisher=F.when(F.col("contract_kind") == "event", F.col("owner")),
         message_type=F.col("message_type"),
         message_id=F.col("id"),
@@ -241,13 +272,45 @@ def reconcile(
         detail=F.col("queue"),
     )
 
+    # --- another tenant's message: in the inbox of a tenant, in the outbox of another.
+    outboxes = frames.outbox.where(F.col("tenant").isNotNull()).select(
+        "id", F.col("service").alias("publisher"), F.col("tenant").alias("publisher_tenant")
+    )
+    crossed = frames.inbox.where(F.col("tenant").isNotNull()).join(outboxes, "id")
+    other_tenant = _finding(
+        crossed.where(F.col("tenant") != F.col("publisher_tenant")),
+        as_of,
+        kind=F.lit(UNEXPECTED),
+        service=F.col("service"),
+        tenant=F.col("tenant"),
+        publisher=F.col("publisher"),
+        message_type=F.col("message_type"),
+        message_id=F.col("id"),
+        state=F.when(F.col("processed_at").isNotNull(), "processed")
+        .when(F.col("abandoned_at").isNotNull(), "abandoned")
+        .otherwise("pending"),
+        reason=F.lit("other_tenant"),
+        since=F.col("received_at"),
+        detail=F.concat(F.lit("published by tenant "), F.col("publisher_tenant"), F.lit(" of "), F.col("publisher")),
+    )
+
     # --- redelivery hot spots: the receiver's PostgreSQL redelivery counter.
-    stored = frames.inbox.select("service", F.col("id").alias("message_id"), "message_type")
+    stored = frames.inbox.select(
+        F.col("service").alias("s"), F.col("tenant").alias("t"), F.col("id").alias("m"), "message_type"
+    )
+    counted = frames.redeliveries
     redelivered = _finding(
-        frames.redeliveries.join(stored, ["service", "message_id"], "left"),
+        counted.join(
+            stored,
+            (counted["service"] == stored["s"])
+            & counted["tenant"].eqNullSafe(stored["t"])
+            & (counted["message_id"] == stored["m"]),
+            "left",
+        ),
         as_of,
         kind=F.lit(REDELIVERED),
         service=F.col("service"),
+        tenant=F.col("tenant"),
         message_type=F.col("message_type"),
         message_id=F.col("message_id"),
         state=F.when(F.col("message_type").isNotNull(), "stored").otherwise("not_stored"),
@@ -258,6 +321,6 @@ def reconcile(
     )
 
     findings = lost
-    for part in (stuck, abandoned, unexpected, redelivered):
+    for part in (stuck, abandoned, unexpected, other_tenant, redelivered):
         findings = findings.unionByName(part)
     return Reconciliation(findings=findings, notes=notes)

@@ -1,7 +1,9 @@
 """`txbox analyze`: the Spark reconciliation and analytics job.
 
-Sources: ``--source service=url`` (repeatable), ``--sources-file FILE``, else the
-service of ``TXBOX_SERVICE`` / ``TXBOX_DATABASE_URL``. Everything is validated before
+Sources: ``--source service=url`` (repeatable), ``--sources-file FILE`` (which may name a
+service's tenant registry), else the service of ``TXBOX_SERVICE`` / ``TXBOX_DATABASE_URL``
+or, with a tenant registry (``TXBOX_TENANTS_*``, ``--tenants-file``), each of its tenants
+(docs/how-to/tenants.md, "Analyze every tenant"). Everything is validated before
 the JVM starts, so a typo fails without waiting for it (benchmarks/code-choices.md,
 "Spark: the JVM's start and an action").
 """
@@ -22,8 +24,16 @@ from typing import TYPE_CHECKING
 from framework.analytics.locations import location
 from framework.analytics.session import parse_master, spark_conf
 from framework.analytics.settings import AnalyzeSettings
-from framework.analytics.sources import Source, check_unique, load_sources_file, parse_source, warn_if_loopback
-from framework.cli.common import add_spark_options
+from framework.analytics.sources import (
+    Source,
+    check_history,
+    check_unique,
+    load_sources_file,
+    parse_source,
+    tenant_sources,
+    warn_if_loopback,
+)
+from framework.cli.common import add_spark_options, add_tenant_options, tenant_settings
 from framework.errors import ConfigurationError
 from framework.settings import load, parse_duration
 
@@ -42,12 +52,18 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         metavar="SERVICE=URL",
         help="a service's database (repeatable); default TXBOX_SERVICE=TXBOX_DATABASE_URL",
     )
-    src.add_argument("--sources-file", type=Path, help="YAML: `sources: {service: url}` and optional `report: url`")
+    src.add_argument(
+        "--sources-file",
+        type=Path,
+        help="YAML: `sources: {service: url}` (or, for a service with tenants, `{tenants_file: path}`) and "
+        "optional `report: url`",
+    )
     src.add_argument("--contracts-dir", type=Path, help="contracts folder (TXBOX_CONTRACTS_DIR, default contracts)")
     src.add_argument("--schema", help="schema of the framework's tables (TXBOX_SCHEMA, default txbox)")
     src.add_argument(
         "--history", metavar="URI", help="also read rows archived by `txbox archive --to DIR` (a URI or a path)"
     )
+    add_tenant_options(parser, pick=False)
     job = parser.add_argument_group("job")
     add_spark_options(job)
     job.add_argument("--window", help="analyze rows created within this window, e.g. 24h (TXBOX_ANALYZE_WINDOW, 7d)")
@@ -66,14 +82,40 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def sources_of(args: argparse.Namespace) -> tuple[list[Source], str | None]:
+    """The sources and the sources file's report URL: ``--source`` and ``--sources-file``;
+    TXBOX_SERVICE's tenants when ``--tenants-file`` is given, or when neither is and the
+    environment configures a registry; else TXBOX_SERVICE at TXBOX_DATABASE_URL."""
     sources = [parse_source(s) for s in args.source]
     report: str | None = None
     if args.sources_file:
         more, report = load_sources_file(args.sources_file)
         sources += more
+    if args.tenants_file is not None or not sources:
+        sources += _tenants_of_the_service(args)
     if not sources and os.environ.get("TXBOX_SERVICE") and os.environ.get("TXBOX_DATABASE_URL"):
         sources = [Source(os.environ["TXBOX_SERVICE"], os.environ["TXBOX_DATABASE_URL"])]
     return check_unique(sources), report
+
+
+def _tenants_of_the_service(args: argparse.Namespace) -> list[Source]:
+    """A source per tenant of TXBOX_SERVICE's registry; none without a registry."""
+    from framework import names
+    from framework.tenants import load_registry
+
+    settings = tenant_settings(args)
+    if not settings.configured:
+        return []
+    service = os.environ.get("TXBOX_SERVICE", "")
+    if not names.valid_service_id(service):
+        raise ConfigurationError(
+            "a tenant registry is configured: set TXBOX_SERVICE to the service whose tenants it lists "
+            f"(now {service[:80]!r}). Example: TXBOX_SERVICE=order-service"
+        )
+    registry = load_registry(
+        settings, default_database_url=os.environ.get("TXBOX_DATABASE_URL") or None, default_schema=_schema(args)
+    )
+    assert registry is not None  # configured (above)
+    return tenant_sources(service, registry)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         check_report_database(report_url, schema)
     parquet = location(args.parquet, "--parquet") if args.parquet else None
     history = location(args.history, "--history") if args.history else None
+    if history is not None:
+        check_history(sources)
     conf = dict(spark_conf(c) for c in args.conf)
     master = parse_master(settings.master) if settings.master else None
     if master is not None and not master.on_loopback:

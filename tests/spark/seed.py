@@ -23,10 +23,11 @@ def at(base: datetime, seconds: float) -> datetime:
 
 
 class Seeder:
-    def __init__(self, url: str, registry: Registry, service: str) -> None:
+    def __init__(self, url: str, registry: Registry, service: str, schema: str = "txbox") -> None:
         self.conn = psycopg.connect(conninfo(url), autocommit=True)
         self.registry = registry
         self.service = service
+        self.schema = schema
 
     def close(self) -> None:
         self.conn.close()
@@ -55,7 +56,7 @@ class Seeder:
     def _insert(self, table: str, row: dict[str, Any]) -> None:
         cols = ", ".join(row)
         marks = ", ".join(f"%({c})s" for c in row)
-        self.conn.execute(f"INSERT INTO txbox.{table} ({cols}) VALUES ({marks})", row)
+        self.conn.execute(f"INSERT INTO {self.schema}.{table} ({cols}) VALUES ({marks})", row)
 
     def outbox(self, message_type: str, created_at: datetime, mid: uuid.UUID | None = None, **kw: Any) -> uuid.UUID:
         mid = mid or uuid.uuid4()
