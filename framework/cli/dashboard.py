@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from framework import names
-from framework.cli.common import add_service_options, add_tenant_options, load_service, load_tenants, tenant_settings
+from framework.cli.common import add_service_options, add_tenant_options, load_service, tenant_defaults, tenant_settings
 from framework.errors import ConfigurationError
 from framework.settings import load
 
 if TYPE_CHECKING:
     from framework.dashboard.app import DashboardSettings, Source
-    from framework.tenants import Registry
+    from framework.tenants.follow import RegistryFollower
 
 log = logging.getLogger("txbox.dashboard")
 
@@ -71,10 +71,13 @@ def sources_of(args: argparse.Namespace) -> list[Source]:
     return out
 
 
-def tenanted(args: argparse.Namespace) -> tuple[list[Source], Registry] | None:
+def tenanted(args: argparse.Namespace) -> tuple[list[Source], RegistryFollower] | None:
     """With a tenant registry: the service (its name and contracts; each tenant names its
-    database and schema) and the registry, read once at start. None without one."""
+    database and schema) and the registry's follower, started (its first snapshot read:
+    one that does not load fails here). None without a registry."""
     from framework.dashboard.app import Source
+    from framework.tenants import RegistryWatcher, open_source
+    from framework.tenants.follow import RegistryFollower
 
     settings = tenant_settings(args)
     if not settings.configured:
@@ -84,10 +87,14 @@ def tenanted(args: argparse.Namespace) -> tuple[list[Source], Registry] | None:
             "--source names one database per service; with a tenant registry each tenant names its own: "
             "drop --source, or unset TXBOX_TENANTS_FILE and TXBOX_TENANTS_DATABASE_URL"
         )
-    registry = load_tenants(args, settings)
+    url, schema = tenant_defaults(args)
+    source = open_source(settings, default_database_url=url, default_schema=schema)
+    assert source is not None  # configured (above)
+    follower = RegistryFollower(RegistryWatcher(source, interval=float(settings.tenants_poll_interval)))
+    follower.start()
     service = load_service(args, database=False).settings
     # No database of its own: every page that reads one names a tenant.
-    return [Source(service.service, "", schema=service.schema, contracts_dir=service.contracts_dir)], registry
+    return [Source(service.service, "", schema=service.schema, contracts_dir=service.contracts_dir)], follower
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
             header_timeout=float(settings.header_timeout),
         )
     ).run()
+    if with_tenants is not None:
+        with_tenants[1].stop()
     return 0
 
 

@@ -55,6 +55,7 @@ from framework.settings import Seconds, setting
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import heartbeats as heartbeats_sql
 from framework.sql import reports as reports_sql
+from framework.tenants.follow import RegistryFollower
 from framework.tenants.model import Registry as TenantRegistry
 
 HERE = Path(__file__).parent
@@ -222,10 +223,14 @@ def _time(value: datetime | None) -> str:
 
 
 def create_app(
-    sources: Sequence[Source], settings: DashboardSettings | None = None, *, tenants: TenantRegistry | None = None
+    sources: Sequence[Source],
+    settings: DashboardSettings | None = None,
+    *,
+    tenants: TenantRegistry | RegistryFollower | None = None,
 ) -> Starlette:
     """The dashboard over ``sources``; with ``tenants``, over each tenant's database and
-    schema instead, the tenant chosen by ``?tenant=KEY`` (framework/dashboard/tenants_view.py)."""
+    schema instead, the tenant chosen by ``?tenant=KEY`` (framework/dashboard/tenants_view.py):
+    a registry as it is, or a follower's snapshot in force at each request."""
     if not sources:
         raise ConfigurationError("the dashboard needs at least one source (TXBOX_* environment or --source name=url)")
     settings = settings or DashboardSettings()

@@ -7,6 +7,11 @@ framework/dashboard/security.py) sit in front of every one of them unchanged. Wi
 ``?tenant=``, ``/`` lists the tenants and the login, logout, health and static paths are
 served as ever; any other path is a 400 asking for a tenant. An unknown key is a 404
 naming the known ones (docs/how-to/tenants.md, "The dashboard per tenant").
+
+Given a :class:`~framework.tenants.follow.RegistryFollower`, each request reads the
+snapshot in force: a tenant added is served from the next request on, one removed is a
+404, and a changed one (another database or schema) gets a dashboard anew. The tenants'
+dashboards are the event loop's: only its thread builds and drops them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from framework.dashboard.app import HERE, Source, _Dashboard, _in_thread
 from framework.errors import HttpError, TxboxError
+from framework.tenants.follow import RegistryFollower
 from framework.tenants.model import Registry, Tenant
 
 if TYPE_CHECKING:
@@ -48,10 +54,11 @@ class TenantSource(Source):
 class TenantRouter:
     """The ASGI app behind the guards: one dashboard per tenant, chosen by ``?tenant=``."""
 
-    def __init__(self, bare: _Dashboard, registry: Registry) -> None:
+    def __init__(self, bare: _Dashboard, tenants: Registry | RegistryFollower) -> None:
         self.bare = bare  # the app's own: its auth, its settings, its service and contracts
-        self.registry = registry
-        self.apps: dict[str, Starlette] = {}  # at most one per tenant of the registry
+        self._follower = tenants if isinstance(tenants, RegistryFollower) else None
+        self.registry = tenants.registry if isinstance(tenants, RegistryFollower) else tenants
+        self.apps: dict[str, tuple[Tenant, Starlette]] = {}  # at most one per tenant of the registry
         self.lobby = Starlette(
             routes=[
                 Route("/", self.tenants_page),
@@ -79,18 +86,32 @@ class TenantRouter:
         )
 
     def app_of(self, tenant: Tenant) -> Starlette:
-        app = self.apps.get(tenant.key)
-        if app is None:
+        """The dashboard of ``tenant``, made on its first request and kept while the tenant
+        is listed as it is (a tenant that changed gets a new one)."""
+        made = self.apps.get(tenant.key)
+        if made is None or made[0] != tenant:
             bare = self.bare
             sources = [
                 TenantSource(s.name, tenant.database_url, schema=tenant.schema, contracts_dir=s.contracts_dir)
                 for s in bare.sources
             ]
             d = _Dashboard(sources, bare.settings, auth=bare.auth, tenant=tenant.key)
-            app = self.apps[tenant.key] = Starlette(routes=d.routes(), exception_handlers=self.handlers(d))
-        return app
+            made = self.apps[tenant.key] = (tenant, Starlette(routes=d.routes(), exception_handlers=self.handlers(d)))
+        return made[1]
+
+    def _follow(self) -> None:
+        """Take up the follower's snapshot when it is newer: drop the dashboards of tenants
+        it no longer lists (their engines open a connection per request: nothing to close)."""
+        if self._follower is None:
+            return
+        latest = self._follower.registry
+        if latest is not self.registry:
+            self.registry = latest
+            for key in [k for k in self.apps if k not in latest]:
+                del self.apps[key]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._follow()
         if scope["type"] != "http":
             await self.lobby(scope, receive, send)
             return

@@ -106,7 +106,10 @@ def test_with_a_registry_the_service_has_no_database_and_no_source(
     monkeypatch.setenv("TXBOX_SERVICE", "order-service")
     found = cli.tenanted(_args())
     assert found is not None
-    [source], registry = found
-    assert source.name == "order-service" and registry.keys() == ("acme",)
+    [source], follower = found
+    try:
+        assert source.name == "order-service" and follower.registry.keys() == ("acme",)
+    finally:
+        follower.stop()
     with pytest.raises(ConfigurationError, match="drop --source"):
         cli.tenanted(_args("--source", "order-service=postgresql://postgres@127.0.0.1/orders"))

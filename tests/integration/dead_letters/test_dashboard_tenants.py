@@ -167,3 +167,51 @@ def test_without_a_registry_the_dashboard_is_as_before_and_tenant_is_400(databas
         for path in ("/letters?tenant=acme", f"/letters/order-service/{lid}?tenant=", "/api/letters?tenant=acme"):
             status, _, body = http(base + path)
             assert status == 400 and "TXBOX_TENANTS_FILE" in body, path
+
+
+def test_tenants_added_removed_and_changed_are_followed_without_a_restart(
+    tmp_path: Path, database_url: str, tenants: dict[str, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The registry file edited while the dashboard runs (each edit an atomic rename, as an
+    editor saves): a tenant added is served, one removed is a 404, one moved to another
+    schema is read from there; the follower's thread is the only one that reads the file."""
+    from framework.tenants import FileSource, RegistryWatcher
+    from framework.tenants.follow import RegistryFollower
+    from tests.support import wait_until
+
+    path = tmp_path / "followed.toml"
+
+    def save(text: str) -> None:
+        (tmp_path / "followed.tmp").write_text(text)
+        (tmp_path / "followed.tmp").replace(path)
+
+    save("[tenants.acme]\n")
+    source = FileSource(path, default_database_url=database_url, default_schema="txbox")
+    follower = RegistryFollower(RegistryWatcher(source, interval=0.05))
+    follower.start()
+    service = Source("order-service", "", schema="txbox", contracts_dir=CONTRACTS)
+    try:
+        with serving(create_app([service], SETTINGS, tenants=follower)) as url:
+            assert http(url + "/letters?tenant=globex")[0] == 404
+            assert http(url + "/letters?tenant=acme")[0] == 200  # acme's dashboard is made now
+
+            save(f'[tenants.acme]\n\n[tenants.globex]\nschema = "{GLOBEX}"\n')
+            wait_until(lambda: "globex" in http(url + "/")[2], message="globex listed")
+            status, _, page = http(url + "/letters?tenant=globex")
+            assert status == 200 and "ValueError: globex" in page
+
+            # acme moves to globex's schema (globex leaves it): acme's page now reads there.
+            save(f'[tenants.acme]\nschema = "{GLOBEX}"\n')
+            wait_until(lambda: http(url + "/letters?tenant=globex")[0] == 404, message="globex removed")
+            status, _, page = http(url + "/letters?tenant=acme")
+            assert status == 200 and "ValueError: globex" in page and "KeyError" not in page
+
+            save("this is not TOML [")  # a half-saved file: the last good snapshot stays in force
+            wait_until(
+                lambda: any(r.name == "txbox.tenants" and r.levelname == "WARNING" for r in caplog.records),
+                message="the bad version reported",
+            )
+            status, _, page = http(url + "/letters?tenant=acme")
+            assert status == 200 and "ValueError: globex" in page
+    finally:
+        follower.stop()
