@@ -48,6 +48,11 @@ METADATA_TRACE = "trace"
 # UTC time in this header, which Mosaic's libraries ignore; in the outbox and inbox rows'
 # ``metadata`` seconds since the Unix epoch under this key.
 HEADER_EXPIRES_AT = "x-txbox-expires-at"
+# The registry key of the tenant whose outbox a message left, put on by a relay serving
+# tenants; a receiver serving tenants stores the message in that tenant's inbox
+# (docs/how-to/tenants.md, "One set of daemons for every tenant").
+HEADER_TENANT = "x-txbox-tenant"
+MAX_ROUTING_KEY_CHARS = 255  # AMQP's shortstr
 METADATA_EXPIRES_AT = "expires_at"
 # Control headers only our own daemons may set: a receiver honours them from trusted broker
 # users only (docs/explanation/receive.md, "Receiver intake").
@@ -59,6 +64,7 @@ CONTROL_HEADERS = (
     HEADER_FINAL_ATTEMPT,
     HEADER_DEAD_REASON,
     HEADER_DEAD_ERROR,
+    HEADER_TENANT,
 )
 # Key in a dead letter's ``headers`` column with the facts of its body (length, sha256,
 # what was kept): not sent on the wire, but an x-txbox-* name a sender could forge.

@@ -35,6 +35,8 @@ class Reason(StrEnum):
     UNSTORABLE = "unstorable"  # PostgreSQL refused the row for a reason of the data (e.g. \u0000 in JSON)
     REDELIVERY_LIMIT = "redelivery_limit"
     RETRIES_EXHAUSTED = "retries_exhausted"  # the broker-level delay/retry chain used up
+    # A receiver serving tenants: the delivery names none of the registry's (docs/how-to/tenants.md).
+    UNKNOWN_TENANT = "unknown_tenant"
     # The worker gave up (docs/explanation/handle.md, "Outcomes").
     MAX_ATTEMPTS = "max_attempts"  # also the relay's: publishing failed that often
     PERMANENT_ERROR = "permanent_error"

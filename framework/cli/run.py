@@ -8,6 +8,12 @@ it does alone (the publisher waits for outstanding confirms, the worker for its 
 batch). The exit code is 0 after a requested stop, 1 if a daemon failed. One loop means
 one core and handlers that run between the other daemons' work: which deployment suits
 which load is in docs/how-to/daemons.md.
+
+With a tenant registry (``TXBOX_TENANTS_FILE``, ``--tenants-file`` or
+``TXBOX_TENANTS_DATABASE_URL``) one process serves every tenant: one receiver and one
+collector for all, a relay and a worker per tenant, picked up and stopped as the registry
+changes (framework/tenants/daemons.py; docs/how-to/tenants.md, "One set of daemons for
+every tenant").
 """
 
 from __future__ import annotations
@@ -24,9 +30,20 @@ from typing import Any
 
 from pika.adapters.select_connection import IOLoop
 
-from framework.cli.common import add_probe_options, add_service_options, liveness_config, load_service
+from framework.cli.common import (
+    add_probe_options,
+    add_service_options,
+    add_tenant_options,
+    liveness_config,
+    load_service,
+    tenant_defaults,
+    tenant_settings,
+)
 from framework.daemon import STOP_CHECK, Daemon
 from framework.service import Service
+from framework.tenants.daemons import TenantDaemons
+from framework.tenants.follow import RegistryFollower
+from framework.tenants.model import Tenant
 
 log = logging.getLogger("txbox.run")
 
@@ -36,6 +53,7 @@ PARTS = ("publisher", "receiver", "worker", "collector")
 def configure(parser: argparse.ArgumentParser, name: str) -> None:
     add_service_options(parser)
     add_probe_options(parser, "all daemons'")
+    add_tenant_options(parser, pick=False)
     parser.add_argument(
         "--without",
         action="append",
@@ -73,11 +91,62 @@ def build(service: Service, without: list[str] | tuple[str, ...] = ()) -> list[D
         # (docs/explanation/daemons.md, "The hand-off in one process").
         receiver.handoff = Handoff(worker)
     daemons += [d for d in (receiver, worker) if d is not None]
-    if "collector" not in without and importlib.util.find_spec("framework.dead_letters.collector") is not None:
-        from framework.dead_letters.collector import Collector, CollectorConfig
+    collector = _collector(service, without, stop)
+    return daemons + ([collector] if collector is not None else [])
 
-        daemons.append(Collector(service, CollectorConfig.from_env(), stop_event=stop))
-    return daemons
+
+def _collector(service: Service, without: list[str] | tuple[str, ...], stop: threading.Event) -> Daemon | None:
+    if "collector" in without or importlib.util.find_spec("framework.dead_letters.collector") is None:
+        return None
+    from framework.dead_letters.collector import Collector, CollectorConfig
+
+    return Collector(service, CollectorConfig.from_env(), stop_event=stop)
+
+
+def build_tenants(
+    service: Service, follower: RegistryFollower, without: list[str] | tuple[str, ...] = ()
+) -> tuple[list[Daemon], TenantDaemons]:
+    """The daemons serving every tenant of ``follower``'s registry: the receiver and the
+    collector of the service (its own database: letters naming no tenant, heartbeats),
+    sharing one stop event, and each tenant's relay and worker, each with a stop event of
+    its own (a tenant that leaves stops alone). The second value adds and stops tenants'
+    daemons as the registry changes, once the supervisor runs (:meth:`Supervisor.follow`)."""
+    service.check()
+    stop = threading.Event()
+    from framework.receiver import Receiver, ReceiverConfig
+    from framework.receiver.tenancy import Tenancy
+    from framework.relay import Relay, RelayConfig
+    from framework.tenants.daemons import tenant_service
+    from framework.worker import Worker, WorkerConfig
+
+    receiver = None
+    if "receiver" not in without:
+        config = ReceiverConfig.from_env()
+        tenancy = Tenancy(follower.registry, service.registry, service.name, connect_timeout=config.db_connect_timeout)
+        receiver = Receiver(service, config, stop_event=stop, tenancy=tenancy)
+    relay_config, worker_config = RelayConfig.from_env(), WorkerConfig.from_env()
+
+    def make(tenant: Tenant) -> list[Daemon]:
+        own = tenant_service(service, tenant)
+        made: list[Daemon] = []
+        if "publisher" not in without:
+            # The topology is the service's, declared by the receiver (or the first relay).
+            made.append(Relay(own, relay_config, stop_event=threading.Event(), tenant=tenant.key))
+        if "worker" not in without:
+            made.append(Worker(own, worker_config, stop_event=threading.Event()))
+        return made
+
+    supervised: list[Daemon] = [receiver] if receiver is not None else []
+    collector = _collector(service, without, stop)
+    supervised += [collector] if collector is not None else []
+    tenants = TenantDaemons(
+        follower,
+        make,
+        receiver=receiver,
+        interval=follower.interval,
+        stop_event=stop,
+    )
+    return supervised + tenants.initial(), tenants
 
 
 class Supervisor:
@@ -91,6 +160,9 @@ class Supervisor:
     def __init__(self, daemons: list[Daemon]) -> None:
         self.daemons = daemons
         self.stop_event = daemons[0].stop_event if daemons else threading.Event()
+        self._stopping = False  # stop() was called: every daemon is asked to stop
+        self._retiring: set[Daemon] = set()  # stopped alone (their tenant left): their end is no failure
+        self._tenants: TenantDaemons | None = None
         self.failures: list[tuple[str, BaseException]] = []
         self.stuck: list[str] = []  # the daemons still running when the stop timeout ran out
         self._loop = IOLoop()
@@ -108,6 +180,8 @@ class Supervisor:
                 daemon.start_on(self._loop, functools.partial(self._ended, daemon))
             log.info("running %s on one loop", ", ".join(d.name for d in self.daemons))
             self._loop.call_later(STOP_CHECK, self._watch)
+            if self._tenants is not None:
+                self._loop.call_later(self._tenants.interval, self._look)
             while self._running and not self.stuck:
                 try:
                     self._loop.start()
@@ -119,18 +193,55 @@ class Supervisor:
             self._loop.close()
 
     def stop(self) -> None:
-        for daemon in self.daemons:
-            daemon.stop()  # sets the shared event, and wakes the loop from another thread
+        self._stopping = True
+        self.stop_event.set()
+        for daemon in list(self.daemons):
+            daemon.stop()  # sets its event (most share one), and wakes the loop from another thread
+
+    def follow(self, tenants: TenantDaemons) -> None:
+        """Let ``tenants`` add and stop tenants' daemons on this supervisor's loop as the
+        registry changes (before :meth:`run`)."""
+        tenants.attach(self.add, self.retire)
+        self._tenants = tenants
+        self.stop_event = tenants.stop_event  # not a tenant's own, which its leaving sets
+
+    def add(self, daemon: Daemon) -> None:
+        """On the loop: start ``daemon`` beside the others."""
+        if self._stopping:
+            return
+        self.daemons.append(daemon)
+        self._running.add(daemon)
+        daemon.start_on(self._loop, functools.partial(self._ended, daemon))
+
+    def retire(self, daemon: Daemon) -> None:
+        """On the loop: stop ``daemon`` alone; its end is no failure and stops no other."""
+        self._retiring.add(daemon)
+        daemon.stop()
+
+    def _look(self) -> None:
+        if self._tenants is None or self._stopping or not self._running:
+            return
+        try:
+            self._tenants.look()
+        except Exception:  # a bug of ours: the tenants served stay as they are
+            log.exception("following the tenant registry failed: serving the tenants as they were")
+        self._loop.call_later(self._tenants.interval, self._look)
 
     def _ended(self, daemon: Daemon, exc: BaseException | None) -> None:
         self._running.discard(daemon)
+        if daemon in self._retiring and exc is None:
+            self._retiring.discard(daemon)
+            self.daemons.remove(daemon)
+            if not self._running:
+                self._loop.stop()
+            return
         if exc is not None:
             log.error("%s failed: %s", daemon.name, exc, exc_info=not isinstance(exc, Exception) or None)
             self.failures.append((daemon.name, exc))
-        elif not self.stop_event.is_set():
+        elif not self._stopping and not self.stop_event.is_set():
             log.error("%s ended without a stop request: stopping the others", daemon.name)
             self.failures.append((daemon.name, RuntimeError("returned early")))
-        if not self.stop_event.is_set():
+        if not self._stopping:
             self.stop()
         if not self._running:
             self._loop.stop()
@@ -140,7 +251,8 @@ class Supervisor:
         if not self._running:
             return
         now = time.monotonic()
-        if self.stop_event.is_set() and self._deadline is None:
+        if (self._stopping or self.stop_event.is_set()) and self._deadline is None:
+            self._stopping = True
             self._deadline = now + self._stop_timeout
         if self._deadline is not None and now >= self._deadline:
             self.stuck = sorted(d.name for d in self._running)
@@ -151,11 +263,18 @@ class Supervisor:
 
 def run(args: argparse.Namespace) -> int:
     service = load_service(args)
-    daemons = build(service, args.without)
+    follower = _follower(args, service)
+    tenants = None
+    if follower is None:
+        daemons = build(service, args.without)
+    else:
+        daemons, tenants = build_tenants(service, follower, args.without)
     if not daemons:
         log.error("nothing to run: every daemon was left out")
         return 2
     supervisor = Supervisor(daemons)
+    if tenants is not None:
+        supervisor.follow(tenants)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received %s: stopping %s", signal.Signals(signum).name, ", ".join(d.name for d in daemons))
@@ -165,12 +284,31 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     from framework.liveness import watch
 
-    with watch(daemons, port=args.metrics_port, config=liveness_config(args)):
-        supervisor.run(args.stop_timeout)
+    try:
+        with watch(list(daemons), port=args.metrics_port, config=liveness_config(args)):
+            supervisor.run(args.stop_timeout)
+    finally:
+        if follower is not None:
+            follower.stop()
     if supervisor.stuck:
         log.error("still running after %.0fs: %s; exiting anyway", args.stop_timeout, ", ".join(supervisor.stuck))
         _exit_now(1)
     return 1 if supervisor.failures else 0
+
+
+def _follower(args: argparse.Namespace, service: Service) -> RegistryFollower | None:
+    """The registry's follower, started (a registry that does not load fails here), or None."""
+    from framework.tenants import RegistryWatcher, open_source
+
+    settings = tenant_settings(args)
+    if not settings.configured:
+        return None
+    _, schema = tenant_defaults(args)
+    source = open_source(settings, default_database_url=service.settings.database_url, default_schema=schema)
+    assert source is not None  # configured (above)
+    follower = RegistryFollower(RegistryWatcher(source, interval=float(settings.tenants_poll_interval)))
+    follower.start()
+    return follower
 
 
 def _exit_now(code: int) -> Any:

@@ -19,6 +19,12 @@ one (:mod:`framework.receiver.store` writes them):
   its attempt number and acked only once the broker confirmed the copy; after
   the final attempt the copy goes, confirmed the same way, to ``<service>:dead_letter``.
 
+Given a :class:`~framework.receiver.tenancy.Tenancy`, the receiver serves every tenant of
+a registry: each batch is the deliveries of one tenant at the head of what has arrived,
+written to that tenant's database and schema, and acked before the next is sent, so the
+one ``basic_ack(multiple=True)`` still acks exactly that batch. A delivery naming no
+tenant of the registry is an ``unknown_tenant`` letter in the service's own database.
+
 A session is one consuming connection: the topology declared (one blocking call, tried
 again on a timer while RabbitMQ is down), the prefetch set, the turn awaited
 (:mod:`framework.receiver.turns`), then consuming until the connection is lost, the
@@ -38,9 +44,10 @@ from pika.adapters.select_connection import IOLoop
 from prometheus_client import Counter
 
 from framework import amqp, db, delivery_limit, metrics, names, topology
+from framework import dead_letters as dl
 from framework.backoff import reconnect_seconds
-from framework.connections import ConnectionSlot
 from framework.daemon import RABBITMQ, Daemon
+from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
 from framework.reasons import Reason
 from framework.receiver.config import ReceiverConfig
@@ -49,6 +56,7 @@ from framework.receiver.copies import Copies, Copy
 from framework.receiver.handoff import Handoff
 from framework.receiver.intake import Delivery, Intake
 from framework.receiver.store import Prepared, Storing, end_spans
+from framework.receiver.tenancy import Store, Tenancy, store
 from framework.receiver.turns import POLL_SECONDS, ConsumerTurn, Takeover, takeover_seconds
 from framework.receiver.write import InboxWrite, Step
 from framework.service import Service
@@ -60,7 +68,6 @@ from framework.sql import redeliveries as redeliveries_sql
 __all__ = ["InboxWrite", "Receiver"]
 
 _IDLE_WAIT = 0.2  # seconds between a consuming receiver's looks at its turn, its copies and its progress
-_INSERT_NAME = b"txbox_receiver_insert"  # the batch INSERT, prepared once per connection (InboxWrite)
 _DRAIN_SECONDS = 5.0  # at most this long, on the way out, for the write in flight, then for copies' confirms
 
 
@@ -70,6 +77,7 @@ class _Inflight:
 
     batch: list[Delivery]
     prepared: Prepared
+    store: Store  # where it is written
     write: InboxWrite | None = None
     error: Exception | None = None
     handed_at: float | None = None  # monotonic: the write claims its rows for the worker (Handoff)
@@ -90,7 +98,12 @@ class Receiver(Storing, Daemon):
     name = "receiver"
 
     def __init__(
-        self, service: Service, config: ReceiverConfig | None = None, *, stop_event: threading.Event | None = None
+        self,
+        service: Service,
+        config: ReceiverConfig | None = None,
+        *,
+        stop_event: threading.Event | None = None,
+        tenancy: Tenancy | None = None,
     ) -> None:
         super().__init__(service, stop_event=stop_event)
         self.config = config or ReceiverConfig.from_env()
@@ -106,19 +119,16 @@ class Receiver(Storing, Daemon):
             ),
         )
         self._schedule = self.config.schedule
-        self._db = ConnectionSlot(
-            self.settings.database_url,
-            connect_timeout=self.config.db_connect_timeout,
-            application_name="txbox-receiver",
-        )
+        # The service's own database; with tenants, where deliveries naming none are lettered.
+        self._home = store(None, self.settings.database_url, self.settings.schema, self.config.db_connect_timeout)
+        self._at = self._home  # where the group being settled is written (Storing)
+        #: Serving every tenant of a registry (framework/receiver/tenancy.py), or None.
+        self.tenancy = tenancy
         self._buffer: list[Delivery] = []
         self._first_at = 0.0  # monotonic: when the buffer's first delivery came
         self._inflight: _Inflight | None = None  # the batch being written
-        # The connection the write's statements were prepared on, and their names.
-        self._prepared: tuple[Any, frozenset[bytes]] = (None, frozenset())
         # `txbox run`: what this receiver stores, it claims for the worker of its process.
         self.handoff: Handoff | None = None
-        self._sql_insert = inbox_sql.insert_all_new_sql(self.settings.schema)
         self._labels = {"service": self.settings.service}
         # The children counted per batch or delivery, looked up once.
         self._received = metrics.RECEIVER_RECEIVED.labels(**self._labels)
@@ -315,7 +325,7 @@ class Receiver(Storing, Daemon):
             # batch is redelivered, and deduped.
             inflight.write.unwatch()
             end_spans(inflight.prepared.spans)
-            self._drop_db()
+            inflight.store.close()
         self._buffer = []  # unacked: the broker requeues them when the channel closes
         self._buffered = self._writing = 0
         for name in ("tick", "turn", "batch wait"):
@@ -544,6 +554,13 @@ class Receiver(Storing, Daemon):
         self._cancel("batch wait")
         batch, self._buffer = self._buffer, []
         batch_bytes, self._buffered = self._buffered, 0
+        forced: dict[int, dl.DeadLetter] = {}
+        if self.tenancy is not None:
+            batch, forced = self._one_tenant(batch)
+            if self._buffer:  # the next tenant's, and what came after: the next batch
+                self._first_at = time.monotonic()
+                self._buffered = sum(len(d.body) for d in self._buffer)
+                batch_bytes -= self._buffered
         self._received.inc(len(batch))
         self.progress()
         if any(d.redelivered for d in batch):
@@ -551,20 +568,53 @@ class Receiver(Storing, Daemon):
             # the only one whose counter climbs.
             self._writing = batch_bytes
             for delivery in batch:
-                self._settle_group([delivery])
+                self._settle_group([delivery], forced)
             self._writing = 0
             return
         try:
-            prepared = self._admit(batch, {})
+            prepared = self._admit(batch, forced)
         except Exception:  # last resort: a bug of ours; each delivery alone, in order
             self.log.exception("admitting a batch of %d failed: settling them one by one", len(batch))
             for delivery in batch:
-                self._settle_group([delivery])
+                self._settle_group([delivery], forced)
             return
         self._writing = batch_bytes
         self._inflight = self._send(batch, prepared)
         if self._inflight.done:
             self._step_soon()
+
+    def _one_tenant(self, buffer: list[Delivery]) -> tuple[list[Delivery], dict[int, dl.DeadLetter]]:
+        """The deliveries of one tenant at the head of ``buffer`` (the rest go back to the
+        buffer) with the store they are written to made current, and the ``unknown_tenant``
+        letters of those naming none (they go to the service's own database, together)."""
+        assert self.tenancy is not None
+        resolved = [self.tenancy.resolve(buffer[0])]
+        key = resolved[0].key
+        for delivery in buffer[1:]:  # up to the first of another tenant: resolved once each
+            found = self.tenancy.resolve(delivery)
+            if found.key != key:
+                break
+            resolved.append(found)
+        batch, self._buffer = buffer[: len(resolved)], buffer[len(resolved) :]
+        self._at = self._home if key is None else self.tenancy.store(key)
+        letters = {
+            d.delivery_tag: self._unknown_tenant(d, r.error)
+            for d, r in zip(batch, resolved, strict=False)
+            if r.error is not None
+        }
+        return batch, letters
+
+    def _unknown_tenant(self, delivery: Delivery, error: str) -> dl.DeadLetter:
+        try:
+            data: Any = decode_json(delivery.body)
+        except Exception:  # kept raw: the letter holds the body either way
+            data = None
+        try:
+            return self.intake.reject(delivery, Reason.UNKNOWN_TENANT, error, data=data)
+        except Exception:  # last resort: a letter from the raw delivery alone
+            letter = self.intake.last_resort(delivery, error)
+            letter.reason = letter.error_type = Reason.UNKNOWN_TENANT
+            return letter
 
     def _hold(self, consumer: Consumer) -> None:
         """A write is in flight: gather, or, the batch full or its ``batch_wait`` over, stop reading
@@ -583,7 +633,7 @@ class Receiver(Storing, Daemon):
         """Start writing ``prepared``: sent without waiting when it is only rows (the usual
         batch), else written at once the ordinary way (dead letters, counters, a batch too large)."""
         rows = [row for _, row in prepared.pairs]
-        inflight = _Inflight(batch, prepared)
+        inflight = _Inflight(batch, prepared, self._at)
         if not rows or prepared.letters or prepared.settled_keys:
             inflight.error = self._write_now(prepared)
             return inflight
@@ -603,13 +653,15 @@ class Receiver(Storing, Daemon):
             return inflight
         # Prepared once per connection, in the first write's round trip; its end steps the
         # loop, so the batch's ack is never late.
-        held = self._prepared[1] if self._prepared[0] is conn else frozenset()
-        insert = Step(_INSERT_NAME, self._sql_insert, [text, str(len(rows)).encode()])
-        handoff = self.handoff if self.handoff is not None and self.handoff.wanted else None
+        at = self._at
+        held = at.link.prepared[1] if at.link.prepared[0] is conn else frozenset()
+        insert = Step(at.insert_name, at.sql_insert, [text, str(len(rows)).encode()])
+        # Not with tenants: the hand-off is to one worker, of one database.
+        handoff = self.handoff if self.handoff is not None and self.handoff.wanted and self.tenancy is None else None
         steps = handoff.steps(insert, [row.id for row in rows]) if handoff else [insert]
         inflight.handed_at = time.monotonic() if handoff else None  # the lease runs from here
         write = InboxWrite(conn, steps, on_done=self._step_soon, prepared=held)
-        self._prepared = (None, frozenset())  # known again once the write is over (_complete)
+        at.link.prepared = (None, frozenset())  # known again once the write is over (_complete)
         inflight.write = write
         try:
             write.send()
@@ -632,6 +684,7 @@ class Receiver(Storing, Daemon):
 
     def _finish(self, inflight: _Inflight) -> None:
         batch = inflight.batch
+        self._at = inflight.store
         try:
             if inflight.write is not None:
                 self._complete(inflight.prepared, inflight.write, inflight.handed_at)
@@ -657,7 +710,7 @@ class Receiver(Storing, Daemon):
         finds the rows PostgreSQL refuses."""
         write.unwatch()
         if write.error is None:
-            self._prepared = (write.connection, write.prepared)
+            self._at.link.prepared = (write.connection, write.prepared)
         if write.error is not None:
             self._drop_db()  # mid-protocol: the connection cannot be used again
             if db.is_infrastructure_error(write.error):
@@ -678,9 +731,12 @@ class Receiver(Storing, Daemon):
         self._drop_db()
         self.state("database unavailable", f"{exc}".strip().splitlines()[0] if str(exc) else type(exc).__name__)
 
-    def _settle_group(self, group: list[Delivery]) -> None:
+    def _settle_group(self, group: list[Delivery], letters: dict[int, dl.DeadLetter] | None = None) -> None:
+        """Settle ``group`` in the ordinary, blocking way, with the letters already decided for
+        deliveries of it (``letters`` by delivery tag: :meth:`_one_tenant`'s, which also made
+        the group's store current); a redelivery past the limit is lettered as that."""
         try:
-            forced = self._count_redeliveries(group)
+            forced = {**(letters or {}), **self._count_redeliveries(group)}
             self._store(group, forced)
         except Exception as exc:
             if not db.is_infrastructure_error(exc):
@@ -739,7 +795,7 @@ class Receiver(Storing, Daemon):
                 if inflight.write is not None:
                     inflight.write.unwatch()
                 end_spans(inflight.prepared.spans)
-                self._drop_db()
+                inflight.store.close()
             # The copies' own time, from here.
             self._leave_deadline = time.monotonic() + _DRAIN_SECONDS
             self._after("leave", _DRAIN_SECONDS, self._leave_timeout)
@@ -775,7 +831,9 @@ class Receiver(Storing, Daemon):
             self._cancel(name)
         if self._copies is not None:
             self._copies.close()
-        self._drop_db()
+        self._home.close()
+        if self.tenancy is not None:
+            self.tenancy.close()
         if self._turn is not None:
             self._turn.release()
         self.state("stopped")
@@ -792,7 +850,7 @@ class Receiver(Storing, Daemon):
         self.log.error(
             "settling %d deliveries failed (%r): dead-lettering them as %s", len(group), exc, Reason.INTERNAL_ERROR
         )
-        schema = self.settings.schema
+        schema = self._at.schema
         for index, delivery in enumerate(group):
             letter = self.intake.last_resort(delivery, exc)
             try:

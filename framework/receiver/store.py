@@ -26,11 +26,11 @@ from prometheus_client import Counter
 
 from framework import db, metrics, tracing
 from framework import dead_letters as dl
-from framework.connections import ConnectionSlot
 from framework.envelope import decode_json
 from framework.reasons import Reason
 from framework.receiver.config import ReceiverConfig
 from framework.receiver.intake import Delivery, Filtered, Intake
+from framework.receiver.tenancy import Store
 from framework.settings import Settings
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as inbox_sql
@@ -65,7 +65,7 @@ class Storing:
     intake: Intake
     queue: str
     log: logging.Logger
-    _db: ConnectionSlot
+    _at: Store  # where the group being settled is written: the service's database, or its tenant's
     _labels: dict[str, str]
     _stored: Counter
 
@@ -79,7 +79,7 @@ class Storing:
         conn = self._connection()
         with conn.cursor() as cur:
             counts = {
-                d.delivery_tag: redeliveries_sql.count(cur, self.settings.schema, self.queue, d.counter_key)
+                d.delivery_tag: redeliveries_sql.count(cur, self._at.schema, self.queue, d.counter_key)
                 for d in redelivered
             }
         conn.commit()
@@ -171,7 +171,7 @@ class Storing:
     def _write_batch(self, prepared: Prepared) -> None:
         pairs, settled_keys = prepared.pairs, prepared.settled_keys
         rows = [row for _, row in pairs]
-        schema = self.settings.schema
+        schema = self._at.schema
         conn = self._connection()
         try:
             with conn.cursor() as cur:
@@ -195,7 +195,7 @@ class Storing:
         """``id_conflict`` letters for the rows whose id the inbox holds with other content."""
         rows = [row for _, row in pairs]
         letters = []
-        for index, stored in inbox_sql.conflicting(cur, self.settings.schema, rows, new):
+        for index, stored in inbox_sql.conflicting(cur, self._at.schema, rows, new):
             delivery, row = pairs[index]
             try:
                 data: Any = decode_json(delivery.body)
@@ -216,7 +216,7 @@ class Storing:
         self, conn: psycopg.Connection[Any], prepared: Prepared
     ) -> tuple[set[Any], list[tuple[Delivery, dl.DeadLetter]]]:
         """Each row, then each dead letter, in a savepoint of its own: one bad item cannot fail the rest."""
-        schema = self.settings.schema
+        schema = self._at.schema
         new: set[Any] = set()
         letters = list(prepared.letters)
         kept: list[tuple[Delivery, InboxRow]] = []
@@ -249,14 +249,14 @@ class Storing:
         """Store ``letter``; if it cannot be, an ``internal_error`` letter of the raw delivery instead."""
         try:
             with conn.transaction():
-                dead_letters_sql.insert_letters(cur, self.settings.schema, [letter])
+                dead_letters_sql.insert_letters(cur, self._at.schema, [letter])
             return letter
         except Exception as exc:
             if db.is_infrastructure_error(exc):
                 raise
             fallback = self.intake.last_resort(delivery, f"the {letter.reason} dead letter could not be stored: {exc}")
             with conn.transaction():
-                dead_letters_sql.insert_letters(cur, self.settings.schema, [fallback])
+                dead_letters_sql.insert_letters(cur, self._at.schema, [fallback])
             return fallback
 
     def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
@@ -276,7 +276,7 @@ class Storing:
     # --- PostgreSQL connection ----------------------------------------------------
 
     def _connection(self) -> psycopg.Connection[Any]:
-        return self._db.get()
+        return self._at.slot.get()
 
     def _drop_db(self) -> None:
-        self._db.close()
+        self._at.close()

@@ -107,9 +107,13 @@ class Relay(Daemon):
         stop_event: threading.Event | None = None,
         declare_topology: bool = True,
         retention: RetentionSettings | None = None,
+        tenant: str | None = None,
     ) -> None:
         super().__init__(service, stop_event=stop_event)
         self.config = config or RelayConfig.from_env()
+        #: The registry key of the tenant whose outbox this relay publishes (``service`` is
+        #: set to its database and schema), put on every message; None: no tenants.
+        self.tenant = tenant
         # Published rows older than TXBOX_OUTBOX_RETENTION go, in a thread of their own with
         # a connection of its own (docs/explanation/operations.md, "Retention").
         self.pruner = retention_.outbox_pruner(self, retention)
@@ -394,7 +398,7 @@ class Relay(Daemon):
         items: list[Outgoing] = []
         for row in rows:
             try:
-                items.append(outgoing(row, self._user, self._signer))
+                items.append(outgoing(row, self._user, self._signer, self.tenant))
             except Exception as exc:  # the last resort: one row must not stop the relay
                 log.exception("outbox row %s: its message could not be built; dead-lettering it", row.id)
                 self._others.append(unbuildable(row, exc))

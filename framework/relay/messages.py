@@ -93,8 +93,12 @@ def lane_headers(row: Claimed) -> dict[str, Any]:
     return headers
 
 
-def outgoing(row: Claimed, user_id: str = "", signer: Signer | None = None) -> Outgoing:
+def outgoing(row: Claimed, user_id: str = "", signer: Signer | None = None, tenant: str | None = None) -> Outgoing:
     """The AMQP message of a row: persistent, mandatory, properties mirroring the envelope.
+
+    ``tenant``: the registry key of the tenant whose outbox the row is in, sent as the
+    ``x-txbox-tenant`` header, by which a receiver serving tenants stores it in its
+    tenant's inbox (docs/how-to/tenants.md, "One set of daemons for every tenant").
 
     ``user_id`` (the relay's broker user) lets RabbitMQ vouch for the lane headers. The
     AMQP ``priority`` mirrors the row's where it fits 0-255 (classic priority queues
@@ -108,6 +112,8 @@ def outgoing(row: Claimed, user_id: str = "", signer: Signer | None = None) -> O
         headers.update(signer.headers(body))
     if row.correlation_id:
         headers[names.HEADER_CORRELATION_ID] = row.correlation_id
+    if tenant is not None:
+        headers[names.HEADER_TENANT] = tenant
     if row.expires_at is not None:
         expires_at = expiry.from_metadata(row.expires_at)
         if expires_at is not None:

@@ -28,6 +28,11 @@ class RegistryFollower:
         self._registry: Registry | None = None
 
     @property
+    def interval(self) -> float:
+        """Seconds between two looks at the source."""
+        return self._watcher.interval
+
+    @property
     def registry(self) -> Registry:
         """The snapshot in force (after :meth:`start`): the last that loaded."""
         if self._registry is None:

@@ -107,7 +107,7 @@ def record_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     send = receiver_daemon.InboxWrite.send
 
     def recorded(self: Any) -> None:
-        insert = next(step for step in self._steps if step.name == receiver_daemon._INSERT_NAME)
+        insert = next(step for step in self._steps if step.name.startswith(b"txbox_receiver_insert_"))
         rows = insert.params[1]
         assert rows is not None
         writes.append((threading.current_thread().name, int(rows)))  # $2: the batch's rows

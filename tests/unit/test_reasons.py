@@ -28,6 +28,7 @@ STORED = {
     "unstorable",
     "redelivery_limit",
     "retries_exhausted",
+    "unknown_tenant",
     "max_attempts",
     "permanent_error",
     "poison",

@@ -1,0 +1,193 @@
+"""One set of daemons serving every tenant of a registry, as `txbox run` runs them
+(docs/how-to/tenants.md, "One set of daemons for every tenant").
+
+Three schemas of the test database: the service's own (``txbox``) and two tenants'. A
+command published with plain pika on a tenant's Mosaic key is stored in that tenant's
+inbox; its handler's event goes into that tenant's outbox, leaves with the tenant named
+(``x-txbox-tenant``) and comes back to the same tenant's inbox. Deliveries naming no
+tenant, or one the registry does not list, are ``unknown_tenant`` letters in the
+service's own schema. A tenant added to the registry file while the daemons run is
+served; one removed is not. Everything is judged from the database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from framework import CommandHandler, migrate, topology
+from framework.cli.run import Supervisor, build_tenants
+from framework.service import Service
+from framework.settings import Settings
+from framework.tenants import FileSource, RegistryWatcher
+from framework.tenants.follow import RegistryFollower
+from tests import support
+from tests.apps.helpers import publish, query
+from tests.integration.test_tenant_routing import CONTRACT, CreateThing, ThingCreated, envelope, schema
+
+pytestmark = pytest.mark.integration
+
+SERVICE = "ax-tenant-service"
+ACME, GLOBEX, INITECH = "t_acme", "t_globex", "t_initech"
+REGISTRY = {
+    "acme": f'schema = "{ACME}"\nmosaic_tenant_id = "acme-id"\nmosaic_environment_id = "prod"\n',
+    "globex": f'schema = "{GLOBEX}"\nmosaic_tenant_id = "globex-id"\n',
+    "initech": f'schema = "{INITECH}"\nmosaic_tenant_id = "initech-id"\n',
+}
+
+
+class ThingCreatedQuietly(ThingCreated):
+    """The event handled: its inbox row processed is the evidence (no table of the tenant's)."""
+
+    def handle(self, message: Any, session: Any, outbox: Any) -> None:
+        pass
+
+
+class CreateAndAudit(CreateThing):
+    """Also sends a command that is not multi-tenant: only the tenant header names its tenant."""
+
+    def handle(self, message: Any, session: Any, outbox: Any) -> None:
+        super().handle(message, session, outbox)
+        outbox.send_command("AuditThing", aggregate_id=message.aggregate_id, payload=message.payload)
+
+
+class AuditThing(CommandHandler):
+    message_type = "AuditThing"
+
+    def handle(self, message: Any, session: Any, outbox: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def service(settings: Settings, tmp_path: Path, database_url: str) -> Service:
+    contracts = tmp_path / "contracts"
+    contracts.mkdir()
+    (contracts / "tenant-service.yml").write_text(CONTRACT)
+    for name in ("create_thing_command", "thing_created_event", "audit_thing_command"):
+        (contracts / f"{name.replace('_', '-')}.json").write_text(schema(name))
+    service = Service(settings=dataclasses.replace(settings, service=SERVICE, contracts_dir=contracts))
+    service.register(CreateAndAudit())
+    service.register(ThingCreatedQuietly())
+    service.register(AuditThing())
+    for tenant_schema in (ACME, GLOBEX, INITECH):
+        migrate.upgrade(database_url, tenant_schema)
+    return service
+
+
+def _save(path: Path, keys: list[str]) -> None:
+    """Write the registry as an editor saves: a new file renamed over the old."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text("".join(f"[tenants.{k}]\n{REGISTRY[k]}\n" for k in keys))
+    temporary.replace(path)
+
+
+@pytest.fixture
+def serving(service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Supervisor]]:
+    """The tenants' daemons on one loop in a thread, as `txbox run` runs them; stopped after."""
+    monkeypatch.setenv("TXBOX_WORKER_POLL_INTERVAL", "0.2")
+    monkeypatch.setenv("TXBOX_PUBLISHER_POLL_INTERVAL", "0.2")
+    monkeypatch.setenv("TXBOX_RECEIVER_BATCH_WAIT", "0.01")
+    path = tmp_path / "tenants.toml"
+    _save(path, ["acme", "globex"])
+    source = FileSource(path, default_database_url=service.settings.database_url, default_schema="txbox")
+    follower = RegistryFollower(RegistryWatcher(source, interval=0.1))
+    follower.start()
+    topology.declare(service.settings, service.registry)
+    daemons, tenants = build_tenants(service, follower, ["collector"])
+    supervisor = Supervisor(daemons)
+    supervisor.follow(tenants)
+    thread = threading.Thread(target=supervisor.run, args=(30.0,), name="supervisor", daemon=True)
+    thread.start()
+    try:
+        yield path, supervisor
+    finally:
+        supervisor.stop()
+        thread.join(60)
+        follower.stop()
+    assert not thread.is_alive() and not supervisor.failures and not supervisor.stuck
+
+
+def _command(amqp_url: str, name: str, tenant_id: str, environment: str = "prod") -> None:
+    props: Any = pika.BasicProperties(content_type="application/json", delivery_mode=2)
+    key = f"{SERVICE}.{tenant_id}.{environment}.thing.create"
+    publish(amqp_url, [envelope("CreateThing", name)], routing_key=key, properties=[props])
+
+
+def _handled(database_url: str, tenant_schema: str) -> list[tuple[str, str]]:
+    """(message type, aggregate) of the tenant's inbox rows that were processed."""
+    return query(
+        database_url,
+        f"SELECT message_type, aggregate_id FROM {tenant_schema}.inbox WHERE processed_at IS NOT NULL "
+        "ORDER BY message_type, aggregate_id",
+    )
+
+
+def _letters(database_url: str) -> list[tuple[str, str]]:
+    return query(database_url, "SELECT reason, routing_key FROM txbox.dead_letters ORDER BY routing_key")
+
+
+def test_each_tenants_messages_stay_in_its_own_tables(
+    serving: tuple[Path, Supervisor], amqp_url: str, database_url: str
+) -> None:
+    _command(amqp_url, "a1", "acme-id")
+    _command(amqp_url, "g1", "globex-id", "staging")  # globex: every environment
+    _command(amqp_url, "n1", "acme-id", "staging")  # acme: prod only
+    _command(amqp_url, "x1", "nobody-id")
+    audit = pika.BasicProperties(content_type="application/json", delivery_mode=2)
+    publish(amqp_url, [envelope("AuditThing", "u1")], routing_key=f"{SERVICE}.thing.audit", properties=[audit])
+    support.wait_until(
+        lambda: (
+            len(_handled(database_url, ACME)) == 3
+            and len(_handled(database_url, GLOBEX)) == 3
+            and len(_letters(database_url)) == 3
+        ),
+        timeout=60,
+        message="both tenants' command, event and audit handled, three letters",
+    )
+    assert _handled(database_url, ACME) == [("AuditThing", "a1"), ("CreateThing", "a1"), ("ThingCreated", "a1")]
+    assert _handled(database_url, GLOBEX) == [("AuditThing", "g1"), ("CreateThing", "g1"), ("ThingCreated", "g1")]
+    # What the handler sent stayed in its tenant: its outbox, published with the tenant named.
+    sent = query(database_url, f"SELECT message_type FROM {ACME}.outbox WHERE processed_at IS NOT NULL ORDER BY 1")
+    assert sent == [("AuditThing",), ("ThingCreated",)]
+    assert query(database_url, "SELECT count(*) FROM txbox.inbox UNION ALL SELECT count(*) FROM txbox.outbox") == [
+        (0,),
+        (0,),
+    ]
+    assert _letters(database_url) == [
+        ("unknown_tenant", f"{SERVICE}.acme-id.staging.thing.create"),
+        ("unknown_tenant", f"{SERVICE}.nobody-id.prod.thing.create"),
+        ("unknown_tenant", f"{SERVICE}.thing.audit"),
+    ]
+    errors = {e for (e,) in query(database_url, "SELECT error FROM txbox.dead_letters")}
+    assert any("names Mosaic tenant 'nobody-id' environment 'prod'" in e for e in errors)
+    assert any("the delivery names no tenant" in e for e in errors)
+
+
+def test_a_tenant_added_or_removed_at_run_time_is_served_or_not(
+    serving: tuple[Path, Supervisor], amqp_url: str, database_url: str
+) -> None:
+    path, supervisor = serving
+    _save(path, ["acme", "initech"])  # globex leaves, initech comes
+    support.wait_until(
+        lambda: (
+            sum(1 for d in supervisor.daemons if d.name == "worker") == 2
+            and not any(getattr(d, "settings", None) and d.settings.schema == GLOBEX for d in supervisor.daemons)
+        ),
+        timeout=30,
+        message="initech's daemons started, globex's stopped",
+    )
+    _command(amqp_url, "i1", "initech-id")
+    _command(amqp_url, "g2", "globex-id")
+    support.wait_until(
+        lambda: len(_handled(database_url, INITECH)) == 3 and len(_letters(database_url)) == 1,
+        timeout=60,
+        message="initech's command and event handled, globex's lettered",
+    )
+    assert _handled(database_url, GLOBEX) == []
+    assert _letters(database_url) == [("unknown_tenant", f"{SERVICE}.globex-id.prod.thing.create")]
