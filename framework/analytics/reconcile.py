@@ -82,6 +82,17 @@ def _finding(df: DataFrame, as_of: datetime, **exprs: Column) -> DataFrame:
     return df.select(*cols)
 
 
+def _inbox_state() -> Column:
+    """An inbox row's state as a finding shows it: processed, abandoned or pending."""
+    from pyspark.sql import functions as F
+
+    return (
+        F.when(F.col("processed_at").isNotNull(), "processed")
+        .when(F.col("abandoned_at").isNotNull(), "abandoned")
+        .otherwise("pending")
+    )
+
+
 def contract_frames(spark: SparkSession, registry: Registry) -> tuple[DataFrame, DataFrame]:
     """(message_type → expected subscriber, message_type → kind and owner) from the contracts.
 
@@ -264,9 +275,7 @@ def reconcile(
         publisher=F.when(F.col("contract_kind") == "event", F.col("owner")),
         message_type=F.col("message_type"),
         message_id=F.col("id"),
-        state=F.when(F.col("processed_at").isNotNull(), "processed")
-        .when(F.col("abandoned_at").isNotNull(), "abandoned")
-        .otherwise("pending"),
+        state=_inbox_state(),
         reason=reason,
         since=F.col("received_at"),
         detail=F.col("queue"),
@@ -286,9 +295,7 @@ def reconcile(
         publisher=F.col("publisher"),
         message_type=F.col("message_type"),
         message_id=F.col("id"),
-        state=F.when(F.col("processed_at").isNotNull(), "processed")
-        .when(F.col("abandoned_at").isNotNull(), "abandoned")
-        .otherwise("pending"),
+        state=_inbox_state(),
         reason=F.lit("other_tenant"),
         since=F.col("received_at"),
         detail=F.concat(F.lit("published by tenant "), F.col("publisher_tenant"), F.lit(" of "), F.col("publisher")),

@@ -29,7 +29,7 @@ from framework.tenants import FileSource, RegistryWatcher
 from framework.tenants.follow import RegistryFollower
 from tests import support
 from tests.apps.helpers import publish, query
-from tests.integration.test_tenant_routing import CONTRACT, CreateThing, ThingCreated, envelope, schema
+from tests.integration.test_tenant_routing import CreateThing, ThingCreated, contracts_folder, envelope
 
 pytestmark = pytest.mark.integration
 
@@ -66,11 +66,7 @@ class AuditThing(CommandHandler):
 
 @pytest.fixture
 def service(settings: Settings, tmp_path: Path, database_url: str) -> Service:
-    contracts = tmp_path / "contracts"
-    contracts.mkdir()
-    (contracts / "tenant-service.yml").write_text(CONTRACT)
-    for name in ("create_thing_command", "thing_created_event", "audit_thing_command"):
-        (contracts / f"{name.replace('_', '-')}.json").write_text(schema(name))
+    contracts = contracts_folder(tmp_path)
     service = Service(settings=dataclasses.replace(settings, service=SERVICE, contracts_dir=contracts))
     service.register(CreateAndAudit())
     service.register(ThingCreatedQuietly())

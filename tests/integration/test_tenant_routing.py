@@ -99,13 +99,19 @@ class ThingCreated(EventHandler):
         )
 
 
-@pytest.fixture
-def tenant_service(settings: Settings, tmp_path: Path) -> Service:
-    contracts = tmp_path / "contracts"
+def contracts_folder(folder: Path) -> Path:
+    """The contract above and its schemas, written into ``folder/contracts``."""
+    contracts = folder / "contracts"
     contracts.mkdir()
     (contracts / "tenant-service.yml").write_text(CONTRACT)
     for name in ("create_thing_command", "thing_created_event", "audit_thing_command"):
         (contracts / f"{name.replace('_', '-')}.json").write_text(schema(name))
+    return contracts
+
+
+@pytest.fixture
+def tenant_service(settings: Settings, tmp_path: Path) -> Service:
+    contracts = contracts_folder(tmp_path)
     service = Service(settings=dataclasses.replace(settings, service=SERVICE, contracts_dir=contracts))
     service.register(CreateThing())
     service.register(ThingCreated())
