@@ -25,6 +25,7 @@ import logging
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from types import FrameType
 from typing import Any
 
@@ -119,10 +120,11 @@ def build_tenants(
     from framework.tenants.daemons import tenant_service
     from framework.worker import Worker, WorkerConfig
 
+    registry = follower.registry  # read once: the receiver and the tenants' daemons start from one snapshot
     receiver = None
     if "receiver" not in without:
         config = ReceiverConfig.from_env()
-        tenancy = Tenancy(follower.registry, service.registry, service.name, connect_timeout=config.db_connect_timeout)
+        tenancy = Tenancy(registry, service.registry, service.name, connect_timeout=config.db_connect_timeout)
         receiver = Receiver(service, config, stop_event=stop, tenancy=tenancy)
     relay_config, worker_config = RelayConfig.from_env(), WorkerConfig.from_env()
 
@@ -130,7 +132,6 @@ def build_tenants(
         own = tenant_service(service, tenant)
         made: list[Daemon] = []
         if "publisher" not in without:
-            # The topology is the service's, declared by the receiver (or the first relay).
             made.append(Relay(own, relay_config, stop_event=threading.Event(), tenant=tenant.key))
         if "worker" not in without:
             made.append(Worker(own, worker_config, stop_event=threading.Event()))
@@ -139,13 +140,7 @@ def build_tenants(
     supervised: list[Daemon] = [receiver] if receiver is not None else []
     collector = _collector(service, without, stop)
     supervised += [collector] if collector is not None else []
-    tenants = TenantDaemons(
-        follower,
-        make,
-        receiver=receiver,
-        interval=follower.interval,
-        stop_event=stop,
-    )
+    tenants = TenantDaemons(follower, registry, make, receiver=receiver, stop_event=stop)
     return supervised + tenants.initial(), tenants
 
 
@@ -153,15 +148,19 @@ class Supervisor:
     """Runs daemons on one loop, on the thread that calls :meth:`run`; the first failure,
     or a daemon ending unasked, stops them all (docs/explanation/daemons.md, "One loop per process").
 
+    Serving tenants (:meth:`follow`), a tenant's own daemons come and go: one stopped
+    because its tenant left ends as no failure, and one that fails takes only its tenant
+    down, whose daemons start again after a backoff while the others go on. The process
+    then runs until a stop request, even while no tenant is served.
+
     Everything here runs on that thread but :meth:`stop`, which any thread may call (a
-    signal handler too: the daemons share one stop event, which each of them watches).
+    signal handler too: it only sets flags and events, which the loop watches).
     """
 
     def __init__(self, daemons: list[Daemon]) -> None:
         self.daemons = daemons
         self.stop_event = daemons[0].stop_event if daemons else threading.Event()
-        self._stopping = False  # stop() was called: every daemon is asked to stop
-        self._retiring: set[Daemon] = set()  # stopped alone (their tenant left): their end is no failure
+        self._retiring: set[Daemon] = set()  # stopped alone (their tenant left or failed)
         self._tenants: TenantDaemons | None = None
         self.failures: list[tuple[str, BaseException]] = []
         self.stuck: list[str] = []  # the daemons still running when the stop timeout ran out
@@ -169,6 +168,15 @@ class Supervisor:
         self._running: set[Daemon] = set()
         self._deadline: float | None = None  # monotonic: give up on the stragglers then
         self._stop_timeout = 30.0  # seconds after a stop request (run's argument)
+
+    @property
+    def _stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    @property
+    def _over(self) -> bool:
+        """Nothing left to run: every daemon ended, and no tenant's may come (stopping, or none served)."""
+        return not self._running and (self._tenants is None or self._stopping)
 
     def run(self, stop_timeout: float = 30.0) -> None:
         """Start every daemon on the loop and run it until all of them have ended, or until
@@ -182,7 +190,7 @@ class Supervisor:
             self._loop.call_later(STOP_CHECK, self._watch)
             if self._tenants is not None:
                 self._loop.call_later(self._tenants.interval, self._look)
-            while self._running and not self.stuck:
+            while not self._over and not self.stuck:
                 try:
                     self._loop.start()
                 except Exception as exc:  # a daemon's callback raised: a bug; the others still drain
@@ -193,7 +201,6 @@ class Supervisor:
             self._loop.close()
 
     def stop(self) -> None:
-        self._stopping = True
         self.stop_event.set()
         for daemon in list(self.daemons):
             daemon.stop()  # sets its event (most share one), and wakes the loop from another thread
@@ -201,9 +208,9 @@ class Supervisor:
     def follow(self, tenants: TenantDaemons) -> None:
         """Let ``tenants`` add and stop tenants' daemons on this supervisor's loop as the
         registry changes (before :meth:`run`)."""
-        tenants.attach(self.add, self.retire)
+        tenants.attach(self.add, self.retire, self._loop.call_later)
         self._tenants = tenants
-        self.stop_event = tenants.stop_event  # not a tenant's own, which its leaving sets
+        self.stop_event = tenants.stop_event  # the process's, not a tenant's own
 
     def add(self, daemon: Daemon) -> None:
         """On the loop: start ``daemon`` beside the others."""
@@ -214,12 +221,13 @@ class Supervisor:
         daemon.start_on(self._loop, functools.partial(self._ended, daemon))
 
     def retire(self, daemon: Daemon) -> None:
-        """On the loop: stop ``daemon`` alone; its end is no failure and stops no other."""
-        self._retiring.add(daemon)
-        daemon.stop()
+        """On the loop: stop ``daemon`` alone; its end stops no other."""
+        if daemon in self._running:
+            self._retiring.add(daemon)
+            daemon.stop()
 
     def _look(self) -> None:
-        if self._tenants is None or self._stopping or not self._running:
+        if self._tenants is None or self._stopping:
             return
         try:
             self._tenants.look()
@@ -229,30 +237,34 @@ class Supervisor:
 
     def _ended(self, daemon: Daemon, exc: BaseException | None) -> None:
         self._running.discard(daemon)
-        if daemon in self._retiring and exc is None:
+        tenant = self._tenants.owner(daemon) if self._tenants is not None else None
+        if daemon in self._retiring or (tenant is not None and exc is not None and not self._stopping):
             self._retiring.discard(daemon)
             self.daemons.remove(daemon)
-            if not self._running:
-                self._loop.stop()
-            return
-        if exc is not None:
-            log.error("%s failed: %s", daemon.name, exc, exc_info=not isinstance(exc, Exception) or None)
-            self.failures.append((daemon.name, exc))
-        elif not self._stopping and not self.stop_event.is_set():
-            log.error("%s ended without a stop request: stopping the others", daemon.name)
-            self.failures.append((daemon.name, RuntimeError("returned early")))
-        if not self._stopping:
-            self.stop()
-        if not self._running:
+            if exc is not None and tenant is not None and self._tenants is not None:
+                log.error("%s of tenant %s failed: %s", daemon.name, tenant, exc, exc_info=True)
+                self._tenants.failed(tenant)  # its other daemons stop; all start again after a backoff
+            elif exc is not None:
+                log.warning("%s failed while it stopped: %s", daemon.name, exc)
+        else:
+            if exc is not None:
+                log.error("%s failed: %s", daemon.name, exc, exc_info=not isinstance(exc, Exception) or None)
+                self.failures.append((daemon.name, exc))
+            elif not self._stopping:
+                log.error("%s ended without a stop request: stopping the others", daemon.name)
+                self.failures.append((daemon.name, RuntimeError("returned early")))
+            if not self._stopping:
+                self.stop()
+        if self._over:
             self._loop.stop()
 
     def _watch(self) -> None:
         """Every STOP_CHECK: once a stop was requested, give the daemons ``stop_timeout``."""
-        if not self._running:
+        if self._over:
+            self._loop.stop()
             return
         now = time.monotonic()
-        if (self._stopping or self.stop_event.is_set()) and self._deadline is None:
-            self._stopping = True
+        if self._stopping and self._deadline is None:
             self._deadline = now + self._stop_timeout
         if self._deadline is not None and now >= self._deadline:
             self.stuck = sorted(d.name for d in self._running)
@@ -284,8 +296,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     from framework.liveness import watch
 
+    # Serving tenants, the probes and heartbeats follow the service's own daemons: a tenant's
+    # come and go (docs/how-to/tenants.md, "One set of daemons for every tenant").
+    watched = list(daemons) if tenants is None else [d for d in daemons if tenants.owner(d) is None]
+    if not watched and args.metrics_port:
+        log.warning("--metrics-port: no probes without a receiver or collector in this process")
+    probes = watch(watched, port=args.metrics_port, config=liveness_config(args)) if watched else nullcontext()
     try:
-        with watch(list(daemons), port=args.metrics_port, config=liveness_config(args)):
+        with probes:
             supervisor.run(args.stop_timeout)
     finally:
         if follower is not None:

@@ -126,13 +126,14 @@ class Copies:
             ]
         )
 
-    def ack(self, group: list[Delivery]) -> None:
-        """Ack ``group`` (stored): one ``multiple`` ack, unless that would ack a delivery whose copy waits."""
+    def ack(self, group: list[Delivery], below: int | None = None) -> None:
+        """Ack ``group`` (stored): one ``multiple`` ack, unless that would ack a delivery whose
+        copy waits, or one not yet stored (``below``: the lowest tag of those, if any)."""
         consumer = self._consumer
         if consumer is None:
             return
         last = group[-1].delivery_tag
-        if not self.waiting or min(self.waiting) > last:
+        if (not self.waiting or min(self.waiting) > last) and (below is None or below > last):
             consumer.ack(last, multiple=True)
             return
         for delivery in group:

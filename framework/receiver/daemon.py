@@ -47,7 +47,6 @@ from framework import amqp, db, delivery_limit, metrics, names, topology
 from framework import dead_letters as dl
 from framework.backoff import reconnect_seconds
 from framework.daemon import RABBITMQ, Daemon
-from framework.envelope import decode_json
 from framework.errors import BrokerUnavailable
 from framework.reasons import Reason
 from framework.receiver.config import ReceiverConfig
@@ -56,7 +55,7 @@ from framework.receiver.copies import Copies, Copy
 from framework.receiver.handoff import Handoff
 from framework.receiver.intake import Delivery, Intake
 from framework.receiver.store import Prepared, Storing, end_spans
-from framework.receiver.tenancy import Store, Tenancy, store
+from framework.receiver.tenancy import Resolved, Store, Tenancy, store
 from framework.receiver.turns import POLL_SECONDS, ConsumerTurn, Takeover, takeover_seconds
 from framework.receiver.write import InboxWrite, Step
 from framework.service import Service
@@ -64,6 +63,7 @@ from framework.signing import SigningConfig
 from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import inbox as inbox_sql
 from framework.sql import redeliveries as redeliveries_sql
+from framework.tenants.model import Registry as TenantRegistry
 
 __all__ = ["InboxWrite", "Receiver"]
 
@@ -124,6 +124,7 @@ class Receiver(Storing, Daemon):
         self._at = self._home  # where the group being settled is written (Storing)
         #: Serving every tenant of a registry (framework/receiver/tenancy.py), or None.
         self.tenancy = tenancy
+        self._resolved: dict[int, Resolved] = {}  # the buffer's deliveries' tenants, by delivery tag
         self._buffer: list[Delivery] = []
         self._first_at = 0.0  # monotonic: when the buffer's first delivery came
         self._inflight: _Inflight | None = None  # the batch being written
@@ -327,6 +328,7 @@ class Receiver(Storing, Daemon):
             end_spans(inflight.prepared.spans)
             inflight.store.close()
         self._buffer = []  # unacked: the broker requeues them when the channel closes
+        self._resolved.clear()
         self._buffered = self._writing = 0
         for name in ("tick", "turn", "batch wait"):
             self._cancel(name)
@@ -559,7 +561,7 @@ class Receiver(Storing, Daemon):
             batch, forced = self._one_tenant(batch)
             if self._buffer:  # the next tenant's, and what came after: the next batch
                 self._first_at = time.monotonic()
-                self._buffered = sum(len(d.body) for d in self._buffer)
+                self._buffered = batch_bytes - sum(len(d.body) for d in batch)
                 batch_bytes -= self._buffered
         self._received.inc(len(batch))
         self.progress()
@@ -570,6 +572,7 @@ class Receiver(Storing, Daemon):
             for delivery in batch:
                 self._settle_group([delivery], forced)
             self._writing = 0
+            self._next_tenant_soon()
             return
         try:
             prepared = self._admit(batch, forced)
@@ -577,44 +580,56 @@ class Receiver(Storing, Daemon):
             self.log.exception("admitting a batch of %d failed: settling them one by one", len(batch))
             for delivery in batch:
                 self._settle_group([delivery], forced)
+            self._next_tenant_soon()
             return
         self._writing = batch_bytes
         self._inflight = self._send(batch, prepared)
         if self._inflight.done:
             self._step_soon()
 
+    def _ack(self, group: list[Delivery]) -> None:
+        """Ack ``group``, stored: with tenants a batch need not be a prefix of what arrived
+        (:meth:`_one_tenant`), so the buffer's lowest tag bounds the ``multiple`` ack."""
+        assert self._copies is not None
+        below = min(d.delivery_tag for d in self._buffer) if self.tenancy is not None and self._buffer else None
+        self._copies.ack(group, below)
+
+    def _next_tenant_soon(self) -> None:
+        """A batch settled at once, with no write in flight to step the loop: the next
+        tenant's deliveries, left in the buffer, go at the loop's next turn."""
+        if self._buffer:
+            self._step_soon()
+
+    def serve(self, registry: TenantRegistry) -> None:
+        """On the loop: judge the deliveries read from now on by ``registry``; the connections
+        of databases no tenant of it uses are closed (the one a write is on, once it is over)."""
+        assert self.tenancy is not None, "a receiver serving tenants (tenancy=...)"
+        self.tenancy.update(registry)
+        self._resolved.clear()  # judged again, by ``registry``
+        self.tenancy.tidy(busy=self._inflight.store.link if self._inflight is not None else None)
+
     def _one_tenant(self, buffer: list[Delivery]) -> tuple[list[Delivery], dict[int, dl.DeadLetter]]:
-        """The deliveries of one tenant at the head of ``buffer`` (the rest go back to the
-        buffer) with the store they are written to made current, and the ``unknown_tenant``
-        letters of those naming none (they go to the service's own database, together)."""
+        """The deliveries of the tenant of the buffer's first, in the order they came (the
+        others go back to the buffer, for the next batches), with the store they are written
+        to made current, and the ``unknown_tenant`` letters of those naming no tenant (they
+        go to the service's own database, together). Each delivery is resolved once."""
         assert self.tenancy is not None
-        resolved = [self.tenancy.resolve(buffer[0])]
+        resolved = [self._resolved.get(d.delivery_tag) or self._resolve(d) for d in buffer]
         key = resolved[0].key
-        for delivery in buffer[1:]:  # up to the first of another tenant: resolved once each
-            found = self.tenancy.resolve(delivery)
-            if found.key != key:
-                break
-            resolved.append(found)
-        batch, self._buffer = buffer[: len(resolved)], buffer[len(resolved) :]
+        batch = [d for d, r in zip(buffer, resolved, strict=True) if r.key == key]
+        self._buffer = [d for d, r in zip(buffer, resolved, strict=True) if r.key != key]
         self._at = self._home if key is None else self.tenancy.store(key)
-        letters = {
-            d.delivery_tag: self._unknown_tenant(d, r.error)
-            for d, r in zip(batch, resolved, strict=False)
-            if r.error is not None
-        }
+        letters = {}
+        for delivery in batch:
+            found = self._resolved.pop(delivery.delivery_tag)
+            if found.error is not None:
+                letters[delivery.delivery_tag] = self._letter(delivery, Reason.UNKNOWN_TENANT, found.error)
         return batch, letters
 
-    def _unknown_tenant(self, delivery: Delivery, error: str) -> dl.DeadLetter:
-        try:
-            data: Any = decode_json(delivery.body)
-        except Exception:  # kept raw: the letter holds the body either way
-            data = None
-        try:
-            return self.intake.reject(delivery, Reason.UNKNOWN_TENANT, error, data=data)
-        except Exception:  # last resort: a letter from the raw delivery alone
-            letter = self.intake.last_resort(delivery, error)
-            letter.reason = letter.error_type = Reason.UNKNOWN_TENANT
-            return letter
+    def _resolve(self, delivery: Delivery) -> Resolved:
+        assert self.tenancy is not None
+        found = self._resolved[delivery.delivery_tag] = self.tenancy.resolve(delivery)
+        return found
 
     def _hold(self, consumer: Consumer) -> None:
         """A write is in flight: gather, or, the batch full or its ``batch_wait`` over, stop reading
@@ -685,6 +700,8 @@ class Receiver(Storing, Daemon):
     def _finish(self, inflight: _Inflight) -> None:
         batch = inflight.batch
         self._at = inflight.store
+        if self.tenancy is not None:
+            self.tenancy.tidy()  # retired while it was written (serve)
         try:
             if inflight.write is not None:
                 self._complete(inflight.prepared, inflight.write, inflight.handed_at)
@@ -702,7 +719,7 @@ class Receiver(Storing, Daemon):
         self._careful -= len(batch)
         self.state("consuming", self.queue)
         assert self._copies is not None
-        self._copies.ack(batch)
+        self._ack(batch)
 
     def _complete(self, prepared: Prepared, write: InboxWrite, handed_at: float | None = None) -> None:
         """Settle a write that is over: committed (the usual batch), or refused and written again
@@ -748,7 +765,7 @@ class Receiver(Storing, Daemon):
         self._careful -= len(group)
         self.state("consuming", self.queue)
         assert self._copies is not None
-        self._copies.ack(group)
+        self._ack(group)
 
     # --- the way out: standing down, stopping -----------------------------------------
 

@@ -93,15 +93,20 @@ class Storing:
         error = (
             f"redelivered {count} times (limit {self.config.redelivery_limit}): the receiver died holding it each time"
         )
+        return self._letter(delivery, Reason.REDELIVERY_LIMIT, error)
+
+    def _letter(self, delivery: Delivery, reason: str, error: str) -> dl.DeadLetter:
+        """A ``reason`` letter of ``delivery`` decided before its body was judged: the message
+        kept when it is JSON, the raw body either way."""
         try:
             data: Any = decode_json(delivery.body)
         except Exception:  # whatever it is, it is dead: keep the raw body only
             data = None
         try:
-            return self.intake.reject(delivery, Reason.REDELIVERY_LIMIT, error, data=data)
-        except Exception:
+            return self.intake.reject(delivery, reason, error, data=data)
+        except Exception:  # last resort: a letter from the raw delivery alone
             letter = self.intake.last_resort(delivery, error)
-            letter.reason = letter.error_type = Reason.REDELIVERY_LIMIT
+            letter.reason = letter.error_type = reason
             return letter
 
     def _store(self, group: Sequence[Delivery], forced: dict[int, dl.DeadLetter]) -> None:

@@ -20,6 +20,7 @@ the tenant leaves the registry.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from framework.connections import ConnectionSlot
 from framework.contracts import Registry as Contracts
 from framework.receiver.intake import Delivery
 from framework.sql import inbox as inbox_sql
-from framework.tenants.model import Registry, Tenant
+from framework.tenants.model import Registry
 
 APPLICATION_NAME = "txbox-receiver"
 
@@ -66,7 +67,9 @@ class Store:
 
     def __post_init__(self) -> None:
         self.sql_insert = inbox_sql.insert_all_new_sql(self.schema)
-        self.insert_name = f"txbox_receiver_insert_{self.schema}".encode()
+        # Within PostgreSQL's 63 bytes, whatever the schema's length: longer names are cut,
+        # and two schemas alike in their first 41 characters would then share one.
+        self.insert_name = f"txbox_receiver_insert_{hashlib.sha1(self.schema.encode()).hexdigest()[:16]}".encode()
 
     @property
     def slot(self) -> ConnectionSlot:
@@ -99,24 +102,66 @@ class Tenancy:
         self._connect_timeout = connect_timeout
         # The multi-tenant routing keys the service receives: a key that fits one names a tenant.
         self._patterns = sorted({s.routing_key for s in contracts.accepted_types(service) if s.tenant_scoped})
-        self._stores: dict[str, tuple[Tenant, Store]] = {}
+        self._stores: dict[str, Store] = {}
         self._links: dict[str, Link] = {}  # by database URL: one connection a database
+        self._retired: list[Link] = []  # no store uses them any more: closed by tidy()
 
     def resolve(self, delivery: Delivery) -> Resolved:
-        """The tenant ``delivery`` names (see the module's docstring), or why it names none."""
-        header = delivery.control(names.HEADER_TENANT)
-        if header is not None:
-            if isinstance(header, bytes):
-                header = header.decode("utf-8", "replace")
-            key = header[: names.MAX_TENANT_KEY_CHARS + 1] if isinstance(header, str) else repr(header)[:80]
-            if isinstance(header, str) and key in self.registry:
-                return Resolved(key)
-            return Resolved(
-                None,
-                f"header {names.HEADER_TENANT} names tenant {key!r}, which {self.registry.source} does not list "
-                f"(its tenants: {self.registry.listed()})",
-            )
+        """The tenant ``delivery`` names (see the module's docstring), or why it names none.
+
+        Never raises: a failure of ours judging the delivery is a letter saying so, so one
+        odd delivery cannot end the session and come back forever.
+        """
+        try:
+            return self._resolve(delivery)
+        except Exception as exc:  # last resort: a bug of ours, not the input's fault
+            return Resolved(None, f"the receiver could not tell the tenant: {type(exc).__name__}: {exc}"[:500])
+
+    def _resolve(self, delivery: Delivery) -> Resolved:
+        by_header = self._by_header(delivery)
         routing_key = delivery.original_routing_key(self.service)[: names.MAX_ROUTING_KEY_CHARS]
+        by_key = self._by_routing_key(routing_key)
+        if by_header is not None:
+            if by_header.key is not None and by_key is not None and by_key.key != by_header.key:
+                return Resolved(
+                    None,
+                    f"header {names.HEADER_TENANT} names tenant {by_header.key!r} but routing key {routing_key!r} "
+                    f"names {'tenant ' + repr(by_key.key) if by_key.key else 'no tenant of the registry'}: "
+                    "a message stored on either would be stored on a guess",
+                )
+            return by_header
+        if by_key is not None:
+            return by_key
+        untrusted = not delivery.trusted and names.HEADER_TENANT in delivery.headers
+        why = (
+            f"its {names.HEADER_TENANT} header counts only from a trusted broker user (TXBOX_RECEIVER_TRUSTED_USERS)"
+            if untrusted
+            else f"no {names.HEADER_TENANT} header"
+        )
+        return Resolved(
+            None,
+            f"the delivery names no tenant: {why}, and its routing key {routing_key[:200]!r} is no multi-tenant "
+            f"key of {self.service}; a service with a tenant registry stores only what names one of its tenants",
+        )
+
+    def _by_header(self, delivery: Delivery) -> Resolved | None:
+        """What a trusted ``x-txbox-tenant`` header says (None: there is none)."""
+        header = delivery.control(names.HEADER_TENANT)
+        if header is None:
+            return None
+        if isinstance(header, bytes):
+            header = header.decode("utf-8", "replace")
+        key = header[: names.MAX_TENANT_KEY_CHARS + 1] if isinstance(header, str) else repr(header)[:80]
+        if isinstance(header, str) and key in self.registry:
+            return Resolved(key)
+        return Resolved(
+            None,
+            f"header {names.HEADER_TENANT} names tenant {key!r}, which {self.registry.source} does not list "
+            f"(its tenants: {self.registry.listed()})",
+        )
+
+    def _by_routing_key(self, routing_key: str) -> Resolved | None:
+        """What the Mosaic ids of a multi-tenant routing key say (None: it is none)."""
         for pattern in self._patterns:
             ids = names.tenancy(pattern, routing_key)
             if ids is None:
@@ -129,56 +174,43 @@ class Tenancy:
                 f"routing key {routing_key!r} names Mosaic tenant {ids[0]!r} environment {ids[1]!r}, which no "
                 f"tenant of {self.registry.source} has (mosaic_tenant_id, mosaic_environment_id)",
             )
-        untrusted = names.HEADER_TENANT in delivery.headers  # and not honoured (above)
-        return Resolved(
-            None,
-            "the delivery names no tenant: "
-            + (
-                f"its {names.HEADER_TENANT} header counts only from a trusted broker user "
-                "(TXBOX_RECEIVER_TRUSTED_USERS), "
-                if untrusted
-                else f"no {names.HEADER_TENANT} header, "
-            )
-            + f"and its routing key "
-            f"{routing_key[:200]!r} is no multi-tenant key of {self.service}; a service with a tenant registry "
-            "stores only what names one of its tenants",
-        )
+        return None
 
     def store(self, key: str) -> Store:
         """The store of tenant ``key`` (in the registry in force), made on first use."""
-        tenant = self.registry.tenant(key)
         made = self._stores.get(key)
-        if made is None or made[0] != tenant:
+        if made is None:
+            tenant = self.registry.tenant(key)
             shared = self._links.get(tenant.database_url)
             if shared is None:
                 shared = self._links[tenant.database_url] = link(tenant.database_url, self._connect_timeout)
-            made = self._stores[key] = (tenant, Store(key, tenant.schema, shared))
-            self._unlink()
-        return made[1]
+            made = self._stores[key] = Store(key, tenant.schema, shared)
+        return made
 
     def update(self, registry: Registry) -> None:
-        """Serve ``registry`` from now on: the stores of tenants it no longer lists, or lists
-        elsewhere, are closed (a delivery of theirs read from now on is judged by it)."""
+        """Serve ``registry`` from now on (a delivery read from now on is judged by it): the
+        stores of tenants it no longer lists, or lists elsewhere, go; a connection no store
+        uses any more is retired, and closed by :meth:`tidy` once no write is on it."""
+        for key in [k for k in self._stores if registry.get(k) != self.registry.get(k)]:
+            del self._stores[key]
         self.registry = registry
-        for key, (tenant, _) in list(self._stores.items()):
-            if registry.get(key) != tenant:
-                del self._stores[key]
-        self._unlink()
+        used = {id(kept.link) for kept in self._stores.values()}
+        for url in [u for u, shared in self._links.items() if id(shared) not in used]:
+            self._retired.append(self._links.pop(url))
 
-    def _unlink(self) -> None:
-        """Close the connections to databases no store is written to any more."""
-        used = {id(kept.link) for _, kept in self._stores.values()}
-        for url, unused in [(u, k) for u, k in self._links.items() if id(k) not in used]:
-            unused.close()
-            del self._links[url]
+    def tidy(self, busy: Link | None = None) -> None:
+        """Close the retired connections but ``busy`` (the one a write is in flight on)."""
+        kept = []
+        for retired in self._retired:
+            if retired is busy:
+                kept.append(retired)
+            else:
+                retired.close()
+        self._retired = kept
 
     def close(self) -> None:
-        for shared in self._links.values():
+        for shared in [*self._links.values(), *self._retired]:
             shared.close()
         self._links.clear()
+        self._retired.clear()
         self._stores.clear()
-
-    @property
-    def connections(self) -> int:
-        """The tenants' databases connected now (a database without traffic has none)."""
-        return sum(1 for shared in self._links.values() if shared.slot.is_open)

@@ -18,9 +18,12 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
+import pika
 import pytest
 
+from framework import amqp, names
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import publish, query, scalar
@@ -85,10 +88,13 @@ class Chaos:
         return "\n".join(f"--- {d.name}\n{d.log_tail(15)}" for d in self.group.daemons[-4:])
 
 
-def publish_in_background(amqp_url: str, bodies: list[bytes], chunk: int = 500) -> threading.Thread:
+def publish_in_background(
+    amqp_url: str, bodies: list[bytes], chunk: int = 500, properties: list[pika.BasicProperties] | None = None
+) -> threading.Thread:
     def target() -> None:
         for start in range(0, len(bodies), chunk):
-            publish(amqp_url, bodies[start : start + chunk], routing_key=counter.ROUTING_KEY)
+            props = properties[start : start + chunk] if properties is not None else None
+            publish(amqp_url, bodies[start : start + chunk], routing_key=counter.ROUTING_KEY, properties=props)
             support.pause(0.3)  # spread the load over the chaos
 
     thread = threading.Thread(target=target, name="publisher", daemon=True)
@@ -96,7 +102,10 @@ def publish_in_background(amqp_url: str, bodies: list[bytes], chunk: int = 500) 
     return thread
 
 
-def settle_and_stop(chaos: Chaos, url: str, expected: int, processes: ProcessGroup) -> None:
+def settle_and_stop(chaos: Chaos, url: str | None, expected: int, processes: ProcessGroup) -> None:
+    """Wait until ``expected`` rows of ``url``'s inbox are settled (None: the caller waited), then
+    stop every daemon with SIGTERM, each ending with 0."""
+
     def settled() -> bool:
         chaos.revive()
         return bool(
@@ -108,7 +117,8 @@ def settle_and_stop(chaos: Chaos, url: str, expected: int, processes: ProcessGro
             )
         )
 
-    support.wait_until(settled, 240, interval=0.5, message=f"every message to be settled\n{chaos.logs()}")
+    if url is not None:
+        support.wait_until(settled, 240, interval=0.5, message=f"every message to be settled\n{chaos.logs()}")
     for daemon in list(chaos.daemons.values()):
         # A daemon restarted a moment ago may still be importing: SIGTERM would end it
         # before it could install its handler. Wait until it runs its loop.
@@ -174,3 +184,64 @@ def test_a_handler_that_kills_the_process_ends_as_poison_and_nothing_else_suffer
     expected = {json.loads(b)["message_id"] for b in bodies} - {poison_id}
     assert set(counts) == expected
     assert set(counts.values()) == {1}
+
+
+@pytest.mark.slow
+def test_tenants_messages_exactly_once_through_kill_9s(
+    database_url: str, amqp_url: str, env: dict[str, str], processes: ProcessGroup, template_db: str, tmp_path: Any
+) -> None:
+    """Two `txbox run` processes serving the two tenants of a registry (a database each),
+    killed at random moments: every message is applied once, in its own tenant's database
+    and nowhere else (docs/how-to/tenants.md, "One set of daemons for every tenant").
+
+    The tenant of each message is its ``x-txbox-tenant`` header, as a txbox relay serving
+    tenants sends it; the counter command is not multi-tenant, so nothing else names it.
+    """
+    tenants = {key: support.unique(f"txbox_{key}") for key in ("acme", "globex")}
+    for name in tenants.values():
+        support.create_database(name, template=template_db)
+    try:
+        urls = {key: support.db_url(name) for key, name in tenants.items()}
+        for url in urls.values():
+            query(url, counter.TABLE)
+        registry = tmp_path / "tenants.toml"
+        registry.write_text("".join(f'[tenants.{key}]\ndatabase_url = "{url}"\n' for key, url in urls.items()))
+        tenant_env = {**env, "TXBOX_TENANTS_FILE": str(registry), "TXBOX_RECEIVER_STANDBY": "false"}
+        keys = sorted(tenants)
+        bodies = [counter.envelope(n, aggregate_id=str(n % 100)) for n in range(MESSAGES // 2)]
+        owner = {json.loads(b)["message_id"]: keys[n % 2] for n, b in enumerate(bodies)}
+        # user_id: RabbitMQ vouches for the publisher, whose control headers then count.
+        user = amqp.username(amqp_url)
+        props = [
+            pika.BasicProperties(
+                content_type="application/json", delivery_mode=2, user_id=user, headers={names.HEADER_TENANT: key}
+            )
+            for key in (keys[n % 2] for n in range(len(bodies)))
+        ]
+        sender = publish_in_background(amqp_url, bodies, properties=props)
+        chaos = Chaos(processes, tenant_env, seed=int(time.time()) + 2, deployment="run")
+        chaos.run(done=lambda: not sender.is_alive(), kills_each=KILLS_EACH)
+
+        def settled() -> bool:
+            chaos.revive()
+            done = [
+                scalar(url, "SELECT count(*) FILTER (WHERE processed_at IS NOT NULL) FROM txbox.inbox")
+                for url in urls.values()
+            ]
+            return sum(done) == len(bodies)
+
+        support.wait_until(settled, 240, interval=0.5, message=f"every message to be settled\n{chaos.logs()}")
+        settle_and_stop(chaos, None, 0, processes)
+
+        assert min(chaos.kills.values()) >= KILLS_EACH
+        for key, url in urls.items():
+            counts = dict(query(url, "SELECT id::text, n FROM counters"))
+            mine = {mid for mid, k in owner.items() if k == key}
+            assert set(counts) == mine, f"{key}: missing {len(mine - set(counts))}, others' {len(set(counts) - mine)}"
+            assert set(counts.values()) == {1}, f"{key}: messages applied more than once"
+            assert scalar(url, "SELECT count(*) FROM txbox.dead_letters") == 0
+        assert scalar(database_url, "SELECT count(*) FROM txbox.inbox") == 0  # the service's own: none stored
+        assert scalar(database_url, "SELECT count(*) FROM txbox.dead_letters") == 0
+    finally:
+        for name in tenants.values():
+            support.drop_database(name)

@@ -21,19 +21,22 @@ from typing import Any
 import pika
 import pytest
 
-from framework import CommandHandler, migrate, topology
+from framework import CommandHandler, migrate, names, topology
 from framework.cli.run import Supervisor, build_tenants
+from framework.receiver import Receiver
+from framework.receiver.consumer import Consumer
 from framework.service import Service
 from framework.settings import Settings
 from framework.tenants import FileSource, RegistryWatcher
 from framework.tenants.follow import RegistryFollower
 from tests import support
-from tests.apps.helpers import publish, query
+from tests.apps.helpers import publish, query, queue_depth
 from tests.integration.test_tenant_routing import CreateThing, ThingCreated, contracts_folder, envelope
 
 pytestmark = pytest.mark.integration
 
 SERVICE = "ax-tenant-service"
+QUEUE = names.inbox_queue(SERVICE)
 ACME, GLOBEX, INITECH = "t_acme", "t_globex", "t_initech"
 REGISTRY = {
     "acme": f'schema = "{ACME}"\nmosaic_tenant_id = "acme-id"\nmosaic_environment_id = "prod"\n',
@@ -187,3 +190,46 @@ def test_a_tenant_added_or_removed_at_run_time_is_served_or_not(
     )
     assert _handled(database_url, GLOBEX) == []
     assert _letters(database_url) == [("unknown_tenant", f"{SERVICE}.globex-id.prod.thing.create")]
+
+
+def test_interleaved_tenants_are_batched_apart_and_every_delivery_acked(
+    serving: tuple[Path, Supervisor], amqp_url: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deliveries of two tenants alternating: each batch is one tenant's, taken from the
+    whole buffer (not only its head), so a batch is no prefix of what arrived: no ack
+    ever covers a delivery still waiting in the buffer (acked before it is stored, it
+    would be lost with the process). Every one is stored once, in its tenant, and acked."""
+    _, supervisor = serving
+    receiver = next(d for d in supervisor.daemons if isinstance(d, Receiver))
+    early: list[int] = []  # deliveries an ack covered while they waited to be stored
+    ack = Consumer.ack
+
+    def checked(self: Consumer, delivery_tag: int, *, multiple: bool = False) -> None:
+        early.extend(d.delivery_tag for d in receiver._buffer if d.delivery_tag <= delivery_tag and multiple)
+        ack(self, delivery_tag, multiple=multiple)
+
+    monkeypatch.setattr(Consumer, "ack", checked)
+    props: Any = pika.BasicProperties(content_type="application/json", delivery_mode=2)
+    bodies = [envelope("CreateThing", f"n{n}") for n in range(60)]
+    keys = [f"{SERVICE}.{'acme-id' if n % 2 == 0 else 'globex-id'}.prod.thing.create" for n in range(60)]
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        for body, key in zip(bodies, keys, strict=True):
+            channel.basic_publish(names.COMMAND_EXCHANGE, key, body, props)
+    finally:
+        connection.close()
+
+    def commands(tenant_schema: str) -> set[str]:
+        return {a for t, a in _handled(database_url, tenant_schema) if t == "CreateThing"}
+
+    support.wait_until(
+        lambda: len(commands(ACME)) == 30 and len(commands(GLOBEX)) == 30 and queue_depth(amqp_url, QUEUE) == 0,
+        timeout=60,
+        message="every command stored in its tenant and acked",
+    )
+    assert commands(ACME) == {f"n{n}" for n in range(0, 60, 2)}
+    assert commands(GLOBEX) == {f"n{n}" for n in range(1, 60, 2)}
+    assert query(database_url, f"SELECT count(*) FROM {ACME}.inbox WHERE message_type = 'CreateThing'") == [(30,)]
+    assert early == []

@@ -8,7 +8,7 @@ import importlib
 from txbox_tools.bench.result import Result
 from txbox_tools.processes import unwind_on_sigterm
 
-HELP = "benchmarks: relay, receiver, worker, e2e, latency, analyze, outbox-write, dashboard, soak"
+HELP = "benchmarks: relay, receiver, worker, e2e, latency, analyze, outbox-write, dashboard, soak, tenants"
 
 # stage → (module, one line for `txbox bench --help`)
 STAGES: dict[str, tuple[str, str]] = {
@@ -21,6 +21,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "outbox-write": ("txbox_tools.bench.outbox_write", "what one outbox row adds to a transaction"),
     "dashboard": ("txbox_tools.bench.dashboard", "dashboard page times over 100,000 dead letters"),
     "soak": ("txbox_tools.bench.soak", "steady load for --duration with retention on: flat p99 and table sizes"),
+    "tenants": ("txbox_tools.bench.tenants", "one `txbox run` serving N tenants beside one serving one tenant"),
 }
 
 
