@@ -16,7 +16,7 @@ scratch database (``t_0`` … ``t_<N-1>``), listed in a registry file. A run mea
 
 The bar is a ratio of the same session: N tenants' throughput against one tenant's with
 the same messages (``ratio``), and the idle cost per tenant (docs/how-to/tenants.md,
-"Connections, threads and how many tenants"; benchmarks/tenants.md).
+"One set of daemons for every tenant"; benchmarks/tenants.md).
 """
 
 from __future__ import annotations
