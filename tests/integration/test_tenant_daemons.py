@@ -32,6 +32,7 @@ from framework.tenants.follow import RegistryFollower
 from tests import support
 from tests.apps.helpers import publish, query, queue_depth
 from tests.integration.test_tenant_routing import CreateThing, ThingCreated, contracts_folder, envelope
+from txbox_tools.chaos.instances import PrivatePostgres
 
 pytestmark = pytest.mark.integration
 
@@ -89,11 +90,15 @@ def _save(path: Path, keys: list[str]) -> None:
 @pytest.fixture
 def serving(service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Supervisor]]:
     """The tenants' daemons on one loop in a thread, as `txbox run` runs them; stopped after."""
+    path = tmp_path / "tenants.toml"
+    _save(path, ["acme", "globex"])
+    yield from _serve(service, path, monkeypatch)
+
+
+def _serve(service: Service, path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Supervisor]]:
     monkeypatch.setenv("TXBOX_WORKER_POLL_INTERVAL", "0.2")
     monkeypatch.setenv("TXBOX_PUBLISHER_POLL_INTERVAL", "0.2")
     monkeypatch.setenv("TXBOX_RECEIVER_BATCH_WAIT", "0.01")
-    path = tmp_path / "tenants.toml"
-    _save(path, ["acme", "globex"])
     source = FileSource(path, default_database_url=service.settings.database_url, default_schema="txbox")
     follower = RegistryFollower(RegistryWatcher(source, interval=0.1))
     follower.start()
@@ -233,3 +238,35 @@ def test_interleaved_tenants_are_batched_apart_and_every_delivery_acked(
     assert commands(GLOBEX) == {f"n{n}" for n in range(1, 60, 2)}
     assert query(database_url, f"SELECT count(*) FROM {ACME}.inbox WHERE message_type = 'CreateThing'") == [(30,)]
     assert early == []
+
+
+def test_a_tenant_whose_database_is_down_waits_while_the_others_go_on(
+    service: Service, tmp_path: Path, amqp_url: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant's database on a server of its own, stopped: the other tenant's messages are
+    handled meanwhile; the down tenant's wait in the delay chain (nothing lettered, nothing
+    lost) and are handled once its server is back, its relay and worker reconnecting."""
+    with PrivatePostgres() as remote:
+        url = remote.create_database("remote")
+        migrate.upgrade(url)
+        path = tmp_path / "tenants.toml"
+        path.write_text(
+            f"[tenants.acme]\n{REGISTRY['acme']}\n"
+            f'[tenants.remote]\ndatabase_url = "{url}"\nmosaic_tenant_id = "remote-id"\n'
+        )
+        serving = _serve(service, path, monkeypatch)
+        next(serving)
+        try:
+            remote.stop(mode="immediate")
+            _command(amqp_url, "r1", "remote-id")
+            _command(amqp_url, "a1", "acme-id")
+            support.wait_until(lambda: len(_handled(database_url, ACME)) == 3, timeout=60, message="acme served")
+            assert _letters(database_url) == []
+            remote.start()
+            support.wait_until(
+                lambda: len(_handled(url, "txbox")) == 3, timeout=120, message="the remote tenant served once back"
+            )
+            assert _handled(url, "txbox") == [("AuditThing", "r1"), ("CreateThing", "r1"), ("ThingCreated", "r1")]
+            assert _letters(database_url) == []
+        finally:
+            next(serving, None)

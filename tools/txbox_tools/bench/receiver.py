@@ -307,7 +307,7 @@ def receiver_instance(
     if trace_dir is not None:
         # The bench reaches into the receiver's slots: what it counts is each message the
         # receiver's own connections send, whatever the code that sends them.
-        receiver._db._on_connect = functools.partial(_trace, Path(trace_dir), "db")
+        receiver._home.slot._on_connect = functools.partial(_trace, Path(trace_dir), "db")
         if receiver._turn is not None:
             receiver._turn._slot._on_connect = functools.partial(_trace, Path(trace_dir), "turn")
     return receiver, metrics.RECEIVER_STORED.labels(service=settings.service)
