@@ -14,8 +14,14 @@ scratch database (``t_0`` … ``t_<N-1>``), listed in a registry file. A run mea
   receiver (routing each to its tenant's inbox by the tenant header) and each tenant's
   worker, until every business row is in: messages a second and CPU per message.
 
+- **fairness** (``--noisy``, the N-tenant run): ``--quiet-messages`` Pings sent one at a
+  time at ``--quiet-rate`` into one tenant's outbox, first alone, then right after a
+  burst of ``--noisy`` Pings into another tenant's: the quiet tenant's latency (its
+  outbox row's creation to its handler's row, p50 and p99) with and without the burst.
+
 The bar is a ratio of the same session: N tenants' throughput against one tenant's with
-the same messages (``ratio``), and the idle cost per tenant (docs/how-to/tenants.md,
+the same messages (``ratio``), the quiet tenant's p99 with a noisy neighbour against
+without (``fairness_p99_ratio``), and the idle cost per tenant (docs/how-to/tenants.md,
 "One set of daemons for every tenant"; benchmarks/tenants.md).
 """
 
@@ -50,6 +56,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--messages", type=int, default=5000, help="messages of each run (default 5000)")
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle measurement (default 10)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take to drain (default 600)")
+    parser.add_argument("--noisy", type=int, default=20000, help="the noisy tenant's burst (default 20000; 0: none)")
+    parser.add_argument("--quiet-messages", type=int, default=100, help="the quiet tenant's messages (default 100)")
+    parser.add_argument("--quiet-rate", type=float, default=20.0, help="the quiet tenant's msg/s (default 20)")
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -62,8 +71,10 @@ def run(args: argparse.Namespace) -> Result:
         args.admin_url = pg.admin_url
         one = _measure(args, 1)
         many = _measure(args, args.tenants)
+    fairness = many.pop("fairness", None)
     extra = {
         "tenants": args.tenants,
+        **(fairness or {}),
         "one_tenant": one,
         "many_tenants": many,
         "idle_cores_per_tenant": round((many["idle_cores"] - one["idle_cores"]) / max(args.tenants - 1, 1), 5),
@@ -112,9 +123,11 @@ def _measure(args: argparse.Namespace, tenants: int) -> dict[str, Any]:
             _drain(scratch, group, args.messages, args.timeout)
             seconds = time.monotonic() - started
             busy = meter.stop()
+            fairness = _fairness(args, scratch, group, service, schemas) if tenants > 1 and args.noisy else None
         finally:
             group.stop_all()
     return {
+        **({"fairness": fairness} if fairness else {}),
         "tenants": tenants,
         "seconds": round(seconds, 3),
         "rate": round(args.messages / seconds, 1),
@@ -161,3 +174,63 @@ def _drain(scratch: Scratch, group: ProcessGroup, messages: int, timeout: float)
                 raise TxboxError(f"{handled(conn)} of {messages} handled after {timeout:.0f}s; logs: {group.log_dir}")
             raise_if_terminated()
             time.sleep(0.05)
+
+
+def _fairness(
+    args: argparse.Namespace, scratch: Scratch, group: ProcessGroup, service: Any, schemas: list[str]
+) -> dict[str, Any]:
+    """The quiet tenant's latency alone, then right after the noisy tenant's burst."""
+    noisy, quiet = service.with_settings(schema=schemas[0]), service.with_settings(schema=schemas[1])
+    expected = args.messages
+    first = args.messages  # Ping numbers go on from the throughput run's
+    alone = _quiet(args, scratch, quiet, first)
+    expected += args.quiet_messages
+    _drain(scratch, group, expected, args.timeout)
+    first += args.quiet_messages
+    chunk = 2000
+    for start in range(0, args.noisy, chunk):  # the burst: committed before the quiet tenant's first
+        write_pings(noisy, first + start, min(chunk, args.noisy - start), echo=False)
+    first += args.noisy
+    burst_started = time.monotonic()
+    crowded = _quiet(args, scratch, quiet, first)
+    expected += args.noisy + args.quiet_messages
+    _drain(scratch, group, expected, args.timeout)
+    burst_seconds = time.monotonic() - burst_started
+    alone_ms = _latencies(scratch, schemas[1], alone, crowded)
+    crowded_ms = _latencies(scratch, schemas[1], crowded, time.time())
+    return {
+        "fairness_quiet_alone_ms": alone_ms,
+        "fairness_quiet_with_noisy_ms": crowded_ms,
+        "fairness_p99_ratio": round(crowded_ms["p99"] / max(alone_ms["p99"], 1e-9), 2),
+        "fairness_noisy_burst": args.noisy,
+        "fairness_noisy_drained_s": round(burst_seconds, 2),
+    }
+
+
+def _quiet(args: argparse.Namespace, scratch: Scratch, quiet: Any, first: int) -> float:
+    """Send the quiet tenant's Pings, one transaction each, at ``--quiet-rate``; when they began."""
+    began = time.time()
+    interval = 1.0 / args.quiet_rate
+    due = time.monotonic()
+    for n in range(args.quiet_messages):
+        write_pings(quiet, first + n, 1, echo=False)
+        due += interval
+        time.sleep(max(0.0, due - time.monotonic()))
+        raise_if_terminated()
+    return began
+
+
+def _latencies(scratch: Scratch, schema: str, since: float, until: float) -> dict[str, float]:
+    """p50, p99 and max of (handler's row minus outbox row's creation) of ``schema``'s Pings
+    created from ``since`` to ``until`` (epoch seconds)."""
+    with psycopg.connect(conninfo(scratch.database_url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY ms), max(ms), count(*) FROM ("
+            f"SELECT extract(epoch FROM h.handled_at - o.created_at) * 1000 AS ms FROM {schema}.outbox o "
+            "JOIN bench_handled h ON h.message_id = o.id "
+            "WHERE o.created_at >= to_timestamp(%s) AND o.created_at < to_timestamp(%s)) t",
+            (since, until),
+        ).fetchone()
+    assert row is not None
+    (p50, p99), worst, count = row[0], row[1], row[2]
+    return {"p50": round(p50, 1), "p99": round(p99, 1), "max": round(float(worst), 1), "messages": int(count)}
