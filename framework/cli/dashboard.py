@@ -76,8 +76,7 @@ def tenanted(args: argparse.Namespace) -> tuple[list[Source], RegistryFollower] 
     database and schema) and the registry's follower, started (its first snapshot read:
     one that does not load fails here). None without a registry."""
     from framework.dashboard.app import Source
-    from framework.tenants import RegistryWatcher, open_source
-    from framework.tenants.follow import RegistryFollower
+    from framework.tenants.follow import follow
 
     settings = tenant_settings(args)
     if not settings.configured:
@@ -88,10 +87,7 @@ def tenanted(args: argparse.Namespace) -> tuple[list[Source], RegistryFollower] 
             "drop --source, or unset TXBOX_TENANTS_FILE and TXBOX_TENANTS_DATABASE_URL"
         )
     url, schema = tenant_defaults(args)
-    source = open_source(settings, default_database_url=url, default_schema=schema)
-    assert source is not None  # configured (above)
-    follower = RegistryFollower(RegistryWatcher(source, interval=float(settings.tenants_poll_interval)))
-    follower.start()
+    follower = follow(settings, default_database_url=url, default_schema=schema)
     service = load_service(args, database=False).settings
     # No database of its own: every page that reads one names a tenant.
     return [Source(service.service, "", schema=service.schema, contracts_dir=service.contracts_dir)], follower

@@ -43,7 +43,7 @@ from framework.cli.common import (
 from framework.daemon import STOP_CHECK, Daemon
 from framework.service import Service
 from framework.tenants.daemons import TenantDaemons
-from framework.tenants.follow import RegistryFollower
+from framework.tenants.follow import RegistryFollower, follow
 from framework.tenants.model import Tenant
 
 log = logging.getLogger("txbox.run")
@@ -316,17 +316,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _follower(args: argparse.Namespace, service: Service) -> RegistryFollower | None:
     """The registry's follower, started (a registry that does not load fails here), or None."""
-    from framework.tenants import RegistryWatcher, open_source
-
     settings = tenant_settings(args)
     if not settings.configured:
         return None
     _, schema = tenant_defaults(args)
-    source = open_source(settings, default_database_url=service.settings.database_url, default_schema=schema)
-    assert source is not None  # configured (above)
-    follower = RegistryFollower(RegistryWatcher(source, interval=float(settings.tenants_poll_interval)))
-    follower.start()
-    return follower
+    return follow(settings, default_database_url=service.settings.database_url, default_schema=schema)
 
 
 def _exit_now(code: int) -> Any:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 
+from framework.settings import TenantSettings
 from framework.tenants.model import Registry, RegistryChange
-from framework.tenants.watch import RegistryWatcher
+from framework.tenants.watch import RegistryWatcher, open_source
 
 log = logging.getLogger("txbox.tenants")
 
@@ -62,3 +63,14 @@ class RegistryFollower:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def follow(tenants: TenantSettings, *, default_database_url: str | None, default_schema: str) -> RegistryFollower:
+    """A follower of the registry ``tenants`` configures (one must be), started: a registry
+    that does not load fails here. Entries without their own URL or schema take these."""
+    source = open_source(tenants, default_database_url=default_database_url, default_schema=default_schema)
+    if source is None:
+        raise ValueError("follow() needs a configured registry (TenantSettings.configured)")
+    follower = RegistryFollower(RegistryWatcher(source, interval=float(tenants.tenants_poll_interval)))
+    follower.start()
+    return follower
