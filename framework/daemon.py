@@ -16,7 +16,6 @@ both (docs/explanation/operations.md, "Probes, logs and liveness").
 from __future__ import annotations
 
 import contextlib
-import logging
 import signal
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pika.adapters.select_connection import IOLoop
 
-from framework import logs, tracing
+from framework import logs, metrics, tracing
 from framework.drivers import tune_drivers
 
 if TYPE_CHECKING:
@@ -55,7 +54,9 @@ class Daemon:
     #: What :meth:`ready` requires: the worker talks to PostgreSQL only.
     needs: tuple[str, ...] = (POSTGRESQL, RABBITMQ)
 
-    def __init__(self, service: Service, *, stop_event: threading.Event | None = None) -> None:
+    def __init__(
+        self, service: Service, *, stop_event: threading.Event | None = None, tenant: str | None = None
+    ) -> None:
         # Process-wide, so here and not at import (docs/explanation/daemons.md, "What txbox changes in a process").
         tune_drivers()
         # Also process-wide; fails at start on a misconfigured OTEL_* (docs/explanation/operations.md, "Tracing").
@@ -64,7 +65,12 @@ class Daemon:
         self.settings = service.settings
         logs.set_service(self.settings.service)
         self.stop_event = stop_event if stop_event is not None else threading.Event()
-        self.log = logging.getLogger(f"txbox.{self.name}")
+        #: The registry key of the tenant this daemon serves alone (its ``service`` set to
+        #: the tenant's database and schema), in its metrics' ``tenant`` label and its log
+        #: lines; None: no tenant (docs/how-to/tenants.md, "Seen per tenant").
+        self.tenant = tenant
+        self.labels = metrics.labels(self.settings.service, tenant)
+        self.log = logs.daemon_logger(f"txbox.{self.name}", tenant)
         self._state = ""
         self.started = time.time()
         self.last_progress = time.monotonic()  # monotonic: a clock step must not look like a hang

@@ -7,7 +7,6 @@ objects and their unit of work. Both come from one URL.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -22,7 +21,7 @@ from psycopg.types.json import set_json_loads
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.engine import URL, Dialect, Engine, make_url
 
-from framework import jsoncodec
+from framework import jsoncodec, logs
 from framework.errors import ConfigurationError, DatabaseUnavailable
 
 # SQLSTATEs that mean "the database failed", not "this statement (so its message) is bad":
@@ -297,7 +296,7 @@ class Statistics:
         """
         return seconds > 0.05 + 0.0005 * rows
 
-    def after_claim(self, conn: psycopg.Connection[Any], seconds: float, rows: int, log: logging.Logger) -> None:
+    def after_claim(self, conn: psycopg.Connection[Any], seconds: float, rows: int, log: logs.Log) -> None:
         """Call after each claim: if it was :meth:`slow`, ANALYZE now when stale.
 
         Never raises: the claim is done, and a failure here must not cost its rows. Leaves

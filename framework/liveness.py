@@ -193,7 +193,7 @@ def watch(
     for daemon in daemons:
         gauge = metrics.SINCE_PROGRESS.get(daemon.name)
         if gauge is not None:
-            gauge.labels(daemon.settings.service).set_function(daemon.idle_for)
+            gauge.labels(**daemon.labels).set_function(daemon.idle_for)
     server = ProbeServer(daemons, port, config.metrics_addr, float(config.stuck_after)).start() if port else None
     heartbeat = Heartbeat(daemons, config).start()
     try:

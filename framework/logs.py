@@ -3,7 +3,8 @@
 Fields beyond the record's own come from a context variable: :func:`bind` adds some for
 a block (the worker binds ``batch_size`` around a batch and ``message_id`` around a
 handler run), :func:`set_service` names the process's service once. ``daemon`` is the
-bound one, else the daemon a ``txbox.<daemon>`` logger is named for. ``trace_id`` comes
+bound one, else the daemon a ``txbox.<daemon>`` logger is named for. ``tenant`` is the
+one a tenant's daemon logs with (:func:`daemon_logger`), else the bound one. ``trace_id`` comes
 from the record (``extra={"trace_id": ...}``), the context, or the source that tracing
 registers with :func:`set_trace_id_source`. Both formats pass the whole line through
 :mod:`framework.redaction` and mask URL passwords, so no token or password reaches a log
@@ -26,7 +27,11 @@ from framework import redaction
 from framework.errors import ConfigurationError
 
 FORMATS = ("text", "json")
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s%(txbox_tenant)s: %(message)s"
+TENANT = "tenant"  # the field naming the tenant a line is about (docs/how-to/tenants.md)
+
+#: A daemon's logger: itself, or one that puts the tenant on every record.
+Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
 DAEMONS = ("publisher", "receiver", "worker", "collector")
 #: Longest message text formatted: the redaction runs over bounded text, and a log line
 #: holding a whole payload helps nobody.
@@ -43,6 +48,13 @@ def set_service(service: str) -> None:
     """The process's service, in every JSON line (one service per process)."""
     global _service
     _service = service
+
+
+def daemon_logger(name: str, tenant: str | None) -> Log:
+    """The logger ``name``; with a ``tenant``, one whose every record names it (the ``tenant``
+    field of a JSON line, ``[tenant <key>]`` after the logger's name in text)."""
+    logger = logging.getLogger(name)
+    return logging.LoggerAdapter(logger, {TENANT: tenant}) if tenant else logger
 
 
 def set_trace_id_source(source: Callable[[], str | None] | None) -> None:
@@ -87,6 +99,8 @@ class TextFormatter(logging.Formatter):
         super().__init__(TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
+        tenant = _tenant_of(record)
+        record.txbox_tenant = f" [tenant {tenant}]" if tenant else ""
         return scrub(super().format(record))
 
 
@@ -103,6 +117,9 @@ class JsonFormatter(logging.Formatter):
             "service": fields.get("service") or _service or None,
             "daemon": fields.get("daemon") or _daemon_of(record.name),
         }
+        tenant = _tenant_of(record)
+        if tenant:
+            line[TENANT] = tenant
         line.update((k, v) for k, v in fields.items() if k not in line)
         trace_id = getattr(record, "trace_id", None) or fields.get("trace_id") or _current_trace_id()
         if trace_id:
@@ -112,6 +129,12 @@ class JsonFormatter(logging.Formatter):
         elif record.exc_text:
             line["exception"] = scrub(record.exc_text)
         return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def _tenant_of(record: logging.LogRecord) -> str | None:
+    """The tenant a record names: its own (a tenant's daemon logged it), else the bound one."""
+    tenant = getattr(record, TENANT, None) or _context.get().get(TENANT)
+    return str(tenant) if tenant else None
 
 
 def _daemon_of(logger: str) -> str | None:

@@ -4,8 +4,12 @@ A series is named ``txbox_<daemon>_<what>_<unit>`` — the daemon as its command
 (``publisher``, ``receiver``, ``worker``, ``collector``), what it counts or measures, and
 the unit (``total`` for counters, ``seconds``, ``bytes``, ``rows``, ``messages``) — and
 carries a ``service`` label, so the daemons of several services can share one
-Prometheus without relabelling (docs/explanation/daemons.md, "Daemons: one shape"). The
-constructors below enforce both. Everything lives in prometheus_client's default
+Prometheus without relabelling (docs/explanation/daemons.md, "Daemons: one shape"), and
+a ``tenant`` label: the registry key of the tenant a series counts, empty for a service
+without tenants (Prometheus stores an empty label as none) and for what belongs to no
+tenant, so a series' count is bounded by the registry (docs/how-to/tenants.md, "One set
+of daemons for every tenant"). The constructors below enforce all three; :func:`labels`
+gives a daemon its two. Everything lives in prometheus_client's default
 registry; ``--metrics-port`` serves it at ``/metrics`` beside the probes (framework/probes.py).
 """
 
@@ -13,15 +17,21 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-_SERVICE = "service"
+_SERVICE, _TENANT = "service", "tenant"
+_OWNER = (_SERVICE, _TENANT)  # the labels of every series
+
+
+def labels(service: str, tenant: str | None = None) -> dict[str, str]:
+    """The labels every series of a daemon of ``service`` (serving ``tenant``, if any) carries."""
+    return {_SERVICE: service, _TENANT: tenant or ""}
 
 
 def _counter(daemon: str, what: str, doc: str, *labels: str) -> Counter:
-    return Counter(f"txbox_{daemon}_{what}_total", doc, [_SERVICE, *labels])
+    return Counter(f"txbox_{daemon}_{what}_total", doc, [*_OWNER, *labels])
 
 
 def _gauge(daemon: str, what: str, unit: str, doc: str) -> Gauge:
-    return Gauge(f"txbox_{daemon}_{what}_{unit}", doc, [_SERVICE])
+    return Gauge(f"txbox_{daemon}_{what}_{unit}", doc, list(_OWNER))
 
 
 # ---- every daemon ------------------------------------------------------------------
@@ -128,7 +138,7 @@ WORKER_OLDEST_DUE_AGE = _gauge(
 WORKER_HANDLER_DURATION = Histogram(
     "txbox_worker_handler_duration_seconds",
     "Time spent in one handler run",
-    [_SERVICE, "message_type"],
+    [*_OWNER, "message_type"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 

@@ -160,6 +160,9 @@ def mosaic_queue(service: str, queue: str) -> str:
     return f"{service}:{queue}"
 
 
+DEFAULT_SCHEMA = "txbox"  # the framework's tables' schema when TXBOX_SCHEMA is not set
+
+
 def receiver_lock_key(service: str) -> int:
     """The PostgreSQL advisory lock key held by the one consuming receiver of ``service``.
 
@@ -170,14 +173,17 @@ def receiver_lock_key(service: str) -> int:
     return _lock_key(f"txbox receiver {inbox_queue(service)}")
 
 
-def pruner_lock_key(service: str, table: str) -> int:
-    """The advisory lock key held by the one pruner of ``service``'s ``table`` during a pass.
+def pruner_lock_key(service: str, table: str, schema: str = DEFAULT_SCHEMA) -> int:
+    """The advisory lock key held by the one pruner of ``service``'s ``table`` in ``schema`` during a pass.
 
     Derived like :func:`receiver_lock_key`, so every replica of the publisher (outbox) or
     the worker (inbox) computes the same key and only one of them prunes at a time
-    (docs/explanation/operations.md, "Retention").
+    (docs/explanation/operations.md, "Retention"). The schema is part of the key but for
+    the default one (whose key is the one txbox always had): the tenants kept as schemas
+    of one database each prune their own tables, none waiting for another's pass.
     """
-    return _lock_key(f"txbox pruner {service} {table}")
+    where = "" if schema == DEFAULT_SCHEMA else f" {schema}"
+    return _lock_key(f"txbox pruner {service}{where} {table}")
 
 
 def archive_lock_key(service: str) -> int:

@@ -119,12 +119,13 @@ class Pruner:
         self.settings = settings
         self.schema = daemon.settings.schema
         service = daemon.settings.service
-        self._key = names.pruner_lock_key(service, rules.table)
-        self._pruned = {state: meters.pruned.labels(service, state) for state in ("processed", "abandoned")}
+        self._key = names.pruner_lock_key(service, rules.table, self.schema)
+        owner = daemon.labels
+        self._pruned = {state: meters.pruned.labels(state=state, **owner) for state in ("processed", "abandoned")}
         self._sizes = (
-            meters.table_bytes.labels(service),
-            meters.index_bytes.labels(service),
-            meters.dead_tuples.labels(service),
+            meters.table_bytes.labels(**owner),
+            meters.index_bytes.labels(**owner),
+            meters.dead_tuples.labels(**owner),
         )
         self._db = ConnectionSlot(daemon.settings.database_url, autocommit=True, application_name="txbox-pruner")
         inbox = rules.dedup_window is not None

@@ -163,8 +163,8 @@ class Settings:
     )
     schema: str = setting(
         "TXBOX_SCHEMA",
-        "txbox",
-        default="txbox",
+        names.DEFAULT_SCHEMA,
+        default=names.DEFAULT_SCHEMA,
         help="PostgreSQL schema of the framework's tables",
     )
     queue_type: Literal["quorum", "classic"] = setting(

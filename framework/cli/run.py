@@ -134,7 +134,7 @@ def build_tenants(
         if "publisher" not in without:
             made.append(Relay(own, relay_config, stop_event=threading.Event(), tenant=tenant.key))
         if "worker" not in without:
-            made.append(Worker(own, worker_config, stop_event=threading.Event()))
+            made.append(Worker(own, worker_config, stop_event=threading.Event(), tenant=tenant.key))
         return made
 
     supervised: list[Daemon] = [receiver] if receiver is not None else []

@@ -530,8 +530,8 @@ class Collector(Daemon):
         self._batch = []
         channel.basic_ack(self._last_tag, multiple=True)
         self.collected += new
-        metrics.COLLECTOR_DEAD_LETTERS.labels(self.settings.service).inc(new)
-        metrics.COLLECTOR_DUPLICATES.labels(self.settings.service).inc(len(batch) - new)
+        metrics.COLLECTOR_DEAD_LETTERS.labels(**self.labels).inc(new)
+        metrics.COLLECTOR_DUPLICATES.labels(**self.labels).inc(len(batch) - new)
 
     def _tick(self) -> None:
         """Every flush interval, connected or not (idle is not stuck): the resolve sweep when due."""

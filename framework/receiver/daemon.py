@@ -130,10 +130,9 @@ class Receiver(Storing, Daemon):
         self._inflight: _Inflight | None = None  # the batch being written
         # `txbox run`: what this receiver stores, it claims for the worker of its process.
         self.handoff: Handoff | None = None
-        self._labels = {"service": self.settings.service}
+        self._labels = self.labels
         # The children counted per batch or delivery, looked up once.
         self._received = metrics.RECEIVER_RECEIVED.labels(**self._labels)
-        self._stored = metrics.RECEIVER_STORED.labels(**self._labels)
         self._peak_held = metrics.RECEIVER_PEAK_HELD.labels(**self._labels)
         self._user = amqp.username(self.settings.amqp_url)
         self._trusted = self.config.trusted(self._user)

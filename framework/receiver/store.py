@@ -15,16 +15,14 @@ process").
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from opentelemetry import trace
-from prometheus_client import Counter
 
-from framework import db, metrics, tracing
+from framework import db, logs, metrics, tracing
 from framework import dead_letters as dl
 from framework.envelope import decode_json
 from framework.reasons import Reason
@@ -64,10 +62,12 @@ class Storing:
     config: ReceiverConfig
     intake: Intake
     queue: str
-    log: logging.Logger
+    log: logs.Log
     _at: Store  # where the group being settled is written: the service's database, or its tenant's
-    _labels: dict[str, str]
-    _stored: Counter
+
+    def _owner(self) -> dict[str, str]:
+        """The labels of what the group being settled counts: its tenant's, if it has one."""
+        return metrics.labels(self.settings.service, self._at.key)
 
     def _count_redeliveries(self, group: Sequence[Delivery]) -> dict[int, dl.DeadLetter]:
         """Count redeliveries in their own committed transaction; dead letters for those past the limit."""
@@ -75,7 +75,7 @@ class Storing:
         redelivered = [d for d in group if d.redelivered]
         if not redelivered:
             return forced
-        metrics.RECEIVER_REDELIVERED.labels(**self._labels).inc(len(redelivered))
+        metrics.RECEIVER_REDELIVERED.labels(**self._owner()).inc(len(redelivered))
         conn = self._connection()
         with conn.cursor() as cur:
             counts = {
@@ -129,7 +129,7 @@ class Storing:
                 elif isinstance(outcome, Filtered):
                     # Not for this service: acked with its batch, never stored (docs/explanation/receive.md,
                     # "Expiry and filters").
-                    metrics.RECEIVER_FILTERED.labels(message_type=outcome.message_type, **self._labels).inc()
+                    metrics.RECEIVER_FILTERED.labels(message_type=outcome.message_type, **self._owner()).inc()
                 else:
                     letters.append((delivery, outcome))
         except BaseException as exc:
@@ -265,14 +265,14 @@ class Storing:
             return fallback
 
     def _count(self, rows: Sequence[InboxRow], new: set[Any], letters: Sequence[dl.DeadLetter]) -> None:
-        self._stored.inc(len(new))
+        metrics.RECEIVER_STORED.labels(**self._owner()).inc(len(new))
         conflicts = sum(1 for letter in letters if letter.reason == Reason.ID_CONFLICT)
         if len(rows) > len(new) + conflicts:
-            metrics.RECEIVER_DUPLICATES.labels(**self._labels).inc(len(rows) - len(new) - conflicts)
+            metrics.RECEIVER_DUPLICATES.labels(**self._owner()).inc(len(rows) - len(new) - conflicts)
         if conflicts:
-            metrics.RECEIVER_ID_CONFLICTS.labels(**self._labels).inc(conflicts)
+            metrics.RECEIVER_ID_CONFLICTS.labels(**self._owner()).inc(conflicts)
         for letter in letters:
-            metrics.RECEIVER_REJECTED.labels(reason=letter.reason, **self._labels).inc()
+            metrics.RECEIVER_REJECTED.labels(reason=letter.reason, **self._owner()).inc()
             if letter.reason != Reason.UNSTORABLE:
                 self.log.warning("rejected a delivery (%s): %s", letter.reason, letter.error[:300])
 

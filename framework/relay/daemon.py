@@ -23,7 +23,6 @@ rest of its batch goes on.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections import Counter as Tally
@@ -58,8 +57,6 @@ from framework.sql import outbox as outbox_sql
 from framework.sql import rendered
 from framework.sql.outbox import Claimed
 from framework.wakeup import Pace
-
-log = logging.getLogger("txbox.publisher")
 
 # Marks wait for the next claim to carry them (docs/explanation/daemons.md, "Wake-ups"): at most
 # this many rows (more are marked by a statement of their own just before the claim: the
@@ -109,11 +106,9 @@ class Relay(Daemon):
         retention: RetentionSettings | None = None,
         tenant: str | None = None,
     ) -> None:
-        super().__init__(service, stop_event=stop_event)
+        # The tenant whose outbox this relay publishes is put on every message.
+        super().__init__(service, stop_event=stop_event, tenant=tenant)
         self.config = config or RelayConfig.from_env()
-        #: The registry key of the tenant whose outbox this relay publishes (``service`` is
-        #: set to its database and schema), put on every message; None: no tenants.
-        self.tenant = tenant
         # Published rows older than TXBOX_OUTBOX_RETENTION go, in a thread of their own with
         # a connection of its own (docs/explanation/operations.md, "Retention").
         self.pruner = retention_.outbox_pruner(self, retention)
@@ -121,7 +116,7 @@ class Relay(Daemon):
         self.schema = self.settings.schema
         self._user = amqp.username(self.settings.amqp_url)  # our messages' user_id (lane headers)
         self._signer = SigningConfig.from_env().signer()  # a bad key fails here, at start
-        self._settle = Settlement(self.schema, self.config)
+        self._settle = Settlement(self.schema, self.config, self.log)
         # Rendered once: run per claim (framework/sql/__init__.py, ``rendered``).
         self._sql_claim = rendered(outbox_sql.claim(self.schema))  # also the fallback, run at once (_claimed)
         self._claims = Claims({_CLAIM: self._sql_claim, _CLAIM_WINDOW: rendered(outbox_sql.claim_window(self.schema))})
@@ -170,7 +165,7 @@ class Relay(Daemon):
         self._drain_check = False  # a look at the drain is scheduled (_done)
         self._drain_deadline = 0.0
         self._drain_timer: Any = None  # the drain's timeout, until the relay ended
-        self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(self.settings.service)
+        self._in_flight = metrics.PUBLISHER_IN_FLIGHT.labels(**self.labels)
         # What the loop ran, by kind (claim, mark, write: a transaction of failures), for
         # the tests and the bench: a cycle is one claim (docs/explanation/daemons.md, "Wake-ups").
         self.statements: Tally[str] = Tally()
@@ -340,7 +335,7 @@ class Relay(Daemon):
         # still go out before the connection is given up.
         trouble: Exception | None = None
         try:
-            self._statistics.after_claim(conn, time.monotonic() - cycle.sent_at, len(rows), log)
+            self._statistics.after_claim(conn, time.monotonic() - cycle.sent_at, len(rows), self.log)
         except Exception as exc:
             trouble = exc
         # A short claim took every due head there is: claiming again is pointless until
@@ -400,7 +395,7 @@ class Relay(Daemon):
             try:
                 items.append(outgoing(row, self._user, self._signer, self.tenant))
             except Exception as exc:  # the last resort: one row must not stop the relay
-                log.exception("outbox row %s: its message could not be built; dead-lettering it", row.id)
+                self.log.exception("outbox row %s: its message could not be built; dead-lettering it", row.id)
                 self._others.append(unbuildable(row, exc))
                 self._step_soon()
         return items
@@ -484,20 +479,20 @@ class Relay(Daemon):
     def _sent(self, kind: str, n: int = 1) -> None:
         """Count what the loop sent to PostgreSQL (``Relay.statements`` and the metric)."""
         self.statements[kind] += n
-        metrics.PUBLISHER_STATEMENTS.labels(self.settings.service, kind).inc(n)
+        metrics.PUBLISHER_STATEMENTS.labels(kind=kind, **self.labels).inc(n)
 
     def _counted_claim(self, rows: list[Claimed]) -> None:
         self._sent("claim")
-        metrics.PUBLISHER_CLAIMS.labels(self.settings.service, "rows" if rows else "nothing").inc()
+        metrics.PUBLISHER_CLAIMS.labels(found="rows" if rows else "nothing", **self.labels).inc()
 
     def _counted(self, written: Written) -> None:
-        service = self.settings.service
+        owner = self.labels
         for message_type, n in written.published.items():
-            metrics.PUBLISHER_PUBLISHED.labels(service, message_type).inc(n)
+            metrics.PUBLISHER_PUBLISHED.labels(message_type=message_type, **owner).inc(n)
         for (message_type, reason), n in written.failed.items():
-            metrics.PUBLISHER_FAILED.labels(service, message_type, reason).inc(n)
+            metrics.PUBLISHER_FAILED.labels(message_type=message_type, reason=reason, **owner).inc(n)
         for message_type, n in written.abandoned.items():
-            metrics.PUBLISHER_ABANDONED.labels(service, message_type).inc(n)
+            metrics.PUBLISHER_ABANDONED.labels(message_type=message_type, **owner).inc(n)
         self.published += sum(written.published.values())
         self.failed += sum(written.failed.values())
         self.abandoned += sum(written.abandoned.values())
@@ -515,8 +510,8 @@ class Relay(Daemon):
             self._sent("gauge")
         count, age = conn.execute(self._sql_backlog).fetchone() or (0, 0)
         self._sent("gauge")
-        metrics.PUBLISHER_BACKLOG.labels(self.settings.service).set(count)
-        metrics.PUBLISHER_OLDEST_DUE_AGE.labels(self.settings.service).set(float(age))
+        metrics.PUBLISHER_BACKLOG.labels(**self.labels).set(count)
+        metrics.PUBLISHER_OLDEST_DUE_AGE.labels(**self.labels).set(float(age))
 
     # ---- database ------------------------------------------------------------------
 
@@ -592,7 +587,7 @@ class Relay(Daemon):
         if not isinstance(exc, DatabaseUnavailable) and not (
             isinstance(exc, psycopg.Error) and db.is_infrastructure_error(exc)
         ):
-            log.exception("unexpected error in the relay's loop")
+            self.log.exception("unexpected error in the relay's loop")
         self._lost_db(exc)
 
     def _unwatch(self) -> None:
@@ -654,7 +649,7 @@ class Relay(Daemon):
         self.set_ready(RABBITMQ, False)
         refusal = topology.mismatch(self.settings, channel.error) if channel.error is not None else None
         if refusal is not None and not self._draining:  # a misconfiguration: a retry is refused again
-            log.error("%s", refusal)
+            self.log.error("%s", refusal)
             self._ended_by = refusal
             self._begin_drain()
             return
@@ -698,7 +693,7 @@ class Relay(Daemon):
         if channel.in_flight and time.monotonic() < self._drain_deadline:
             return  # the next confirm, or the timeout, calls again
         if channel.in_flight:
-            log.warning("drain timeout: %d confirm(s) still outstanding, releasing them", channel.in_flight)
+            self.log.warning("drain timeout: %d confirm(s) still outstanding, releasing them", channel.in_flight)
         if not self._closing:
             self._closing = True
             channel.close()  # what is still incomplete fails as 'closed' → released; _channel_changed finishes
@@ -716,7 +711,7 @@ class Relay(Daemon):
                 break
             except (psycopg.Error, DatabaseUnavailable) as exc:
                 self._db.close()
-                log.warning("could not record outcomes on shutdown (%s); leases will expire instead", exc)
+                self.log.warning("could not record outcomes on shutdown (%s); leases will expire instead", exc)
                 time.sleep(0.2)
         self._shut()
         self._end(self._ended_by)

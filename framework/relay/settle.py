@@ -18,7 +18,6 @@ on the relay's loop thread; it keeps no state between calls.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections import Counter as Tally
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from framework import names
+from framework import logs, names
 from framework.backoff import backoff_seconds
 from framework.confirms.channel import TIMEOUT, Outgoing
 from framework.dead_letters import DeadLetter
@@ -39,8 +38,6 @@ from framework.sql import dead_letters as dead_letters_sql
 from framework.sql import outbox as outbox_sql
 from framework.sql import rendered
 from framework.sql.outbox import Claimed
-
-log = logging.getLogger("txbox.publisher")
 
 
 def relay_outcome(row: Claimed, error: PublishError | None) -> RelayOutcome:
@@ -66,8 +63,9 @@ class Written:
 class Settlement:
     """The outbox statements of outcomes, rendered once for the relay's schema."""
 
-    def __init__(self, schema: str, config: RelayConfig) -> None:
+    def __init__(self, schema: str, config: RelayConfig, log: logs.Log) -> None:
         self.config = config
+        self.log = log  # the relay's (a tenant's names it)
         self._sql_mark = rendered(outbox_sql.mark_published(schema))
         self._sql_retry = rendered(outbox_sql.retry_later(schema))
         self._sql_abandon = rendered(outbox_sql.abandon(schema))
@@ -118,7 +116,7 @@ class Settlement:
                 if self._fail(cur, row, error):
                     written.abandoned[row.message_type] += 1
         if failures:
-            log.warning("%d publish(es) failed, e.g. %s: %s", len(failures), failures[0][0].id, failures[0][1])
+            self.log.warning("%d publish(es) failed, e.g. %s: %s", len(failures), failures[0][0].id, failures[0][1])
         return written
 
     def _mark(self, cur: psycopg.Cursor[Any], published: list[str]) -> bool:

@@ -47,7 +47,6 @@ transaction, session and whether it runs carefully, handed to each handler run.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -147,7 +146,8 @@ class BatchRunner:
         connection: Callable[[], Connection],
         drop_connection: Callable[[], None],
         give_back: Callable[[Sequence[Claimed]], None],
-        log: logging.Logger,
+        log: logs.Log,
+        tenant: str | None = None,
         counts: Counts | None = None,
     ) -> None:
         self.service = service
@@ -158,7 +158,9 @@ class BatchRunner:
         self._connection = connection
         self._drop_processing_connection = drop_connection
         self._release_quietly = give_back
-        self._labels = {"service": service.settings.service}
+        self._labels = metrics.labels(service.settings.service, tenant)
+        # The tenant, on every line logged while a batch runs: the handlers' own too.
+        self._bound: dict[str, str] = {logs.TENANT: tenant} if tenant else {}
         self.settlement = Settlement(self.schema, config, self._labels, log)
         # Rendered once: run per batch (framework/sql/__init__.py, ``rendered``).
         presume = inbox_sql.presume_processed(self.schema)
@@ -191,7 +193,7 @@ class BatchRunner:
             for claimed in batch:
                 claimed.outcome = WorkerOutcome.PENDING
             try:
-                with logs.bind(batch_size=len(batch)):
+                with logs.bind(batch_size=len(batch), **self._bound):
                     self._run_batch(batch, dict(known or {}))
                 break
             except _Split as split:

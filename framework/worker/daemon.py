@@ -89,8 +89,9 @@ class Worker(Daemon):
         *,
         stop_event: threading.Event | None = None,
         retention: RetentionSettings | None = None,
+        tenant: str | None = None,
     ) -> None:
-        super().__init__(service, stop_event=stop_event)
+        super().__init__(service, stop_event=stop_event, tenant=tenant)
         self.config = config or WorkerConfig.from_env()
         # Processed rows older than the inbox's retention (never inside TXBOX_DEDUP_WINDOW:
         # a shorter setting fails here) go, in a thread of their own (docs/explanation/operations.md, "Retention").
@@ -122,7 +123,6 @@ class Worker(Daemon):
         # holds the next ones back, never longer than the poll interval (docs/explanation/daemons.md, "Wake-ups").
         self._pace = Pace(hold_max=min(HOLD_MAX, float(self.config.poll_interval)))
         self._watchdog: Watchdog | None = None
-        self._labels = {"service": self.settings.service}
         self._last_gauges = 0.0
         self._last_suspect_check = 0.0
         self._more = False  # claim again at once, not at the next NOTIFY (see run_once)
@@ -146,6 +146,7 @@ class Worker(Daemon):
             drop_connection=self._drop_processing_connection,
             give_back=self._release_quietly,
             log=self.log,
+            tenant=tenant,
             counts=self.counts,
         )
 
@@ -221,7 +222,7 @@ class Worker(Daemon):
                 self._take_turn()
             self._watch_listen()
             handled = self.run_once()
-            self.counts.publish(self._labels)
+            self.counts.publish(self.labels)
             self._pace.found(handled, notified=notified)
             self._failures = 0
             self.state("processing")
@@ -465,9 +466,9 @@ class Worker(Daemon):
         them back at once. The claim counts as one of the worker's
         (``txbox_worker_claims_total``, ``txbox_worker_statements_total``), and so do
         ``statements`` more sent with it on the worker's behalf."""
-        self.counts.claim(len(rows), self._labels)
+        self.counts.claim(len(rows), self.labels)
         self.counts.statements += statements
-        self.counts.publish(self._labels)
+        self.counts.publish(self.labels)
         if not rows:
             return
         handed = self._decoded(claimed_at, sorted(rows, key=_claim_order))
@@ -528,7 +529,7 @@ class Worker(Daemon):
         return self._claimed(claimed_at, rows)
 
     def _claimed(self, claimed_at: float, rows: Sequence[tuple[object, ...]]) -> list[Claimed]:
-        self.counts.claim(len(rows), self._labels)
+        self.counts.claim(len(rows), self.labels)
         self._statistics.after_claim(self._claims.connection(), time.monotonic() - claimed_at, len(rows), self.log)
         return self._decoded(claimed_at, rows)
 
@@ -613,5 +614,5 @@ class Worker(Daemon):
             cur.execute(inbox_sql.backlog(self.schema))
             row = cur.fetchone()
         if row is not None:
-            metrics.WORKER_BACKLOG.labels(**self._labels).set(row[0])
-            metrics.WORKER_OLDEST_DUE_AGE.labels(**self._labels).set(float(row[1]))
+            metrics.WORKER_BACKLOG.labels(**self.labels).set(row[0])
+            metrics.WORKER_OLDEST_DUE_AGE.labels(**self.labels).set(float(row[1]))

@@ -12,7 +12,6 @@ metrics and the log. It runs no handler and opens no transaction of its own, exc
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ import psycopg
 from sqlalchemy import Connection
 
 from framework import dead_letters as dl
-from framework import jsoncodec, metrics, redaction
+from framework import jsoncodec, logs, metrics, redaction
 from framework.backoff import backoff_seconds
 from framework.errors import PermanentError
 from framework.outcomes import WorkerOutcome
@@ -55,7 +54,7 @@ def clip(text: str, limit: int = 2000) -> str:
 class Settlement:
     """The outcomes of one worker's claims, and their statements."""
 
-    def __init__(self, schema: str, config: WorkerConfig, labels: dict[str, str], log: logging.Logger) -> None:
+    def __init__(self, schema: str, config: WorkerConfig, labels: dict[str, str], log: logs.Log) -> None:
         self.schema = schema
         self.config = config
         self._labels = labels

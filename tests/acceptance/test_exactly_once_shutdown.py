@@ -59,7 +59,7 @@ def test_sigterm_mid_stream_exits_0_holds_no_lease_and_loses_nothing(
     for name in ("txbox_receiver_received_total", "txbox_receiver_stored_total", "txbox_receiver_duplicates_total"):
         assert name in received
     for name in (
-        'txbox_worker_processed_total{message_type="Count",service="counter-service"}',
+        'txbox_worker_processed_total{message_type="Count",service="counter-service",tenant=""}',
         "txbox_worker_handler_duration_seconds_bucket",
         "txbox_worker_inbox_backlog_rows",
         "txbox_worker_oldest_due_age_seconds",

@@ -95,7 +95,9 @@ def test_a_blocked_handler_turns_healthz_503_while_an_idle_worker_stays_200(
 
     with urllib.request.urlopen(f"http://127.0.0.1:{worker_port}/metrics", timeout=5) as resp:
         scraped = resp.read().decode()
-    match = re.search(r'^txbox_worker_since_progress_seconds\{service="counter-service"\} (\S+)$', scraped, re.M)
+    match = re.search(
+        r'^txbox_worker_since_progress_seconds\{service="counter-service",tenant=""\} (\S+)$', scraped, re.M
+    )
     assert match and float(match.group(1)) > STUCK_AFTER  # what the alert rule in the README watches
 
     rows = query(database_url, "SELECT kind, now() - last_progress > interval '2 seconds' FROM txbox.daemon_heartbeats")

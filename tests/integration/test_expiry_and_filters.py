@@ -20,7 +20,7 @@ import psycopg
 from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session
 
-from framework import AsyncPublisher, CommandHandler, Message, Outbox, Publisher, expiry, names, topology
+from framework import AsyncPublisher, CommandHandler, Message, Outbox, Publisher, expiry, metrics, names, topology
 from framework.db import conninfo
 from framework.dead_letters import replay
 from framework.receiver import Receiver, ReceiverConfig
@@ -34,7 +34,7 @@ from tests.integration.publisher.conftest import drain_queue, inbox_queue, inser
 
 
 def _metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, {"service": "order-service", **labels}) or 0.0
+    return REGISTRY.get_sample_value(name, {**metrics.labels("order-service"), **labels}) or 0.0
 
 
 def _wait_for_the_clock(expires_at: float) -> None:

@@ -127,7 +127,7 @@ def stored(cluster: Cluster) -> dict[str, dict[str, object]]:
 
 
 def delayed() -> float:
-    return metrics.RECEIVER_DELAYED.labels(service="order-service")._value.get()
+    return metrics.RECEIVER_DELAYED.labels(**metrics.labels("order-service"))._value.get()
 
 
 def test_deliveries_wait_in_the_delay_chain_until_the_database_is_back(cluster: Cluster, service: Service,

@@ -93,12 +93,12 @@ def test_the_receiver_shares_one_loop_with_another_daemon_and_stops_from_another
 
     # The database refuses one message: its copy goes to the delay exchange on the copies'
     # confirm channel, on the same loop, and the delivery is acked once it is confirmed.
-    delayed = metrics.RECEIVER_DELAYED.labels(service="order-service")._value.get()
+    delayed = metrics.RECEIVER_DELAYED.labels(**metrics.labels("order-service"))._value.get()
     held = place_order(aggregate_id="held")
     query(database_url, "INSERT INTO public.unavailable VALUES (%s)", (held["message_id"],))
     publish(amqp_url, [encode(held)])
     support.wait_until(
-        lambda: metrics.RECEIVER_DELAYED.labels(service="order-service")._value.get() == delayed + 1,
+        lambda: metrics.RECEIVER_DELAYED.labels(**metrics.labels("order-service"))._value.get() == delayed + 1,
         30,
         message="the copy confirmed",
     )

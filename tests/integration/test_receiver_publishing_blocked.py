@@ -92,7 +92,7 @@ def _copies_connections(node: PrivateRabbit, what: str) -> int:
 
 
 def _gauge(name: str) -> float:
-    return REGISTRY.get_sample_value(name, {"service": SERVICE}) or 0.0
+    return REGISTRY.get_sample_value(name, metrics.labels(SERVICE)) or 0.0
 
 
 def test_consuming_goes_on_while_the_broker_blocks_publishing(database_url: str, private_rabbit: PrivateRabbit) -> None:
@@ -115,7 +115,7 @@ def test_consuming_goes_on_while_the_broker_blocks_publishing(database_url: str,
     def stored() -> set[str]:
         return {str(row[0]) for row in query(database_url, "SELECT id FROM txbox.inbox")}
 
-    delayed = metrics.RECEIVER_DELAYED.labels(service=SERVICE)._value.get()
+    delayed = metrics.RECEIVER_DELAYED.labels(**metrics.labels(SERVICE))._value.get()
     config = ReceiverConfig(batch_size=1, prefetch=50, retry_schedule="1s*3", db_connect_timeout=2)
     with running(Receiver(service, config)):
         support.wait_until(
@@ -129,7 +129,9 @@ def test_consuming_goes_on_while_the_broker_blocks_publishing(database_url: str,
         support.wait_until(
             lambda: _unacked(private_rabbit) == len(held), 20, message="the held deliveries unacked, the rest acked"
         )
-        assert metrics.RECEIVER_DELAYED.labels(service=SERVICE)._value.get() == delayed, "no copy confirmed yet"
+        assert metrics.RECEIVER_DELAYED.labels(**metrics.labels(SERVICE))._value.get() == delayed, (
+            "no copy confirmed yet"
+        )
 
         # The publishing connection is lost while its copies wait: they go again on a new
         # one (blocked in turn), never dropped, their deliveries still unacked.

@@ -17,7 +17,7 @@ from typing import Any
 import pika
 from prometheus_client import REGISTRY
 
-from framework import names, topology
+from framework import metrics, names, topology
 from framework.dead_letters import decode_body
 from framework.receiver import Receiver, ReceiverConfig
 from framework.redaction import redact_bytes
@@ -36,7 +36,7 @@ def _settled(url: str, count: int) -> bool:
 
 
 def _conflicts_metric() -> float:
-    value = REGISTRY.get_sample_value("txbox_receiver_id_conflicts_total", {"service": "order-service"})
+    value = REGISTRY.get_sample_value("txbox_receiver_id_conflicts_total", metrics.labels("order-service"))
     return value or 0.0
 
 

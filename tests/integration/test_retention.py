@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from prometheus_client import REGISTRY
 
-from framework import names
+from framework import metrics, names
 from framework.db import conninfo
 from framework.errors import ConfigurationError
 from framework.relay import Relay
@@ -67,7 +67,7 @@ def _ids(url: str, table: str) -> set[str]:
 
 
 def _sample(name: str, **labels: str) -> float | None:
-    return REGISTRY.get_sample_value(name, {"service": "order-service", **labels})
+    return REGISTRY.get_sample_value(name, {**metrics.labels("order-service"), **labels})
 
 
 def test_the_publisher_prunes_exactly_the_outbox_rows_that_may_go_in_pages(service: Service, database_url: str) -> None:
@@ -149,6 +149,18 @@ def test_one_pruner_per_table_at_a_time(service: Service, database_url: str) -> 
         # The other one is done (unlocked now: a closed connection's backend may release it a moment later).
         other.execute("SELECT pg_advisory_unlock(%s)", (key,))
         assert relay.pruner.run_pass().processed == 1
+
+
+def test_the_pruners_of_two_schemas_do_not_wait_for_each_other(service: Service, database_url: str) -> None:
+    """Tenants kept as schemas of one database: one tenant's pass holds no other's back."""
+    old = _row(database_url, names.OUTBOX, "old", created="2 days", finished="2 days")
+    relay = Relay(service, retention=RetentionSettings())
+    key = names.pruner_lock_key("order-service", names.OUTBOX, "t_other")
+    assert key != names.pruner_lock_key("order-service", names.OUTBOX)
+    with psycopg.connect(conninfo(database_url), autocommit=True) as other:
+        assert other.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone() == (True,)
+        done = relay.pruner.run_pass()
+    assert not done.locked_out and done.processed == 1 and old not in _ids(database_url, names.OUTBOX)
 
 
 def test_the_daemons_prune_on_their_own(service: Service, database_url: str) -> None:

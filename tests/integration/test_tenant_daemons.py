@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pika
+import prometheus_client
 import pytest
 
-from framework import CommandHandler, migrate, names, topology
+from framework import CommandHandler, metrics, migrate, names, topology
 from framework.cli.run import Supervisor, build_tenants
 from framework.receiver import Receiver
 from framework.receiver.consumer import Consumer
@@ -171,6 +172,18 @@ def test_each_tenants_messages_stay_in_its_own_tables(
     errors = {e for (e,) in query(database_url, "SELECT error FROM txbox.dead_letters")}
     assert any("names Mosaic tenant 'nobody-id' environment 'prod'" in e for e in errors)
     assert any("the delivery names no tenant" in e for e in errors)
+    # Counted per tenant: the tenant's relay, worker and inbox; the letters under no tenant.
+    for tenant in ("acme", "globex"):
+        owner = metrics.labels(SERVICE, tenant)
+        assert _sample("txbox_worker_processed_total", message_type="CreateThing", **owner) == 1.0
+        assert _sample("txbox_publisher_published_total", message_type="ThingCreated", **owner) == 1.0
+        assert (_sample("txbox_receiver_stored_total", **owner) or 0) >= 3
+    home = metrics.labels(SERVICE)
+    assert _sample("txbox_receiver_rejected_total", reason="unknown_tenant", **home) == 3.0
+
+
+def _sample(name: str, **labels: str) -> float | None:
+    return prometheus_client.REGISTRY.get_sample_value(name, labels)
 
 
 def test_a_tenant_added_or_removed_at_run_time_is_served_or_not(

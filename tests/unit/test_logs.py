@@ -52,6 +52,29 @@ def test_json_line_has_the_fields_and_the_bound_context(
     assert "message_id" not in second and "trace_id" not in second  # the block ended
 
 
+def test_a_tenants_daemon_names_its_tenant_in_both_formats(
+    captured: tuple[logging.Logger, io.StringIO, logging.Handler],
+) -> None:
+    """A tenant's daemon logs through :func:`logs.daemon_logger`; a handler's own logger
+    names the tenant bound around its batch; a daemon of no tenant names none."""
+    logger, stream, handler = captured
+    tenants_logger = logs.daemon_logger("txbox.worker", "acme")
+    handler.setFormatter(logs.JsonFormatter())
+    tenants_logger.info("claimed")
+    with logs.bind(tenant="globex"):
+        logging.getLogger("txbox.worker").info("handled")
+    logs.daemon_logger("txbox.worker", None).info("alone")
+    claimed, handled, alone = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert (claimed["tenant"], handled["tenant"]) == ("acme", "globex") and "tenant" not in alone
+    stream.seek(0), stream.truncate()
+    handler.setFormatter(logs.TextFormatter())
+    tenants_logger.warning("claimed")
+    logger.warning("alone")
+    claimed_text, alone_text = stream.getvalue().splitlines()
+    assert claimed_text.endswith("WARNING txbox.worker [tenant acme]: claimed")
+    assert alone_text.endswith("WARNING txbox.worker: alone")
+
+
 def test_trace_id_from_the_registered_source(captured: tuple[logging.Logger, io.StringIO, logging.Handler]) -> None:
     logger, stream, handler = captured
     handler.setFormatter(logs.JsonFormatter())

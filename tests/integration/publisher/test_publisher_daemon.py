@@ -85,7 +85,7 @@ def test_metrics_endpoint_serves_counts_gauges_and_backlog(settings: Settings, s
     )
     wait_until(lambda: outbox_state(settings)["processed"] == 50, 60, message="50 rows published")
 
-    service = ("service", settings.service)
+    service, tenant = ("service", settings.service), ("tenant", "")  # no tenants: the empty one
 
     def settled() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
         try:
@@ -93,20 +93,20 @@ def test_metrics_endpoint_serves_counts_gauges_and_backlog(settings: Settings, s
         except OSError:
             return None
         wanted = {
-            ("txbox_publisher_published_total", (("message_type", "PlaceOrder"), service)): 50.0,
+            ("txbox_publisher_published_total", (("message_type", "PlaceOrder"), service, tenant)): 50.0,
             (
                 "txbox_publisher_failed_total",
-                (("message_type", "RestockItem"), ("reason", "unroutable"), service),
+                (("message_type", "RestockItem"), ("reason", "unroutable"), service, tenant),
             ): 1.0,
-            ("txbox_publisher_abandoned_total", (("message_type", "RestockItem"), service)): 1.0,
-            ("txbox_publisher_in_flight_messages", (service,)): 0.0,
-            ("txbox_publisher_outbox_backlog_rows", (service,)): 2.0,
+            ("txbox_publisher_abandoned_total", (("message_type", "RestockItem"), service, tenant)): 1.0,
+            ("txbox_publisher_in_flight_messages", (service, tenant)): 0.0,
+            ("txbox_publisher_outbox_backlog_rows", (service, tenant)): 2.0,
         }
         return m if all(m.get(k) == v for k, v in wanted.items()) else None
 
     metrics = wait_until(settled, 30, message="metrics with the expected values")
     assert metrics is not None
-    assert metrics[("txbox_publisher_oldest_due_age_seconds", (service,))] > 0
+    assert metrics[("txbox_publisher_oldest_due_age_seconds", (service, tenant))] > 0
 
 
 def cpu_seconds(pid: int) -> float:

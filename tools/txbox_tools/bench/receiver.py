@@ -310,7 +310,7 @@ def receiver_instance(
         receiver._home.slot._on_connect = functools.partial(_trace, Path(trace_dir), "db")
         if receiver._turn is not None:
             receiver._turn._slot._on_connect = functools.partial(_trace, Path(trace_dir), "turn")
-    return receiver, metrics.RECEIVER_STORED.labels(service=settings.service)
+    return receiver, metrics.RECEIVER_STORED.labels(**metrics.labels(settings.service))
 
 
 def _trace(directory: Path, kind: str, conn: psycopg.Connection[Any]) -> None:

@@ -60,7 +60,7 @@ def relay_instance(settings: Settings, batch_size: int, max_in_flight: int) -> t
     """One bench publisher (built in its own process by :func:`instances.timed`)."""
     config = RelayConfig(batch_size=batch_size, max_in_flight=max_in_flight)
     relay = Relay(Service(settings=settings), config, declare_topology=False)
-    return relay, metrics.PUBLISHER_PUBLISHED.labels(settings.service, "PlaceOrder")
+    return relay, metrics.PUBLISHER_PUBLISHED.labels(message_type="PlaceOrder", **metrics.labels(settings.service))
 
 
 def run(args: argparse.Namespace) -> Result:

@@ -99,7 +99,7 @@ def worker_instance(settings: Settings, batch_size: int, async_handler: bool = F
     service = Service(settings=settings)
     service.register(AsyncStoreOrder() if async_handler else StoreOrder())
     worker = Worker(service, WorkerConfig(batch_size=batch_size))
-    return worker, metrics.WORKER_PROCESSED.labels(service=service.name, message_type="PlaceOrder")
+    return worker, metrics.WORKER_PROCESSED.labels(message_type="PlaceOrder", **metrics.labels(service.name))
 
 
 def fill_inbox(service: Service, count: int) -> None:
