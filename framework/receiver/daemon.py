@@ -20,9 +20,10 @@ one (:mod:`framework.receiver.store` writes them):
   the final attempt the copy goes, confirmed the same way, to ``<service>:dead_letter``.
 
 Given a :class:`~framework.receiver.tenancy.Tenancy`, the receiver serves every tenant of
-a registry: each batch is the deliveries of one tenant at the head of what has arrived,
-written to that tenant's database and schema, and acked before the next is sent, so the
-one ``basic_ack(multiple=True)`` still acks exactly that batch. A delivery naming no
+a registry: it reads the whole prefetch window, and each batch is the deliveries of one
+tenant among them (the tenants taking turns), written to that tenant's database and
+schema, and acked before the next is sent: with one ``basic_ack(multiple=True)`` when
+it is a prefix of what is unacked, one by one when not. A delivery naming no
 tenant of the registry is an ``unknown_tenant`` letter in the service's own database.
 
 A session is one consuming connection: the topology declared (one blocking call, tried
@@ -125,6 +126,10 @@ class Receiver(Storing, Daemon):
         #: Serving every tenant of a registry (framework/receiver/tenancy.py), or None.
         self.tenancy = tenancy
         self._resolved: dict[int, Resolved] = {}  # the buffer's deliveries' tenants, by delivery tag
+        # The turn of each tenant's last batch (None: deliveries naming none), numbered by
+        # _turns: who goes next (_one_tenant). Keys of the registry only (serve drops the others).
+        self._served: dict[str | None, int] = {}
+        self._turns = 0
         self._buffer: list[Delivery] = []
         self._first_at = 0.0  # monotonic: when the buffer's first delivery came
         self._inflight: _Inflight | None = None  # the batch being written
@@ -489,11 +494,11 @@ class Receiver(Storing, Daemon):
         self._step_soon()
 
     def _full(self) -> bool:
-        """Holding as many deliveries, or body bytes, as allowed unacked: read no more for now."""
-        return (
-            len(self._buffer) >= self.config.batch_size
-            or self._buffered + self._writing >= self.config.max_unacked_bytes
-        )
+        """Holding as many deliveries, or body bytes, as allowed unacked: read no more for now.
+        With tenants, the whole prefetch window is read while a batch is written: a tenant's
+        delivery behind another's burst is then seen, and written at its turn (_one_tenant)."""
+        limit = self.config.prefetch if self.tenancy is not None else self.config.batch_size
+        return len(self._buffer) >= limit or self._buffered + self._writing >= self.config.max_unacked_bytes
 
     def _step_soon(self) -> None:
         """Run a step at the loop's next turn, after what pika is delivering now (one per burst).
@@ -605,18 +610,34 @@ class Receiver(Storing, Daemon):
         assert self.tenancy is not None, "a receiver serving tenants (tenancy=...)"
         self.tenancy.update(registry)
         self._resolved.clear()  # judged again, by ``registry``
+        self._served = {k: turn for k, turn in self._served.items() if k is None or registry.get(k) is not None}
         self.tenancy.tidy(busy=self._inflight.store.link if self._inflight is not None else None)
 
     def _one_tenant(self, buffer: list[Delivery]) -> tuple[list[Delivery], dict[int, dl.DeadLetter]]:
-        """The deliveries of the tenant of the buffer's first, in the order they came (the
+        """The next tenant's deliveries, up to ``batch_size``, in the order they came (the
         others go back to the buffer, for the next batches), with the store they are written
         to made current, and the ``unknown_tenant`` letters of those naming no tenant (they
-        go to the service's own database, together). Each delivery is resolved once."""
+        go to the service's own database, together). Each delivery is resolved once.
+
+        The tenants in the buffer take turns: the next is the one whose last batch is the
+        oldest (never served: the one whose first delivery came first). A tenant's burst
+        holds a delivery of another that has arrived for one batch, not for the whole
+        burst (docs/how-to/tenants.md, "Fairness: what a burst costs the others")."""
         assert self.tenancy is not None
         resolved = [self._resolved.get(d.delivery_tag) or self._resolve(d) for d in buffer]
-        key = resolved[0].key
-        batch = [d for d, r in zip(buffer, resolved, strict=True) if r.key == key]
-        self._buffer = [d for d, r in zip(buffer, resolved, strict=True) if r.key != key]
+        first: dict[str | None, int] = {}
+        for index, found in enumerate(resolved):
+            first.setdefault(found.key, index)
+        key = min(first, key=lambda k: (self._served.get(k, 0), first[k]))
+        self._turns += 1
+        self._served[key] = self._turns
+        batch: list[Delivery] = []
+        self._buffer = []
+        for delivery, found in zip(buffer, resolved, strict=True):
+            if found.key == key and len(batch) < self.config.batch_size:
+                batch.append(delivery)
+            else:
+                self._buffer.append(delivery)
         self._at = self._home if key is None else self.tenancy.store(key)
         letters = {}
         for delivery in batch:
@@ -631,14 +652,17 @@ class Receiver(Storing, Daemon):
         return found
 
     def _hold(self, consumer: Consumer) -> None:
-        """A write is in flight: gather, or, the batch full or its ``batch_wait`` over, stop reading
-        until the write's end (its ``on_done`` steps again)."""
-        if not self._buffer:
-            if self._full():
-                consumer.pause()
+        """A write is in flight: gather until the buffer is full, or, without tenants, its
+        ``batch_wait`` is over, then stop reading until the write's end (its ``on_done``
+        steps again). With tenants the whole window is read: the next batch is chosen among
+        what has come (:meth:`_one_tenant`)."""
+        if self._full():
+            consumer.pause()
+            return
+        if not self._buffer or self.tenancy is not None:
             return
         remaining = self._first_at + float(self.config.batch_wait) - time.monotonic()
-        if self._full() or remaining <= 0:
+        if remaining <= 0:
             consumer.pause()
         elif "batch wait" not in self._timers:
             self._after("batch wait", remaining, self._step_soon)

@@ -253,6 +253,51 @@ def test_interleaved_tenants_are_batched_apart_and_every_delivery_acked(
     assert early == []
 
 
+def test_a_tenants_delivery_behind_anothers_burst_is_stored_at_its_turn(
+    service: Service, tmp_path: Path, amqp_url: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of one tenant's commands waiting in the queue, then one of another tenant:
+    the receiver reads the whole prefetch window and the tenants take turns, so the
+    second tenant's command is stored after a batch or two of the burst, not after all of
+    it (batches of 10 here: as first in, first out, 300 rows of the burst would come
+    before it). Judged from the rows' insertion times (``received_at``)."""
+    path = tmp_path / "tenants.toml"
+    _save(path, ["acme", "globex"])
+    topology.declare(service.settings, service.registry)
+    props: Any = pika.BasicProperties(content_type="application/json", delivery_mode=2)
+    acme, globex = f"{SERVICE}.acme-id.prod.thing.create", f"{SERVICE}.globex-id.prod.thing.create"
+    burst = [(acme, envelope("CreateThing", f"burst-{n}")) for n in range(300)]
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        for key, body in [*burst, (globex, envelope("CreateThing", "quiet"))]:
+            channel.basic_publish(names.COMMAND_EXCHANGE, key, body, props)
+    finally:
+        connection.close()
+    monkeypatch.setenv("TXBOX_RECEIVER_BATCH_SIZE", "10")
+    serving = _serve(service, path, monkeypatch)
+    next(serving)
+    try:
+        support.wait_until(
+            lambda: (
+                queue_depth(amqp_url, QUEUE) == 0
+                and query(database_url, f"SELECT count(*) FROM {ACME}.inbox WHERE message_type = 'CreateThing'")
+                == [(300,)]
+            ),
+            timeout=60,
+            message="the burst and the quiet command stored and acked",
+        )
+        [(after,)] = query(
+            database_url,
+            f"SELECT count(*) FROM {ACME}.inbox WHERE message_type = 'CreateThing' AND received_at > "
+            f"(SELECT received_at FROM {GLOBEX}.inbox WHERE message_type = 'CreateThing' AND aggregate_id = 'quiet')",
+        )
+    finally:
+        next(serving, None)
+    assert after >= 10, f"only {after} of the burst's 300 stored after the other tenant's command"
+
+
 def test_a_tenant_whose_database_is_down_waits_while_the_others_go_on(
     service: Service, tmp_path: Path, amqp_url: str, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -220,17 +220,29 @@ def _quiet(args: argparse.Namespace, scratch: Scratch, quiet: Any, first: int) -
     return began
 
 
-def _latencies(scratch: Scratch, schema: str, since: float, until: float) -> dict[str, float]:
+def _latencies(scratch: Scratch, schema: str, since: float, until: float) -> dict[str, Any]:
     """p50, p99 and max of (handler's row minus outbox row's creation) of ``schema``'s Pings
-    created from ``since`` to ``until`` (epoch seconds)."""
+    created from ``since`` to ``until`` (epoch seconds), and the p50 and p99 of each stage's
+    end (``published``: the relay marked it; ``stored``: the receiver inserted it into the
+    inbox) since the creation, which says where a quiet tenant's messages waited."""
+    ms = "extract(epoch FROM {} - o.created_at) * 1000"
+    stages = {"published": "o.processed_at", "stored": "i.received_at", "handled": "h.handled_at"}
+    columns = ", ".join(f"{ms.format(column)} AS {name}" for name, column in stages.items())
+    percentiles = ", ".join(f"percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY {name})" for name in stages)
     with psycopg.connect(conninfo(scratch.database_url), autocommit=True) as conn:
         row = conn.execute(
-            "SELECT percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY ms), max(ms), count(*) FROM ("
-            f"SELECT extract(epoch FROM h.handled_at - o.created_at) * 1000 AS ms FROM {schema}.outbox o "
-            "JOIN bench_handled h ON h.message_id = o.id "
+            f"SELECT {percentiles}, max(handled), count(*) FROM (SELECT {columns} FROM {schema}.outbox o "
+            f"JOIN {schema}.inbox i ON i.id = o.id JOIN bench_handled h ON h.message_id = o.id "
             "WHERE o.created_at >= to_timestamp(%s) AND o.created_at < to_timestamp(%s)) t",
             (since, until),
         ).fetchone()
     assert row is not None
-    (p50, p99), worst, count = row[0], row[1], row[2]
-    return {"p50": round(p50, 1), "p99": round(p99, 1), "max": round(float(worst), 1), "messages": int(count)}
+    by_stage = dict(zip(stages, row[: len(stages)], strict=True))
+    (p50, p99), worst, count = by_stage["handled"], row[len(stages)], row[len(stages) + 1]
+    return {
+        "p50": round(p50, 1),
+        "p99": round(p99, 1),
+        "max": round(float(worst), 1),
+        "messages": int(count),
+        "stages": {name: {"p50": round(a, 1), "p99": round(b, 1)} for name, (a, b) in by_stage.items()},
+    }
