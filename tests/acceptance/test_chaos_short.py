@@ -31,14 +31,20 @@ ORDERS = int(os.environ.get("TXBOX_CHAOS_MESSAGES", "1500"))
 # Longer than the run's own limits (600 s, then 60 s to stop), so a stalled run reports
 # where its messages sit instead of being cut off, output and all, by the suite's 300 s.
 @pytest.mark.timeout(720)
-@pytest.mark.parametrize("deployment", ["daemons", "run"])
-def test_exactly_once_survives_crashes_restarts_and_a_poison_message(tmp_path: Path, deployment: str) -> None:
-    """``run``: each service is one `txbox run` process; a kill takes all its daemons."""
+@pytest.mark.parametrize(("deployment", "tenants"), [("daemons", 0), ("run", 0), ("run", 2)])
+def test_exactly_once_survives_crashes_restarts_and_a_poison_message(
+    tmp_path: Path, deployment: str, tenants: int
+) -> None:
+    """``run``: each service is one `txbox run` process; a kill takes all its daemons. With
+    ``tenants``, that process serves two tenants of each service, a database each, and the
+    verdict is judged in every tenant (nothing lost, doubled or stored in another's)."""
     args = [
         *txbox_command(),
         "chaos",
         "--deployment",
         deployment,
+        "--tenants",
+        str(tenants),
         "--messages",
         str(ORDERS),
         "--faults",
@@ -64,7 +70,7 @@ def test_exactly_once_survives_crashes_restarts_and_a_poison_message(tmp_path: P
     assert proc.returncode == 0, f"txbox chaos failed ({proc.returncode}):\n{output}"
     figures = json.loads(stdout.strip().splitlines()[-1])
     assert figures["ok"] is True
-    assert figures["orders"] == ORDERS
+    assert figures["orders"] == ORDERS and figures["tenants"] == tenants
     assert figures["messages"] >= 3 * ORDERS  # PlaceOrder + OrderPlaced + stock result per order
     assert figures["kills"] == 2
     assert figures["pg_restarts"] == 1 and figures["rabbitmq_restarts"] == 1

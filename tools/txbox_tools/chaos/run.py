@@ -17,6 +17,11 @@ The run, in order:
 5. waits for the backlog to drain after the last fault, stops the daemons, and judges
    the data (:mod:`txbox_tools.chaos.verdict`), then runs ``txbox analyze --fail-on-lost``.
 
+With ``--tenants N`` (``--deployment run``) every service keeps each of N tenants in a
+database of its own and one `txbox run` per service serves them all; the orders are
+shared out between the tenants and each tenant is judged on its own
+(:mod:`txbox_tools.chaos.tenants`).
+
 Figures: one line — orders, messages, kills, restarts, lost, duplicated, abandoned,
 throughput between faults, recovery time after the last fault, wall time.
 """
@@ -24,6 +29,8 @@ throughput between faults, recovery time after the last fault, wall time.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import itertools
 import json
 import random
@@ -47,10 +54,11 @@ from framework.db import conninfo
 from framework.service import Service
 from framework.sql import outbox as outbox_sql
 from txbox_tools import repository
-from txbox_tools.chaos import apps
+from txbox_tools.chaos import apps, tenants
 from txbox_tools.chaos.faults import DAEMON_KINDS, Fault, Kind, describe, in_one_process, plan, replica_name
 from txbox_tools.chaos.instances import PrivatePostgres, PrivateRabbit, PrivateRabbitCluster
 from txbox_tools.chaos.supervisor import Spec, Supervisor
+from txbox_tools.chaos.tenants import Cell
 from txbox_tools.chaos.verdict import Verdict, judge
 from txbox_tools.errors import ChaosFailed
 
@@ -88,6 +96,9 @@ class ChaosOptions:
     #: ``daemons``: a process per daemon; ``run``: one `txbox run` per service (and replica),
     #: which every kill of one of its daemons kills whole
     deployment: str = "daemons"
+    #: Tenants of every service, a database each, all served by the service's `txbox run`
+    #: (``deployment`` ``run``); 0: none, the services' own databases
+    tenants: int = 0
     keep_logs: bool = False
     log_dir: Path | None = None
 
@@ -130,6 +141,7 @@ class Report:
         v = self.verdict
         return {
             "seed": self.options.seed,
+            "tenants": self.options.tenants,
             "orders": self.options.messages,
             "messages": v.handled,
             "relayed": v.relayed,
@@ -157,7 +169,9 @@ class Report:
         f = self.figures()
         resumed = f["rabbitmq_node_lost_resumed_s"]
         return (
-            f"chaos seed={f['seed']}: orders={f['orders']:,} messages={f['messages']:,} kills={f['kills']} "
+            f"chaos seed={f['seed']}: "
+            + (f"tenants={f['tenants']} " if f["tenants"] else "")
+            + f"orders={f['orders']:,} messages={f['messages']:,} kills={f['kills']} "
             f"restarts={f['restarts']} (pg {f['pg_restarts']}, rabbitmq {f['rabbitmq_restarts']}) "
             f"rabbitmq_node_kills={f['rabbitmq_node_kills']} "
             + ("" if resumed is None else f"node_lost_resumed={resumed}s ")
@@ -285,57 +299,69 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
     wall_start = time.monotonic()
     daemons, schedule = _planned(options)
     cluster = options.rabbit_nodes > 1
-    say(f"txbox chaos: {options.messages:,} orders, seed {options.seed}, schedule: {describe(schedule)}")
+    across = f" across {options.tenants} tenants (a database of each service each)" if options.tenants else ""
+    say(f"txbox chaos: {options.messages:,} orders{across}, seed {options.seed}, schedule: {describe(schedule)}")
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="txbox-chaos-logs-"))
 
-    from examples.demo import restock, stocked
     from txbox_tools.processes import ProcessGroup
 
     broker = PrivateRabbitCluster(options.rabbit_nodes) if cluster else PrivateRabbit()
     with PrivatePostgres() as pg, broker as rabbit:
         say(f"  private PostgreSQL on :{pg.port} (fsync on), {rabbit.description}")
         urls = {short: pg.create_database(f"chaos_{short}") for short in apps.APPS}
-        dsns = {short: conninfo(url) for short, url in urls.items()}
-        services = _services(options, urls, rabbit.amqp_url())
-        specs = _specs(options, daemons, urls, rabbit.amqp_url())
+        cells = _cells(options, pg, urls, rabbit.amqp_url())
+        dsns = {label: dsn for cell in cells for label, dsn in cell.dsns().items()}
+        services = [_services(options, cell.urls, rabbit.amqp_url()) for cell in cells]
+        registries = tenants.registry_files(log_dir, cells) if options.tenants else {}
+        specs = _specs(options, daemons, urls, rabbit.amqp_url(), registries)
         supervisor = Supervisor(ProcessGroup(log_dir), specs)
-        feeder: Feeder | None = None
+        feeders: list[Feeder] = []
         try:
             supervisor.start()
             say(f"  {len(specs)} daemon processes under supervision (logs: {log_dir})")
             skus = [f"SKU-{n:03d}" for n in range(1, options.skus + 1)]
-            per_sku = max(1, round(options.messages * 3 / options.skus * options.stock_ratio))
-            stock = dict.fromkeys(skus, per_sku)
-            restock(services["inventory"], stock)
-            _wait(lambda: stocked(services["inventory"], stock), 180, "restocking the inventory", supervisor)
+            shares = [tenants.share(options.messages, len(cells), n) for n in range(len(cells))]
+            stocks = [dict.fromkeys(skus, _per_sku(options, orders)) for orders in shares]
+            _restock([own["inventory"] for own in services], stocks, supervisor)
             base_handled = sum(_count(d, HANDLED) or 0 for d in dsns.values())
             expected = 3 * options.messages
-            say(f"  inventory restocked ({len(skus)} SKUs x {per_sku:,}); placing orders at {options.rate:,.0f}/s")
-
-            feeder = Feeder(services["orders"], options, skus)
-            inboxes = [names.inbox_queue(service.settings.service) for service in services.values()]
+            say(
+                f"  inventory restocked ({len(skus)} SKUs x {stocks[0][skus[0]]:,}"
+                + (" each tenant" if options.tenants else "")
+                + f"); placing orders at {options.rate:,.0f}/s"
+            )
+            feeders = [
+                Feeder(own["orders"], _feeder_options(options, n, orders), skus)
+                for n, (own, orders) in enumerate(zip(services, shares, strict=True))
+            ]
+            inboxes = [names.inbox_queue(service.settings.service) for service in services[0].values()]
             events, samples, poison_id, load_end = _drive(
-                options, schedule, feeder, supervisor, pg, rabbit, inboxes, dsns, base_handled, expected, say
+                options,
+                schedule,
+                feeders,
+                supervisor,
+                pg,
+                rabbit,
+                inboxes,
+                dsns,
+                cells[0].label("orders"),
+                base_handled,
+                expected,
+                say,
             )
             drained_at = load_end
             _write_timeline(log_dir / "timeline.json", samples, events)
             say("  drained; stopping the daemons (SIGTERM)")
         finally:
-            if feeder is not None:
+            for feeder in feeders:
                 feeder.stop_event.set()
             supervisor.stop()
-            for service in services.values():
-                service.engine.dispose()
+            for own in services:
+                for service in own.values():
+                    service.engine.dispose()
 
-        verdict = judge(
-            dsns["orders"],
-            dsns["inventory"],
-            orders=options.messages,
-            restocks=len(skus),
-            stock_units=sum(stock.values()),
-            poison_id=poison_id,
-        )
-        analyze_exit, notes = _analysis(options, urls, log_dir, say)
+        verdict = _judge(cells, urls, shares, stocks, poison_id, restocks=len(skus))
+        analyze_exit, notes = _analysis(options, urls, registries, log_dir, say)
         last_fault_end = max((e.ended for e in events), default=drained_at)
         report = Report(
             options=options,
@@ -364,6 +390,85 @@ def run(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
     return report
 
 
+def _cells(options: ChaosOptions, pg: PrivatePostgres, urls: dict[str, str], amqp_url: str) -> list[Cell]:
+    """The run's tenants, each with a database of every service; without tenants, the
+    services' own databases (``urls``) as the one cell. With tenants the services' own
+    databases are migrated here: they hold the receivers' turns and the letters of
+    deliveries naming no tenant."""
+    if not options.tenants:
+        return [Cell(None, urls)]
+    for service in _services(options, urls, amqp_url).values():
+        service.engine.dispose()
+    return [
+        Cell(key, {short: pg.create_database(f"chaos_{short}_{key}") for short in apps.APPS})
+        for key in (tenants.key(n) for n in range(options.tenants))
+    ]
+
+
+def _restock(inventories: list[Service], stocks: list[dict[str, int]], supervisor: Supervisor) -> None:
+    """Restock each cell's inventory and wait until every one holds its stock."""
+    from examples.demo import restock, stocked
+
+    for inventory, stock in zip(inventories, stocks, strict=True):
+        restock(inventory, stock)
+    for inventory, stock in zip(inventories, stocks, strict=True):
+        _wait(functools.partial(stocked, inventory, stock), 180, "restocking the inventory", supervisor)
+
+
+def _per_sku(options: ChaosOptions, orders: int) -> int:
+    """Units of each SKU restocked for ``orders`` orders: ``stock_ratio`` of what they could ask."""
+    return max(1, round(orders * 3 / options.skus * options.stock_ratio))
+
+
+def _feeder_options(options: ChaosOptions, n: int, orders: int) -> ChaosOptions:
+    """What the feeder of cell ``n`` offers: its share of the orders and of the rate, ids from a seed of its own."""
+    if not options.tenants:
+        return options
+    share: ChaosOptions = dataclasses.replace(
+        options, messages=orders, rate=options.rate / options.tenants, seed=options.seed * 1000 + n
+    )
+    return share
+
+
+def _judge(
+    cells: list[Cell],
+    urls: dict[str, str],
+    shares: list[int],
+    stocks: list[dict[str, int]],
+    poison_id: uuid.UUID | None,
+    *,
+    restocks: int,
+) -> Verdict:
+    """The verdict of each cell (the poison message is the first's), and with tenants one
+    more check: nothing stored or lettered in the services' own databases."""
+
+    def of(n: int) -> Verdict:
+        cell = cells[n]
+        dsns = cell.dsns()
+        return judge(
+            dsns[cell.label("orders")],
+            dsns[cell.label("inventory")],
+            orders=shares[n],
+            restocks=restocks,
+            stock_units=sum(stocks[n].values()),
+            poison_id=poison_id if n == 0 else None,
+        )
+
+    if cells[0].key is None:
+        return of(0)
+    verdict = Verdict()
+    for n, cell in enumerate(cells):
+        verdict.absorb(of(n), f"[tenant {cell.key}]")
+    stored = "SELECT (SELECT count(*) FROM txbox.inbox) + (SELECT count(*) FROM txbox.dead_letters)"
+    stray = {short: _count(conninfo(url), stored) for short, url in urls.items()}
+    verdict.add(
+        "nothing stored or lettered outside its tenant",
+        all(n == 0 for n in stray.values()),
+        ", ".join(f"{short}'s own database: {n} inbox rows and letters" for short, n in stray.items()),
+    )
+    return verdict
+
+
 def _planned(options: ChaosOptions) -> tuple[list[str], list[Fault]]:
     """The daemon kinds this checkout has, and the seeded schedule of faults over them."""
     daemons = [d for d in (*DAEMON_KINDS, "collector") if _available(d)]
@@ -382,6 +487,8 @@ def _planned(options: ChaosOptions) -> tuple[list[str], list[Fault]]:
         replicas=options.replicas,
         lose_node=options.lose_node,
     )
+    if options.tenants and options.deployment != "run":
+        raise ChaosFailed("tenants are served by `txbox run`: add --deployment run to --tenants")
     if options.deployment == "run":
         schedule = in_one_process(schedule)
     return daemons, schedule
@@ -400,9 +507,12 @@ def _services(options: ChaosOptions, urls: dict[str, str], amqp_url: str) -> dic
     return services
 
 
-def _specs(options: ChaosOptions, daemons: list[str], urls: dict[str, str], amqp_url: str) -> dict[str, Spec]:
+def _specs(
+    options: ChaosOptions, daemons: list[str], urls: dict[str, str], amqp_url: str, registries: dict[str, Path]
+) -> dict[str, Spec]:
     """Every daemon process to supervise, by name: each kind per service, in its replicas
-    (or, ``--deployment run``, one `txbox run` per service and replica)."""
+    (or, ``--deployment run``, one `txbox run` per service and replica, serving the
+    tenants of the service's registry file when there are ``registries``)."""
     specs: dict[str, Spec] = {}
     for short, (app, _) in apps.APPS.items():
         env = {
@@ -410,6 +520,7 @@ def _specs(options: ChaosOptions, daemons: list[str], urls: dict[str, str], amqp
             "TXBOX_DATABASE_URL": urls[short],
             "TXBOX_AMQP_URL": amqp_url,
             "TXBOX_QUEUE_TYPE": options.queue_type,
+            **({"TXBOX_TENANTS_FILE": str(registries[short])} if registries else {}),
         }
         if options.deployment == "run":
             for n in range(1, options.replicas + 1):
@@ -423,7 +534,11 @@ def _specs(options: ChaosOptions, daemons: list[str], urls: dict[str, str], amqp
 
 
 def _analysis(
-    options: ChaosOptions, urls: dict[str, str], log_dir: Path, say: Callable[[str], None]
+    options: ChaosOptions,
+    urls: dict[str, str],
+    registries: dict[str, Path],
+    log_dir: Path,
+    say: Callable[[str], None],
 ) -> tuple[int | None, list[str]]:
     """``txbox analyze --fail-on-lost`` over the run when asked: its exit code, and notes."""
     if not options.analyze:
@@ -431,7 +546,7 @@ def _analysis(
     if not _available("analyze"):
         return None, ["txbox analyze has not landed in this checkout: reconciliation skipped"]
     say("  txbox analyze --fail-on-lost …")
-    return _analyze(urls, log_dir), []
+    return _analyze(urls, registries, log_dir), []
 
 
 def _tell(report: Report, say: Callable[[str], None]) -> None:
@@ -450,8 +565,6 @@ def _tell(report: Report, say: Callable[[str], None]) -> None:
 
 
 def _with_queue_type(service: Service, queue_type: str) -> Any:
-    import dataclasses
-
     return dataclasses.replace(service.settings, queue_type=queue_type)  # type: ignore[arg-type]
 
 
@@ -474,22 +587,25 @@ def _safe(predicate: Callable[[], Any]) -> Any:
 def _drive(
     options: ChaosOptions,
     schedule: list[Fault],
-    feeder: Feeder,
+    feeders: list[Feeder],
     supervisor: Supervisor,
     pg: PrivatePostgres,
     rabbit: PrivateRabbit | PrivateRabbitCluster,
     inboxes: list[str],
     dsns: dict[str, str],
+    poisoned: str,
     base_handled: int,
     expected: int,
     say: Callable[[str], None],
 ) -> tuple[list[Event], list[tuple[float, int]], uuid.UUID | None, float]:
-    """Feed, fire the faults at their progress points, wait for the drain."""
+    """Feed, fire the faults at their progress points, wait for the drain. The poison
+    message goes through the first feeder, into the orders database ``dsns[poisoned]``."""
     pending = list(schedule)
     events: list[Event] = []
     samples: list[tuple[float, int]] = []
     poison_id: uuid.UUID | None = None
-    feeder.start()
+    for feeder in feeders:
+        feeder.start()
     last_progress_at = time.monotonic()
     last_handled = -1
     last_fault_end = 0.0
@@ -497,8 +613,11 @@ def _drive(
     while True:
         now = time.monotonic()
         supervisor.raise_if_broken()
-        if feeder.error is not None:
-            raise ChaosFailed(f"the feeder failed: {feeder.error}") from feeder.error
+        failed = next((f.error for f in feeders if f.error is not None), None)
+        if failed is not None:
+            raise ChaosFailed(f"the feeder failed: {failed}") from failed
+        sent = sum(f.sent for f in feeders)
+        fed_at = None if any(f.finished_at is None for f in feeders) else max(f.finished_at or 0.0 for f in feeders)
         counts = [_count(d, HANDLED) for d in dsns.values()]
         if all(c is not None for c in counts):
             handled = sum(c or 0 for c in counts) - base_handled
@@ -508,18 +627,18 @@ def _drive(
         progress = max(0, last_handled) / expected
         if now - last_report > 10:
             last_report = now
-            say(f"    {progress:6.1%} handled, {feeder.sent:,} orders placed, {len(events)} faults so far")
+            say(f"    {progress:6.1%} handled, {sent:,} orders placed, {len(events)} faults so far")
         if pending and progress >= pending[0].at_progress and now - last_fault_end >= options.min_gap:
             fault = pending.pop(0)
             started = time.monotonic()
-            detail, fault_poison = _inject(fault, supervisor, pg, rabbit, inboxes, feeder)
+            detail, fault_poison = _inject(fault, supervisor, pg, rabbit, inboxes, feeders[0])
             poison_id = poison_id or fault_poison
             last_fault_end = time.monotonic()
             events.append(Event(fault, started, last_fault_end, detail))
             say(f"    fault {fault}: {detail}")
             continue
-        if not pending and feeder.finished_at is not None:
-            quiet_since = max(last_fault_end, feeder.finished_at)
+        if not pending and fed_at is not None:
+            quiet_since = max(last_fault_end, fed_at)
             if now - quiet_since > options.drain_timeout:
                 raise ChaosFailed(
                     f"the backlog did not drain within {options.drain_timeout:.0f}s after the last fault "
@@ -527,10 +646,10 @@ def _drive(
                 )
         if (
             not pending
-            and feeder.finished_at is not None
+            and fed_at is not None
             and last_handled >= expected
             and all(_count(d, PENDING) == 0 for d in dsns.values())
-            and _poison_settled(dsns["orders"], poison_id)
+            and _poison_settled(dsns[poisoned], poison_id)
         ):
             return events, samples, poison_id, time.monotonic()
         if now - last_progress_at > options.stall_timeout:
@@ -739,20 +858,15 @@ def _recovered_at(samples: list[tuple[float, int]], fault_ended: float) -> float
     return settled
 
 
-def _analyze(urls: dict[str, str], log_dir: Path) -> int:
+def _analyze(urls: dict[str, str], registries: dict[str, Path], log_dir: Path) -> int:
+    """`txbox analyze --fail-on-lost` over both services (each tenant a source, with tenants)."""
     from txbox_tools.processes import txbox_command
 
-    args = [
-        *txbox_command(),
-        "analyze",
-        "--source",
-        f"order-service={urls['orders']}",
-        "--source",
-        f"inventory-service={urls['inventory']}",
-        "--grace",
-        "1s",
-        "--fail-on-lost",
-    ]
+    if registries:
+        sources = ["--config", str(tenants.analyze_config(log_dir, registries))]
+    else:
+        sources = [arg for short, url in urls.items() for arg in ("--source", f"{tenants.SERVICES[short]}={url}")]
+    args = [*txbox_command(), "analyze", *sources, "--grace", "1s", "--fail-on-lost"]
     log_path = log_dir / "analyze.log"
     with log_path.open("ab") as log:
         return subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, check=False, cwd=repository.root()).returncode

@@ -55,6 +55,13 @@ class Verdict:
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(name, bool(ok), detail))
 
+    def absorb(self, other: Verdict, prefix: str) -> None:
+        """Take in ``other``'s checks, each named after ``prefix``, and add up its counts
+        (a run with tenants: one verdict per tenant)."""
+        self.checks += [Check(f"{prefix} {c.name}", c.ok, c.detail) for c in other.checks]
+        for counted in ("handled", "relayed", "lost", "duplicated", "abandoned", "dead_letters"):
+            setattr(self, counted, getattr(self, counted) + getattr(other, counted))
+
 
 def _one(conn: psycopg.Connection[Any], query: str, params: Any = None) -> Any:
     row = conn.execute(query, params).fetchone()

@@ -36,6 +36,13 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         default="daemons",
         help="daemons: a process per daemon (default); run: one `txbox run` per service and replica",
     )
+    parser.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help="tenants of every service, a database each, served by one `txbox run` per service "
+        "(needs --deployment run; default 0: none)",
+    )
     parser.add_argument("--no-poison", action="store_true", help="do not send the poison message")
     parser.add_argument("--no-analyze", action="store_true", help="skip `txbox analyze --fail-on-lost`")
     parser.add_argument(
@@ -64,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             f"--rabbit-nodes {args.rabbit_nodes}: give 1, or 3 or more (a cluster of two cannot lose a node)"
         )
+    if args.tenants < 0 or (args.tenants and args.deployment != "run"):
+        raise ConfigurationError(
+            f"--tenants {args.tenants}: give 0, or N ≥ 1 with --deployment run (`txbox run` serves tenants)"
+        )
     if args.lose_node and args.rabbit_nodes < 3:
         raise ConfigurationError("--lose-node needs a RabbitMQ cluster: add --rabbit-nodes 3")
     from txbox_tools.chaos import run as chaos  # finds the clone's examples/ (txbox_tools.repository)
@@ -82,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         rabbit_nodes=args.rabbit_nodes,
         lose_node=args.lose_node,
         deployment=args.deployment,
+        tenants=args.tenants,
         drain_timeout=args.drain_timeout,
         stall_timeout=args.stall_timeout,
         log_dir=args.log_dir,
