@@ -96,6 +96,12 @@ def configure(parser: argparse.ArgumentParser, name: str) -> None:
         p.add_argument("--json", action="store_true")
         if action == "replay":
             p.add_argument(
+                "--into-tenant",
+                metavar="KEY",
+                help="letters of the service's own database (deliveries that named no tenant: unknown_tenant): "
+                "copy each into tenant KEY's dead letters and replay it there",
+            )
+            p.add_argument(
                 "--auth-token-file",
                 metavar="PATH",
                 help="file holding the auth_token to replay with ('-': read it from stdin); a letter keeps none",
@@ -117,6 +123,8 @@ def _selected(args: argparse.Namespace, status: str = "open") -> dead_letters_sq
 
 def run(args: argparse.Namespace) -> int:
     token = _auth_token(getattr(args, "auth_token_file", None))  # read (and checked) before any change
+    if getattr(args, "into_tenant", None) is not None:
+        return _replay_into_tenant(args, token)
     chosen = _tenants_of(args)
     if chosen is None:
         service = load_service(args)
@@ -166,15 +174,50 @@ def _tenants_of(args: argparse.Namespace) -> list[Tenant] | None:
     )
 
 
-def _on(
-    conn: Any, service: Service, schema: str, args: argparse.Namespace, token: str | None, tenant: str | None
-) -> int:
-    """The subcommand on one database (``tenant``: its key, shown with each row, or None)."""
-    replay.resolve_replayed(conn, schema)
-    if args.action == "list":
-        return _list(conn, schema, args, tenant)
-    if args.action == "show":
-        return _show(conn, schema, args, tenant)
+def _replay_into_tenant(args: argparse.Namespace, token: str | None) -> int:
+    """``replay --into-tenant KEY``: letters of the service's own database (``TXBOX_DATABASE_URL``
+    or ``--database-url``) replayed into tenant KEY (docs/how-to/tenants.md, "Dead letters per tenant")."""
+    if args.tenant is not None or args.all_tenants:
+        raise ConfigurationError(
+            "txbox dlq replay --into-tenant replays letters of the service's own database into a tenant: "
+            "leave out --tenant / --all-tenants (the letters of a tenant are replayed with --tenant KEY alone)"
+        )
+    settings = tenant_settings(args)
+    if not settings.configured:
+        raise ConfigurationError(
+            "--into-tenant needs a tenant registry: set TXBOX_TENANTS_FILE (or --tenants-file) or "
+            "TXBOX_TENANTS_DATABASE_URL. Example: TXBOX_TENANTS_FILE=tenants.toml"
+        )
+    tenant = load_tenants(args, settings).tenant(args.into_tenant)
+    service = load_service(args)
+    from framework.tenants.runs import engine_for
+
+    engine = engine_for(tenant.database_url)
+    try:
+        with queries.connection(service.engine) as source, queries.connection(engine) as target:
+            replay.resolve_replayed(source, service.settings.schema)
+            ids = _ids(source, service.settings.schema, args)
+            outcomes = replay.replay_into_tenant(
+                source,
+                service.settings.schema,
+                target,
+                tenant.schema,
+                service.registry,
+                service.name,
+                ids,
+                tenant=tenant.key,
+                dry_run=args.dry_run,
+                auth_token=token,
+            )
+    except DatabaseUnavailable as exc:
+        raise DatabaseUnavailable(f"tenant {tenant.key} ({tenant.display_url} schema {tenant.schema}): {exc}") from None
+    finally:
+        engine.dispose()
+    return _report(outcomes, args, None)
+
+
+def _ids(conn: Any, schema: str, args: argparse.Namespace) -> list[int]:
+    """The letters ``replay`` or ``discard`` acts on: the ids given and those the filters select."""
     ids = list(args.ids)
     filtered = any(
         getattr(args, k) is not None
@@ -184,13 +227,30 @@ def _on(
         ids += dead_letters_sql.ids_matching(conn, schema, _selected(args))
     if not ids:
         raise ConfigurationError(f"txbox dlq {args.action}: give dead-letter ids or a filter (e.g. --fingerprint)")
-    ids = sorted(set(ids))
+    return sorted(set(ids))
+
+
+def _on(
+    conn: Any, service: Service, schema: str, args: argparse.Namespace, token: str | None, tenant: str | None
+) -> int:
+    """The subcommand on one database (``tenant``: its key, shown with each row, or None)."""
+    replay.resolve_replayed(conn, schema)
+    if args.action == "list":
+        return _list(conn, schema, args, tenant)
+    if args.action == "show":
+        return _show(conn, schema, args, tenant)
+    ids = _ids(conn, schema, args)
     if args.action == "replay":
         outcomes = replay.replay(
             conn, schema, service.registry, service.name, ids, dry_run=args.dry_run, auth_token=token
         )
     else:
         outcomes = replay.discard(conn, schema, ids, dry_run=args.dry_run)
+    return _report(outcomes, args, tenant)
+
+
+def _report(outcomes: list[replay.Outcome], args: argparse.Namespace, tenant: str | None) -> int:
+    """Print what ``replay`` or ``discard`` did, a line each and a total; 0 when every one went."""
     of_tenant = {} if tenant is None else {"tenant": tenant}
     if args.json:
         for o in outcomes:

@@ -136,6 +136,7 @@ def replay(
     *,
     dry_run: bool = False,
     auth_token: str | None = None,
+    into_tenant: bool = False,
 ) -> list[Outcome]:
     """Replay letters, ``CHUNK`` per transaction; ``dry_run`` runs the same steps and rolls back.
 
@@ -146,8 +147,10 @@ def replay(
     keeps none, and one a letter holds all the same is never used); it is written only
     where sending or running the message needs it (the outbox or inbox row's metadata,
     which drops it once published or processed), never into the letter or an outcome.
+    An ``unknown_tenant`` letter is refused, naming :func:`replay_into_tenant` (which
+    replays its copy with ``into_tenant``): replayed where it is, no daemon would run it.
     """
-    replaying = _Replaying(conn, schema, registry, service, auth_token)
+    replaying = _Replaying(conn, schema, registry, service, auth_token, into_tenant)
     outcomes: list[Outcome] = []
     for chunk in _chunks(ids):
         with conn.transaction(force_rollback=dry_run):
@@ -159,6 +162,105 @@ def replay(
     return outcomes
 
 
+def replay_into_tenant(
+    source: psycopg.Connection[Any],
+    source_schema: str,
+    target: psycopg.Connection[Any],
+    target_schema: str,
+    registry: Registry,
+    service: str,
+    ids: Sequence[int],
+    *,
+    tenant: str,
+    dry_run: bool = False,
+    auth_token: str | None = None,
+) -> list[Outcome]:
+    """Replay letters of deliveries that named no tenant into tenant ``tenant``.
+
+    A receiver serving tenants letters a delivery naming none of them (``unknown_tenant``)
+    in the service's own database (``source``), where no relay or worker runs: replayed
+    there it would wait for ever. Each letter (source ``broker``, judged by its route as
+    any replay) is copied as an open letter into the tenant's database (``target``), the
+    original marked resolved with a note naming the copy, then the copy is replayed there
+    by :func:`replay`: the tenant's relay sends it, or its worker runs it. The copy's
+    ``delivery_key`` names the original, so running this again after a failure between
+    the two databases copies nothing twice. Both connections in autocommit mode.
+    """
+    outcomes: list[Outcome] = []
+    copies: dict[int, int] = {}  # the copy's id in the tenant, by the original's
+    for chunk in _chunks(ids):
+        with source.transaction(force_rollback=dry_run):
+            letters = _lock_letters(source, source_schema, chunk)
+            found = {row["id"] for row in letters}
+            outcomes += [Outcome(i, "missing", "no dead letter with this id", False) for i in chunk if i not in found]
+            for letter in letters:
+                refused = _not_movable(letter, registry, service)
+                if refused is not None:
+                    outcomes.append(refused)
+                    continue
+                with target.transaction(force_rollback=dry_run):
+                    copy = _copy_letter(target, target_schema, letter, f"txbox moved {source_schema} {letter['id']}")
+                entry = {"table": names.DEAD_LETTERS, "action": "moved", "tenant": tenant, "letter": copy}
+                _note(source, source_schema, letter["id"], entry, "resolved_at", "replayed_at = clock_timestamp()")
+                copies[letter["id"]] = copy
+    if dry_run:
+        return outcomes + [
+            Outcome(i, "would-move", f"copied into tenant {tenant}'s dead letters, then replayed there") for i in copies
+        ]
+    done = replay(
+        target, target_schema, registry, service, list(copies.values()), auth_token=auth_token, into_tenant=True
+    )
+    replayed = {o.id: o for o in done}
+    for original, copy in copies.items():
+        there = replayed[copy]
+        outcomes.append(
+            Outcome(original, there.action, f"moved to tenant {tenant} as letter {copy}: {there.detail}", there.ok)
+        )
+    return sorted(outcomes, key=lambda o: o.id)
+
+
+def _not_movable(letter: dict[str, Any], registry: Registry, service: str) -> Outcome | None:
+    """Why ``letter`` is not replayed into a tenant, or None."""
+    lid = letter["id"]
+    closed = _closed(letter)
+    if closed is not None:
+        return closed
+    if letter["source"] != "broker" or letter["message_id"] is None:
+        return Outcome(
+            lid,
+            "refused",
+            "only a delivery's letter (source broker, with a message_id) is replayed into a tenant; "
+            "replay this one where it is",
+            False,
+        )
+    try:
+        route(letter, registry, service)
+    except ReplayRefused as exc:
+        return Outcome(lid, "refused", str(exc), False)
+    return None
+
+
+def _closed(letter: dict[str, Any]) -> Outcome | None:
+    """A letter no replay touches: discarded, or resolved already."""
+    if letter["discarded_at"] is not None:
+        return Outcome(letter["id"], "skipped", "discarded", False)
+    if letter["resolved_at"] is not None:
+        return Outcome(letter["id"], "skipped", "already resolved", False)
+    return None
+
+
+def _copy_letter(conn: psycopg.Connection[Any], schema: str, letter: dict[str, Any], key: str) -> int:
+    """``letter`` as an open letter of ``schema`` (its ``delivery_key`` ``key``): the copy's id,
+    the one a previous run made if there is one."""
+    values = {c: letter[c] for c in dead_letters_sql.COLUMNS}
+    values.update(delivery_key=key, headers=Jsonb(letter["headers"]), attempts=Jsonb(letter["attempts"]))
+    values["message"] = None if letter["message"] is None else Jsonb(letter["message"])
+    _x(conn, dead_letters_sql.insert_sql(schema), values)
+    row = _x(conn, dead_letters_sql.by_delivery_key(schema), {"key": key}).fetchone()
+    assert row is not None  # inserted now, or by a run before
+    return int(row["id"])
+
+
 @dataclass(frozen=True)
 class _Replaying:
     """One replay's connection, schema, contracts and service, which every step needs."""
@@ -168,13 +270,21 @@ class _Replaying:
     registry: Registry
     service: str
     auth_token: str | None = field(default=None, repr=False)
+    into_tenant: bool = False  # letters copied into their tenant (replay_into_tenant)
 
     def one(self, letter: dict[str, Any]) -> Outcome:
         lid = letter["id"]
-        if letter["discarded_at"] is not None:
-            return Outcome(lid, "skipped", "discarded", False)
-        if letter["resolved_at"] is not None:
-            return Outcome(lid, "skipped", "already resolved", False)
+        closed = _closed(letter)
+        if closed is not None:
+            return closed
+        if letter["reason"] == Reason.UNKNOWN_TENANT and not self.into_tenant:
+            return Outcome(
+                lid,
+                "refused",
+                "the delivery named no tenant the receiver serves, and no relay or worker runs here: replay it "
+                f"into its tenant, once the registry lists it: txbox dlq replay {lid} --into-tenant KEY",
+                False,
+            )
         if letter["message_id"] is None:
             return Outcome(lid, "refused", "no valid message_id: nothing to replay (discard it)", False)
         try:

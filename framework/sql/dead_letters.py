@@ -73,6 +73,11 @@ def lock(schema: str) -> sql.Composed:
     return sql.SQL("SELECT * FROM {t} WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE").format(t=_letters(schema))
 
 
+def by_delivery_key(schema: str) -> sql.Composed:
+    """Params: key. The id of the letter stored under that ``delivery_key``."""
+    return sql.SQL("SELECT id FROM {t} WHERE delivery_key = %(key)s").format(t=_letters(schema))
+
+
 def mark_resolved(schema: str) -> sql.Composed:
     """Params: id, at. The letter's message was processed (or published) at ``at``."""
     return sql.SQL("UPDATE {t} SET resolved_at = %(at)s WHERE id = %(id)s").format(t=_letters(schema))

@@ -23,6 +23,7 @@ import prometheus_client
 import pytest
 
 from framework import CommandHandler, metrics, migrate, names, topology
+from framework.cli import main as txbox
 from framework.cli.run import Supervisor, build_tenants
 from framework.receiver import Receiver
 from framework.receiver.consumer import Consumer
@@ -208,6 +209,48 @@ def test_a_tenant_added_or_removed_at_run_time_is_served_or_not(
     )
     assert _handled(database_url, GLOBEX) == []
     assert _letters(database_url) == [("unknown_tenant", f"{SERVICE}.globex-id.prod.thing.create")]
+
+
+def test_a_delivery_that_named_no_tenant_is_replayed_into_its_tenant_once_listed(
+    serving: tuple[Path, Supervisor],
+    service: Service,
+    amqp_url: str,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """initech's command comes before the registry lists initech: an ``unknown_tenant``
+    letter in the service's own database, where no relay or worker runs. Replayed there
+    it is refused, naming ``--into-tenant``; once initech is listed, ``txbox dlq replay
+    --into-tenant initech`` copies it into initech's letters and replays it there: its
+    worker handles it, once, however often the command is run."""
+    path, supervisor = serving
+    _command(amqp_url, "i2", "initech-id")
+    support.wait_until(lambda: len(_letters(database_url)) == 1, timeout=60, message="the command lettered")
+    [(letter,)] = query(database_url, "SELECT id FROM txbox.dead_letters")
+    monkeypatch.setenv("TXBOX_SERVICE", SERVICE)
+    monkeypatch.setenv("TXBOX_DATABASE_URL", database_url)
+    monkeypatch.setenv("TXBOX_CONTRACTS_DIR", str(service.settings.contracts_dir))
+    monkeypatch.setenv("TXBOX_TENANTS_FILE", str(path))
+    assert txbox(["dlq", "--database-url", database_url, "replay", str(letter)]) == 1
+    assert f"txbox dlq replay {letter} --into-tenant KEY" in capsys.readouterr().out
+    assert txbox(["dlq", "replay", str(letter), "--into-tenant", "initech"]) == 2  # not listed yet
+    assert "no tenant 'initech'" in capsys.readouterr().err
+
+    _save(path, ["acme", "globex", "initech"])
+    support.wait_until(
+        lambda: sum(1 for d in supervisor.daemons if d.name == "worker") == 3, timeout=30, message="initech served"
+    )
+    assert txbox(["dlq", "replay", str(letter), "--into-tenant", "initech"]) == 0
+    assert "moved to tenant initech as letter" in capsys.readouterr().out
+    support.wait_until(
+        lambda: ("CreateThing", "i2") in _handled(database_url, INITECH), timeout=60, message="initech handled it"
+    )
+    assert txbox(["dlq", "replay", str(letter), "--into-tenant", "initech"]) == 1  # resolved: nothing again
+    assert "already resolved" in capsys.readouterr().out
+    assert query(database_url, f"SELECT count(*) FROM {INITECH}.inbox WHERE message_type = 'CreateThing'") == [(1,)]
+    assert query(database_url, f"SELECT count(*) FROM {INITECH}.dead_letters") == [(1,)]
+    assert query(database_url, "SELECT resolved_at IS NOT NULL FROM txbox.dead_letters") == [(True,)]
 
 
 def test_interleaved_tenants_are_batched_apart_and_every_delivery_acked(

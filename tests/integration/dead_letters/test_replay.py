@@ -8,8 +8,10 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
+from framework import migrate
 from framework.contracts import Registry
-from framework.dead_letters import replay
+from framework.dead_letters import DeadLetter, replay
+from framework.reasons import Reason
 from framework.sql import dead_letters as dead_letters_sql
 from tests.integration.dead_letters import seed
 
@@ -213,3 +215,42 @@ def test_a_whole_group_is_selected_by_fingerprint(conn: Any, registry: Registry)
     assert ids == same
     assert all(o.ok for o in replay.replay(conn, S, registry, SERVICE, ids))
     assert dead_letters_sql.count_letters(conn, S, dead_letters_sql.Filters()) == 1
+
+
+def test_a_delivery_that_named_no_tenant_is_replayed_into_its_tenant_once(
+    conn: Any, registry: Registry, database_url: str
+) -> None:
+    """An ``unknown_tenant`` letter of the service's own schema: refused where it is (no
+    daemon would run it there); replayed into the tenant's schema, through its outbox,
+    once, even after a run that copied it and failed before marking the original."""
+    migrate.upgrade(database_url, seed.GLOBEX)
+    m = seed.envelope()
+    letter = DeadLetter(
+        source="broker",
+        reason=Reason.UNKNOWN_TENANT,
+        error="the delivery names no tenant",
+        message_id=m.message_id,
+        message_type=m.message_type,
+        routing_key="order-service.order.place",
+        message=m.to_dict(),
+    )
+    with conn.transaction():
+        lid = seed.insert_letter(conn, letter)
+    [refused] = replay.replay(conn, S, registry, SERVICE, [lid])
+    assert (refused.action, refused.ok) == ("refused", False) and "--into-tenant KEY" in refused.detail
+
+    with conn.transaction():  # a run before copied it, then failed before marking the original
+        replay._copy_letter(conn, seed.GLOBEX, _letter(conn, lid), f"txbox moved {S} {lid}")
+    [moved] = replay.replay_into_tenant(conn, S, conn, seed.GLOBEX, registry, SERVICE, [lid], tenant="globex")
+    [again] = replay.replay_into_tenant(conn, S, conn, seed.GLOBEX, registry, SERVICE, [lid], tenant="globex")
+
+    assert (moved.action, moved.ok) == ("outbox-insert", True) and "moved to tenant globex as letter" in moved.detail
+    assert (again.action, again.detail) == ("skipped", "already resolved")
+    copies = conn.execute(f"SELECT reason FROM {seed.GLOBEX}.dead_letters WHERE message_id = %s", (m.message_id,))
+    assert [r["reason"] for r in copies] == ["unknown_tenant"]
+    sent = conn.execute(f"SELECT count(*) AS n FROM {seed.GLOBEX}.outbox WHERE id = %s", (m.message_id,)).fetchone()
+    assert sent == {"n": 1}
+    assert _one(conn, "SELECT count(*) AS n FROM txbox.outbox WHERE id = %s", m.message_id) == {"n": 0}
+    original = _letter(conn, lid)
+    assert original["resolved_at"] is not None
+    assert original["attempts"]["history"][-1]["tenant"] == "globex"
