@@ -10,6 +10,7 @@ while they have work (docs/explanation/operations.md, "Probes, logs and liveness
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -181,6 +182,22 @@ def _wait(daemon: Daemon) -> dict[str, object]:
     }
 
 
+def show_progress(daemon: Daemon) -> None:
+    """Serve ``txbox_<daemon>_since_progress_seconds`` of ``daemon`` (its service and tenant),
+    read from it at scrape time."""
+    gauge = metrics.SINCE_PROGRESS.get(daemon.name)
+    if gauge is not None:
+        gauge.labels(**daemon.labels).set_function(daemon.idle_for)
+
+
+def hide_progress(daemon: Daemon) -> None:
+    """Serve ``daemon``'s series no more (a tenant's daemon that ended: its tenant left)."""
+    gauge = metrics.SINCE_PROGRESS.get(daemon.name)
+    if gauge is not None:
+        with contextlib.suppress(KeyError):  # never shown
+            gauge.remove(*daemon.labels.values())
+
+
 @contextmanager
 def watch(
     daemons: Sequence[Daemon], *, port: int | None = None, config: LivenessConfig | None = None
@@ -191,9 +208,7 @@ def watch(
     """
     config = config or LivenessConfig.from_env()
     for daemon in daemons:
-        gauge = metrics.SINCE_PROGRESS.get(daemon.name)
-        if gauge is not None:
-            gauge.labels(**daemon.labels).set_function(daemon.idle_for)
+        show_progress(daemon)
     server = ProbeServer(daemons, port, config.metrics_addr, float(config.stuck_after)).start() if port else None
     heartbeat = Heartbeat(daemons, config).start()
     try:

@@ -31,6 +31,7 @@ from typing import Any
 
 from pika.adapters.select_connection import IOLoop
 
+from framework import liveness
 from framework.cli.common import (
     add_probe_options,
     add_service_options,
@@ -166,6 +167,9 @@ class Supervisor:
         self.stuck: list[str] = []  # the daemons still running when the stop timeout ran out
         self._loop = IOLoop()
         self._running: set[Daemon] = set()
+        # Each tenant daemon's since-progress series, by (daemon, tenant): the daemon it reads
+        # (a tenant restarted or moved has a new one before the old one ended).
+        self._shown: dict[tuple[str, str], Daemon] = {}
         self._deadline: float | None = None  # monotonic: give up on the stragglers then
         self._stop_timeout = 30.0  # seconds after a stop request (run's argument)
 
@@ -184,8 +188,7 @@ class Supervisor:
         self._stop_timeout = stop_timeout
         try:
             for daemon in self.daemons:
-                self._running.add(daemon)
-                daemon.start_on(self._loop, functools.partial(self._ended, daemon))
+                self._start(daemon)
             log.info("running %s on one loop", ", ".join(d.name for d in self.daemons))
             self._loop.call_later(STOP_CHECK, self._watch)
             if self._tenants is not None:
@@ -217,7 +220,13 @@ class Supervisor:
         if self._stopping:
             return
         self.daemons.append(daemon)
+        self._start(daemon)
+
+    def _start(self, daemon: Daemon) -> None:
         self._running.add(daemon)
+        if daemon.tenant is not None:  # its series comes and goes with it; the others' are watch()'s
+            self._shown[(daemon.name, daemon.tenant)] = daemon
+            liveness.show_progress(daemon)
         daemon.start_on(self._loop, functools.partial(self._ended, daemon))
 
     def retire(self, daemon: Daemon) -> None:
@@ -237,6 +246,9 @@ class Supervisor:
 
     def _ended(self, daemon: Daemon, exc: BaseException | None) -> None:
         self._running.discard(daemon)
+        if daemon.tenant is not None and self._shown.get((daemon.name, daemon.tenant)) is daemon:
+            del self._shown[(daemon.name, daemon.tenant)]
+            liveness.hide_progress(daemon)
         tenant = self._tenants.owner(daemon) if self._tenants is not None else None
         if daemon in self._retiring or (tenant is not None and exc is not None and not self._stopping):
             self._retiring.discard(daemon)
@@ -294,14 +306,13 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    from framework.liveness import watch
 
     # Serving tenants, the probes and heartbeats follow the service's own daemons: a tenant's
     # come and go (docs/how-to/tenants.md, "One set of daemons for every tenant").
     watched = list(daemons) if tenants is None else [d for d in daemons if tenants.owner(d) is None]
     if not watched and args.metrics_port:
         log.warning("--metrics-port: no probes without a receiver or collector in this process")
-    probes = watch(watched, port=args.metrics_port, config=liveness_config(args)) if watched else nullcontext()
+    probes = liveness.watch(watched, port=args.metrics_port, config=liveness_config(args)) if watched else nullcontext()
     try:
         with probes:
             supervisor.run(args.stop_timeout)

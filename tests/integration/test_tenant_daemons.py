@@ -209,6 +209,10 @@ def test_a_tenant_added_or_removed_at_run_time_is_served_or_not(
     )
     assert _handled(database_url, GLOBEX) == []
     assert _letters(database_url) == [("unknown_tenant", f"{SERVICE}.globex-id.prod.thing.create")]
+    # Each tenant's daemons have their since-progress series while they run, and no longer.
+    progress = "txbox_worker_since_progress_seconds"
+    assert _sample(progress, **metrics.labels(SERVICE, "initech")) is not None
+    assert _sample(progress, **metrics.labels(SERVICE, "globex")) is None
 
 
 def test_a_delivery_that_named_no_tenant_is_replayed_into_its_tenant_once_listed(
