@@ -863,7 +863,7 @@ def _analyze(urls: dict[str, str], registries: dict[str, Path], log_dir: Path) -
     from txbox_tools.processes import txbox_command
 
     if registries:
-        sources = ["--config", str(tenants.analyze_config(log_dir, registries))]
+        sources = ["--sources-file", str(tenants.analyze_config(log_dir, registries))]
     else:
         sources = [arg for short, url in urls.items() for arg in ("--source", f"{tenants.SERVICES[short]}={url}")]
     args = [*txbox_command(), "analyze", *sources, "--grace", "1s", "--fail-on-lost"]

@@ -55,7 +55,7 @@ def registry_files(folder: Path, cells: list[Cell]) -> dict[str, Path]:
 
 
 def analyze_config(folder: Path, registries: dict[str, Path]) -> Path:
-    """`txbox analyze --config`: each service's tenants read from its registry file."""
+    """`txbox analyze --sources-file`: each service's tenants read from its registry file."""
     path = folder / "analyze-tenants.yaml"
     path.write_text(
         "sources:\n" + "".join(f"  {SERVICES[short]}: {{tenants_file: '{p}'}}\n" for short, p in registries.items())
