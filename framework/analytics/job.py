@@ -79,7 +79,10 @@ class RunResult:
                 lines.append(f"      ... and {more} more (table analytics_findings, run_id {self.run_id})")
         lines += [f"  note: {n}" for n in self.notes]
         if self.counts.get(rc.ABANDONED):
-            lines.append("  act on a message: txbox dlq show <message id>")
+            # `dlq show` takes a letter's id; the findings name messages. A tenant's letters are its own.
+            tenants = any(s.get("tenant") for samples in self.samples.values() for s in samples)
+            where = " --tenant <tenant>" if tenants else ""
+            lines.append(f"  act on a message: txbox dlq list --message-id <message id>{where}")
         return "\n".join(lines)
 
 
