@@ -188,29 +188,39 @@ def _replay_into_tenant(args: argparse.Namespace, token: str | None) -> int:
             "--into-tenant needs a tenant registry: set TXBOX_TENANTS_FILE (or --tenants-file) or "
             "TXBOX_TENANTS_DATABASE_URL. Example: TXBOX_TENANTS_FILE=tenants.toml"
         )
-    tenant = load_tenants(args, settings).tenant(args.into_tenant)
+    tenants = load_tenants(args, settings)
+    tenant = tenants.tenant(args.into_tenant)
     service = load_service(args)
+    if (tenant.database_url, tenant.schema) == (service.settings.database_url, service.settings.schema):
+        raise ConfigurationError(
+            f"tenant {tenant.key}'s tables are the service's own ({tenant.display_url} schema {tenant.schema}): "
+            f"its letters are replayed where they are: txbox dlq replay ID --tenant {tenant.key}"
+        )
     from framework.tenants.runs import engine_for
 
     engine = engine_for(tenant.database_url)
     try:
-        with queries.connection(service.engine) as source, queries.connection(engine) as target:
+        with queries.connection(service.engine) as source:
             replay.resolve_replayed(source, service.settings.schema)
             ids = _ids(source, service.settings.schema, args)
-            outcomes = replay.replay_into_tenant(
-                source,
-                service.settings.schema,
-                target,
-                tenant.schema,
-                service.registry,
-                service.name,
-                ids,
-                tenant=tenant.key,
-                dry_run=args.dry_run,
-                auth_token=token,
-            )
-    except DatabaseUnavailable as exc:
-        raise DatabaseUnavailable(f"tenant {tenant.key} ({tenant.display_url} schema {tenant.schema}): {exc}") from None
+            try:
+                with queries.connection(engine) as target:
+                    outcomes = replay.replay_into_tenant(
+                        source,
+                        service.settings.schema,
+                        target,
+                        service.registry,
+                        service.name,
+                        ids,
+                        tenant=tenant,
+                        tenants=tenants,
+                        dry_run=args.dry_run,
+                        auth_token=token,
+                    )
+            except DatabaseUnavailable as exc:
+                raise DatabaseUnavailable(
+                    f"tenant {tenant.key} ({tenant.display_url} schema {tenant.schema}): {exc}"
+                ) from None
     finally:
         engine.dispose()
     return _report(outcomes, args, None)

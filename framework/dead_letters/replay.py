@@ -76,8 +76,12 @@ from framework.sql import inbox as inbox_sql
 from framework.sql import messages as messages_sql
 from framework.sql import outbox as outbox_sql
 from framework.sql.inbox import InboxRow
+from framework.tenants.model import Registry as TenantRegistry
+from framework.tenants.model import Tenant
 
 CHUNK = 500
+#: How the ``delivery_key`` of a letter copied into its tenant (replay_into_tenant) begins.
+MOVED = "txbox moved "
 
 
 def operator_token(text: str, where: str) -> str:
@@ -166,61 +170,91 @@ def replay_into_tenant(
     source: psycopg.Connection[Any],
     source_schema: str,
     target: psycopg.Connection[Any],
-    target_schema: str,
     registry: Registry,
     service: str,
     ids: Sequence[int],
     *,
-    tenant: str,
+    tenant: Tenant,
+    tenants: TenantRegistry,
     dry_run: bool = False,
     auth_token: str | None = None,
 ) -> list[Outcome]:
-    """Replay letters of deliveries that named no tenant into tenant ``tenant``.
+    """Replay letters of deliveries that named no tenant into ``tenant`` (``target``: a
+    connection to its database).
 
     A receiver serving tenants letters a delivery naming none of them (``unknown_tenant``)
     in the service's own database (``source``), where no relay or worker runs: replayed
     there it would wait for ever. Each letter (source ``broker``, judged by its route as
-    any replay) is copied as an open letter into the tenant's database (``target``), the
-    original marked resolved with a note naming the copy, then the copy is replayed there
-    by :func:`replay`: the tenant's relay sends it, or its worker runs it. The copy's
-    ``delivery_key`` names the original, so running this again after a failure between
-    the two databases copies nothing twice. Both connections in autocommit mode.
+    any replay, and naming no other tenant of ``tenants`` in its Mosaic ids or its
+    ``x-txbox-tenant`` header) is copied into the tenant's dead letters and the copy
+    replayed there by :func:`replay`, in one transaction of the tenant's database: the
+    tenant's relay sends it, or its worker runs it. A copy whose replay is refused is
+    rolled back and the original stays open, with the refusal. Only once the tenant's
+    transaction committed is the original marked resolved, with a note naming the
+    tenant; the copy's ``delivery_key`` names the original and its message, so a run that
+    failed between the two commits finds its copy again and copies nothing twice. Both
+    connections in autocommit mode.
     """
     outcomes: list[Outcome] = []
-    copies: dict[int, int] = {}  # the copy's id in the tenant, by the original's
     for chunk in _chunks(ids):
         with source.transaction(force_rollback=dry_run):
             letters = _lock_letters(source, source_schema, chunk)
             found = {row["id"] for row in letters}
             outcomes += [Outcome(i, "missing", "no dead letter with this id", False) for i in chunk if i not in found]
             for letter in letters:
-                refused = _not_movable(letter, registry, service)
-                if refused is not None:
-                    outcomes.append(refused)
-                    continue
-                with target.transaction(force_rollback=dry_run):
-                    copy = _copy_letter(target, target_schema, letter, f"txbox moved {source_schema} {letter['id']}")
-                entry = {"table": names.DEAD_LETTERS, "action": "moved", "tenant": tenant, "letter": copy}
-                _note(source, source_schema, letter["id"], entry, "resolved_at", "replayed_at = clock_timestamp()")
-                copies[letter["id"]] = copy
-    if dry_run:
-        return outcomes + [
-            Outcome(i, "would-move", f"copied into tenant {tenant}'s dead letters, then replayed there") for i in copies
-        ]
-    done = replay(
-        target, target_schema, registry, service, list(copies.values()), auth_token=auth_token, into_tenant=True
-    )
-    replayed = {o.id: o for o in done}
-    for original, copy in copies.items():
-        there = replayed[copy]
-        outcomes.append(
-            Outcome(original, there.action, f"moved to tenant {tenant} as letter {copy}: {there.detail}", there.ok)
-        )
+                refused = _not_movable(letter, registry, service, tenant, tenants)
+                moved = refused or _move(target, letter, source_schema, registry, service, tenant, dry_run, auth_token)
+                outcomes.append(moved)
+                if moved.ok:
+                    entry = {"table": names.DEAD_LETTERS, "action": "moved", "tenant": tenant.key}
+                    _note(source, source_schema, letter["id"], entry, "resolved_at", "replayed_at = clock_timestamp()")
     return sorted(outcomes, key=lambda o: o.id)
 
 
-def _not_movable(letter: dict[str, Any], registry: Registry, service: str) -> Outcome | None:
-    """Why ``letter`` is not replayed into a tenant, or None."""
+def _move(
+    target: psycopg.Connection[Any],
+    letter: dict[str, Any],
+    source_schema: str,
+    registry: Registry,
+    service: str,
+    tenant: Tenant,
+    dry_run: bool,
+    auth_token: str | None,
+) -> Outcome:
+    """Copy ``letter`` into ``tenant``'s dead letters and replay the copy, in one transaction
+    of the tenant's database, kept only if the replay went (and not on a dry run)."""
+    lid = letter["id"]
+    key = f"{MOVED}{source_schema} {lid} {letter['message_id']}"
+    there: Outcome | None = None
+    with target.transaction(force_rollback=dry_run) as tx:
+        copy = _copy_letter(target, tenant.schema, letter, key)
+        if copy is not None:
+            [there] = replay(target, tenant.schema, registry, service, [copy], into_tenant=True, auth_token=auth_token)
+        if there is None or not there.ok:
+            raise psycopg.Rollback(tx)  # nothing of it stays in the tenant: the original stays open
+    return _moved(lid, key, tenant, copy, there, dry_run)
+
+
+def _moved(lid: int, key: str, tenant: Tenant, copy: int | None, there: Outcome | None, dry_run: bool) -> Outcome:
+    """What :func:`_move` did with letter ``lid``: ``there``, the copy's replay (None: no copy)."""
+    if copy is None or there is None:
+        return Outcome(
+            lid,
+            "refused",
+            f"tenant {tenant.key}'s dead letters hold another message under this letter's key ({key!r}): "
+            "not replayed; look at both",
+            False,
+        )
+    if not there.ok:
+        return Outcome(lid, there.action, f"not moved to tenant {tenant.key}: {there.detail}", False)
+    done = f"would move to tenant {tenant.key}" if dry_run else f"moved to tenant {tenant.key} as its letter {copy}"
+    return Outcome(lid, there.action, f"{done}: {there.detail}")
+
+
+def _not_movable(
+    letter: dict[str, Any], registry: Registry, service: str, tenant: Tenant, tenants: TenantRegistry
+) -> Outcome | None:
+    """Why ``letter`` is not replayed into ``tenant``, or None."""
     lid = letter["id"]
     closed = _closed(letter)
     if closed is not None:
@@ -234,10 +268,36 @@ def _not_movable(letter: dict[str, Any], registry: Registry, service: str) -> Ou
             False,
         )
     try:
-        route(letter, registry, service)
+        judged = route(letter, registry, service)
     except ReplayRefused as exc:
         return Outcome(lid, "refused", str(exc), False)
+    named = _named_tenant(letter, judged, tenants)
+    if named is not None and named != f"tenant {tenant.key}":
+        return Outcome(
+            lid, "refused", f"the delivery names {named}, not tenant {tenant.key}: not replayed there", False
+        )
     return None
+
+
+def _named_tenant(letter: dict[str, Any], judged: Route, tenants: TenantRegistry) -> str | None:
+    """What the delivery named as its tenant, read as the receiver reads it with the
+    registry in force: ``"tenant KEY"``, a text saying what it named that the registry
+    does not list, or None (it named none)."""
+    headers = letter["headers"] if isinstance(letter["headers"], dict) else {}
+    header = headers.get(names.HEADER_TENANT)
+    if header is not None:
+        key = str(header)[: names.MAX_TENANT_KEY_CHARS + 1]
+        return f"tenant {key}" if key in tenants else f"tenant {key!r} in its {names.HEADER_TENANT} header"
+    ids = names.tenancy(judged.spec.routing_key, judged.routing_key) if judged.spec.tenant_scoped else None
+    if ids is None:
+        return None
+    found = tenants.for_mosaic(*ids)
+    if found is not None:
+        return f"tenant {found.key}"
+    return (
+        f"Mosaic tenant {ids[0]!r} environment {ids[1]!r}, which no tenant of {tenants.source} has "
+        "(add them to its entry first: mosaic_tenant_id, mosaic_environment_id)"
+    )
 
 
 def _closed(letter: dict[str, Any]) -> Outcome | None:
@@ -249,15 +309,16 @@ def _closed(letter: dict[str, Any]) -> Outcome | None:
     return None
 
 
-def _copy_letter(conn: psycopg.Connection[Any], schema: str, letter: dict[str, Any], key: str) -> int:
+def _copy_letter(conn: psycopg.Connection[Any], schema: str, letter: dict[str, Any], key: str) -> int | None:
     """``letter`` as an open letter of ``schema`` (its ``delivery_key`` ``key``): the copy's id,
-    the one a previous run made if there is one."""
+    the one a run before made if there is one; None if a letter of another message holds the key."""
     values = {c: letter[c] for c in dead_letters_sql.COLUMNS}
     values.update(delivery_key=key, headers=Jsonb(letter["headers"]), attempts=Jsonb(letter["attempts"]))
     values["message"] = None if letter["message"] is None else Jsonb(letter["message"])
     _x(conn, dead_letters_sql.insert_sql(schema), values)
     row = _x(conn, dead_letters_sql.by_delivery_key(schema), {"key": key}).fetchone()
-    assert row is not None  # inserted now, or by a run before
+    if row is None or row["message_id"] != letter["message_id"]:
+        return None
     return int(row["id"])
 
 
@@ -277,7 +338,8 @@ class _Replaying:
         closed = _closed(letter)
         if closed is not None:
             return closed
-        if letter["reason"] == Reason.UNKNOWN_TENANT and not self.into_tenant:
+        copied = str(letter.get("delivery_key") or "").startswith(MOVED)  # into its tenant: replayed here
+        if letter["reason"] == Reason.UNKNOWN_TENANT and not (self.into_tenant or copied):
             return Outcome(
                 lid,
                 "refused",

@@ -74,8 +74,8 @@ def lock(schema: str) -> sql.Composed:
 
 
 def by_delivery_key(schema: str) -> sql.Composed:
-    """Params: key. The id of the letter stored under that ``delivery_key``."""
-    return sql.SQL("SELECT id FROM {t} WHERE delivery_key = %(key)s").format(t=_letters(schema))
+    """Params: key. The id and message id of the letter stored under that ``delivery_key``."""
+    return sql.SQL("SELECT id, message_id FROM {t} WHERE delivery_key = %(key)s").format(t=_letters(schema))
 
 
 def mark_resolved(schema: str) -> sql.Composed:

@@ -246,7 +246,7 @@ def test_a_delivery_that_named_no_tenant_is_replayed_into_its_tenant_once_listed
         lambda: sum(1 for d in supervisor.daemons if d.name == "worker") == 3, timeout=30, message="initech served"
     )
     assert txbox(["dlq", "replay", str(letter), "--into-tenant", "initech"]) == 0
-    assert "moved to tenant initech as letter" in capsys.readouterr().out
+    assert "moved to tenant initech as its letter" in capsys.readouterr().out
     support.wait_until(
         lambda: ("CreateThing", "i2") in _handled(database_url, INITECH), timeout=60, message="initech handled it"
     )

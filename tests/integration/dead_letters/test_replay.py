@@ -8,11 +8,13 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from framework import migrate
+from framework import migrate, names
 from framework.contracts import Registry
 from framework.dead_letters import DeadLetter, replay
 from framework.reasons import Reason
 from framework.sql import dead_letters as dead_letters_sql
+from framework.tenants.model import Registry as TenantRegistry
+from framework.tenants.model import Tenant
 from tests.integration.dead_letters import seed
 
 S = seed.SCHEMA
@@ -217,34 +219,57 @@ def test_a_whole_group_is_selected_by_fingerprint(conn: Any, registry: Registry)
     assert dead_letters_sql.count_letters(conn, S, dead_letters_sql.Filters()) == 1
 
 
-def test_a_delivery_that_named_no_tenant_is_replayed_into_its_tenant_once(
-    conn: Any, registry: Registry, database_url: str
-) -> None:
-    """An ``unknown_tenant`` letter of the service's own schema: refused where it is (no
-    daemon would run it there); replayed into the tenant's schema, through its outbox,
-    once, even after a run that copied it and failed before marking the original."""
-    migrate.upgrade(database_url, seed.GLOBEX)
-    m = seed.envelope()
+def _unknown_tenant_letter(conn: Any, m: Any, *, routing_key: str = "order-service.order.place") -> int:
     letter = DeadLetter(
         source="broker",
         reason=Reason.UNKNOWN_TENANT,
         error="the delivery names no tenant",
         message_id=m.message_id,
         message_type=m.message_type,
-        routing_key="order-service.order.place",
+        routing_key=routing_key,
         message=m.to_dict(),
     )
     with conn.transaction():
-        lid = seed.insert_letter(conn, letter)
+        return seed.insert_letter(conn, letter)
+
+
+def _tenants(database_url: str) -> TenantRegistry:
+    """acme (schema txbox, the service's own here) and globex (schema seed.GLOBEX)."""
+    made = [Tenant(key, database_url, schema) for key, schema in (("acme", "txbox"), ("globex", seed.GLOBEX))]
+    return TenantRegistry(tuple(made), "the test's registry", "1")
+
+
+def _moved(conn: Any, tenants: TenantRegistry, registry: Registry, lid: int, **kw: Any) -> list[replay.Outcome]:
+    globex = tenants.tenant("globex")
+    return replay.replay_into_tenant(conn, S, conn, registry, SERVICE, [lid], tenant=globex, tenants=tenants, **kw)
+
+
+def test_a_delivery_that_named_no_tenant_is_replayed_into_its_tenant_once(
+    conn: Any, registry: Registry, database_url: str
+) -> None:
+    """An ``unknown_tenant`` letter of the service's own schema: refused where it is (no
+    daemon would run it there); replayed into the tenant's schema, through its outbox,
+    once, even after a run that copied it and failed before marking the original. A dry
+    run changes nothing."""
+    migrate.upgrade(database_url, seed.GLOBEX)
+    tenants = _tenants(database_url)
+    m = seed.envelope()
+    lid = _unknown_tenant_letter(conn, m)
     [refused] = replay.replay(conn, S, registry, SERVICE, [lid])
     assert (refused.action, refused.ok) == ("refused", False) and "--into-tenant KEY" in refused.detail
+    [dry] = _moved(conn, tenants, registry, lid, dry_run=True)
+    assert dry.ok and dry.detail.startswith("would move to tenant globex")
+    assert conn.execute(f"SELECT count(*) AS n FROM {seed.GLOBEX}.dead_letters").fetchone() == {"n": 0}
 
     with conn.transaction():  # a run before copied it, then failed before marking the original
-        replay._copy_letter(conn, seed.GLOBEX, _letter(conn, lid), f"txbox moved {S} {lid}")
-    [moved] = replay.replay_into_tenant(conn, S, conn, seed.GLOBEX, registry, SERVICE, [lid], tenant="globex")
-    [again] = replay.replay_into_tenant(conn, S, conn, seed.GLOBEX, registry, SERVICE, [lid], tenant="globex")
+        replay._copy_letter(conn, seed.GLOBEX, _letter(conn, lid), f"{replay.MOVED}{S} {lid} {m.message_id}")
+    [moved] = _moved(conn, tenants, registry, lid)
+    [again] = _moved(conn, tenants, registry, lid)
 
-    assert (moved.action, moved.ok) == ("outbox-insert", True) and "moved to tenant globex as letter" in moved.detail
+    assert (moved.action, moved.ok) == (
+        "outbox-insert",
+        True,
+    ) and "moved to tenant globex as its letter" in moved.detail
     assert (again.action, again.detail) == ("skipped", "already resolved")
     copies = conn.execute(f"SELECT reason FROM {seed.GLOBEX}.dead_letters WHERE message_id = %s", (m.message_id,))
     assert [r["reason"] for r in copies] == ["unknown_tenant"]
@@ -254,3 +279,27 @@ def test_a_delivery_that_named_no_tenant_is_replayed_into_its_tenant_once(
     original = _letter(conn, lid)
     assert original["resolved_at"] is not None
     assert original["attempts"]["history"][-1]["tenant"] == "globex"
+
+
+def test_a_letter_is_not_moved_into_a_tenant_it_does_not_name_nor_left_there_unreplayable(
+    conn: Any, registry: Registry, database_url: str
+) -> None:
+    """A letter whose header names acme is refused for globex; one whose copy's replay is
+    refused (its payload breaks the contract) leaves nothing in globex and stays open."""
+    migrate.upgrade(database_url, seed.GLOBEX)
+    tenants = _tenants(database_url)
+    acmes = seed.envelope()
+    lid = _unknown_tenant_letter(conn, acmes)
+    conn.execute(
+        "UPDATE txbox.dead_letters SET headers = jsonb_build_object(%s::text, 'acme') WHERE id = %s",
+        (names.HEADER_TENANT, lid),
+    )
+    [refused] = _moved(conn, tenants, registry, lid)
+    assert not refused.ok and "names tenant acme, not tenant globex" in refused.detail
+    broken = seed.envelope()
+    bad = _unknown_tenant_letter(conn, broken)
+    conn.execute("UPDATE txbox.dead_letters SET message = message || '{\"payload\": {}}' WHERE id = %s", (bad,))
+    [not_moved] = _moved(conn, tenants, registry, bad)
+    assert not not_moved.ok and not_moved.detail.startswith("not moved to tenant globex")
+    assert conn.execute(f"SELECT count(*) AS n FROM {seed.GLOBEX}.dead_letters").fetchone() == {"n": 0}
+    assert _letter(conn, bad)["resolved_at"] is None and _letter(conn, lid)["resolved_at"] is None
