@@ -10,7 +10,6 @@ while they have work (docs/explanation/operations.md, "Probes, logs and liveness
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -188,14 +187,6 @@ def show_progress(daemon: Daemon) -> None:
     gauge = metrics.SINCE_PROGRESS.get(daemon.name)
     if gauge is not None:
         gauge.labels(**daemon.labels).set_function(daemon.idle_for)
-
-
-def hide_progress(daemon: Daemon) -> None:
-    """Serve ``daemon``'s series no more (a tenant's daemon that ended: its tenant left)."""
-    gauge = metrics.SINCE_PROGRESS.get(daemon.name)
-    if gauge is not None:
-        with contextlib.suppress(KeyError):  # never shown
-            gauge.remove(*daemon.labels.values())
 
 
 @contextmanager

@@ -54,7 +54,16 @@ def daemon_logger(name: str, tenant: str | None) -> Log:
     """The logger ``name``; with a ``tenant``, one whose every record names it (the ``tenant``
     field of a JSON line, ``[tenant <key>]`` after the logger's name in text)."""
     logger = logging.getLogger(name)
-    return logging.LoggerAdapter(logger, {TENANT: tenant}) if tenant else logger
+    return _TenantLog(logger, {TENANT: tenant}) if tenant else logger
+
+
+class _TenantLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Adds the tenant to a record's ``extra``, keeping the caller's (``trace_id``): the
+    standard adapter replaces them."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        kwargs["extra"] = {**(self.extra or {}), **(kwargs.get("extra") or {})}
+        return msg, kwargs
 
 
 def set_trace_id_source(source: Callable[[], str | None] | None) -> None:

@@ -7,13 +7,15 @@ carries a ``service`` label, so the daemons of several services can share one
 Prometheus without relabelling (docs/explanation/daemons.md, "Daemons: one shape"), and
 a ``tenant`` label: the registry key of the tenant a series counts, empty for a service
 without tenants (Prometheus stores an empty label as none) and for what belongs to no
-tenant, so a series' count is bounded by the registry (docs/how-to/tenants.md, "One set
-of daemons for every tenant"). The constructors below enforce all three; :func:`labels`
+tenant, so a series' count is bounded by the registry (docs/how-to/tenants.md, "Seen per
+tenant"). The constructors below enforce all three; :func:`labels`
 gives a daemon its two. Everything lives in prometheus_client's default
 registry; ``--metrics-port`` serves it at ``/metrics`` beside the probes (framework/probes.py).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -31,7 +33,21 @@ def _counter(daemon: str, what: str, doc: str, *labels: str) -> Counter:
 
 
 def _gauge(daemon: str, what: str, unit: str, doc: str) -> Gauge:
-    return Gauge(f"txbox_{daemon}_{what}_{unit}", doc, list(_OWNER))
+    gauge = Gauge(f"txbox_{daemon}_{what}_{unit}", doc, list(_OWNER))
+    _GAUGES.setdefault(daemon, []).append(gauge)
+    return gauge
+
+
+_GAUGES: dict[str, list[Gauge]] = {}  # by daemon: what forget() drops
+
+
+def forget(daemon: str, owner: dict[str, str]) -> None:
+    """Drop the gauges of ``daemon`` (its name) labelled ``owner``: a tenant's daemon that
+    ended, whose backlog or age would otherwise be served, and alerted on, for ever.
+    Counters stay: they only rise, and a restart of the process drops them anyway."""
+    for gauge in _GAUGES.get(daemon, []):
+        with contextlib.suppress(KeyError):  # never set for this tenant
+            gauge.remove(owner[_SERVICE], owner[_TENANT])
 
 
 # ---- every daemon ------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 
 from pika.adapters.select_connection import IOLoop
 
-from framework import liveness
+from framework import liveness, metrics
 from framework.cli.common import (
     add_probe_options,
     add_service_options,
@@ -167,8 +167,8 @@ class Supervisor:
         self.stuck: list[str] = []  # the daemons still running when the stop timeout ran out
         self._loop = IOLoop()
         self._running: set[Daemon] = set()
-        # Each tenant daemon's since-progress series, by (daemon, tenant): the daemon it reads
-        # (a tenant restarted or moved has a new one before the old one ended).
+        # Each tenant daemon's gauges, by (daemon, tenant): the daemon they are of (a tenant
+        # restarted or moved has new daemons before the old ones ended).
         self._shown: dict[tuple[str, str], Daemon] = {}
         self._deadline: float | None = None  # monotonic: give up on the stragglers then
         self._stop_timeout = 30.0  # seconds after a stop request (run's argument)
@@ -224,7 +224,7 @@ class Supervisor:
 
     def _start(self, daemon: Daemon) -> None:
         self._running.add(daemon)
-        if daemon.tenant is not None:  # its series comes and goes with it; the others' are watch()'s
+        if daemon.tenant is not None:  # its gauges come and go with it; the others' since-progress is watch()'s
             self._shown[(daemon.name, daemon.tenant)] = daemon
             liveness.show_progress(daemon)
         daemon.start_on(self._loop, functools.partial(self._ended, daemon))
@@ -248,7 +248,7 @@ class Supervisor:
         self._running.discard(daemon)
         if daemon.tenant is not None and self._shown.get((daemon.name, daemon.tenant)) is daemon:
             del self._shown[(daemon.name, daemon.tenant)]
-            liveness.hide_progress(daemon)
+            metrics.forget(daemon.name, daemon.labels)
         tenant = self._tenants.owner(daemon) if self._tenants is not None else None
         if daemon in self._retiring or (tenant is not None and exc is not None and not self._stopping):
             self._retiring.discard(daemon)

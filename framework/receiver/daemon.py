@@ -135,10 +135,9 @@ class Receiver(Storing, Daemon):
         self._inflight: _Inflight | None = None  # the batch being written
         # `txbox run`: what this receiver stores, it claims for the worker of its process.
         self.handoff: Handoff | None = None
-        self._labels = self.labels
         # The children counted per batch or delivery, looked up once.
-        self._received = metrics.RECEIVER_RECEIVED.labels(**self._labels)
-        self._peak_held = metrics.RECEIVER_PEAK_HELD.labels(**self._labels)
+        self._received = metrics.RECEIVER_RECEIVED.labels(**self.labels)
+        self._peak_held = metrics.RECEIVER_PEAK_HELD.labels(**self.labels)
         self._user = amqp.username(self.settings.amqp_url)
         self._trusted = self.config.trusted(self._user)
         # Bytes of the bodies held unacked: collected (``_buffered``) and being written
@@ -172,8 +171,8 @@ class Receiver(Storing, Daemon):
         self._consumer: Consumer | None = None
         self._copies: Copies | None = None  # made on the loop (_begin)
         self._blocked_since: float | None = None  # publishing blocked by a broker alarm since (the loop writes it)
-        metrics.RECEIVER_PUBLISHING_BLOCKED.labels(**self._labels).set_function(self._blocked_seconds)
-        metrics.RECEIVER_COPIES_WAITING.labels(**self._labels).set_function(self._copies_waiting)
+        metrics.RECEIVER_PUBLISHING_BLOCKED.labels(**self.labels).set_function(self._blocked_seconds)
+        metrics.RECEIVER_COPIES_WAITING.labels(**self.labels).set_function(self._copies_waiting)
         self._standing_down = False  # another replica took the turn: stop consuming (_our_turn)
         self._broker_failures = 0
         self._soon = False  # a step is scheduled for the loop's next turn
@@ -516,7 +515,9 @@ class Receiver(Storing, Daemon):
         written, deliveries gather for the next one, for up to ``batch_wait`` after the
         first or until the batch is full, and then reading pauses until the write is over;
         once the database is free, what has arrived goes at once. Batch N is acked once its
-        commit is done and before batch N+1 is sent, so acks follow commits in order.
+        commit is done and before batch N+1 is sent, so acks follow commits in order. With
+        tenants, reading goes on while a batch is written until the buffer holds the whole
+        prefetch window (``batch_wait`` plays no part): the next batch is chosen from it.
 
         ``careful`` (prefetch 1), after a lost connection, until ``prefetch`` deliveries
         are settled: a delivery that kills the connection itself (one pika cannot even
@@ -911,7 +912,7 @@ class Receiver(Storing, Daemon):
                     self._drop_db()
                     self._give_up(delivery, Reason.INTERNAL_ERROR, letter.error)
                 continue
-            metrics.RECEIVER_REJECTED.labels(reason=Reason.INTERNAL_ERROR, **self._labels).inc()
+            metrics.RECEIVER_REJECTED.labels(reason=Reason.INTERNAL_ERROR, **self._owner()).inc()
             if self._consumer is not None:
                 self._consumer.ack(delivery.delivery_tag)
 
@@ -982,7 +983,7 @@ class Receiver(Storing, Daemon):
             **{k: delivery.properties[k] for k in names.REPUBLISHED_PROPERTIES if k in delivery.properties},
         )
         assert self._copies is not None
-        self._copies.send(Copy(delivery, exchange, key, props, on_confirmed=confirmed.labels(**self._labels).inc))
+        self._copies.send(Copy(delivery, exchange, key, props, on_confirmed=confirmed.labels(**self.labels).inc))
 
     def _publishing_blocked(self, reason: str | None) -> None:
         """RabbitMQ blocked (``reason``) or unblocked (None) our copies (on the loop)."""

@@ -627,7 +627,7 @@ class Relay(Daemon):
         self._channel = ConfirmChannel(
             self.settings.amqp_url,
             self._loop,
-            name=f"{self.settings.service} publisher",
+            name=f"{self.settings.service} publisher" + (f" of tenant {self.tenant}" if self.tenant else ""),
             confirm_timeout=float(self.config.confirm_timeout),
             on_change=self._channel_changed,
             prepare=self._declare_on if self._undeclared else None,

@@ -181,7 +181,7 @@ class Worker(Daemon):
         except Exception as exc:
             self._end(exc)
             return
-        self._watchdog = Watchdog()
+        self._watchdog = Watchdog(self.log)
         self.pruner.start()
         self._step_soon()
 
@@ -382,7 +382,7 @@ class Worker(Daemon):
         """One batch: claimed now (suspects first), ahead during the previous one, or handed
         over (:meth:`take`); processed."""
         if self._watchdog is None:  # called without run() (tests, embedding): timeouts still hold
-            self._watchdog = Watchdog()
+            self._watchdog = Watchdog(self.log)
         # The NOTIFYs on the socket now are for rows this claim's snapshot sees: they must
         # not wake the worker again after it (docs/explanation/daemons.md, "Wake-ups").
         self._drain_listen()  # a broken connection is closed: the next cycle listens again

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from framework import logs
 from framework.errors import HandlerTimeout
 from framework.worker import coroutines
 
@@ -60,7 +61,8 @@ class Watchdog:
     writes which arming it fired for; both under the condition's lock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log: logs.Log = log) -> None:
+        self.log = log  # the worker's (a tenant's names it)
         self._cond = threading.Condition()
         self._armed: _Arming | None = None  # written by the loop thread only
         self._generation = 0  # likewise: one per guard()
@@ -119,12 +121,12 @@ class Watchdog:
                     try:
                         armed.cancel()
                     except Exception as exc:  # the cancel is best effort, the async raise follows
-                        log.debug("cancelling the running statement failed: %r", exc)
+                        self.log.debug("cancelling the running statement failed: %r", exc)
                     # An async handler's task is cancelled on its loop instead: a raise
                     # would not reach a thread blocked in the loop's select.
                     if not coroutines.cancel_running(armed.thread_id):
                         _raise_in(armed.thread_id, HandlerTimeout)
                     continue
-                log.critical("a handler ignored its timeout and reached the end of its lease: exiting")
+                self.log.critical("a handler ignored its timeout and reached the end of its lease: exiting")
                 logging.shutdown()
                 os._exit(HARD_EXIT_CODE)

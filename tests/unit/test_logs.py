@@ -60,12 +60,13 @@ def test_a_tenants_daemon_names_its_tenant_in_both_formats(
     logger, stream, handler = captured
     tenants_logger = logs.daemon_logger("txbox.worker", "acme")
     handler.setFormatter(logs.JsonFormatter())
-    tenants_logger.info("claimed")
+    tenants_logger.info("claimed", extra={"trace_id": "abc123"})
     with logs.bind(tenant="globex"):
         logging.getLogger("txbox.worker").info("handled")
     logs.daemon_logger("txbox.worker", None).info("alone")
     claimed, handled, alone = (json.loads(line) for line in stream.getvalue().splitlines())
     assert (claimed["tenant"], handled["tenant"]) == ("acme", "globex") and "tenant" not in alone
+    assert claimed["trace_id"] == "abc123"  # the caller's extra kept beside the tenant
     stream.seek(0), stream.truncate()
     handler.setFormatter(logs.TextFormatter())
     tenants_logger.warning("claimed")
