@@ -142,6 +142,32 @@ def metric(port: int, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE))
 
 
+def widget_peer(node: str, peer_database: str, amqp_url: str, folder: Path, **env: str) -> NodePeer:
+    """The Mosaic peer on the widget contracts, its database and the test vhost, logging to
+    ``folder``/mosaic-peer.log; ``env``: more of its settings (or another ``LOG_LEVEL``)."""
+    settings = {
+        "PEER_CONTRACTS": str(widget_app.CONTRACTS),
+        "PEER_DATABASE_URL": peer_database,
+        "PEER_AMQP_URL": amqp_url,
+        "LOG_LEVEL": "WARN",
+        **env,
+    }
+    return NodePeer(node, settings, folder / "mosaic-peer.log")
+
+
+def widget_run(group: ProcessGroup, txbox_db: str, amqp_url: str, **env: str) -> tuple[Any, int]:
+    """`txbox run` of widget-service on the test vhost, ready: the process and its metrics port."""
+    port = free_port()
+    txbox = group.start(
+        "widget-run",
+        ["run", "--app", "tests.interop.app:service", "--metrics-port", str(port)],
+        {"TXBOX_DATABASE_URL": txbox_db, "TXBOX_AMQP_URL": amqp_url, **env},
+    )
+    support.wait_until(lambda: ready(port) or not txbox.alive, DEADLINE, message="txbox run to be ready")
+    assert txbox.alive, txbox.log_tail(40)
+    return txbox, port
+
+
 def ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
@@ -211,28 +237,13 @@ def test_a_mosaic_service_and_txbox_exchange_commands_and_events_exactly_once(
 ) -> None:
     node = node_peer_ready()
     txbox_db = widget_service.settings.database_url
-    peer = NodePeer(
-        node,
-        {
-            "PEER_CONTRACTS": str(widget_app.CONTRACTS),
-            "PEER_DATABASE_URL": peer_database,
-            "PEER_AMQP_URL": amqp_url,
-            "LOG_LEVEL": "WARN",
-        },
-        tmp_path / "mosaic-peer.log",
-    )
+    peer = widget_peer(node, peer_database, amqp_url, tmp_path)
     group = ProcessGroup(tmp_path / "logs")
     try:
         # 1. The Mosaic service first: it declares the shared queues its way.
         peer.start()
         # 2. txbox second, on top of Mosaic's declarations.
-        port = free_port()
-        env = {"TXBOX_DATABASE_URL": txbox_db, "TXBOX_AMQP_URL": amqp_url}
-        txbox = group.start(
-            "widget-run", ["run", "--app", "tests.interop.app:service", "--metrics-port", str(port)], env
-        )
-        support.wait_until(lambda: ready(port) or not txbox.alive, DEADLINE, message="txbox run to be ready")
-        assert txbox.alive, txbox.log_tail(40)
+        txbox, port = widget_run(group, txbox_db, amqp_url)
         # 3. The Mosaic service again, now second, on txbox's declarations; it sends
         #    CreateWidget through its outbox. (Not before txbox has bound its queue once:
         #    Mosaic declares a command's target queue but not its binding, and its outbox

@@ -39,12 +39,11 @@ from tests.interop import app as widget_app
 from tests.interop.test_mosaic_peer import (
     DEADLINE,
     PEER_ID,
-    NodePeer,
-    free_port,
     node_peer_ready,
     peer_database,  # noqa: F401 - fixture
-    ready,
     rows,
+    widget_peer,
+    widget_run,
     widget_service,  # noqa: F401 - fixture
 )
 from txbox_tools.processes import ProcessGroup
@@ -157,41 +156,33 @@ def test_signed_events_cross_both_ways_and_forgeries_are_refused_on_both_sides(
     ]
     with KeyService(registered) as key_service:
         group = ProcessGroup(tmp_path / "logs")
-        peer = NodePeer(
+        peer = widget_peer(
             node,
-            {
-                "PEER_CONTRACTS": str(widget_app.CONTRACTS),
-                "PEER_DATABASE_URL": peer_database,
-                "PEER_AMQP_URL": amqp_url,
-                "PEER_SIGNING_PRIVATE_KEY": private_b64(peer_key),
-                "PEER_SIGNING_KEY_VERSION": str(PEER_VERSION),
-                "PEER_KEY_SERVICE_URL": key_service.url,
-                # A custom service's key trusted by configuration turns the middleware's checks
-                # on for every custom service; keys it does not list come from the key service.
-                "PEER_TRUSTED_KEYS": json.dumps(
-                    [{"serviceId": PEER_ID, "version": PEER_VERSION, "key": public_b64(peer_key)}]
-                ),
-                "LOG_LEVEL": "DEBUG",
-            },
-            tmp_path / "mosaic-peer.log",
+            peer_database,
+            amqp_url,
+            tmp_path,
+            PEER_SIGNING_PRIVATE_KEY=private_b64(peer_key),
+            PEER_SIGNING_KEY_VERSION=str(PEER_VERSION),
+            PEER_KEY_SERVICE_URL=key_service.url,
+            # A custom service's key trusted by configuration turns the middleware's checks
+            # on for every custom service; keys it does not list come from the key service.
+            PEER_TRUSTED_KEYS=json.dumps(
+                [{"serviceId": PEER_ID, "version": PEER_VERSION, "key": public_b64(peer_key)}]
+            ),
+            LOG_LEVEL="DEBUG",
         )
         try:
-            port = free_port()
-            env = {
-                "TXBOX_DATABASE_URL": txbox_db,
-                "TXBOX_AMQP_URL": amqp_url,
-                "TXBOX_SIGNING_KEY_FILE": str(tmp_path / "txbox-key.pem"),
-                "TXBOX_SIGNING_KEY_VERSION": str(TXBOX_VERSION),
-                "TXBOX_SIGNING_KEYS_URL": key_service.url,
-                "TXBOX_SIGNING_KEYS_FORMAT": "mosaic",
-                "TXBOX_SIGNING_KEYS_TOKEN_FILE": str(tmp_path / "key-service-token"),
-                "TXBOX_SIGNING_VERIFY": f"{PEER_ID}=required",
-            }
-            txbox = group.start(
-                "widget-run", ["run", "--app", "tests.interop.app:service", "--metrics-port", str(port)], env
+            txbox, _ = widget_run(
+                group,
+                txbox_db,
+                amqp_url,
+                TXBOX_SIGNING_KEY_FILE=str(tmp_path / "txbox-key.pem"),
+                TXBOX_SIGNING_KEY_VERSION=str(TXBOX_VERSION),
+                TXBOX_SIGNING_KEYS_URL=key_service.url,
+                TXBOX_SIGNING_KEYS_FORMAT="mosaic",
+                TXBOX_SIGNING_KEYS_TOKEN_FILE=str(tmp_path / "key-service-token"),
+                TXBOX_SIGNING_VERIFY=f"{PEER_ID}=required",
             )
-            support.wait_until(lambda: ready(port) or not txbox.alive, DEADLINE, message="txbox run to be ready")
-            assert txbox.alive, txbox.log_tail(40)
             peer.start(PEER_SEND_WIDGET="w1")
             with Session(widget_service.engine) as session, session.begin():
                 widget_service.outbox(session).send_command(

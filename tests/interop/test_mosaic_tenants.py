@@ -35,12 +35,11 @@ from tests.interop import app as widget_app
 from tests.interop.test_mosaic_peer import (
     DEADLINE,
     PEER_ID,
-    NodePeer,
-    free_port,
     node_peer_ready,
     peer_database,  # noqa: F401 - fixture
-    ready,
     rows,
+    widget_peer,
+    widget_run,
     widget_service,  # noqa: F401 - fixture
 )
 from txbox_tools.processes import ProcessGroup
@@ -61,26 +60,11 @@ def test_tenant_scoped_commands_and_events_cross_both_ways_under_their_tenants_k
     tenant_a, env_a = str(uuid.uuid4()), str(uuid.uuid4())  # Mosaic's ids are UUIDs
     tenant_b, env_b = "tenant-b", "env-b"
     group = ProcessGroup(tmp_path / "logs")
-    peer = NodePeer(
-        node,
-        {
-            "PEER_CONTRACTS": str(widget_app.CONTRACTS),
-            "PEER_DATABASE_URL": peer_database,
-            "PEER_AMQP_URL": amqp_url,
-            "LOG_LEVEL": "WARN",
-        },
-        tmp_path / "mosaic-peer.log",
-    )
+    peer = widget_peer(node, peer_database, amqp_url, tmp_path)
     try:
         # txbox first: its inbox queue is bound with the placeholders before the peer's
         # command arrives (Mosaic declares a command's target queue, not its binding).
-        port = free_port()
-        env = {"TXBOX_DATABASE_URL": txbox_db, "TXBOX_AMQP_URL": amqp_url}
-        txbox = group.start(
-            "widget-run", ["run", "--app", "tests.interop.app:service", "--metrics-port", str(port)], env
-        )
-        support.wait_until(lambda: ready(port) or not txbox.alive, DEADLINE, message="txbox run to be ready")
-        assert txbox.alive, txbox.log_tail(40)
+        txbox, _ = widget_run(group, txbox_db, amqp_url)
         peer.start(PEER_TAG_WIDGET="t1", PEER_TENANT_ID=tenant_a, PEER_ENVIRONMENT_ID=env_a)
         with Session(widget_service.engine) as session, session.begin():
             widget_service.outbox(session).send_command(
@@ -168,24 +152,9 @@ def test_a_txbox_run_serving_tenants_keeps_each_mosaic_tenants_messages_in_its_t
         f'[tenants.b]\nschema = "t_b"\nmosaic_tenant_id = "{tenant_b}"\n'
     )
     group = ProcessGroup(tmp_path / "logs")
-    peer = NodePeer(
-        node,
-        {
-            "PEER_CONTRACTS": str(widget_app.CONTRACTS),
-            "PEER_DATABASE_URL": peer_database,
-            "PEER_AMQP_URL": amqp_url,
-            "LOG_LEVEL": "WARN",
-        },
-        tmp_path / "mosaic-peer.log",
-    )
+    peer = widget_peer(node, peer_database, amqp_url, tmp_path)
     try:
-        port = free_port()
-        env = {"TXBOX_DATABASE_URL": txbox_db, "TXBOX_AMQP_URL": amqp_url, "TXBOX_TENANTS_FILE": str(registry)}
-        txbox = group.start(
-            "widget-run", ["run", "--app", "tests.interop.app:service", "--metrics-port", str(port)], env
-        )
-        support.wait_until(lambda: ready(port) or not txbox.alive, DEADLINE, message="txbox run to be ready")
-        assert txbox.alive, txbox.log_tail(40)
+        txbox, _ = widget_run(group, txbox_db, amqp_url, TXBOX_TENANTS_FILE=str(registry))
         peer.start(PEER_TAG_WIDGET="t1", PEER_TENANT_ID=tenant_a, PEER_ENVIRONMENT_ID=env_a)
         tenant_b_service = widget_service.with_settings(schema="t_b")
         with Session(tenant_b_service.engine) as session, session.begin():
