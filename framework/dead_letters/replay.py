@@ -53,7 +53,7 @@ wants letters resolved in its own completion transaction.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -156,14 +156,23 @@ def replay(
     """
     replaying = _Replaying(conn, schema, registry, service, auth_token, into_tenant)
     outcomes: list[Outcome] = []
+    for letter in _locked(conn, schema, ids, dry_run, outcomes):
+        outcomes.append(replaying.one(letter))
+    return outcomes
+
+
+def _locked(
+    conn: psycopg.Connection[Any], schema: str, ids: Sequence[int], dry_run: bool, outcomes: list[Outcome]
+) -> Iterator[dict[str, Any]]:
+    """The letters of ``ids``, ``CHUNK`` per transaction, each locked in its chunk's (rolled
+    back on a dry run), which stays open while the caller acts on it; each id with no
+    letter is a ``missing`` outcome in ``outcomes``."""
     for chunk in _chunks(ids):
         with conn.transaction(force_rollback=dry_run):
             letters = _lock_letters(conn, schema, chunk)
             found = {row["id"] for row in letters}
             outcomes += [Outcome(i, "missing", "no dead letter with this id", False) for i in chunk if i not in found]
-            for letter in letters:
-                outcomes.append(replaying.one(letter))
-    return outcomes
+            yield from letters
 
 
 def replay_into_tenant(
@@ -196,18 +205,13 @@ def replay_into_tenant(
     connections in autocommit mode.
     """
     outcomes: list[Outcome] = []
-    for chunk in _chunks(ids):
-        with source.transaction(force_rollback=dry_run):
-            letters = _lock_letters(source, source_schema, chunk)
-            found = {row["id"] for row in letters}
-            outcomes += [Outcome(i, "missing", "no dead letter with this id", False) for i in chunk if i not in found]
-            for letter in letters:
-                refused = _not_movable(letter, registry, service, tenant, tenants)
-                moved = refused or _move(target, letter, source_schema, registry, service, tenant, dry_run, auth_token)
-                outcomes.append(moved)
-                if moved.ok:
-                    entry = {"table": names.DEAD_LETTERS, "action": "moved", "tenant": tenant.key}
-                    _note(source, source_schema, letter["id"], entry, "resolved_at", "replayed_at = clock_timestamp()")
+    for letter in _locked(source, source_schema, ids, dry_run, outcomes):
+        refused = _not_movable(letter, registry, service, tenant, tenants)
+        moved = refused or _move(target, letter, source_schema, registry, service, tenant, dry_run, auth_token)
+        outcomes.append(moved)
+        if moved.ok:
+            entry = {"table": names.DEAD_LETTERS, "action": "moved", "tenant": tenant.key}
+            _note(source, source_schema, letter["id"], entry, "resolved_at", "replayed_at = clock_timestamp()")
     return sorted(outcomes, key=lambda o: o.id)
 
 
@@ -285,9 +289,11 @@ def _named_tenant(letter: dict[str, Any], judged: Route, tenants: TenantRegistry
     does not list, or None (it named none)."""
     headers = letter["headers"] if isinstance(letter["headers"], dict) else {}
     header = headers.get(names.HEADER_TENANT)
-    if header is not None:
-        key = str(header)[: names.MAX_TENANT_KEY_CHARS + 1]
+    if isinstance(header, str):
+        key = header[: names.MAX_TENANT_KEY_CHARS + 1]
         return f"tenant {key}" if key in tenants else f"tenant {key!r} in its {names.HEADER_TENANT} header"
+    if header is not None:  # a number, a table: no tenant key (never turned into text whole)
+        return f"a {type(header).__name__} in its {names.HEADER_TENANT} header, no tenant key"
     ids = names.tenancy(judged.spec.routing_key, judged.routing_key) if judged.spec.tenant_scoped else None
     if ids is None:
         return None

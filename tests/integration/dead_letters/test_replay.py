@@ -296,6 +296,15 @@ def test_a_letter_is_not_moved_into_a_tenant_it_does_not_name_nor_left_there_unr
     )
     [refused] = _moved(conn, tenants, registry, lid)
     assert not refused.ok and "names tenant acme, not tenant globex" in refused.detail
+    tabled = _unknown_tenant_letter(conn, seed.envelope())  # a header table, as a hostile sender's
+    conn.execute(
+        "UPDATE txbox.dead_letters SET headers = jsonb_build_object(%s::text, jsonb_build_object('k', "
+        "repeat('x', 100000))) WHERE id = %s",
+        (names.HEADER_TENANT, tabled),
+    )
+    [table_refused] = _moved(conn, tenants, registry, tabled)
+    assert not table_refused.ok and "a dict in its x-txbox-tenant header" in table_refused.detail
+    assert len(table_refused.detail) < 200
     broken = seed.envelope()
     bad = _unknown_tenant_letter(conn, broken)
     conn.execute("UPDATE txbox.dead_letters SET message = message || '{\"payload\": {}}' WHERE id = %s", (bad,))
