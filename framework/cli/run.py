@@ -120,6 +120,7 @@ def build_tenants(
     from framework.relay import Relay, RelayConfig
     from framework.tenants.daemons import tenant_service
     from framework.worker import Worker, WorkerConfig
+    from framework.worker.wake import Listeners
 
     registry = follower.registry  # read once: the receiver and the tenants' daemons start from one snapshot
     receiver = None
@@ -128,6 +129,9 @@ def build_tenants(
         tenancy = Tenancy(registry, service.registry, service.name, connect_timeout=config.db_connect_timeout)
         receiver = Receiver(service, config, stop_event=stop, tenancy=tenancy)
     relay_config, worker_config = RelayConfig.from_env(), WorkerConfig.from_env()
+    # The workers of the tenants of one database share one LISTEN connection
+    # (docs/how-to/tenants.md, "One set of daemons for every tenant").
+    listeners = Listeners()
 
     def make(tenant: Tenant) -> list[Daemon]:
         own = tenant_service(service, tenant)
@@ -135,7 +139,9 @@ def build_tenants(
         if "publisher" not in without:
             made.append(Relay(own, relay_config, stop_event=threading.Event(), tenant=tenant.key))
         if "worker" not in without:
-            made.append(Worker(own, worker_config, stop_event=threading.Event(), tenant=tenant.key))
+            made.append(
+                Worker(own, worker_config, stop_event=threading.Event(), tenant=tenant.key, listeners=listeners)
+            )
         return made
 
     supervised: list[Daemon] = [receiver] if receiver is not None else []

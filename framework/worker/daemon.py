@@ -3,7 +3,8 @@
 The worker is a guest of the loop it is given (docs/explanation/daemons.md, "One loop per
 process"): its LISTEN socket is a handler of that loop, the poll interval, the holds and
 the reconnect backoff are timers of it, and each cycle is one callback of it. Its state
-and its three connections (claim, processing, LISTEN) are the loop thread's; besides it
+and its connections (claim, processing, and LISTEN, which the workers of one database on
+the loop share: framework/worker/wake.py) are the loop thread's; besides it
 only the timeout watchdog (framework/worker/timeout.py, which must interrupt a handler
 from outside) and the pruner (framework/retention.py, its own connection) run. One cycle:
 
@@ -33,7 +34,6 @@ its crashes; the batch runner abandons it once the threshold is reached.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import deque
@@ -59,7 +59,7 @@ from framework.worker.claims import Claims, Statement, statement
 from framework.worker.config import WorkerConfig
 from framework.worker.counts import Counts, counting_cursor
 from framework.worker.timeout import Watchdog
-from framework.worker.wake import Notifications
+from framework.worker.wake import Listeners, Notifications
 
 SUSPECT_CHECK_INTERVAL = 1.0  # seconds between looks for rows a dead worker left behind
 ANALYZE_INTERVAL = 30.0  # seconds at least between two ANALYZEs of the inbox by one worker
@@ -90,7 +90,11 @@ class Worker(Daemon):
         stop_event: threading.Event | None = None,
         retention: RetentionSettings | None = None,
         tenant: str | None = None,
+        listeners: Listeners | None = None,
     ) -> None:
+        """``listeners``: the LISTEN sessions this worker shares with the others of its loop
+        (one per database: the tenants of one database listen on one connection); by
+        default a session of its own."""
         super().__init__(service, stop_event=stop_event, tenant=tenant)
         self.config = config or WorkerConfig.from_env()
         # Processed rows older than the inbox's retention (never inside TXBOX_DEDUP_WINDOW:
@@ -116,9 +120,9 @@ class Worker(Daemon):
             help_channel=names.inbox_help_channel(self.schema),
             lock_key=names.worker_listener_lock_key(self.schema),
             counts=self.counts,
-            on_close=self._unwatch_listen,
+            listeners=listeners,
+            on_notify=self._heard,
         )
-        self._listen_fd: int | None = None  # the LISTEN socket while the loop watches it
         # A worker whose claim after a NOTIFY found nothing (another replica took the rows)
         # holds the next ones back, never longer than the poll interval (docs/explanation/daemons.md, "Wake-ups").
         self._pace = Pace(hold_max=min(HOLD_MAX, float(self.config.poll_interval)))
@@ -218,9 +222,8 @@ class Worker(Daemon):
         self.progress()
         try:
             # (Re)connected before the claim, which finds what came while nobody listened.
-            if not self._listen.open():
+            if not self._listen.open(self._loop):
                 self._take_turn()
-            self._watch_listen()
             handled = self.run_once()
             self.counts.publish(self.labels)
             self._pace.found(handled, notified=notified)
@@ -229,7 +232,6 @@ class Worker(Daemon):
             # The gauges use a connection too: losing it there is the same outage, not a crash.
             self._update_gauges()
         except Exception as exc:
-            self._watch_listen()
             if not db.is_infrastructure_error(exc):
                 self._fail(exc)
                 return
@@ -238,7 +240,6 @@ class Worker(Daemon):
         except BaseException as exc:  # the loop's other daemons go on; run() raises it
             self._fail(exc)
             return
-        self._watch_listen()
         if self.stop_event.is_set():  # asked during the batch (a signal handler only sets the event)
             self._stop_requested()
         elif self._handed or (handled and self._more):
@@ -315,47 +316,27 @@ class Worker(Daemon):
             self._waiting = False
         self._step_soon()
 
-    def _watch_listen(self) -> None:
-        """The loop watches the LISTEN socket of the moment (after it reconnected, none while down)."""
-        fd = self._listen.fileno()
-        if fd == self._listen_fd:
-            return
-        self._unwatch_listen()
-        if fd is not None and self.loop is not None:
-            self._loop.add_handler(fd, self._readable, IOLoop.READ)
-            self._listen_fd = fd
-
-    def _unwatch_listen(self) -> None:
-        """Stop watching the LISTEN socket (before it closes; libpq may have closed it on a
-        fatal error already, and then the poller has nothing left to remove)."""
-        fd, self._listen_fd = self._listen_fd, None
-        if fd is not None and self.loop is not None:
-            with contextlib.suppress(OSError, KeyError, ValueError):
-                self._loop.remove_handler(fd)
-
-    def _readable(self, _fd: int, _events: int) -> None:
-        """The LISTEN socket has data: NOTIFYs, or the connection's end. Its last resort: a
-        failure here is a lost LISTEN connection, listened again at the next cycle."""
-        try:
-            count = self._drain_listen()
-        except Exception as exc:
-            self.log.debug("reading the LISTEN connection failed: %r", exc)
-            self._listen.close()
-            count = -1
+    def _heard(self, count: int) -> None:
+        """The LISTEN session read ``count`` NOTIFYs for this worker while it was not
+        reading (-1: the connection broke, and is listened on again at the next cycle)."""
         if count < 0:
             self._kick()
-        elif count and self._waiting and not self._woken:
+            return
+        self._told_pace(count)
+        if self._waiting and not self._woken:
             self._woken_by_notify()
 
     def _drain_listen(self) -> int:
         """The NOTIFYs on the LISTEN socket now, each told to the pace (the gaps' running
         mean); -1 if the connection broke (it is closed)."""
         count = self._listen.drain()
-        if count > 0:
-            now = time.monotonic()
-            for _ in range(count):
-                self._pace.notify(now)
+        self._told_pace(count)
         return count
+
+    def _told_pace(self, count: int) -> None:
+        now = time.monotonic()
+        for _ in range(count):
+            self._pace.notify(now)
 
     def _shut(self) -> None:
         """The worker's end: claims it holds and has not run go back, nothing is left open,
@@ -373,7 +354,6 @@ class Worker(Daemon):
             self.log.warning("the worker's end did not go cleanly: %r", exc)
         finally:
             self._listen.close()
-            self._unwatch_listen()
         self.state("stopped")
 
     # --- one cycle ----------------------------------------------------------------

@@ -1,13 +1,16 @@
-"""What wakes the worker between batches: its LISTEN connection, read on the loop it runs on.
+"""What wakes the worker between batches: LISTEN, on one session per database, read on the loop.
 
-No listener thread (docs/explanation/daemons.md, "Wake-ups"): the worker holds ``LISTEN
-<schema>_inbox_insert`` on a connection of its own, whose socket is a handler of the
-loop the worker was given (docs/explanation/daemons.md, "One loop per process"); the loop
-calls the worker when NOTIFYs arrive, and :meth:`Notifications.drain` reads them
-without blocking. When to claim after them is :class:`framework.wakeup.Pace`'s (the
-window and the hold), kept by the worker as timers of that loop. Before each claim the
-worker reads the NOTIFYs already on the socket: the claim's snapshot covers their rows,
-so they wake no claim after it.
+No listener thread (docs/explanation/daemons.md, "Wake-ups"): the workers of a process
+that share a database (a worker alone, or the tenants of one database, each in a schema
+of its own) share one ``LISTEN`` session of :class:`Listeners`, whose socket is a handler
+of their loop (docs/explanation/daemons.md, "One loop per process"). Each worker's
+:class:`Notifications` LISTENs there on ``<schema>_inbox_insert`` (or on its help
+channel), and the session hands each NOTIFY to the worker of its channel, which claims
+when :class:`framework.wakeup.Pace` says (the window and the hold, timers of that loop).
+Before each claim the worker reads the NOTIFYs already on the socket: the claim's
+snapshot covers their rows, so they wake no claim after it. N tenants in one database
+hold one LISTEN connection between them, not N (docs/how-to/tenants.md, "One set of
+daemons for every tenant").
 """
 
 from __future__ import annotations
@@ -18,29 +21,217 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from pika.adapters.select_connection import IOLoop
 from psycopg import sql
 
 from framework import db
 from framework.worker.counts import Counts
 
+OnNotify = Callable[[int], None]
+
+
+class Listeners:
+    """The LISTEN sessions of one loop, one per database URL, shared by the
+    :class:`Notifications` that name it; each closes when its last one does. Every
+    method runs on the loop's thread."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, _Session] = {}
+
+    def _session(self, database_url: str, loop: IOLoop) -> _Session:
+        session = self._sessions.get(database_url)
+        if session is None:
+            session = self._sessions[database_url] = _Session(self, database_url, loop)
+        assert session.loop is loop, "the workers sharing a LISTEN session run on one loop"
+        return session
+
+    def _forget(self, session: _Session) -> None:
+        if self._sessions.get(session.url) is session:
+            del self._sessions[session.url]
+
+
+class _Session:
+    """One LISTEN connection: the channels its members listen on (each LISTENed once),
+    the advisory locks it holds for them, and the socket the loop watches. A NOTIFY
+    goes to every member on its channel; a broken connection is closed and told to every
+    member (``-1``), each of which opens it again at its next cycle."""
+
+    def __init__(self, owner: Listeners, database_url: str, loop: IOLoop) -> None:
+        self.owner = owner
+        self.url = database_url
+        self.loop = loop
+        self.members: list[Notifications] = []
+        self.generation = 0  # a new one per connection: a member listens on the one it opened on
+        self._conn: psycopg.Connection[Any] | None = None
+        self._fd: int | None = None
+        self._channels: dict[str, list[Notifications]] = {}  # LISTENed now, by channel: who hears it
+        self._locked: set[int] = set()  # advisory lock keys this session holds, for a member each
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    def connect(self) -> None:
+        """Connected (raises DatabaseUnavailable), the loop watching the socket."""
+        if self.connected:
+            return
+        self.close()
+        conn = db.connect(self.url, autocommit=True, application_name="txbox-worker-listen")
+        # NOTIFYs psycopg reads while a statement of ours runs come here, not to its backlog.
+        conn.add_notify_handler(lambda notify: self._heard(notify.channel))
+        self._conn = conn
+        self.generation += 1
+        self._fd = conn.pgconn.socket
+        self.loop.add_handler(self._fd, self._readable, IOLoop.READ)
+
+    def execute(self, statement: sql.Composed, member: Notifications) -> tuple[Any, ...] | None:
+        """Run one statement for ``member`` (counted as its worker's); a broken connection
+        is closed and told to every other member, and the OperationalError raised."""
+        conn = self._conn
+        assert conn is not None, "the session is connected first"
+        member.counts.statements += 1
+        try:
+            cur = conn.execute(statement)
+            row = cur.fetchone() if cur.description else None
+        except psycopg.OperationalError:
+            self.broken(member)
+            raise
+        # What came during it goes to the others now; ``member``'s own is dropped: a claim
+        # of its follows each of its statements and sees their rows.
+        self._hand_on(member)
+        return row
+
+    def try_lock(self, key: int, member: Notifications) -> bool:
+        """Take ``key`` for ``member``; False if it is taken (here by another member, or by
+        another session)."""
+        if key in self._locked:
+            return False
+        row = self.execute(sql.SQL("SELECT pg_try_advisory_lock({})").format(sql.Literal(key)), member)
+        if row and row[0]:
+            self._locked.add(key)
+            return True
+        return False
+
+    def unlock(self, key: int, member: Notifications) -> None:
+        if key in self._locked:
+            self._locked.discard(key)
+            self.execute(sql.SQL("SELECT pg_advisory_unlock({})").format(sql.Literal(key)), member)
+
+    def listen(self, channel: str, member: Notifications) -> None:
+        hearing = self._channels.get(channel)
+        if hearing is None:
+            self.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)), member)
+            hearing = self._channels[channel] = []
+        if member not in hearing:
+            hearing.append(member)
+
+    def unlisten(self, channel: str, member: Notifications) -> None:
+        hearing = self._channels.get(channel)
+        if hearing is None or member not in hearing:
+            return
+        hearing.remove(member)
+        if not hearing:
+            del self._channels[channel]
+            self.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)), member)
+
+    def read(self, caller: Notifications | None = None) -> int:
+        """Read what is on the socket; every NOTIFY counts to the members on its channel.
+        Each member but ``caller`` is told its count at once; ``caller``'s is returned
+        (-1, and -1 to every other, if the connection broke: it is closed)."""
+        conn = self._conn
+        if conn is None:
+            return 0
+        pgconn = conn.pgconn
+        try:
+            pgconn.consume_input()
+        except psycopg.OperationalError:
+            self.broken(caller)
+            return -1
+        while (notify := pgconn.notifies()) is not None:
+            self._heard(notify.relname.decode(errors="replace"))
+        return self._hand_on(caller)
+
+    def _heard(self, channel: str) -> None:
+        for member in self._channels.get(channel, ()):
+            member.pending += 1
+
+    def _hand_on(self, caller: Notifications | None) -> int:
+        """Each member's NOTIFYs to it (``on_notify``) but ``caller``'s, which are returned."""
+        own = 0
+        for member in list(self.members):
+            count, member.pending = member.pending, 0
+            if member is caller:
+                own = count
+            elif count:
+                member.on_notify(count)
+        return own
+
+    def _readable(self, _fd: int, _events: int) -> None:
+        """The socket has data: NOTIFYs, or the connection's end. Its last resort: a failure
+        here is a lost connection, which every member listens on again at its next cycle."""
+        try:
+            self.read()
+        except Exception:
+            self.broken()
+
+    def broken(self, caller: Notifications | None = None) -> None:
+        """The connection is lost: closed, and every member but ``caller`` told (-1)."""
+        self.close()
+        for member in list(self.members):
+            if member is not caller:
+                member.on_notify(-1)
+
+    def leave(self, member: Notifications) -> None:
+        """``member`` stops listening: its channel and lock go back (the connection closes
+        after its last member)."""
+        channels, leading = member.channels, member.listening and member.leading
+        if member in self.members:
+            self.members.remove(member)
+        if not self.members:
+            self.close()
+            self.owner._forget(self)
+            return
+        with contextlib.suppress(psycopg.OperationalError):  # broken: told to the others already
+            for channel in channels:
+                self.unlisten(channel, member)
+            if leading and member.lock_key is not None:
+                self.unlock(member.lock_key, member)
+
+    def close(self) -> None:
+        """Close the connection (which ends the locks it held), the loop no longer watching it."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            # libpq may have closed the socket on a fatal error already: nothing left to remove.
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                self.loop.remove_handler(fd)
+        if self._conn is not None:
+            with contextlib.suppress(Exception):  # a broken connection may fail to close: gone either way
+                self._conn.close()
+            self._conn = None
+        self._channels.clear()
+        self._locked.clear()
+
 
 class Notifications:
-    """``LISTEN`` on a connection the loop owns, read without blocking; with ``help_channel``
-    and ``lock_key``, one replica of a service listens on ``channel`` and the others on
-    ``help_channel`` (docs/explanation/daemons.md, "Wake-ups" and "Replicas of every daemon").
+    """One worker's ``LISTEN`` on its database's shared session (:class:`Listeners`),
+    read without blocking; with ``help_channel`` and ``lock_key``, one replica of a
+    service listens on ``channel`` and the others on ``help_channel``
+    (docs/explanation/daemons.md, "Wake-ups" and "Replicas of every daemon").
 
     The *listener* is the replica whose LISTEN session holds the session advisory lock
     ``lock_key``: it LISTENs on ``channel`` (the inserts) and, when a claim of its came
     back full, :meth:`call_for_help` NOTIFYs ``help_channel``. The others LISTEN on
     ``help_channel`` only, claim at their poll interval, and :meth:`take_turn` takes the
     lock when it is free (the listener's session ended: a stop, a crash, a ``kill -9``,
-    a broken connection), moving their LISTEN to ``channel``.
+    a broken connection), moving their LISTEN to ``channel``. Keys are per schema, so
+    the tenants sharing a session each have a listener of their own.
 
-    A NOTIFY is only a hint to look now: the worker still polls, so one lost while the
-    connection is down costs at most a poll interval. :meth:`open` says when it just
-    (re)connected, since rows may have come while nobody listened. Every statement here
-    is followed by a claim before the loop waits again, so a NOTIFY psycopg reads during
-    one of them (and does not hand on) is for a row that claim sees.
+    NOTIFYs that come while the worker is not reading reach it through ``on_notify``
+    (their count; -1 when the connection broke). A NOTIFY is only a hint to look now: the
+    worker still polls, so one lost while the connection is down costs at most a poll
+    interval. :meth:`open` says when it just (re)listened, since rows may have come
+    while nobody listened. Every statement here is followed by a claim before the loop
+    waits again, so a NOTIFY psycopg reads during one of them is for a row that claim sees.
     """
 
     def __init__(
@@ -51,37 +242,50 @@ class Notifications:
         help_channel: str | None = None,
         lock_key: int | None = None,
         counts: Counts | None = None,
-        on_close: Callable[[], None] = lambda: None,
+        listeners: Listeners | None = None,
+        on_notify: OnNotify = lambda _count: None,
     ) -> None:
         self._url = database_url
-        self._on_close = on_close  # called before the connection closes: its socket is still the one watched
-        self._channel = sql.Identifier(channel)
-        self._help = None if help_channel is None else sql.Identifier(help_channel)
-        self._key = lock_key if help_channel is not None else None
-        self._counts = counts or Counts()  # the statements sent here count with the worker's
-        self._conn: psycopg.Connection[Any] | None = None
-        self.leading = False  # this session holds the lock: it LISTENs on ``channel``
+        self._listeners = listeners if listeners is not None else Listeners()  # alone: a session of its own
+        self._channel = channel
+        self._help = help_channel
+        self.lock_key = lock_key if help_channel is not None else None
+        self.counts = counts or Counts()  # the statements sent here count with the worker's
+        self.on_notify = on_notify  # on the loop: NOTIFYs for this worker read while it was not reading
+        self._session: _Session | None = None
+        self._generation = -1  # the session's connection this one listens on
+        self.pending = 0  # NOTIFYs read for this worker and not handed on yet (the session's)
+        self.leading = False  # this worker holds the lock: it LISTENs on ``channel``
         self.tried_at = float("-inf")  # monotonic: the last try for the lock
 
     @property
     def listening(self) -> bool:
-        return self._conn is not None and not self._conn.closed
+        session = self._session
+        return session is not None and session.connected and session.generation == self._generation
 
-    def open(self) -> bool:
+    @property
+    def channels(self) -> tuple[str, ...]:
+        """The channel it LISTENs on now."""
+        if not self.listening:
+            return ()
+        return (self._channel,) if self.leading or self._help is None else (self._help,)
+
+    def open(self, loop: IOLoop) -> bool:
         """LISTEN if not listening (on ``channel`` if the lock was free or there is none,
-        else on ``help_channel``); True if it just began (raises DatabaseUnavailable)."""
+        else on ``help_channel``), on its database's session of ``loop``; True if it just
+        began (raises DatabaseUnavailable)."""
         if self.listening:
             return False
-        self.close()
-        conn = db.connect(self._url, autocommit=True, application_name="txbox-worker-listen")
-        try:
-            leading = self._key is None or self._try_lock(conn)
-            self._execute(conn, sql.SQL("LISTEN {}").format(self._channel if leading else self._help))
-        except BaseException:
-            conn.close()
-            raise
-        self._conn = conn
-        self.leading = leading
+        session = self._session
+        if session is None:
+            session = self._session = self._listeners._session(self._url, loop)
+            session.members.append(self)
+        self.leading = False
+        session.connect()
+        self.leading = self.lock_key is None or session.try_lock(self.lock_key, self)
+        session.listen(self._channel if self.leading or self._help is None else self._help, self)
+        self._generation = session.generation
+        self.pending = 0
         return True
 
     def take_turn(self, every: float) -> bool:
@@ -89,17 +293,24 @@ class Notifications:
         the lock if it is free and LISTEN on ``channel`` instead of ``help_channel``. True
         if this replica just became the listener (it must claim now: rows may have come
         while nobody listened). A broken connection is closed (:meth:`open` again)."""
-        conn = self._conn
+        session = self._session
         now = time.monotonic()
-        if self.leading or conn is None or self._help is None or now - self.tried_at < every:
+        if (
+            self.leading
+            or session is None
+            or not self.listening
+            or self._help is None
+            or self.lock_key is None
+            or now - self.tried_at < every
+        ):
             return False
+        self.tried_at = now
         try:
-            if not self._try_lock(conn):
+            if not session.try_lock(self.lock_key, self):
                 return False
-            self._execute(conn, sql.SQL("UNLISTEN {}").format(self._help))
-            self._execute(conn, sql.SQL("LISTEN {}").format(self._channel))
+            session.unlisten(self._help, self)
+            session.listen(self._channel, self)
         except psycopg.OperationalError:
-            self.close()
             return False
         self.leading = True
         return True
@@ -107,48 +318,26 @@ class Notifications:
     def call_for_help(self) -> None:
         """The listener's claim came back full: NOTIFY ``help_channel``, so the others claim
         too. Nothing for a replica that is not the listener, or with no help channel."""
-        conn = self._conn
-        if not self.leading or conn is None or self._help is None:
+        session = self._session
+        if not self.leading or session is None or not self.listening or self._help is None:
             return
-        try:
-            self._execute(conn, sql.SQL("NOTIFY {}").format(self._help))
-        except psycopg.OperationalError:  # the next open() listens again; the next poll claims
-            self.close()
-
-    def _try_lock(self, conn: psycopg.Connection[Any]) -> bool:
-        self.tried_at = time.monotonic()
-        row = self._execute(conn, sql.SQL("SELECT pg_try_advisory_lock({})").format(sql.Literal(self._key)))
-        return bool(row and row[0])
-
-    def _execute(self, conn: psycopg.Connection[Any], statement: sql.Composed) -> tuple[Any, ...] | None:
-        self._counts.statements += 1
-        cur = conn.execute(statement)
-        return cur.fetchone() if cur.description else None
-
-    def fileno(self) -> int | None:
-        return self._conn.pgconn.socket if self.listening and self._conn is not None else None
+        # A broken connection is closed and told to every worker: the next open() listens
+        # again, the next poll claims.
+        with contextlib.suppress(psycopg.OperationalError):
+            session.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(self._help)), self)
 
     def drain(self) -> int:
-        """The NOTIFYs that arrived; on a broken connection it is closed and -1 returned."""
-        conn = self._conn
-        if conn is None:
+        """The NOTIFYs for this worker that arrived; -1 if the connection broke (it is closed)."""
+        session = self._session
+        if session is None or not self.listening:
             return 0
-        pgconn = conn.pgconn
-        try:
-            pgconn.consume_input()
-        except psycopg.OperationalError:
-            self.close()
-            return -1
-        count = 0
-        while pgconn.notifies() is not None:
-            count += 1
-        return count
+        return session.read(self)
 
     def close(self) -> None:
-        """Close the session (which ends the lock, if it held it); ``on_close`` first."""
-        if self._conn is not None:
-            self._on_close()
-            with contextlib.suppress(Exception):  # a broken connection may fail to close: gone either way
-                self._conn.close()
-            self._conn = None
+        """Stop listening: the channel and the lock go back to the session (which closes
+        when no worker is left on it, and the lock with it)."""
+        if self._session is not None:
+            self._session.leave(self)
+        self._session = None
         self.leading = False
+        self.pending = 0

@@ -23,7 +23,7 @@ from typing import Any
 import pika
 import pytest
 
-from framework import amqp, names
+from framework import amqp, migrate, names
 from tests import support
 from tests.apps import counter
 from tests.apps.helpers import publish, query, scalar
@@ -187,27 +187,50 @@ def test_a_handler_that_kills_the_process_ends_as_poison_and_nothing_else_suffer
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["a database each", "schemas of one database"])
 def test_tenants_messages_exactly_once_through_kill_9s(
-    database_url: str, amqp_url: str, env: dict[str, str], processes: ProcessGroup, template_db: str, tmp_path: Any
+    database_url: str,
+    amqp_url: str,
+    env: dict[str, str],
+    processes: ProcessGroup,
+    template_db: str,
+    tmp_path: Any,
+    layout: str,
 ) -> None:
-    """Two `txbox run` processes serving the two tenants of a registry (a database each),
-    killed at random moments: every message is applied once, in its own tenant's database
+    """Two `txbox run` processes serving the two tenants of a registry (a database each,
+    or a schema each in one database, whose workers share one LISTEN session), killed at
+    random moments: every message is applied once and stored in its own tenant's inbox
     and nowhere else (docs/how-to/tenants.md, "One set of daemons for every tenant").
 
     The tenant of each message is its ``x-txbox-tenant`` header, as a txbox relay serving
     tenants sends it; the counter command is not multi-tenant, so nothing else names it.
+    With schemas the tenants' handlers write to the one ``counters`` table of the
+    database (the handler names no schema), so each tenant is judged by its inbox there.
     """
-    tenants = {key: support.unique(f"txbox_{key}") for key in ("acme", "globex")}
-    for name in tenants.values():
+    shared = layout == "schemas of one database"
+    names_ = ["shared"] if shared else ["acme", "globex"]
+    databases = {key: support.unique(f"txbox_{key}") for key in names_}
+    for name in databases.values():
         support.create_database(name, template=template_db)
     try:
-        urls = {key: support.db_url(name) for key, name in tenants.items()}
-        for url in urls.values():
+        if shared:
+            url = support.db_url(databases["shared"])
+            for key in ("acme", "globex"):
+                migrate.upgrade(url, f"t_{key}")
+            locations = {key: (url, f"t_{key}") for key in ("acme", "globex")}
+            entry = 'database_url = "{}"\nschema = "{}"\n'
+        else:
+            locations = {key: (support.db_url(name), "txbox") for key, name in databases.items()}
+            entry = 'database_url = "{}"\n'
+        urls = {key: url for key, (url, _) in locations.items()}
+        for url in set(urls.values()):
             query(url, counter.TABLE)
         registry = tmp_path / "tenants.toml"
-        registry.write_text("".join(f'[tenants.{key}]\ndatabase_url = "{url}"\n' for key, url in urls.items()))
+        registry.write_text(
+            "".join(f"[tenants.{key}]\n" + entry.format(*location) for key, location in locations.items())
+        )
         tenant_env = {**env, "TXBOX_TENANTS_FILE": str(registry), "TXBOX_RECEIVER_STANDBY": "false"}
-        keys = sorted(tenants)
+        keys = sorted(locations)
         bodies = [counter.envelope(n, aggregate_id=str(n % 100)) for n in range(MESSAGES // 2)]
         owner = {json.loads(b)["message_id"]: keys[n % 2] for n, b in enumerate(bodies)}
         # user_id: RabbitMQ vouches for the publisher, whose control headers then count.
@@ -225,8 +248,8 @@ def test_tenants_messages_exactly_once_through_kill_9s(
         def settled() -> bool:
             chaos.revive()
             done = [
-                scalar(url, "SELECT count(*) FILTER (WHERE processed_at IS NOT NULL) FROM txbox.inbox")
-                for url in urls.values()
+                scalar(url, f"SELECT count(*) FILTER (WHERE processed_at IS NOT NULL) FROM {schema}.inbox")
+                for url, schema in locations.values()
             ]
             return sum(done) == len(bodies)
 
@@ -234,14 +257,18 @@ def test_tenants_messages_exactly_once_through_kill_9s(
         settle_and_stop(chaos, None, 0, processes)
 
         assert min(chaos.kills.values()) >= KILLS_EACH
-        for key, url in urls.items():
-            counts = dict(query(url, "SELECT id::text, n FROM counters"))
+        for key, (url, schema) in locations.items():
             mine = {mid for mid, k in owner.items() if k == key}
-            assert set(counts) == mine, f"{key}: missing {len(mine - set(counts))}, others' {len(set(counts) - mine)}"
-            assert set(counts.values()) == {1}, f"{key}: messages applied more than once"
-            assert scalar(url, "SELECT count(*) FROM txbox.dead_letters") == 0
+            stored = {mid for (mid,) in query(url, f"SELECT id::text FROM {schema}.inbox")}
+            assert stored == mine, f"{key}: missing {len(mine - stored)}, others' {len(stored - mine)}"
+            assert scalar(url, f"SELECT count(*) FROM {schema}.dead_letters") == 0
+            if not shared:  # applied in its own database
+                assert {mid for (mid,) in query(url, "SELECT id::text FROM counters")} == mine, key
+        applied = [row for url in set(urls.values()) for row in query(url, "SELECT id::text, n FROM counters")]
+        assert sorted(mid for mid, _ in applied) == sorted(owner), "every message applied, in one place"
+        assert {n for _, n in applied} == {1}, "messages applied more than once"
         assert scalar(database_url, "SELECT count(*) FROM txbox.inbox") == 0  # the service's own: none stored
         assert scalar(database_url, "SELECT count(*) FROM txbox.dead_letters") == 0
     finally:
-        for name in tenants.values():
+        for name in databases.values():
             support.drop_database(name)

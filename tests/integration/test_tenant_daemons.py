@@ -97,9 +97,11 @@ def serving(service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     yield from _serve(service, path, monkeypatch)
 
 
-def _serve(service: Service, path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Supervisor]]:
-    monkeypatch.setenv("TXBOX_WORKER_POLL_INTERVAL", "0.2")
-    monkeypatch.setenv("TXBOX_PUBLISHER_POLL_INTERVAL", "0.2")
+def _serve(
+    service: Service, path: Path, monkeypatch: pytest.MonkeyPatch, *, poll: str = "0.2"
+) -> Iterator[tuple[Path, Supervisor]]:
+    monkeypatch.setenv("TXBOX_WORKER_POLL_INTERVAL", poll)
+    monkeypatch.setenv("TXBOX_PUBLISHER_POLL_INTERVAL", poll)
     monkeypatch.setenv("TXBOX_RECEIVER_BATCH_WAIT", "0.01")
     source = FileSource(path, default_database_url=service.settings.database_url, default_schema="txbox")
     follower = RegistryFollower(RegistryWatcher(source, interval=0.1))
@@ -375,3 +377,66 @@ def test_a_tenant_whose_database_is_down_waits_while_the_others_go_on(
             assert _letters(database_url) == []
         finally:
             next(serving, None)
+
+
+def _listen_sessions(database_url: str) -> list[tuple[int, int]]:
+    """(pid, advisory locks held) of each worker LISTEN session on the test database."""
+    return query(
+        database_url,
+        "SELECT a.pid, (SELECT count(*) FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory')::int "
+        "FROM pg_stat_activity a WHERE a.datname = current_database() AND a.application_name = 'txbox-worker-listen'",
+    )
+
+
+def test_the_tenants_of_one_database_listen_on_one_connection(
+    service: Service, tmp_path: Path, amqp_url: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three tenants in schemas of one database: their workers hold one LISTEN session
+    between them, each tenant's listener lock on it, and a NOTIFY on it wakes the tenant
+    it is for (the poll interval is an hour here: what is handled was woken by one). The
+    session killed, every worker listens again on a new one; a tenant that leaves gives
+    its lock back, and the others still wake."""
+    path = tmp_path / "tenants.toml"
+    _save(path, ["acme", "globex", "initech"])
+    serving = _serve(service, path, monkeypatch, poll="1h")
+    _, supervisor = next(serving)
+    try:
+
+        def workers() -> list[Any]:
+            return [d for d in supervisor.daemons if d.name == "worker" and not d.ended]
+
+        def listening(count: int) -> bool:
+            sessions = _listen_sessions(database_url)
+            return (
+                len(workers()) == count and all(w.listening for w in workers()) and [n for _, n in sessions] == [count]
+            )
+
+        support.wait_until(lambda: listening(3), 30, message="one session, three locks")
+        for name, tenant_id in (("a1", "acme-id"), ("g1", "globex-id"), ("i1", "initech-id")):
+            _command(amqp_url, name, tenant_id)
+        support.wait_until(
+            lambda: all(len(_handled(database_url, t)) == 3 for t in (ACME, GLOBEX, INITECH)),
+            timeout=60,
+            message="every tenant woken for its command and event",
+        )
+
+        [(pid, _)] = _listen_sessions(database_url)
+        query(database_url, "SELECT pg_terminate_backend(%s)", (pid,))
+        support.wait_until(
+            lambda: listening(3) and _listen_sessions(database_url)[0][0] != pid, 30, message="listening again"
+        )
+        _command(amqp_url, "a2", "acme-id")
+        _command(amqp_url, "i2", "initech-id")
+        support.wait_until(
+            lambda: len(_handled(database_url, ACME)) == 6 and len(_handled(database_url, INITECH)) == 6,
+            timeout=60,
+            message="woken on the new session",
+        )
+
+        _save(path, ["acme", "initech"])
+        support.wait_until(lambda: listening(2), 30, message="globex's lock given back, the session kept")
+        _command(amqp_url, "a3", "acme-id")
+        support.wait_until(lambda: len(_handled(database_url, ACME)) == 9, timeout=60, message="acme still woken")
+    finally:
+        next(serving, None)
+    assert _listen_sessions(database_url) == [], "the session closed with the last worker"

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+import pytest
 from pika.adapters.select_connection import IOLoop
 from sqlalchemy.orm import Session
 
@@ -20,9 +21,18 @@ from framework.relay import Relay, RelayConfig
 from framework.service import Service
 from framework.sql import inbox as inbox_sql
 from framework.sql import positional, rendered
+from framework.worker import Worker, WorkerConfig
+from framework.worker.wake import Listeners
 from tests import support
 from tests.apps.helpers import place_order, scalar, store_in_inbox
-from tests.integration.test_worker import Recorder, business, done, row, worker  # noqa: F401 (business: fixture)
+from tests.integration.test_worker import (  # noqa: F401 (business: fixture)
+    FAST,
+    Recorder,
+    business,
+    done,
+    row,
+    worker,
+)
 
 HOUR = 3600.0  # a poll interval no test waits out
 
@@ -128,16 +138,23 @@ def test_a_worker_and_a_relay_share_one_loop(service: Service, business: str) ->
     assert _listen_sessions(business) == 0, "the worker closed its connections"
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["a session each", "one LISTEN session"])
 def test_a_worker_stopped_from_another_thread_while_idle_leaves_the_loop_to_the_others(
     service: Service,
     business: str,  # noqa: F811
+    shared: bool,
 ) -> None:
     """One worker's own stop, from the test's thread while it waits for work, ends that
-    worker alone: the other worker on the loop, the service's listener, goes on processing."""
+    worker alone: the other worker on the loop, the service's listener, goes on processing.
+    Sharing one LISTEN session (framework.worker.wake.Listeners), one of the two leads all
+    the same: the lock the session holds is one worker's."""
     service.register(Recorder())
-    pair = [worker(service, poll_interval=HOUR) for _ in range(2)]
+    listeners = Listeners() if shared else None
+    pair = [Worker(service, WorkerConfig(**{**FAST, "poll_interval": HOUR}), listeners=listeners) for _ in range(2)]
     with on_one_loop(*pair) as runner:
         support.wait_until(lambda: all(w.idle and w.listening for w in pair), 30, message="both workers waiting")
+        listen = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'txbox-worker-listen'"
+        assert scalar(business, f"{listen} AND datname = current_database()") == (1 if shared else 2)
         [(n, first)] = [(n, w) for n, w in enumerate(pair) if not w.leading]
         [other] = [w for w in pair if w.leading]
         first.stop()  # not the loop's thread
