@@ -1,11 +1,11 @@
 """The worker daemon: runs handlers exactly once per inbox row.
 
 The worker is a guest of the loop it is given (docs/explanation/daemons.md, "One loop per
-process"): its LISTEN socket is a handler of that loop, the poll interval, the holds and
-the reconnect backoff are timers of it, and each cycle is one callback of it. Its state
-and its connections (claim, processing, and LISTEN, which the workers of one database on
-the loop share: framework/worker/wake.py) are the loop thread's; besides it
-only the timeout watchdog (framework/worker/timeout.py, which must interrupt a handler
+process"): the socket of its LISTEN session is a handler of that loop, the poll interval,
+the holds and the reconnect backoff are timers of it, and each cycle is one callback of
+it. Its state and its connections (claim, processing, and LISTEN, which the workers of
+one database on the loop share: framework/worker/wake.py) are the loop thread's; besides
+it only the timeout watchdog (framework/worker/timeout.py, which must interrupt a handler
 from outside) and the pruner (framework/retention.py, its own connection) run. One cycle:
 
 1. **Claim** (own committed transaction, on the claim connection,
@@ -395,8 +395,8 @@ class Worker(Daemon):
             self._claims.send(self._claim_batch, self.config.batch_size)
         if full:
             # Work for more than one replica: the listener wakes the others, once per full
-            # claim (docs/explanation/operations.md, "Replicas of every daemon"). A full batch is
-            # followed by a claim at once, which sees any row whose NOTIFY this statement read.
+            # claim (docs/explanation/operations.md, "Replicas of every daemon"). A NOTIFY read
+            # during this statement waits for the next drain, before the next claim or wait.
             self._listen.call_for_help()
         handled = self._process(batch)
         self._more = self._made_more(batch)

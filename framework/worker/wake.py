@@ -16,6 +16,7 @@ daemons for every tenant").
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,8 @@ from psycopg import sql
 
 from framework import db
 from framework.worker.counts import Counts
+
+log = logging.getLogger("txbox.worker")
 
 OnNotify = Callable[[int], None]
 
@@ -52,9 +55,11 @@ class Listeners:
 
 class _Session:
     """One LISTEN connection: the channels its members listen on (each LISTENed once),
-    the advisory locks it holds for them, and the socket the loop watches. A NOTIFY
-    goes to every member on its channel; a broken connection is closed and told to every
-    member (``-1``), each of which opens it again at its next cycle."""
+    the advisory locks it holds for them, and the socket the loop watches. What each
+    member holds is the session's to know: :meth:`leave` gives back exactly that. A
+    NOTIFY goes to every member on its channel; a broken connection is closed and told
+    to the members that listened on it (``-1``), each of which listens again at its next
+    cycle."""
 
     def __init__(self, owner: Listeners, database_url: str, loop: IOLoop) -> None:
         self.owner = owner
@@ -65,7 +70,7 @@ class _Session:
         self._conn: psycopg.Connection[Any] | None = None
         self._fd: int | None = None
         self._channels: dict[str, list[Notifications]] = {}  # LISTENed now, by channel: who hears it
-        self._locked: set[int] = set()  # advisory lock keys this session holds, for a member each
+        self._locks: dict[int, Notifications] = {}  # advisory lock keys held, by the member each is for
 
     @property
     def connected(self) -> bool:
@@ -77,12 +82,22 @@ class _Session:
             return
         self.close()
         conn = db.connect(self.url, autocommit=True, application_name="txbox-worker-listen")
-        # NOTIFYs psycopg reads while a statement of ours runs come here, not to its backlog.
-        conn.add_notify_handler(lambda notify: self._heard(notify.channel))
-        self._conn = conn
+        try:
+            # NOTIFYs psycopg reads while a statement of ours runs come here, not to its backlog.
+            conn.add_notify_handler(lambda notify: self._heard(notify.channel))
+            fd = conn.pgconn.socket
+            self.loop.add_handler(fd, self._readable, IOLoop.READ)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn, self._fd = conn, fd
         self.generation += 1
-        self._fd = conn.pgconn.socket
-        self.loop.add_handler(self._fd, self._readable, IOLoop.READ)
+
+    def leads(self, member: Notifications) -> bool:
+        return member.lock_key is not None and self._locks.get(member.lock_key) is member
+
+    def channels_of(self, member: Notifications) -> tuple[str, ...]:
+        return tuple(channel for channel, hearing in self._channels.items() if member in hearing)
 
     def execute(self, statement: sql.Composed, member: Notifications) -> tuple[Any, ...] | None:
         """Run one statement for ``member`` (counted as its worker's); a broken connection
@@ -96,26 +111,20 @@ class _Session:
         except psycopg.OperationalError:
             self.broken(member)
             raise
-        # What came during it goes to the others now; ``member``'s own is dropped: a claim
-        # of its follows each of its statements and sees their rows.
+        # What came during it goes to the others now; ``member``'s own waits for its next read.
         self._hand_on(member)
         return row
 
     def try_lock(self, key: int, member: Notifications) -> bool:
         """Take ``key`` for ``member``; False if it is taken (here by another member, or by
         another session)."""
-        if key in self._locked:
-            return False
+        if key in self._locks:
+            return self._locks[key] is member
         row = self.execute(sql.SQL("SELECT pg_try_advisory_lock({})").format(sql.Literal(key)), member)
         if row and row[0]:
-            self._locked.add(key)
+            self._locks[key] = member
             return True
         return False
-
-    def unlock(self, key: int, member: Notifications) -> None:
-        if key in self._locked:
-            self._locked.discard(key)
-            self.execute(sql.SQL("SELECT pg_advisory_unlock({})").format(sql.Literal(key)), member)
 
     def listen(self, channel: str, member: Notifications) -> None:
         hearing = self._channels.get(channel)
@@ -134,37 +143,54 @@ class _Session:
             del self._channels[channel]
             self.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)), member)
 
+    def release(self, member: Notifications) -> None:
+        """Give back what ``member`` holds here: its channels and its lock. If that fails
+        the connection is closed (which gives them back) and told to the others."""
+        try:
+            for channel in self.channels_of(member):
+                self.unlisten(channel, member)
+            for key in [k for k, holder in self._locks.items() if holder is member]:
+                del self._locks[key]
+                self.execute(sql.SQL("SELECT pg_advisory_unlock({})").format(sql.Literal(key)), member)
+        except psycopg.OperationalError:
+            pass  # broken: closed and told to the others already
+        except Exception:
+            self.broken(member)
+
     def read(self, caller: Notifications | None = None) -> int:
         """Read what is on the socket; every NOTIFY counts to the members on its channel.
         Each member but ``caller`` is told its count at once; ``caller``'s is returned
-        (-1, and -1 to every other, if the connection broke: it is closed)."""
+        (-1, and -1 to the others, if the connection broke: it is closed)."""
         conn = self._conn
         if conn is None:
             return 0
         pgconn = conn.pgconn
         try:
             pgconn.consume_input()
+            while (notify := pgconn.notifies()) is not None:
+                self._heard(notify.relname.decode(errors="replace"))
         except psycopg.OperationalError:
             self.broken(caller)
             return -1
-        while (notify := pgconn.notifies()) is not None:
-            self._heard(notify.relname.decode(errors="replace"))
-        return self._hand_on(caller)
+        if conn.closed:  # libpq may mark the connection bad without raising
+            self.broken(caller)
+            return -1
+        self._hand_on(caller)
+        if caller is None:
+            return 0
+        own, caller.pending = caller.pending, 0
+        return own
 
     def _heard(self, channel: str) -> None:
         for member in self._channels.get(channel, ()):
             member.pending += 1
 
-    def _hand_on(self, caller: Notifications | None) -> int:
-        """Each member's NOTIFYs to it (``on_notify``) but ``caller``'s, which are returned."""
-        own = 0
+    def _hand_on(self, caller: Notifications | None) -> None:
+        """Each member's NOTIFYs to it (``on_notify``) but ``caller``'s, which wait for its read."""
         for member in list(self.members):
-            count, member.pending = member.pending, 0
-            if member is caller:
-                own = count
-            elif count:
-                member.on_notify(count)
-        return own
+            if member is not caller and member.pending:
+                count, member.pending = member.pending, 0
+                _tell(member, count)
 
     def _readable(self, _fd: int, _events: int) -> None:
         """The socket has data: NOTIFYs, or the connection's end. Its last resort: a failure
@@ -172,30 +198,28 @@ class _Session:
         try:
             self.read()
         except Exception:
+            log.warning("reading the LISTEN connection failed: closing it", exc_info=True)
             self.broken()
 
     def broken(self, caller: Notifications | None = None) -> None:
-        """The connection is lost: closed, and every member but ``caller`` told (-1)."""
+        """The connection is lost: closed, and the members that listened on it but ``caller``
+        told (-1); those in a backoff of their own, not listening, are left to it."""
+        # By generation: the connection is marked bad already, so no member is ``listening``.
+        listened = [m for m in self.members if m.generation == self.generation and m is not caller]
         self.close()
-        for member in list(self.members):
-            if member is not caller:
-                member.on_notify(-1)
+        for member in listened:
+            _tell(member, -1)
 
     def leave(self, member: Notifications) -> None:
-        """``member`` stops listening: its channel and lock go back (the connection closes
+        """``member`` stops listening: what it holds goes back (the connection closes
         after its last member)."""
-        channels, leading = member.channels, member.listening and member.leading
         if member in self.members:
             self.members.remove(member)
         if not self.members:
             self.close()
             self.owner._forget(self)
-            return
-        with contextlib.suppress(psycopg.OperationalError):  # broken: told to the others already
-            for channel in channels:
-                self.unlisten(channel, member)
-            if leading and member.lock_key is not None:
-                self.unlock(member.lock_key, member)
+        elif self.connected:
+            self.release(member)
 
     def close(self) -> None:
         """Close the connection (which ends the locks it held), the loop no longer watching it."""
@@ -209,7 +233,15 @@ class _Session:
                 self._conn.close()
             self._conn = None
         self._channels.clear()
-        self._locked.clear()
+        self._locks.clear()
+
+
+def _tell(member: Notifications, count: int) -> None:
+    """``member``'s worker hears ``count``; its failure is its own, never the session's."""
+    try:
+        member.on_notify(count)
+    except Exception:
+        log.warning("a worker failed to take its NOTIFYs", exc_info=True)
 
 
 class Notifications:
@@ -227,11 +259,11 @@ class Notifications:
     the tenants sharing a session each have a listener of their own.
 
     NOTIFYs that come while the worker is not reading reach it through ``on_notify``
-    (their count; -1 when the connection broke). A NOTIFY is only a hint to look now: the
-    worker still polls, so one lost while the connection is down costs at most a poll
-    interval. :meth:`open` says when it just (re)listened, since rows may have come
-    while nobody listened. Every statement here is followed by a claim before the loop
-    waits again, so a NOTIFY psycopg reads during one of them is for a row that claim sees.
+    (their count; -1 when the connection it listened on broke). A NOTIFY is only a hint
+    to look now: the worker still polls, so one lost while the connection is down costs
+    at most a poll interval. :meth:`open` says when it just (re)listened, since rows may
+    have come while nobody listened. NOTIFYs read during one of its own statements wait
+    for its next :meth:`drain`, which the worker runs before each claim and each wait.
     """
 
     def __init__(
@@ -253,39 +285,43 @@ class Notifications:
         self.counts = counts or Counts()  # the statements sent here count with the worker's
         self.on_notify = on_notify  # on the loop: NOTIFYs for this worker read while it was not reading
         self._session: _Session | None = None
-        self._generation = -1  # the session's connection this one listens on
+        self.generation = -1  # the session's connection (its generation) this one listens on
         self.pending = 0  # NOTIFYs read for this worker and not handed on yet (the session's)
-        self.leading = False  # this worker holds the lock: it LISTENs on ``channel``
         self.tried_at = float("-inf")  # monotonic: the last try for the lock
 
     @property
     def listening(self) -> bool:
         session = self._session
-        return session is not None and session.connected and session.generation == self._generation
+        return session is not None and session.connected and session.generation == self.generation
 
     @property
-    def channels(self) -> tuple[str, ...]:
-        """The channel it LISTENs on now."""
-        if not self.listening:
-            return ()
-        return (self._channel,) if self.leading or self._help is None else (self._help,)
+    def leading(self) -> bool:
+        """It LISTENs on ``channel``: it holds the lock, or there is none."""
+        session = self._session
+        return self.listening and session is not None and (self.lock_key is None or session.leads(self))
 
     def open(self, loop: IOLoop) -> bool:
         """LISTEN if not listening (on ``channel`` if the lock was free or there is none,
         else on ``help_channel``), on its database's session of ``loop``; True if it just
-        began (raises DatabaseUnavailable)."""
+        began (raises DatabaseUnavailable, or what the statements raised, having given
+        back what it took)."""
         if self.listening:
             return False
         session = self._session
         if session is None:
             session = self._session = self._listeners._session(self._url, loop)
             session.members.append(self)
-        self.leading = False
         session.connect()
-        self.leading = self.lock_key is None or session.try_lock(self.lock_key, self)
-        session.listen(self._channel if self.leading or self._help is None else self._help, self)
-        self._generation = session.generation
-        self.pending = 0
+        try:
+            if self.lock_key is not None:
+                self.tried_at = time.monotonic()
+            leading = self.lock_key is None or session.try_lock(self.lock_key, self)
+            session.listen(self._channel if leading else self._help or self._channel, self)
+        except BaseException:
+            if session.connected:
+                session.release(self)
+            raise
+        self.generation = session.generation
         return True
 
     def take_turn(self, every: float) -> bool:
@@ -295,14 +331,9 @@ class Notifications:
         while nobody listened). A broken connection is closed (:meth:`open` again)."""
         session = self._session
         now = time.monotonic()
-        if (
-            self.leading
-            or session is None
-            or not self.listening
-            or self._help is None
-            or self.lock_key is None
-            or now - self.tried_at < every
-        ):
+        if session is None or self.leading or not self.listening or self._help is None or self.lock_key is None:
+            return False
+        if now - self.tried_at < every:
             return False
         self.tried_at = now
         try:
@@ -311,33 +342,35 @@ class Notifications:
             session.unlisten(self._help, self)
             session.listen(self._channel, self)
         except psycopg.OperationalError:
-            return False
-        self.leading = True
+            return False  # closed: the next drain says so, the next cycle listens again
         return True
 
     def call_for_help(self) -> None:
         """The listener's claim came back full: NOTIFY ``help_channel``, so the others claim
         too. Nothing for a replica that is not the listener, or with no help channel."""
         session = self._session
-        if not self.leading or session is None or not self.listening or self._help is None:
+        if session is None or not self.leading or self._help is None:
             return
-        # A broken connection is closed and told to every worker: the next open() listens
+        # A broken connection is closed: the next drain says so, the next cycle listens
         # again, the next poll claims.
         with contextlib.suppress(psycopg.OperationalError):
             session.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(self._help)), self)
 
     def drain(self) -> int:
-        """The NOTIFYs for this worker that arrived; -1 if the connection broke (it is closed)."""
+        """The NOTIFYs for this worker that arrived; -1 if the connection it listened on
+        broke (it is closed: listen again)."""
         session = self._session
-        if session is None or not self.listening:
+        if session is None:
             return 0
+        if not self.listening:
+            return -1 if self.generation >= 0 else 0
         return session.read(self)
 
     def close(self) -> None:
-        """Stop listening: the channel and the lock go back to the session (which closes
-        when no worker is left on it, and the lock with it)."""
+        """Stop listening: what it holds goes back to the session (which closes when no
+        worker is left on it, and the lock with it)."""
         if self._session is not None:
             self._session.leave(self)
         self._session = None
-        self.leading = False
+        self.generation = -1
         self.pending = 0
