@@ -7,6 +7,7 @@ either is missing they fail with the fix, they are never skipped silently.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
             # The shared Spark session starts in the first such test's budget (tests/spark/conftest.py).
             item.add_marker(pytest.mark.timeout(900))
+
+
+@pytest.fixture(autouse=True)
+def _command_logging_undone() -> Iterator[None]:
+    """A command run in-process configures the root logger (framework.logs.configure):
+    its handler writes to ``sys.stderr`` as it is at each record, so daemon threads that
+    outlive the test would print into the run's output. It goes with the test."""
+    from framework.logs import StderrHandler
+
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if isinstance(handler, StderrHandler) and handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
