@@ -41,14 +41,16 @@ class Listeners:
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
 
-    def _session(self, database_url: str, loop: IOLoop) -> _Session:
+    def session(self, database_url: str, loop: IOLoop) -> _Session:
+        """The session of ``database_url`` on ``loop``, made on first use (not connected yet)."""
         session = self._sessions.get(database_url)
         if session is None:
             session = self._sessions[database_url] = _Session(self, database_url, loop)
         assert session.loop is loop, "the workers sharing a LISTEN session run on one loop"
         return session
 
-    def _forget(self, session: _Session) -> None:
+    def forget(self, session: _Session) -> None:
+        """``session`` closed with its last member: the next worker of its database gets a new one."""
         if self._sessions.get(session.url) is session:
             del self._sessions[session.url]
 
@@ -217,7 +219,7 @@ class _Session:
             self.members.remove(member)
         if not self.members:
             self.close()
-            self.owner._forget(self)
+            self.owner.forget(self)
         elif self.connected:
             self.release(member)
 
@@ -309,7 +311,7 @@ class Notifications:
             return False
         session = self._session
         if session is None:
-            session = self._session = self._listeners._session(self._url, loop)
+            session = self._session = self._listeners.session(self._url, loop)
             session.members.append(self)
         session.connect()
         try:
