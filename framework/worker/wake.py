@@ -73,6 +73,7 @@ class _Session:
         self._fd: int | None = None
         self._channels: dict[str, list[Notifications]] = {}  # LISTENed now, by channel: who hears it
         self._locks: dict[int, Notifications] = {}  # advisory lock keys held, by the member each is for
+        self._heard_by: list[Notifications] = []  # the members whose ``pending`` is not 0
 
     @property
     def connected(self) -> bool:
@@ -178,19 +179,26 @@ class _Session:
             self.broken(caller)
             return -1
         self._hand_on(caller)
-        if caller is None:
+        if caller is None or not caller.pending:
             return 0
         own, caller.pending = caller.pending, 0
+        self._heard_by.remove(caller)
         return own
 
     def _heard(self, channel: str) -> None:
         for member in self._channels.get(channel, ()):
+            if not member.pending:
+                self._heard_by.append(member)
             member.pending += 1
 
     def _hand_on(self, caller: Notifications | None) -> None:
-        """Each member's NOTIFYs to it (``on_notify``) but ``caller``'s, which wait for its read."""
-        for member in list(self.members):
-            if member is not caller and member.pending:
+        """Each member's NOTIFYs to it (``on_notify``) but ``caller``'s, which wait for its
+        read: only the members that heard some, not every member at every drain."""
+        heard, self._heard_by = self._heard_by, []
+        for member in heard:
+            if member is caller:
+                self._heard_by.append(member)
+            else:
                 count, member.pending = member.pending, 0
                 _tell(member, count)
 
@@ -217,6 +225,8 @@ class _Session:
         after its last member)."""
         if member in self.members:
             self.members.remove(member)
+        if member in self._heard_by:
+            self._heard_by.remove(member)
         if not self.members:
             self.close()
             self.owner.forget(self)
@@ -236,6 +246,9 @@ class _Session:
             self._conn = None
         self._channels.clear()
         self._locks.clear()
+        for member in self._heard_by:  # what they heard on it is for rows their next claim sees
+            member.pending = 0
+        self._heard_by.clear()
 
 
 def _tell(member: Notifications, count: int) -> None:

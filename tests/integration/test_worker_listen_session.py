@@ -14,9 +14,10 @@ import pytest
 from pika.adapters.select_connection import IOLoop
 
 from framework import db
-from framework.worker.wake import Listeners, Notifications, _Session
+from framework.worker.wake import Listeners, Notifications
 from tests import support
 from tests.apps.helpers import query, scalar
+from txbox_tools.chaos.instances import PrivatePostgres
 
 pytestmark = pytest.mark.integration
 
@@ -49,30 +50,23 @@ def _dsn(database_url: str) -> str:
     return psycopg.conninfo.make_conninfo(**db.connect_params(database_url))
 
 
-def test_a_listen_that_fails_after_the_lock_gives_the_lock_back(
-    database_url: str, loop: IOLoop, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """LISTEN refused for a reason that is not a lost connection (say a server in
-    recovery): the session stays, but the lock taken just before is given back, so
-    another replica can lead; the next open takes it again and leads."""
-    listen = _Session.listen
-    refusals = [psycopg.errors.ReadOnlySqlTransaction("cannot execute LISTEN during recovery")]
-
-    def refused(self: _Session, channel: str, member: Notifications) -> None:
-        if refusals:
-            raise refusals.pop()
-        listen(self, channel, member)
-
-    monkeypatch.setattr(_Session, "listen", refused)
-    member = _member(database_url, Listeners())
-    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
-        member.open(loop)
-    assert not member.listening
-    assert _lock_free(database_url), "the lock went back with the failed open"
-    assert member.open(loop) and member.leading
-    assert not _lock_free(database_url)
-    member.close()
-    support.wait_until(lambda: _lock_free(database_url), 10, message="the lock gone with the session")
+def test_a_listen_that_fails_after_the_lock_gives_the_lock_back(loop: IOLoop) -> None:
+    """A real standby (a failover target not promoted yet) takes the advisory lock but
+    refuses LISTEN ("cannot execute LISTEN during recovery"), an error that is not a lost
+    connection: the session stays, but the lock taken just before is given back, so
+    another replica can lead. Once the standby is promoted the next open leads."""
+    with PrivatePostgres() as primary, primary.standby() as standby:
+        url = standby.url("postgres")
+        member = _member(url, Listeners())
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            member.open(loop)
+        assert not member.listening
+        assert _lock_free(url), "the lock went back with the failed open"
+        standby.promote()
+        assert member.open(loop) and member.leading
+        assert not _lock_free(url)
+        member.close()
+        support.wait_until(lambda: _lock_free(url), 10, message="the lock gone with the session")
 
 
 def test_a_worker_whose_statement_broke_the_session_hears_it_at_its_next_drain(database_url: str, loop: IOLoop) -> None:

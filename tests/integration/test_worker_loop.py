@@ -33,6 +33,7 @@ from tests.integration.test_worker import (  # noqa: F401 (business: fixture)
     row,
     worker,
 )
+from tests.integration.test_worker_listener import _listen_sessions as listen_connections
 
 HOUR = 3600.0  # a poll interval no test waits out
 
@@ -153,8 +154,7 @@ def test_a_worker_stopped_from_another_thread_while_idle_leaves_the_loop_to_the_
     pair = [Worker(service, WorkerConfig(**{**FAST, "poll_interval": HOUR}), listeners=listeners) for _ in range(2)]
     with on_one_loop(*pair) as runner:
         support.wait_until(lambda: all(w.idle and w.listening for w in pair), 30, message="both workers waiting")
-        listen = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'txbox-worker-listen'"
-        assert scalar(business, f"{listen} AND datname = current_database()") == (1 if shared else 2)
+        assert listen_connections(business) == (1 if shared else 2)
         [(n, first)] = [(n, w) for n, w in enumerate(pair) if not w.leading]
         [other] = [w for w in pair if w.leading]
         first.stop()  # not the loop's thread
